@@ -1,0 +1,102 @@
+"""One typed configuration tree, with every bound and default in one place.
+
+Each component receives only its own part: the n-gram proposer an ``NgramConfig``, the draft
+proposer a ``DraftConfig``, the runtime a ``ModelConfig``, the engine an ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridspec.errors import check
+
+MIN_SPECULATIVE_TOKENS = 1
+MAX_SPECULATIVE_TOKENS = 16
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_num_speculative_tokens(value: object, param: str = "num_speculative_tokens") -> None:
+    check(
+        _is_int(value) and MIN_SPECULATIVE_TOKENS <= value <= MAX_SPECULATIVE_TOKENS,  # type: ignore[operator]
+        param,
+        f"expected an integer in [{MIN_SPECULATIVE_TOKENS}, {MAX_SPECULATIVE_TOKENS}], got {value!r}",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class NgramConfig:
+    """Options of the n-gram proposer."""
+
+    min_order: int = 2  # shortest context (in tokens) that keys a table
+    max_order: int = 4  # longest context; matched first, backing off to shorter ones
+    window: int = 512  # committed tokens (prompt included) that the tables remember
+    table_capacity: int = 1 << 14  # slots per order's open-addressing table (a power of two)
+
+    def __post_init__(self) -> None:
+        check(_is_int(self.min_order) and self.min_order >= 1, "min_order",
+              f"expected an integer >= 1, got {self.min_order!r}")
+        check(_is_int(self.max_order) and self.min_order <= self.max_order <= 8, "max_order",
+              f"expected an integer in [min_order={self.min_order}, 8], got {self.max_order!r}")
+        check(_is_int(self.window) and self.window >= self.max_order + 1, "window",
+              f"expected an integer >= max_order + 1 = {self.max_order + 1}, got {self.window!r}")
+        check(
+            _is_int(self.table_capacity)
+            and self.table_capacity >= 16
+            and self.table_capacity & (self.table_capacity - 1) == 0,
+            "table_capacity",
+            f"expected a power of two >= 16, got {self.table_capacity!r}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model to load and how. ``name_or_path`` None means the embedded default."""
+
+    name_or_path: str | None = None
+    dtype: str = "auto"  # "auto" picks per device by measurement (see engine.loader)
+    device: str = "cpu"
+    max_seq_len: int | None = None  # None: the model's own context length
+    max_num_seqs: int = 8  # KV-cache slots: the most sequences alive at once
+
+    def __post_init__(self) -> None:
+        check(self.dtype in DTYPES, "dtype", f"expected one of {DTYPES}, got {self.dtype!r}")
+        check(isinstance(self.device, str) and bool(self.device), "device",
+              f"expected a device string such as 'cpu' or 'cuda', got {self.device!r}")
+        check(self.max_seq_len is None or (_is_int(self.max_seq_len) and self.max_seq_len >= 2),
+              "max_seq_len", f"expected None or an integer >= 2, got {self.max_seq_len!r}")
+        check(_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 1024, "max_num_seqs",
+              f"expected an integer in [1, 1024], got {self.max_num_seqs!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftConfig:
+    """The draft model of the ``draft`` proposer; ``model`` None means none is configured."""
+
+    model: ModelConfig | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine is built from."""
+
+    target: ModelConfig = field(default_factory=ModelConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    default_proposer: str = "ngram"
+    default_num_speculative_tokens: int = 8
+    max_queue_size: int = 64  # requests waiting for a batch slot before CapacityError
+    prefill_chunk_size: int = 512  # prompt tokens per prefill forward
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.default_proposer, str) and bool(self.default_proposer),
+              "default_proposer", f"expected a proposer name, got {self.default_proposer!r}")
+        check_num_speculative_tokens(self.default_num_speculative_tokens,
+                                     "default_num_speculative_tokens")
+        check(_is_int(self.max_queue_size) and self.max_queue_size >= 1, "max_queue_size",
+              f"expected an integer >= 1, got {self.max_queue_size!r}")
+        check(_is_int(self.prefill_chunk_size) and self.prefill_chunk_size >= 16,
+              "prefill_chunk_size", f"expected an integer >= 16, got {self.prefill_chunk_size!r}")

@@ -1,0 +1,44 @@
+"""The exception hierarchy of hybridspec.
+
+The server maps each class to an OpenAI-style error body (see ``hybridspec.server``):
+
+- ``InvalidRequestError`` (a ``ValueError``): the caller's input is wrong, HTTP 400.
+- ``UnknownModelError``: a model name the engine does not serve, HTTP 404.
+- ``CapacityError``: no room for the request right now (queue or KV cache full), HTTP 503.
+- ``ModelLoadError``: a model or tokenizer could not be loaded or does not fit the target.
+"""
+
+from __future__ import annotations
+
+
+class HybridSpecError(Exception):
+    """Base class of every error raised on purpose by hybridspec."""
+
+
+class InvalidRequestError(HybridSpecError, ValueError):
+    """A request or configuration argument is invalid.
+
+    ``param`` names the offending field, so that servers can point at it.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownModelError(InvalidRequestError):
+    """A request names a model that this engine does not serve."""
+
+
+class CapacityError(HybridSpecError):
+    """The engine cannot take the request now; retrying later may succeed."""
+
+
+class ModelLoadError(HybridSpecError, ValueError):
+    """A model, draft model or tokenizer cannot be loaded or is incompatible."""
+
+
+def check(condition: bool, param: str, message: str) -> None:
+    """Raise ``InvalidRequestError`` for ``param`` with ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise InvalidRequestError(f"{param}: {message}", param=param)

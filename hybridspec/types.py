@@ -1,0 +1,183 @@
+"""Types shared by the proposers, the verifier and the engine.
+
+Glossary of dimensions used in tensor shape comments across the package:
+
+- ``num_seqs``: sequences verified together in one target forward.
+- ``num_draft_tokens``: proposed tokens of one sequence in one round (K after shrinking, 0..K).
+- ``total_draft_tokens``: sum of ``num_draft_tokens`` over a batch (flat ragged layout).
+- ``vocab_size``: size of the target's (and draft's) vocabulary.
+- ``cu_*``: cumulative offsets, length ``num_seqs + 1``, starting at 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridspec.errors import check
+
+MAX_TOP_K = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the target's next-token distribution is shaped before sampling.
+
+    ``temperature == 0`` means greedy decoding. ``top_k = None`` and ``top_p = 1.0`` disable
+    those filters. ``seed`` makes sampling reproducible per request; ``None`` draws fresh entropy.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        check(
+            isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool),
+            "temperature",
+            f"expected a number, got {self.temperature!r}",
+        )
+        check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"expected a finite number >= 0, got {self.temperature!r}",
+        )
+        check(
+            self.top_k is None
+            or (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 1),
+            "top_k",
+            f"expected None or an integer >= 1, got {self.top_k!r}",
+        )
+        check(
+            isinstance(self.top_p, (int, float))
+            and not isinstance(self.top_p, bool)
+            and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            f"expected a number in (0, 1], got {self.top_p!r}",
+        )
+        check(
+            self.seed is None
+            or (isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0),
+            "seed",
+            f"expected None or an integer >= 0, got {self.seed!r}",
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """What a proposer guesses for one sequence in one round.
+
+    ``token_ids`` holds 0..K proposed token ids. ``probs`` is the proposer's distribution at
+    each proposed position, after the request's sampling transforms, from which each token was
+    drawn; ``None`` marks a deterministic proposal, verified as a one-hot draft distribution.
+    """
+
+    token_ids: Sequence[int]
+    probs: torch.Tensor | None = None  # [num_draft_tokens, vocab_size] float32, rows sum to 1
+
+    def __post_init__(self) -> None:
+        if self.probs is not None:
+            check(
+                self.probs.dim() == 2 and self.probs.shape[0] == len(self.token_ids),
+                "probs",
+                f"expected shape [{len(self.token_ids)}, vocab_size], got {tuple(self.probs.shape)}",
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+EMPTY_PROPOSAL = Proposal(token_ids=())
+
+
+@dataclass(slots=True)
+class ProposeRequest:
+    """One sequence's request to a proposer for one round.
+
+    ``token_ids`` is the committed context (prompt then generated tokens), shared with the
+    engine without copying: read it, never modify it. ``num_tokens`` is the K to propose for
+    this round (already shrunk near the context limit); a proposer may return fewer.
+    ``generator`` is the request's random generator for proposers that sample.
+    """
+
+    seq_id: int
+    token_ids: Sequence[int]
+    num_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """Speculation and speed statistics of one request."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0  # verification forwards (each commits >= 1 token); prefill excluded
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    time_to_first_token_s: float | None = None
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of proposed draft tokens the target accepted (0 when nothing was proposed)."""
+        if self.draft_tokens_proposed == 0:
+            return 0.0
+        return self.draft_tokens_accepted / self.draft_tokens_proposed
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Committed tokens per target forward, counting the bonus or correction token."""
+        if self.target_forwards == 0:
+            return 0.0
+        return self.generated_tokens / self.target_forwards
+
+    @property
+    def tokens_per_second(self) -> float:
+        if self.elapsed_s <= 0:
+            return 0.0
+        return self.generated_tokens / self.elapsed_s
+
+    def record_round(self, num_proposed: int, num_accepted: int) -> None:
+        """Count one verification round with ``num_proposed`` drafts, ``num_accepted`` kept."""
+        self.target_forwards += 1
+        self.draft_tokens_proposed += num_proposed
+        self.draft_tokens_accepted += num_accepted
+        grow = num_proposed - len(self.proposed_per_position)
+        if grow > 0:
+            self.proposed_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(num_proposed):
+            self.proposed_per_position[i] += 1
+            if i < num_accepted:
+                self.accepted_per_position[i] += 1
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "target_forwards": self.target_forwards,
+            "draft_tokens_proposed": self.draft_tokens_proposed,
+            "draft_tokens_accepted": self.draft_tokens_accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_per_position": [
+                a / p if p else 0.0
+                for a, p in zip(self.accepted_per_position, self.proposed_per_position, strict=True)
+            ],
+            "elapsed_s": self.elapsed_s,
+            "time_to_first_token_s": self.time_to_first_token_s,
+            "tokens_per_second": self.tokens_per_second,
+        }
