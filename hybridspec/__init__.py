@@ -1,0 +1,39 @@
+"""hybridspec: lossless speculative decoding with per-request pluggable proposers.
+
+>>> from hybridspec import Engine
+>>> engine = Engine()  # the embedded SmolLM2-135M-Instruct
+>>> engine.generate("Say hi", proposer="ngram", max_new_tokens=16).text  # doctest: +SKIP
+"""
+
+from hybridspec.config import DraftConfig, EngineConfig, ModelConfig, NgramConfig
+from hybridspec.engine import Engine, FinishReason, GenerationParams, GenerationResult
+from hybridspec.errors import (
+    CapacityError,
+    HybridSpecError,
+    InvalidRequestError,
+    ModelLoadError,
+    UnknownModelError,
+)
+from hybridspec.proposers import Proposer, ProposerContext
+from hybridspec.types import Proposal, ProposeRequest, SamplingParams
+
+__all__ = [
+    "CapacityError",
+    "DraftConfig",
+    "Engine",
+    "EngineConfig",
+    "FinishReason",
+    "GenerationParams",
+    "GenerationResult",
+    "HybridSpecError",
+    "InvalidRequestError",
+    "ModelConfig",
+    "ModelLoadError",
+    "NgramConfig",
+    "Proposal",
+    "ProposeRequest",
+    "Proposer",
+    "ProposerContext",
+    "SamplingParams",
+    "UnknownModelError",
+]

@@ -7,6 +7,7 @@ proposer a ``DraftConfig``, the runtime a ``ModelConfig``, the engine an ``Engin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridspec.errors import check
 
@@ -100,3 +101,14 @@ class EngineConfig:
               f"expected an integer >= 1, got {self.max_queue_size!r}")
         check(_is_int(self.prefill_chunk_size) and self.prefill_chunk_size >= 16,
               "prefill_chunk_size", f"expected an integer >= 16, got {self.prefill_chunk_size!r}")
+
+    def proposer_options(self) -> dict[str, dict[str, Any]]:
+        """Each built-in proposer's own part of the configuration, by registered name."""
+        return {
+            "ngram": {"config": self.ngram},
+            "draft": {
+                "config": self.draft,
+                "max_num_seqs": self.target.max_num_seqs,
+                "max_seq_len": self.target.max_seq_len,
+            },
+        }

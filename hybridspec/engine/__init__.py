@@ -1,0 +1,19 @@
+"""The engine: model runtime, KV cache, scheduling and requests."""
+
+from hybridspec.engine.engine import Engine
+from hybridspec.engine.loop import EngineLoop
+from hybridspec.engine.request import (
+    FinishReason,
+    GenerationParams,
+    GenerationResult,
+    RequestOutput,
+)
+
+__all__ = [
+    "Engine",
+    "EngineLoop",
+    "FinishReason",
+    "GenerationParams",
+    "GenerationResult",
+    "RequestOutput",
+]

@@ -1,0 +1,17 @@
+"""The lossless verifier: sampling transforms, acceptance rules and the batched verify step.
+
+``verify(VerifyInput) -> VerifyOutput`` is the entry point; ``logits_to_probs`` is what a sampling
+proposer uses to put its draft distribution q under the same transforms as the target's p.
+"""
+
+from hybridspec.verifier.sampling import greedy_token_ids, logits_to_probs, logits_to_probs_by_row
+from hybridspec.verifier.verify import VerifyInput, VerifyOutput, verify
+
+__all__ = [
+    "VerifyInput",
+    "VerifyOutput",
+    "greedy_token_ids",
+    "logits_to_probs",
+    "logits_to_probs_by_row",
+    "verify",
+]

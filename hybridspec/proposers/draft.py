@@ -1,0 +1,186 @@
+"""The ``draft`` proposer: a small causal LM of the target's family guesses K tokens.
+
+The draft model has its own runtime and KV cache (one slot per sequence). Its cache lags the
+committed context: a round first feeds every committed token it has not cached (the whole
+prompt on the first round: lazy prefill), then drafts K tokens autoregressively, all sequences
+of the batch together. Tokens are drawn from the draft's distribution q under the request's own
+sampling transforms, and q is returned for rejection sampling; greedy requests take the argmax
+and return no distribution.
+
+Worked example of the rollback: committed length 20, K = 4. The round feeds position 19 and
+the drafts d1..d3 (d4 is sampled but never fed), so the draft cache holds 23 tokens. If the
+target accepts d1, d2 and corrects the third, 23 tokens are committed, of which the draft
+cache holds the first 22 correctly (20 committed + d1 + d2): it is truncated to 22, and the
+next round feeds the correction token first.
+
+Dimensions: ``num_seqs`` sequences drafted together, ``k_i`` drafts of sequence i.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridspec.config import DraftConfig
+from hybridspec.engine.loader import LoadedModel, load_model
+from hybridspec.engine.runtime import ForwardBatch, ModelRuntime
+from hybridspec.errors import InvalidRequestError, ModelLoadError
+from hybridspec.proposers.base import Proposer, ProposerContext
+from hybridspec.types import Proposal, ProposeRequest, SamplingParams
+from hybridspec.verifier.sampling import logits_to_probs
+
+logger = logging.getLogger(__name__)
+
+PROBE_TEXT = "Speculative decoding: the draft proposes, the target verifies. 1234 ünïcödé\n\tdone."
+
+
+@dataclass(slots=True)
+class _DraftSeq:
+    slot: int
+    committed_len: int  # tokens committed to the sequence so far
+    num_drafted_fed: int = 0  # drafts of the last round that were fed into the draft cache
+
+
+def check_tokenizer_compatible(target: ProposerContext, draft: LoadedModel) -> None:
+    """Raise ModelLoadError unless the draft shares the target's vocabulary and tokenizer."""
+    draft_vocab = draft.vocab_size
+    if draft_vocab != target.vocab_size:
+        raise ModelLoadError(
+            f"draft model: vocabulary size {draft_vocab} differs from the target's "
+            f"{target.vocab_size}; a draft must share the target's tokenizer"
+        )
+    if set(draft.eos_token_ids) != set(target.eos_token_ids):
+        raise ModelLoadError(
+            f"draft model: EOS token ids {sorted(draft.eos_token_ids)} differ from the target's "
+            f"{sorted(target.eos_token_ids)}"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        target_ids = list(target.tokenizer.encode(PROBE_TEXT))
+        draft_ids = list(draft.tokenizer.encode(PROBE_TEXT))
+        if target_ids != draft_ids:
+            raise ModelLoadError(
+                "draft model: its tokenizer encodes a probe text differently from the target's "
+                f"({draft_ids[:8]}... vs {target_ids[:8]}...)"
+            )
+
+
+class DraftModelProposer(Proposer):
+    """Drafts with a small model sharing the target's tokenizer.
+
+    Options (``context.options``): ``config`` (DraftConfig, whose ``model`` names the draft),
+    ``max_num_seqs`` and ``max_seq_len`` (sized like the target's cache), or ``loaded`` (an
+    already loaded LoadedModel, for tests and embedding).
+    """
+
+    def __init__(self, context: ProposerContext) -> None:
+        super().__init__(context)
+        options = context.options
+        loaded: LoadedModel | None = options.get("loaded")
+        if loaded is None:
+            config: DraftConfig = options.get("config", DraftConfig())
+            if config.model is None:
+                raise InvalidRequestError(
+                    "proposer: 'draft' needs a draft model, and none is configured "
+                    "(pass --draft MODEL on the command line, or DraftConfig(model=...))",
+                    "proposer",
+                )
+            loaded = load_model(config.model)
+        check_tokenizer_compatible(context, loaded)
+        self.model = loaded
+        self.runtime: ModelRuntime = loaded.create_runtime(
+            options.get("max_num_seqs", 8), options.get("max_seq_len")
+        )
+        self._seqs: dict[int, _DraftSeq] = {}
+
+    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
+        if seq_id in self._seqs:
+            raise InvalidRequestError(f"seq_id: {seq_id} was already started", "seq_id")
+        slot = self.runtime.allocate()
+        self._seqs[seq_id] = _DraftSeq(slot=slot, committed_len=len(prompt_token_ids))
+
+    def _seq(self, seq_id: int) -> _DraftSeq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise InvalidRequestError(f"seq_id: {seq_id} is not started", "seq_id") from None
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        """Draft for all requests together: one ragged catch-up step, then one token a step."""
+        seqs = [self._seq(r.seq_id) for r in requests]
+        for request, seq in zip(requests, seqs, strict=True):
+            if len(request.token_ids) != seq.committed_len:
+                raise InvalidRequestError(
+                    f"seq_id: {request.seq_id} has {len(request.token_ids)} committed tokens, "
+                    f"the draft tracked {seq.committed_len}; commit() was missed",
+                    "seq_id",
+                )
+        # The draft's cache ends at len(context) + k - 1 (the last draft is never fed).
+        room = self.runtime.max_seq_len + 1
+        wanted = [max(0, min(r.num_tokens, room - len(r.token_ids))) for r in requests]
+        drafted: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = [i for i, k in enumerate(wanted) if k > 0]
+        feed = {
+            i: list(requests[i].token_ids[self.runtime.seq_len(seqs[i].slot) :]) for i in active
+        }
+        while active:
+            logits = self.runtime.forward(
+                ForwardBatch.from_lists(
+                    [seqs[i].slot for i in active],
+                    [feed[i] for i in active],
+                    _last_indices([len(feed[i]) for i in active]),
+                )
+            )  # [len(active), vocab_size]
+            for row, i in enumerate(active):
+                token, q = _sample(logits[row], requests[i].sampling, requests[i].generator)
+                drafted[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+                feed[i] = [token]
+            active = [i for i in active if len(drafted[i]) < wanted[i]]
+        for seq, tokens in zip(seqs, drafted, strict=True):
+            seq.num_drafted_fed = max(0, len(tokens) - 1)
+        return [
+            Proposal(tokens, torch.stack(p) if p else None)
+            for tokens, p in zip(drafted, probs, strict=True)
+        ]
+
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_accepted: int) -> None:
+        seq = self._seq(seq_id)
+        # The cache keeps the committed prefix plus the accepted drafts that were fed.
+        keep = seq.committed_len + min(num_accepted, seq.num_drafted_fed)
+        self.runtime.truncate(seq.slot, min(keep, self.runtime.seq_len(seq.slot)))
+        seq.committed_len += len(token_ids)
+        seq.num_drafted_fed = 0
+
+    def finish(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.runtime.free(seq.slot)
+
+    def close(self) -> None:
+        for seq_id in list(self._seqs):
+            self.finish(seq_id)
+
+
+def _last_indices(lengths: list[int]) -> list[int]:
+    """Flat index of each sequence's last token: lengths [3, 1, 2] -> [2, 3, 5]."""
+    out, total = [], 0
+    for n in lengths:
+        total += n
+        out.append(total - 1)
+    return out
+
+
+def _sample(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor | None]:
+    """One draft token from ``logits`` [vocab_size]; its distribution q unless greedy."""
+    if sampling.is_greedy:
+        return int(torch.argmax(logits)), None
+    q = logits_to_probs(logits.unsqueeze(0), sampling)[0]  # [vocab_size]
+    token = int(torch.multinomial(q, 1, generator=generator))
+    return token, q

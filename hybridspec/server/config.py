@@ -1,0 +1,76 @@
+"""The server's part of the configuration: where it listens and what it calls its model."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from hybridspec.config import EngineConfig
+from hybridspec.errors import check
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything the HTTP server is built from; ``engine`` goes to the Engine unchanged."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"  # loopback unless asked otherwise
+    port: int = 8000
+    served_model_name: str | None = None  # None: derived from the target (see model_names)
+    health_timeout_s: float = 5.0  # the engine thread must answer /health within this
+    retry_after_s: int = 1  # Retry-After of a 503 when the request queue is full
+
+    def __post_init__(self) -> None:
+        check(
+            isinstance(self.engine, EngineConfig),
+            "engine",
+            f"expected an EngineConfig, got {type(self.engine).__name__}",
+        )
+        check(
+            isinstance(self.host, str) and bool(self.host),
+            "host",
+            f"expected a host name or address, got {self.host!r}",
+        )
+        check(
+            isinstance(self.port, int) and 0 <= self.port <= 65535,
+            "port",
+            f"expected an integer in [0, 65535], got {self.port!r}",
+        )
+        check(
+            self.served_model_name is None or bool(self.served_model_name),
+            "served_model_name",
+            f"expected None or a non-empty name, got {self.served_model_name!r}",
+        )
+        check(
+            self.health_timeout_s > 0,
+            "health_timeout_s",
+            f"expected a positive number of seconds, got {self.health_timeout_s!r}",
+        )
+        check(
+            isinstance(self.retry_after_s, int) and self.retry_after_s >= 1,
+            "retry_after_s",
+            f"expected an integer >= 1, got {self.retry_after_s!r}",
+        )
+
+    def model_names(self) -> tuple[str, ...]:
+        """The name /v1/models lists first, then the other names requests may use for it.
+
+        The embedded default is ``SmolLM2-135M-Instruct``; a hub id is served under itself; a
+        local directory or file under its base name (``/m/tiny.gguf`` -> ``tiny``), with the
+        path as given accepted too.
+        """
+        target = self.engine.target.name_or_path
+        names: list[str] = []
+        if self.served_model_name is not None:
+            names.append(self.served_model_name)
+        if target is None:
+            names.append(EMBEDDED_MODEL_NAME)
+        else:
+            stripped = target.rstrip("/\\")
+            if os.path.exists(stripped):
+                base = os.path.basename(stripped)
+                names.append(base[: -len(".gguf")] if base.endswith(".gguf") else base)
+            names.append(target)
+        return tuple(dict.fromkeys(names))

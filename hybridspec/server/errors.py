@@ -1,0 +1,153 @@
+"""Maps every failure to an OpenAI-style error body and status code.
+
+``{"error": {"message", "type", "param", "code"}}`` with:
+
+==================================  ======  =======================  =====================
+exception                           status  type                     code
+==================================  ======  =======================  =====================
+UnknownModelError                   404     invalid_request_error    model_not_found
+InvalidRequestError                 400     invalid_request_error    invalid_value
+RequestValidationError (pydantic)   400     invalid_request_error    invalid_type / ...
+CapacityError                       503     server_error             overloaded (Retry-After)
+ClientDisconnected                  499     invalid_request_error    client_disconnected
+HTTPException (404 route, 405...)   as is   invalid_request_error    None
+other HybridSpecError, any other    500     server_error             internal_error
+==================================  ======  =======================  =====================
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from hybridspec.errors import (
+    CapacityError,
+    HybridSpecError,
+    InvalidRequestError,
+    UnknownModelError,
+)
+from hybridspec.server.schemas import ErrorDetail, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+# Engine parameter names that the OpenAI schema spells differently.
+PARAM_NAMES = {"max_new_tokens": "max_tokens"}
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response began; its request was cancelled."""
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _pydantic_location(loc: tuple[Any, ...]) -> str | None:
+    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
+    parts = [p for p in loc if p != "body"]
+    # A union's member name ("str", "list[int]") appears after the field; it is not a field.
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif "[" in str(part) or str(part) in {"str", "int", "float", "bool", "function-after"}:
+            continue
+        else:
+            text += f".{part}" if text else str(part)
+    return text or None
+
+
+def validation_error_response(exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "invalid"}
+    kind = str(first.get("type", "invalid"))
+    if kind == "json_invalid":
+        return error_response(
+            400, f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json"
+        )
+    param = _pydantic_location(tuple(first.get("loc", ())))
+    if kind == "extra_forbidden":
+        return error_response(
+            400,
+            f"unrecognized request argument supplied: {param}",
+            param=param,
+            code="unknown_parameter",
+        )
+    if kind == "missing":
+        return error_response(
+            400,
+            f"{param}: a required field is missing",
+            param=param,
+            code="missing_required_parameter",
+        )
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more errors)"
+    return error_response(400, message, param=param, code="invalid_type")
+
+
+def exception_response(exc: Exception, retry_after_s: int = 1) -> JSONResponse:
+    """The response for an exception raised while handling a request."""
+    if isinstance(exc, ClientDisconnected):
+        # Nobody reads it; the status marks the request in the metrics (nginx's convention).
+        return error_response(
+            CLIENT_CLOSED_REQUEST, str(exc) or "client disconnected", code="client_disconnected"
+        )
+    if isinstance(exc, UnknownModelError):
+        return error_response(404, str(exc), param=exc.param or "model", code="model_not_found")
+    if isinstance(exc, InvalidRequestError):
+        param = PARAM_NAMES.get(exc.param, exc.param) if exc.param else None
+        return error_response(400, str(exc), param=param, code="invalid_value")
+    if isinstance(exc, CapacityError):
+        return error_response(
+            503,
+            str(exc),
+            type_="server_error",
+            code="overloaded",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+    if isinstance(exc, RequestValidationError):
+        return validation_error_response(exc)
+    if isinstance(exc, HTTPException):
+        return error_response(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+    if isinstance(exc, HybridSpecError):
+        logger.warning("request failed: %s", exc)
+    else:
+        logger.error("unhandled error", exc_info=exc)
+    return error_response(
+        500,
+        f"internal error: {type(exc).__name__}: {exc}",
+        type_="server_error",
+        code="internal_error",
+    )
+
+
+def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return exception_response(exc, retry_after_s)
+
+    # HybridSpecError is handled inside the app; only unexpected errors reach ``Exception``,
+    # which Starlette answers in its outermost middleware and then re-raises (logged).
+    for cls in (
+        HybridSpecError,
+        ClientDisconnected,
+        RequestValidationError,
+        HTTPException,
+        Exception,
+    ):
+        app.add_exception_handler(cls, handle)

@@ -1,0 +1,284 @@
+"""From an OpenAI request body to engine outputs: validation, tokenizing, running, metrics.
+
+Both endpoints share this path. ``prepare`` turns a body into a ``PreparedRequest`` (prompt
+token ids, GenerationParams) or raises InvalidRequestError / UnknownModelError naming the
+field. ``observe`` runs it through the engine loop, yielding its outputs and recording metrics;
+closing it early (client gone) aborts the request in the engine. ``until_disconnected`` awaits
+something while watching for the client to hang up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar, cast
+
+from starlette.requests import Request
+
+from hybridspec.engine import Engine, FinishReason, GenerationParams, RequestOutput
+from hybridspec.errors import HybridSpecError, check
+from hybridspec.server.errors import ClientDisconnected
+from hybridspec.server.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SpeculationStats,
+)
+from hybridspec.server.state import ServerState
+from hybridspec.types import GenerationStats
+
+T = TypeVar("T")
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # as in the OpenAI legacy completions API
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A validated request, ready for the engine loop."""
+
+    model: str  # the served name, echoed in responses
+    prompt_token_ids: list[int]
+    params: GenerationParams
+    proposer: str  # resolved: the request's or the engine's default
+    num_speculative_tokens: int  # resolved likewise
+    stream: bool
+    include_usage: bool
+
+
+def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse OpenAI options this server does not implement, rather than ignore them."""
+    check(body.n is None or body.n == 1, "n", f"only n = 1 is supported, got {body.n}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        check(value is None or value == 0, name, f"only 0 is supported, got {value}")
+    check(not body.logit_bias, "logit_bias", "logit_bias is not supported")
+    if isinstance(body, CompletionRequest):
+        check(not body.echo, "echo", "echo is not supported")
+        check(body.logprobs is None, "logprobs", "logprobs are not supported")
+        check(body.best_of is None or body.best_of == 1, "best_of", "only best_of = 1 is supported")
+        check(body.suffix is None, "suffix", "suffix is not supported")
+    else:
+        check(
+            not body.logprobs and body.top_logprobs is None,
+            "logprobs",
+            "logprobs are not supported",
+        )
+        check(not body.tools, "tools", "tools are not supported")
+        check(
+            body.response_format is None or body.response_format.get("type") == "text",
+            "response_format",
+            "only the 'text' response format is supported",
+        )
+
+
+def _chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """OpenAI messages as the {role, content} strings that the chat template takes."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                check(
+                    part.type == "text" and part.text is not None,
+                    f"messages[{i}].content[{j}]",
+                    f"only text content parts are supported, got type {part.type!r}",
+                )
+            content = "".join(part.text or "" for part in content)
+        out.append({"role": message.role, "content": content or ""})
+    return out
+
+
+def _completion_prompt(body: CompletionRequest) -> tuple[str | None, list[int] | None]:
+    """One text prompt or one list of token ids; several prompts are refused like n > 1."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        check(
+            len(prompt) == 1,
+            "prompt",
+            f"only one prompt per request is supported, got {len(prompt)}",
+        )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, None
+    return None, list(prompt)  # type: ignore[arg-type]  # a list[int] after the unwrap
+
+
+async def prepare(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest
+) -> PreparedRequest:
+    """Validate ``body``; tokenize its prompt on the engine thread, which owns the tokenizer."""
+    model = state.model.resolve(body.model)
+    _reject_unsupported(body)
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest):
+        max_tokens = (
+            body.max_completion_tokens if body.max_completion_tokens is not None else max_tokens
+        )
+        messages: list[dict[str, str]] | None = _chat_messages(body.messages)
+        text, token_ids = None, None
+    else:
+        messages = None
+        text, token_ids = _completion_prompt(body)
+        max_tokens = max_tokens if max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    check(
+        max_tokens is None or max_tokens >= 1,
+        "max_tokens",
+        f"expected an integer >= 1, got {max_tokens}",
+    )
+    params = GenerationParams.create(
+        max_new_tokens=1,  # replaced below, once the prompt's length is known
+        temperature=body.temperature
+        if body.temperature is not None
+        else OPENAI_DEFAULT_TEMPERATURE,
+        top_k=body.top_k,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        seed=body.seed,
+        proposer=body.proposer,
+        num_speculative_tokens=body.num_speculative_tokens,
+        stop=body.stop,
+        ignore_eos=body.ignore_eos,
+    )
+
+    def encode(engine: Engine) -> tuple[list[int], str, int]:
+        ids = token_ids if token_ids is not None else engine.encode(text, messages)
+        engine.check_prompt(ids)
+        proposer = params.proposer or engine.config.default_proposer
+        engine.resolve_proposer(proposer)
+        k = params.num_speculative_tokens or engine.config.default_num_speculative_tokens
+        return ids, proposer, k
+
+    prompt_ids, proposer, k = await state.engine_call(encode)
+    room = state.model.max_seq_len - len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = room
+    check(
+        max_tokens <= room,
+        "max_tokens",
+        f"this model's context holds {state.model.max_seq_len} tokens; the prompt has "
+        f"{len(prompt_ids)}, so max_tokens can be at most {room}, got {max_tokens}",
+    )
+    return PreparedRequest(
+        model=model,
+        prompt_token_ids=prompt_ids,
+        params=GenerationParams(
+            max_new_tokens=max_tokens,
+            sampling=params.sampling,
+            proposer=params.proposer,
+            num_speculative_tokens=params.num_speculative_tokens,
+            stop=params.stop,
+            ignore_eos=params.ignore_eos,
+        ),
+        proposer=proposer,
+        num_speculative_tokens=k,
+        stream=body.stream,
+        include_usage=body.stream_options is not None and body.stream_options.include_usage,
+    )
+
+
+async def observe(
+    state: ServerState, prepared: PreparedRequest
+) -> AsyncGenerator[RequestOutput, None]:
+    """Run ``prepared`` on the engine loop and yield its outputs, recording metrics.
+
+    Refusals (InvalidRequestError, CapacityError) raise on the first ``__anext__``. Closing or
+    cancelling this generator before the last output aborts the request in the engine.
+    """
+    metrics, proposer = state.metrics, prepared.proposer
+    arrival = time.perf_counter()
+    finished, refused, first = False, False, True
+    try:
+        # EngineLoop.stream is an async generator (typed as an AsyncIterator): closable.
+        stream = cast(
+            AsyncGenerator[RequestOutput, None],
+            state.loop.stream(prepared.prompt_token_ids, prepared.params),
+        )
+        async with contextlib.aclosing(stream) as outputs:
+            async for output in outputs:
+                if first:
+                    first = False
+                    metrics.ttft.observe(time.perf_counter() - arrival, proposer)
+                    metrics.prompt_tokens.inc(proposer, amount=len(prepared.prompt_token_ids))
+                metrics.generated_tokens.inc(proposer, amount=len(output.new_token_ids))
+                if output.finished:
+                    finished = True
+                    reason = output.finish_reason or FinishReason.ERROR
+                    metrics.finished.inc(proposer, reason.value)
+                    if output.result is not None and reason is not FinishReason.ERROR:
+                        metrics.observe_result(
+                            proposer, output.result.stats, time.perf_counter() - arrival
+                        )
+                yield output
+    except HybridSpecError:
+        refused = first
+        raise
+    finally:
+        if not finished and not refused:
+            metrics.finished.inc(proposer, FinishReason.ABORT.value)
+
+
+def speculation_stats(prepared: PreparedRequest, stats: GenerationStats) -> SpeculationStats:
+    return SpeculationStats(
+        proposer=prepared.proposer,
+        num_speculative_tokens=prepared.num_speculative_tokens,
+        acceptance_rate=stats.acceptance_rate,
+        mean_accepted_length=stats.mean_accepted_length,
+        target_forwards=stats.target_forwards,
+        draft_tokens_proposed=stats.draft_tokens_proposed,
+        draft_tokens_accepted=stats.draft_tokens_accepted,
+        acceptance_per_position=[
+            a / p if p else 0.0
+            for a, p in zip(stats.accepted_per_position, stats.proposed_per_position, strict=True)
+        ],
+        time_to_first_token_s=stats.time_to_first_token_s,
+        elapsed_s=stats.elapsed_s,
+        tokens_per_second=stats.tokens_per_second,
+    )
+
+
+def check_not_failed(output: RequestOutput) -> None:
+    """Raise for a request that the engine failed (a proposer or step error): a 500."""
+    if output.finish_reason is FinishReason.ERROR:
+        error = output.result.error if output.result is not None else None
+        raise HybridSpecError(f"generation failed: {error or 'unknown error'}")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        # Once the body is read, servers answer receive() only at disconnect; never spin.
+        await asyncio.sleep(0.05)
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable``; if the client hangs up first, cancel it and raise ClientDisconnected.
+
+    Cancelling it cancels the generator it drives, whose ``finally`` aborts the engine request.
+    """
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """Drain ``outputs`` and return the final one."""
+    async for output in outputs:
+        if output.finished:
+            return output
+    raise HybridSpecError("the engine ended the request without a final output")
+
+
+async def next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    return await outputs.__anext__()

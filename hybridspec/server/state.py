@@ -1,0 +1,78 @@
+"""What the app keeps on ``app.state`` while it runs, and the dependencies that read it.
+
+Routes receive the state through ``Depends(get_state)``; tests may override that dependency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from hybridspec.engine import Engine, EngineLoop
+from hybridspec.errors import UnknownModelError
+from hybridspec.server.config import ServerConfig
+from hybridspec.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Facts about the served engine, read once on the engine thread at startup."""
+
+    names: tuple[str, ...]  # names[0] is listed; every one is accepted in requests
+    max_seq_len: int
+    proposers: tuple[str, ...]  # those that requests may pick
+    default_proposer: str
+    default_num_speculative_tokens: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @staticmethod
+    def from_engine(engine: Engine, config: ServerConfig) -> ModelInfo:
+        return ModelInfo(
+            names=config.model_names(),
+            max_seq_len=engine.max_seq_len,
+            proposers=tuple(engine.available_proposers()),
+            default_proposer=engine.config.default_proposer,
+            default_num_speculative_tokens=engine.config.default_num_speculative_tokens,
+        )
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def resolve(self, requested: str | None) -> str:
+        """The served name for a request's ``model``; raises UnknownModelError (404)."""
+        if requested is None or requested in self.names:
+            return self.name
+        raise UnknownModelError(
+            f"model: the model {requested!r} does not exist; this server serves {self.name!r}",
+            param="model",
+        )
+
+
+@dataclass(slots=True)
+class ServerState:
+    """The running server: its engine loop (sole owner of the engine), metrics and facts."""
+
+    config: ServerConfig
+    loop: EngineLoop
+    model: ModelInfo
+    metrics: ServerMetrics
+
+    async def engine_call(self, fn: Any, timeout_s: float | None = None) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps (tokenizing, snapshots)."""
+        if timeout_s is None:
+            return await self.loop.call(fn)
+        return await asyncio.wait_for(self.loop.call(fn), timeout_s)
+
+
+def get_state(request: Request) -> ServerState:
+    state = getattr(request.app.state, "server", None)
+    assert isinstance(state, ServerState), "the app's lifespan has not run"
+    return state
+
+
+State = Annotated[ServerState, Depends(get_state)]

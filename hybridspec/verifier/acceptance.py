@@ -1,0 +1,173 @@
+"""Acceptance rules of speculative decoding, as pure tensor functions (no model code).
+
+Paper symbols, as in Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative
+Decoding") and Chen et al. 2023 ("Accelerating Large Language Model Decoding with Speculative
+Sampling"): ``p`` is the target's distribution and ``q`` the draft's, both under the request's
+sampling transforms (``sampling.py``). Draft token d_i was drawn from q_i, or chosen
+deterministically, which is verified exactly as a one-hot q_i. For one sequence with k drafts,
+one target forward gives p_1 .. p_{k+1}, p_i being the target's distribution after the committed
+tokens and d_1 .. d_{i-1}.
+
+- **accepted tokens**: d_1 .. d_n, each of which passed ``u_i < min(1, p_i(d_i) / q_i(d_i))``
+  with ``u_i ~ U[0, 1)``, where d_{n+1} is the first draft that failed (or n = k).
+- **recovered token**: when d_{n+1} is rejected, a sample of the residual distribution
+  ``norm(max(0, p_{n+1} - q_{n+1}))``, committed in its place.
+- **bonus token**: when all k drafts are accepted, a sample of p_{k+1}, which the same target
+  forward computed for free.
+
+So every round commits n + 1 tokens, and each is distributed exactly as the target's (Theorem 1
+of Leviathan et al.): ``P(x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y q(y) min(1, p(y)/q(y)))
+norm(max(0, p - q))(x) = p(x)``. Greedy decoding is the case of a one-hot p at the target's
+argmax: drafts are accepted while they equal the argmax, the first mismatch is replaced by the
+argmax (the recovered token), and the argmax after d_k is the bonus token.
+
+Dimensions: ``num_seqs`` sequences, ``total_draft_tokens`` drafts over all of them (flat,
+ragged), ``num_rows = total_draft_tokens + num_seqs`` target positions, ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DraftLayout:
+    """Where each sequence's drafts and target rows sit in a flat ragged batch.
+
+    Sequence i with k_i drafts owns target rows ``cu[i] + i .. cu[i + 1] + i`` (k_i + 1 rows,
+    ``cu`` = cumulative draft counts); draft t is checked by target row ``t + seq_ids[t]``.
+
+    Worked example: num_draft_tokens [2, 0, 3], so cu = [0, 2, 2, 5] and 8 target rows: seq 0
+    owns rows 0..2, seq 1 row 3, seq 2 rows 4..7. Then seq_ids = [0, 0, 2, 2, 2], positions =
+    [0, 1, 0, 1, 2], draft_rows = [0, 1, 4, 5, 6], first_rows = [0, 3, 4] and bonus_rows =
+    first_rows + num_draft_tokens = [2, 3, 7].
+    """
+
+    num_draft_tokens: torch.Tensor  # [num_seqs] int64, k_i
+    seq_ids: torch.Tensor  # [total_draft_tokens] int64, the sequence of each draft
+    positions: torch.Tensor  # [total_draft_tokens] int64, each draft's index in its sequence
+    draft_rows: torch.Tensor  # [total_draft_tokens] int64, the target row that checks each draft
+    first_rows: torch.Tensor  # [num_seqs] int64, each sequence's first target row
+
+    @staticmethod
+    def from_counts(num_draft_tokens: Sequence[int], device: torch.device) -> DraftLayout:
+        num_seqs, total = len(num_draft_tokens), sum(num_draft_tokens)
+        counts = torch.tensor(num_draft_tokens, dtype=torch.long, device=device)
+        seq_index = torch.arange(num_seqs, device=device)
+        seq_ids = torch.repeat_interleave(seq_index, counts, output_size=total)
+        first_drafts = torch.cumsum(counts, dim=0) - counts  # [num_seqs], cu[:-1]
+        draft_index = torch.arange(total, device=device)
+        return DraftLayout(
+            num_draft_tokens=counts,
+            seq_ids=seq_ids,
+            positions=draft_index - first_drafts[seq_ids],
+            draft_rows=draft_index + seq_ids,
+            first_rows=first_drafts + seq_index,
+        )
+
+    @property
+    def bonus_rows(self) -> torch.Tensor:
+        """[num_seqs] int64: each sequence's last target row, after all its drafts."""
+        return self.first_rows + self.num_draft_tokens
+
+
+def count_accepted(accepted: torch.Tensor, layout: DraftLayout) -> torch.Tensor:
+    """Length of each sequence's leading run of accepted drafts.
+
+    ``accepted`` [total_draft_tokens] bool -> num_accepted [num_seqs] int64. A draft after a
+    rejected one is discarded even if it would pass: [T, F, T | T, T] gives [1, 2].
+    """
+    if accepted.numel() == 0:
+        return layout.num_draft_tokens.clone()
+    # A rejected draft at position j caps its sequence at j; an accepted one caps nothing.
+    cap = torch.where(accepted, layout.num_draft_tokens[layout.seq_ids], layout.positions)
+    return layout.num_draft_tokens.scatter_reduce(0, layout.seq_ids, cap, reduce="amin")
+
+
+def greedy_accept(
+    target_token_ids: torch.Tensor, draft_token_ids: torch.Tensor, layout: DraftLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: accept while the target's argmax equals the draft.
+
+    ``target_token_ids`` [num_rows] int64 (argmax of each target row), ``draft_token_ids``
+    [total_draft_tokens] -> (num_accepted [num_seqs], final_token_ids [num_seqs]): the final
+    token is the argmax at the first mismatch (recovered) or after the last draft (bonus).
+    """
+    accepted = target_token_ids[layout.draft_rows] == draft_token_ids
+    num_accepted = count_accepted(accepted, layout)
+    return num_accepted, target_token_ids[layout.first_rows + num_accepted]
+
+
+def accept_probability(
+    target_probs_at_draft: torch.Tensor, draft_probs_at_draft: torch.Tensor | None
+) -> torch.Tensor:
+    """``min(1, p(d) / q(d))`` for each draft d; [total_draft_tokens] -> same.
+
+    ``draft_probs_at_draft`` None means deterministic drafts (one-hot q, q(d) = 1): the
+    probability is then p(d). Where q(d) = 0 (the draft could not have proposed d) it is 1,
+    never NaN.
+    """
+    if draft_probs_at_draft is None:
+        return target_probs_at_draft
+    p, q = target_probs_at_draft, draft_probs_at_draft
+    return torch.where(p >= q, torch.ones_like(p), p / q.clamp(min=torch.finfo(q.dtype).tiny))
+
+
+def rejection_accept(
+    target_probs_at_draft: torch.Tensor,
+    draft_probs_at_draft: torch.Tensor | None,
+    uniforms: torch.Tensor,
+    layout: DraftLayout,
+) -> torch.Tensor:
+    """Accept each draft iff ``u < min(1, p(d) / q(d))``; return num_accepted [num_seqs].
+
+    ``uniforms`` [total_draft_tokens] float64 in [0, 1), one per draft, drawn whether or not
+    an earlier draft of the sequence was rejected (so the draw count never depends on luck).
+    """
+    accepted = uniforms < accept_probability(target_probs_at_draft, draft_probs_at_draft)
+    return count_accepted(accepted, layout)
+
+
+def residual_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """The recovered token's distribution ``norm(max(0, p - q))``; [n, vocab_size] -> same.
+
+    A row where ``max(0, p - q)`` is all zero (p == q, where rejection has probability 0, or
+    float rounding near it) falls back to p rather than dividing by zero.
+    """
+    return _normalise_or(torch.clamp(target_probs - draft_probs, min=0.0), target_probs)
+
+
+def one_hot_residual_probs(
+    target_probs: torch.Tensor, draft_token_ids: torch.Tensor
+) -> torch.Tensor:
+    """``residual_probs`` for a deterministic draft d (q = one-hot(d)), without building q.
+
+    ``max(0, p - one_hot(d))`` is p with p(d) zeroed; renormalised. A row with p(d) = 1 (never
+    rejected) falls back to p. ``target_probs`` [n, vocab_size], ``draft_token_ids`` [n].
+    """
+    residual = target_probs.scatter(1, draft_token_ids.unsqueeze(1), 0.0)
+    return _normalise_or(residual, target_probs)
+
+
+def _normalise_or(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    total = residual.sum(dim=-1, keepdim=True)
+    normalised = residual / total.clamp(min=torch.finfo(residual.dtype).tiny)
+    return torch.where(total > 0, normalised, fallback)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per row from one uniform per row.
+
+    ``probs`` [n, vocab_size] (rows need not be normalised), ``uniforms`` [n] float64 in
+    [0, 1) -> [n] int64. Token x is returned exactly for u in ``[cdf(x-1), cdf(x)) / cdf(V-1)``,
+    an interval of length p(x) / sum(p), so a token of probability 0 is never returned. One
+    uniform instead of V exponentials (the Gumbel-max way) keeps this cheap on a CPU.
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [n, vocab_size]
+    # u < 1 makes u * total < total in IEEE arithmetic, so some cdf entry exceeds it.
+    targets = uniforms.unsqueeze(1) * cdf[:, -1:]  # [n, 1]
+    token_ids = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return token_ids.clamp_(max=probs.shape[-1] - 1)

@@ -1,0 +1,196 @@
+"""Sampling transforms applied alike to the target (p) and the draft (q): temperature, top-k, top-p.
+
+Rejection sampling is lossless with respect to the distribution it is given, so the verifier
+applies these transforms to the target's logits itself, and a sampling proposer applies the same
+functions to its own logits before drawing a draft token. Greedy decoding (``temperature == 0``)
+never builds probabilities: it takes ``greedy_token_ids`` (the argmax of the raw logits).
+
+The order and the exact semantics, for one row of logits ``z``:
+
+1. **temperature**: ``s = z / temperature``.
+2. **top-k**: keep every token whose ``s`` is ``>=`` the k-th largest ``s``; ties at the boundary
+   are all kept (so more than k tokens survive when the k-th value is tied), as in Hugging Face's
+   ``TopKLogitsWarper`` and vLLM. ``top_k >= vocab_size`` keeps everything.
+3. **softmax** over the survivors gives ``probs``.
+4. **top-p** (nucleus, over the top-k survivors): sort ``probs`` descending and accumulate in
+   float64; the nucleus is the shortest prefix whose mass is ``>= top_p``, always at least one
+   token; then every token whose probability equals the last member's is kept too (ties at the
+   boundary are all kept, so the result never depends on the order of tied tokens). The
+   survivors are renormalised. ``top_p == 1`` keeps everything. The running mass adds the
+   float32 probabilities in float64, so only a prefix whose mass is within a rounding error of
+   ``top_p`` can land on the other side of it.
+
+Filtered tokens get probability exactly 0, so neither the draft nor the verifier can emit them.
+
+Dimensions: ``num_rows`` positions whose logits are transformed (from one request or several),
+``vocab_size`` the vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hybridspec.errors import check
+from hybridspec.types import SamplingParams
+
+# Top-p works on the few candidates it needs instead of sorting the whole vocabulary (sorting 17
+# rows of 49152 floats costs tens of milliseconds on a CPU). Probabilities are binned by their
+# binary exponent (bin j holds [2^-(j+1), 2^-j)); the bins' cumulative mass tells how many of
+# the largest probabilities are enough to reach top_p, and only those are taken with topk.
+_NUM_EXPONENT_BINS = 64  # bin 63 also holds every positive probability below 2^-63
+_ZERO_BIN = _NUM_EXPONENT_BINS  # probabilities that are exactly 0: never nucleus candidates
+
+TransformKey = tuple[float, int | None, float]
+
+
+def transform_key(params: SamplingParams) -> TransformKey:
+    """What determines the transform: rows with equal keys are transformed identically."""
+    return (float(params.temperature), params.top_k, float(params.top_p))
+
+
+def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens: argmax of the raw logits, ties going to the lowest token id.
+
+    ``logits`` [num_rows, vocab_size] -> [num_rows] int64.
+    """
+    return logits.argmax(dim=-1)
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply one request's temperature, top-k and top-p to every row.
+
+    ``logits`` [num_rows, vocab_size] float -> probs [num_rows, vocab_size], float32 (float64
+    stays float64), each row summing to 1. Requires ``temperature > 0``.
+    """
+    _check_logits(logits)
+    _check_sampled(params, "params")
+    return _transform(logits, [params.temperature], [params.top_k], [params.top_p])
+
+
+def logits_to_probs_by_row(
+    logits: torch.Tensor, row_params: Sequence[SamplingParams]
+) -> torch.Tensor:
+    """Like ``logits_to_probs``, with row i transformed under ``row_params[i]``.
+
+    For a batch whose rows belong to requests with different sampling parameters; one
+    vectorised pass, whatever the mix. Every row needs ``temperature > 0``.
+    """
+    _check_logits(logits)
+    check(
+        len(row_params) == logits.shape[0],
+        "row_params",
+        f"expected one SamplingParams per row ({logits.shape[0]}), got {len(row_params)}",
+    )
+    keys = {transform_key(params) for params in row_params}
+    for params in row_params:
+        _check_sampled(params, "row_params")
+    if len(keys) == 1:
+        params = row_params[0]
+        return _transform(logits, [params.temperature], [params.top_k], [params.top_p])
+    return _transform(
+        logits,
+        [params.temperature for params in row_params],
+        [params.top_k for params in row_params],
+        [params.top_p for params in row_params],
+    )
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    check(
+        logits.dim() == 2 and logits.is_floating_point(),
+        "logits",
+        f"expected a float tensor [num_rows, vocab_size], got {logits.dtype} {tuple(logits.shape)}",
+    )
+
+
+def _check_sampled(params: SamplingParams, param: str) -> None:
+    check(
+        not params.is_greedy,
+        param,
+        "temperature 0 is greedy decoding: take greedy_token_ids(logits), not probabilities",
+    )
+
+
+def _transform(
+    logits: torch.Tensor,
+    temperatures: list[float],
+    top_ks: list[int | None],
+    top_ps: list[float],
+) -> torch.Tensor:
+    """Temperature, top-k, softmax, top-p; each list has one entry, or one per row."""
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()  # half-precision softmax sums would miss 1 by ~1e-3
+    if len(temperatures) == 1:
+        scaled = logits / temperatures[0]
+    else:
+        temperature = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
+        scaled = logits / temperature.unsqueeze(1)
+    scaled = _apply_top_k(scaled, top_ks)
+    probs = torch.softmax(scaled, dim=-1)
+    return _apply_top_p(probs, top_ps)
+
+
+def _apply_top_k(scaled: torch.Tensor, top_ks: list[int | None]) -> torch.Tensor:
+    """Set to -inf every logit below its row's k-th largest (ties with it survive)."""
+    vocab_size = scaled.shape[-1]
+    ks = [vocab_size if k is None else min(k, vocab_size) for k in top_ks]
+    k_max = max((k for k in ks if k < vocab_size), default=0)
+    if k_max == 0:
+        return scaled
+    top_values = scaled.topk(k_max, dim=-1).values  # [num_rows, k_max], descending
+    if len(ks) == 1:
+        kth = top_values[:, k_max - 1 :]
+    else:
+        index = torch.tensor([min(k, k_max) - 1 for k in ks], device=scaled.device)
+        kth = top_values.gather(-1, index.unsqueeze(1))
+        unfiltered = torch.tensor([k >= vocab_size for k in ks], device=scaled.device)
+        kth = kth.masked_fill(unfiltered.unsqueeze(1), float("-inf"))
+    return scaled.masked_fill(scaled < kth, float("-inf"))
+
+
+def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """Zero every probability outside its row's nucleus and renormalise the rest."""
+    active = [top_p < 1.0 for top_p in top_ps]
+    if not any(active):
+        return probs
+    top_p = torch.tensor(top_ps, dtype=torch.float64, device=probs.device).unsqueeze(1)
+    threshold = _nucleus_threshold(probs, top_p, active)  # [num_rows or 1, 1]
+    kept = probs.masked_fill(probs < threshold, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _nucleus_threshold(
+    probs: torch.Tensor, top_p: torch.Tensor, active: list[bool]
+) -> torch.Tensor:
+    """The smallest probability in each row's nucleus; 0 for rows without top-p.
+
+    ``probs`` [num_rows, vocab_size], ``top_p`` [num_rows or 1, 1] float64 -> [num_rows, 1].
+    """
+    num_rows = probs.shape[0]
+    # Bin by binary exponent: p = m * 2^e with m in [0.5, 1), so bin -e holds [2^(e-1), 2^e).
+    _, exponent = torch.frexp(probs)
+    bins = exponent.neg_().clamp_(0, _NUM_EXPONENT_BINS - 1).long()
+    bins.masked_fill_(probs == 0, _ZERO_BIN)
+    num_bins = _NUM_EXPONENT_BINS + 1
+    mass = torch.zeros(num_rows, num_bins, dtype=torch.float64, device=probs.device)
+    mass.scatter_add_(1, bins, probs.to(torch.float64))
+    count = torch.zeros(num_rows, num_bins, dtype=torch.long, device=probs.device)
+    count.scatter_add_(1, bins, torch.ones_like(bins))
+    # The first bin whose cumulative mass reaches top_p: every token of it and of the bins
+    # above it is enough. The zero bin is never needed (the nonzero tokens then all survive).
+    last_bin = (mass[:, :_NUM_EXPONENT_BINS].cumsum(dim=1) < top_p).sum(dim=1, keepdim=True)
+    last_bin.clamp_(max=_NUM_EXPONENT_BINS - 1)
+    candidates = count[:, :_NUM_EXPONENT_BINS].cumsum(dim=1).gather(1, last_bin)  # [num_rows, 1]
+    if len(active) > 1:
+        candidates.masked_fill_(~torch.tensor(active, device=probs.device).unsqueeze(1), 0)
+    num_candidates = max(int(candidates.max()), 1)
+    # The top candidates, sorted: their float64 running mass finds the nucleus's last member.
+    top_probs = probs.topk(num_candidates, dim=-1).values  # [num_rows, num_candidates]
+    running = top_probs.to(torch.float64).cumsum(dim=1)
+    last = (running < top_p).sum(dim=1, keepdim=True).clamp_(max=num_candidates - 1)
+    threshold = top_probs.gather(1, last)
+    if len(active) > 1:
+        threshold.masked_fill_(~torch.tensor(active, device=probs.device).unsqueeze(1), 0.0)
+    return threshold

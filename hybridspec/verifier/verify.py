@@ -1,0 +1,408 @@
+"""The verify step: a batch of sequences' drafts checked against one target forward.
+
+Greedy sequences (``temperature == 0``) take the target's argmax; sampled ones use lossless
+rejection sampling (``acceptance.py``: p = target, q = draft, as in Leviathan et al. 2023 and
+Chen et al. 2023). The verifier applies the request's sampling transforms to the target's logits
+itself; a sampling proposer's ``q`` must already be under the same transforms (it gets them from
+``sampling.logits_to_probs``). A greedy sequence's draft probabilities are never read.
+
+Randomness: sequence i draws ``k_i + 1`` float64 uniforms from its own generator, in one call,
+whatever happens: ``u_1 .. u_k`` decide its drafts and ``u_{k+1}`` samples its recovered or bonus
+token by inverse CDF. So a sequence's result depends on its inputs and its generator only, never
+on the other sequences of the batch (``None`` uses torch's global generator, which they share).
+Greedy sequences draw nothing.
+
+Layout of ``target_logits`` (as in vLLM): sequence i with k_i drafts owns the k_i + 1 rows
+``cu[i] + i .. cu[i + 1] + i``; row j of them holds the target's logits after the last committed
+token and d_1 .. d_j. Example: k = [2, 0, 3] gives cu = [0, 2, 2, 5] and 8 rows: seq 0 rows 0..2,
+seq 1 row 3, seq 2 rows 4..7 (see ``acceptance.DraftLayout``).
+
+Dimensions: ``num_seqs``, ``total_draft_tokens`` (sum of k_i), ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridspec.errors import check
+from hybridspec.types import Proposal, SamplingParams
+from hybridspec.verifier.acceptance import (
+    DraftLayout,
+    greedy_accept,
+    one_hot_residual_probs,
+    rejection_accept,
+    residual_probs,
+    sample_from_probs,
+)
+from hybridspec.verifier.sampling import (
+    greedy_token_ids,
+    logits_to_probs,
+    logits_to_probs_by_row,
+    transform_key,
+)
+
+GREEDY = SamplingParams()  # frozen, so safe to share as a default
+PROBS_SUM_TOLERANCE = 1e-3  # |sum(q row) - 1| allowed; float32 softmax rows miss 1 by ~1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyInput:
+    """One batch to verify: flat ragged drafts and the target's logits at every position."""
+
+    draft_token_ids: torch.Tensor  # [total_draft_tokens] int64
+    cu_num_draft_tokens: torch.Tensor  # [num_seqs + 1] int64, cumulative, cu[0] = 0
+    draft_probs: Sequence[torch.Tensor | None]  # per seq: q [k_i, vocab_size], None = deterministic
+    target_logits: torch.Tensor  # [total_draft_tokens + num_seqs, vocab_size] float
+    sampling: Sequence[SamplingParams]  # per seq
+    generators: Sequence[torch.Generator | None]  # per seq, on target_logits' device
+    num_draft_tokens: tuple[int, ...] = field(init=False)  # per seq k_i, read from cu once
+
+    def __post_init__(self) -> None:
+        cu = self.cu_num_draft_tokens
+        check(
+            cu.dim() == 1 and cu.numel() >= 2 and cu.dtype == torch.long,
+            "cu_num_draft_tokens",
+            f"expected int64 [num_seqs + 1] with num_seqs >= 1, got {cu.dtype} {tuple(cu.shape)}",
+        )
+        offsets = cu.tolist()
+        counts = tuple(b - a for a, b in itertools.pairwise(offsets))
+        check(
+            offsets[0] == 0 and min(counts) >= 0,
+            "cu_num_draft_tokens",
+            f"expected non-decreasing offsets starting at 0, got {offsets}",
+        )
+        object.__setattr__(self, "num_draft_tokens", counts)
+        num_seqs = len(counts)
+        _check_drafts(self.draft_token_ids, offsets[-1], num_seqs, self.target_logits)
+        for name, values in (
+            ("draft_probs", self.draft_probs),
+            ("sampling", self.sampling),
+            ("generators", self.generators),
+        ):
+            check(
+                len(values) == num_seqs,
+                name,
+                f"expected one entry per sequence ({num_seqs}), got {len(values)}",
+            )
+        for i, (params, probs) in enumerate(zip(self.sampling, self.draft_probs, strict=True)):
+            check(
+                isinstance(params, SamplingParams),
+                "sampling",
+                f"expected SamplingParams, got {type(params).__name__} for sequence {i}",
+            )
+            if probs is not None:
+                _check_probs_shape(probs, i, counts[i], self.target_logits)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_draft_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target_logits.shape[1]
+
+    @staticmethod
+    def from_proposals(
+        proposals: Sequence[Proposal],
+        target_logits: torch.Tensor,
+        sampling: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> VerifyInput:
+        """Flatten one ``Proposal`` per sequence; ``generators`` None means all None."""
+        device = target_logits.device
+        flat = [int(t) for proposal in proposals for t in proposal.token_ids]
+        cu = list(itertools.accumulate((p.num_tokens for p in proposals), initial=0))
+        return VerifyInput(
+            draft_token_ids=torch.tensor(flat, dtype=torch.long, device=device),
+            cu_num_draft_tokens=torch.tensor(cu, dtype=torch.long),
+            draft_probs=[p.probs for p in proposals],
+            target_logits=target_logits,
+            sampling=list(sampling),
+            generators=[None] * len(proposals) if generators is None else list(generators),
+        )
+
+    @staticmethod
+    def dummy(
+        num_draft_tokens: Sequence[int] = (3,),
+        vocab_size: int = 32,
+        sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+        probabilistic: bool | Sequence[bool] = False,
+        seed: int = 0,
+    ) -> VerifyInput:
+        """A random valid batch for tests: drafts drawn from random q (or uniformly when
+        deterministic), random target logits, sequence i's generator seeded ``seed + i``."""
+        num_seqs = len(num_draft_tokens)
+        params = [sampling] * num_seqs if isinstance(sampling, SamplingParams) else list(sampling)
+        kinds = [probabilistic] * num_seqs if isinstance(probabilistic, bool) else probabilistic
+        rng = torch.Generator().manual_seed(seed)
+        proposals = []
+        for k, sp, kind in zip(num_draft_tokens, params, kinds, strict=True):
+            if not kind:
+                proposals.append(Proposal(torch.randint(vocab_size, (k,), generator=rng).tolist()))
+                continue
+            q_params = SamplingParams(temperature=1.0) if sp.is_greedy else sp
+            q = logits_to_probs(torch.randn(k, vocab_size, generator=rng) * 2, q_params)
+            tokens = torch.multinomial(q, 1, generator=rng).squeeze(1).tolist() if k else []
+            proposals.append(Proposal(tokens, q))
+        logits = torch.randn(sum(num_draft_tokens) + num_seqs, vocab_size, generator=rng) * 2
+        gens = [torch.Generator().manual_seed(seed + i) for i in range(num_seqs)]
+        return VerifyInput.from_proposals(proposals, logits, params, gens)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyOutput:
+    """What each sequence commits: its accepted drafts, then one recovered or bonus token."""
+
+    num_accepted: torch.Tensor  # [num_seqs] int64, accepted drafts per sequence, 0..k_i
+    output_token_ids: list[list[int]]  # per seq: num_accepted[i] + 1 token ids
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.output_token_ids)
+
+
+def verify(inp: VerifyInput) -> VerifyOutput:
+    """Verify every sequence's drafts: greedy or rejection sampling, per its SamplingParams."""
+    greedy = [params.is_greedy for params in inp.sampling]
+    seqs = _Seqs(inp.num_draft_tokens, inp.draft_probs, inp.sampling, inp.generators)
+    if all(greedy):
+        num_accepted, final = _verify_greedy(inp.target_logits, inp.draft_token_ids, seqs)
+    elif not any(greedy):
+        num_accepted, final = _verify_sampled(inp.target_logits, inp.draft_token_ids, seqs)
+    else:
+        num_accepted = torch.empty(inp.num_seqs, dtype=torch.long, device=inp.target_logits.device)
+        final = torch.empty_like(num_accepted)
+        for members, step in (
+            ([i for i, g in enumerate(greedy) if g], _verify_greedy),
+            ([i for i, g in enumerate(greedy) if not g], _verify_sampled),
+        ):
+            logits, drafts, sub = _select(inp, members)
+            index = torch.tensor(members, device=num_accepted.device)
+            sub_accepted, sub_final = step(logits, drafts, sub)
+            num_accepted.index_copy_(0, index, sub_accepted)
+            final.index_copy_(0, index, sub_final)
+    return VerifyOutput(num_accepted, _output_token_ids(inp, num_accepted, final))
+
+
+@dataclass(frozen=True, slots=True)
+class _Seqs:
+    """The per-sequence fields of a (sub-)batch, in order."""
+
+    num_draft_tokens: Sequence[int]
+    draft_probs: Sequence[torch.Tensor | None]
+    sampling: Sequence[SamplingParams]
+    generators: Sequence[torch.Generator | None]
+
+
+def _select(inp: VerifyInput, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, _Seqs]:
+    """The target rows, drafts and per-sequence fields of the sequences ``seqs``."""
+    offsets = list(itertools.accumulate(inp.num_draft_tokens, initial=0))
+    draft_index = [t for i in seqs for t in range(offsets[i], offsets[i + 1])]
+    row_index = [r for i in seqs for r in range(offsets[i] + i, offsets[i + 1] + i + 1)]
+    device = inp.target_logits.device
+    logits = inp.target_logits[torch.tensor(row_index, device=device)]
+    drafts = inp.draft_token_ids[torch.tensor(draft_index, dtype=torch.long, device=device)]
+    sub = _Seqs(
+        [inp.num_draft_tokens[i] for i in seqs],
+        [inp.draft_probs[i] for i in seqs],
+        [inp.sampling[i] for i in seqs],
+        [inp.generators[i] for i in seqs],
+    )
+    return logits, drafts, sub
+
+
+def _verify_greedy(
+    target_logits: torch.Tensor, draft_token_ids: torch.Tensor, seqs: _Seqs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_accepted [num_seqs], final_token_ids [num_seqs]) by argmax; one argmax in all."""
+    layout = DraftLayout.from_counts(seqs.num_draft_tokens, target_logits.device)
+    return greedy_accept(greedy_token_ids(target_logits), draft_token_ids, layout)
+
+
+def _verify_sampled(
+    target_logits: torch.Tensor, draft_token_ids: torch.Tensor, seqs: _Seqs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_accepted [num_seqs], final_token_ids [num_seqs]) by rejection sampling."""
+    device = target_logits.device
+    nums = seqs.num_draft_tokens
+    layout = DraftLayout.from_counts(nums, device)
+    target_probs = _target_probs(target_logits, seqs)  # [num_rows, vocab_size]
+    uniforms = torch.cat(
+        [
+            torch.rand(k + 1, generator=gen, dtype=torch.float64, device=device)
+            for k, gen in zip(nums, seqs.generators, strict=True)
+        ]
+    )  # [num_rows]: each sequence's k_i acceptance draws, then its final-token draw
+    p_at_draft = target_probs[layout.draft_rows, draft_token_ids]  # [total_draft_tokens]
+    q_at_draft = _draft_probs_at_draft(draft_token_ids, seqs)
+    num_accepted = rejection_accept(p_at_draft, q_at_draft, uniforms[layout.draft_rows], layout)
+    final_probs = _final_probs(target_probs, draft_token_ids, num_accepted, layout, seqs)
+    return num_accepted, sample_from_probs(final_probs, uniforms[layout.bonus_rows])
+
+
+def _target_probs(target_logits: torch.Tensor, seqs: _Seqs) -> torch.Tensor:
+    """p at every target row, each under its own sequence's sampling transforms."""
+    if len({transform_key(params) for params in seqs.sampling}) == 1:
+        return logits_to_probs(target_logits, seqs.sampling[0])
+    row_params = [
+        params
+        for params, k in zip(seqs.sampling, seqs.num_draft_tokens, strict=True)
+        for _ in range(k + 1)
+    ]
+    return logits_to_probs_by_row(target_logits, row_params)
+
+
+def _draft_probs_at_draft(draft_token_ids: torch.Tensor, seqs: _Seqs) -> torch.Tensor | None:
+    """q(d) for every draft [total_draft_tokens]; 1 for deterministic drafts; None if all are."""
+    with_probs = [i for i, q in enumerate(seqs.draft_probs) if q is not None]
+    if not with_probs:
+        return None
+    nums = seqs.num_draft_tokens
+    offsets = list(itertools.accumulate(nums, initial=0))
+    q_rows = [seqs.draft_probs[i] for i in with_probs]
+    q = torch.cat(q_rows) if len(q_rows) > 1 else q_rows[0]  # type: ignore[arg-type]
+    assert q is not None
+    if len(with_probs) == len(nums):
+        tokens = draft_token_ids
+    else:
+        index = [t for i in with_probs for t in range(offsets[i], offsets[i + 1])]
+        index_t = torch.tensor(index, dtype=torch.long, device=draft_token_ids.device)
+        tokens = draft_token_ids[index_t]
+    q_at_tokens = q.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    _check_probs_values(q, q_at_tokens, [(i, k) for i in with_probs for k in range(nums[i])])
+    if len(with_probs) == len(nums):
+        return q_at_tokens
+    q_at_draft = torch.ones(len(draft_token_ids), dtype=q.dtype, device=q.device)
+    return q_at_draft.index_copy_(0, index_t, q_at_tokens)
+
+
+def _final_probs(
+    target_probs: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_accepted: torch.Tensor,
+    layout: DraftLayout,
+    seqs: _Seqs,
+) -> torch.Tensor:
+    """[num_seqs, vocab_size]: the residual at the first rejection, else p after the last draft."""
+    final = target_probs[layout.first_rows + num_accepted]
+    accepted = num_accepted.tolist()
+    rejected = [
+        i for i, (n, k) in enumerate(zip(accepted, seqs.num_draft_tokens, strict=True)) if n < k
+    ]
+    probabilistic = [i for i in rejected if seqs.draft_probs[i] is not None]
+    deterministic = [i for i in rejected if seqs.draft_probs[i] is None]
+    device = final.device
+    if probabilistic:
+        index = torch.tensor(probabilistic, device=device)
+        q = torch.stack([seqs.draft_probs[i][accepted[i]] for i in probabilistic])  # type: ignore[index]
+        final[index] = residual_probs(final[index], q.to(final.dtype))
+    if deterministic:
+        index = torch.tensor(deterministic, device=device)
+        offsets = list(itertools.accumulate(seqs.num_draft_tokens, initial=0))
+        at = torch.tensor([offsets[i] + accepted[i] for i in deterministic], device=device)
+        final[index] = one_hot_residual_probs(final[index], draft_token_ids[at])
+    return final
+
+
+def _output_token_ids(
+    inp: VerifyInput, num_accepted: torch.Tensor, final: torch.Tensor
+) -> list[list[int]]:
+    """Per sequence: its first num_accepted drafts, then its final token (3 host copies)."""
+    drafts, accepted, finals = inp.draft_token_ids.tolist(), num_accepted.tolist(), final.tolist()
+    out, start = [], 0
+    for k, n, token in zip(inp.num_draft_tokens, accepted, finals, strict=True):
+        out.append([*drafts[start : start + n], token])
+        start += k
+    return out
+
+
+def _check_drafts(
+    draft_token_ids: torch.Tensor, total: int, num_seqs: int, target_logits: torch.Tensor
+) -> None:
+    check(
+        target_logits.dim() == 2 and target_logits.is_floating_point(),
+        "target_logits",
+        f"expected a float tensor [num_rows, vocab_size], got {target_logits.dtype} "
+        f"{tuple(target_logits.shape)}",
+    )
+    check(
+        draft_token_ids.dim() == 1 and draft_token_ids.dtype == torch.long,
+        "draft_token_ids",
+        f"expected int64 [total_draft_tokens], got {draft_token_ids.dtype} "
+        f"{tuple(draft_token_ids.shape)}",
+    )
+    check(
+        draft_token_ids.numel() == total,
+        "draft_token_ids",
+        f"expected cu_num_draft_tokens[-1] = {total} tokens, got {draft_token_ids.numel()}",
+    )
+    check(
+        draft_token_ids.device == target_logits.device,
+        "draft_token_ids",
+        f"expected device {target_logits.device}, got {draft_token_ids.device}",
+    )
+    check(
+        target_logits.shape[0] == total + num_seqs,
+        "target_logits",
+        f"expected total_draft_tokens + num_seqs = {total} + {num_seqs} rows, "
+        f"got {target_logits.shape[0]}",
+    )
+    vocab_size = target_logits.shape[1]
+    if total:
+        low, high = torch.aminmax(draft_token_ids)
+        check(
+            int(low) >= 0 and int(high) < vocab_size,
+            "draft_token_ids",
+            f"expected token ids in [0, {vocab_size}), got values in [{int(low)}, {int(high)}]",
+        )
+
+
+def _check_probs_shape(
+    probs: torch.Tensor, seq: int, num_draft_tokens: int, target_logits: torch.Tensor
+) -> None:
+    expected = (num_draft_tokens, target_logits.shape[1])
+    check(
+        probs.is_floating_point() and tuple(probs.shape) == expected,
+        "draft_probs",
+        f"sequence {seq}: expected a float tensor {list(expected)}, got {probs.dtype} "
+        f"{list(probs.shape)}",
+    )
+    check(
+        probs.device == target_logits.device,
+        "draft_probs",
+        f"sequence {seq}: expected device {target_logits.device}, got {probs.device}",
+    )
+
+
+def _check_probs_values(
+    q: torch.Tensor, q_at_tokens: torch.Tensor, rows: list[tuple[int, int]]
+) -> None:
+    """Rows of q are distributions and give their own draft a positive probability.
+
+    ``rows[r]`` names (sequence, position) of row r of ``q`` [n, vocab_size].
+    """
+    if q.numel() == 0:
+        return
+    error = (q.sum(dim=1) - 1).abs()
+    if not bool(error.max() <= PROBS_SUM_TOLERANCE):  # also False for NaN
+        seq, pos = rows[int(torch.nan_to_num(error, nan=float("inf")).argmax())]
+        check(
+            False,
+            "draft_probs",
+            f"sequence {seq} position {pos}: expected a row summing to 1 within "
+            f"{PROBS_SUM_TOLERANCE}, got {float(q[rows.index((seq, pos))].sum()):.6g}",
+        )
+    if not bool(q.min() >= 0):
+        seq, pos = rows[int(q.min(dim=1).values.argmin())]
+        check(False, "draft_probs", f"sequence {seq} position {pos}: expected probabilities >= 0")
+    if not bool(q_at_tokens.min() > 0):
+        seq, pos = rows[int(q_at_tokens.argmin())]
+        check(
+            False,
+            "draft_probs",
+            f"sequence {seq} position {pos}: the draft token has probability 0 under its own q",
+        )

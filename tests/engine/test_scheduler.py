@@ -1,0 +1,66 @@
+"""The scheduler's admission, bounded queue and prefill chunking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridspec.engine.request import GenerationParams, Request
+from hybridspec.engine.scheduler import Scheduler
+from hybridspec.errors import CapacityError
+
+
+def make_request(seq_id: int, prompt_len: int) -> Request:
+    return Request(
+        request_id=f"r{seq_id}",
+        seq_id=seq_id,
+        prompt_token_ids=list(range(prompt_len)),
+        params=GenerationParams(),
+        proposer_name="none",
+        num_speculative_tokens=4,
+        generator=torch.Generator(),
+    )
+
+
+def test_queue_full_raises_capacity_error() -> None:
+    scheduler = Scheduler(max_queue_size=2, prefill_chunk_size=16)
+    scheduler.add(make_request(0, 3))
+    scheduler.add(make_request(1, 3))
+    with pytest.raises(CapacityError, match="queue is full"):
+        scheduler.add(make_request(2, 3))
+
+
+def test_admits_only_into_free_slots_in_arrival_order() -> None:
+    scheduler = Scheduler(max_queue_size=8, prefill_chunk_size=16)
+    for i in range(3):
+        scheduler.add(make_request(i, 3))
+    admitted = scheduler.admit(num_free_slots=2)
+    assert [r.seq_id for r in admitted] == [0, 1]
+    assert [r.seq_id for r in scheduler.waiting] == [2]
+    assert len(scheduler) == 3
+
+
+def test_long_prompt_is_chunked_and_decoding_requests_never_wait() -> None:
+    scheduler = Scheduler(max_queue_size=8, prefill_chunk_size=16)
+    decoding, long_prompt = make_request(0, 5), make_request(1, 40)
+    scheduler.add(decoding)
+    scheduler.add(long_prompt)
+    scheduler.admit(2)
+    # The decoding request has all but its last token cached; the new one has nothing cached.
+    plan = scheduler.plan([4, 0])
+    assert plan.decode == [decoding]
+    assert plan.prefill == [(long_prompt, 16)]
+    plan = scheduler.plan([4, 32])  # 7 prompt tokens left before its last: it fits, so it decodes
+    assert plan.decode == [decoding, long_prompt]
+    assert plan.prefill == []
+
+
+def test_budget_is_shared_between_new_requests() -> None:
+    scheduler = Scheduler(max_queue_size=8, prefill_chunk_size=16)
+    first, second = make_request(0, 11), make_request(1, 11)
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.admit(2)
+    plan = scheduler.plan([0, 0])  # the first costs 10 of 16, the second gets the last 6
+    assert plan.decode == [first]
+    assert plan.prefill == [(second, 6)]
