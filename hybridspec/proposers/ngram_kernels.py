@@ -32,13 +32,13 @@ count 1, last_pos 2) and (next 2, count 1, last_pos 40); the lookup for context 
 ring at ``last_pos - 2, last_pos - 1``, so even a full 64-bit hash collision cannot make the
 tables disagree with the reference.
 
-Capacity. ``num_used`` (LIVE + TOMBSTONE entries) never exceeds ``capacity // 2``, so every probe
-ends at an EMPTY entry. Forgetting an occurrence whose count drops to 0 leaves a TOMBSTONE, which
-later inserts reuse; when a table is at its limit with ``capacity // 4`` tombstones it is rebuilt
-from the ring. A table never holds more than ``window`` LIVE entries, so ``capacity >= 4 *
-window`` (the default: 16384 >= 2048) means no occurrence is ever dropped. With a smaller
-capacity an occurrence that finds no room is dropped: proposals get worse, never wrong, since
-each proposed pair was still seen in the window.
+Capacity. ``num_used`` (LIVE + TOMBSTONE entries) never exceeds ``capacity // 2``, so every
+probe ends at an EMPTY entry. Forgetting an occurrence whose count drops to 0 leaves a
+TOMBSTONE; a table at that limit with at least ``capacity // 4`` tombstones is rebuilt from the
+ring. A table holds fewer than ``window`` LIVE entries, so with ``capacity >= 4 * window`` (the
+default: 16384 >= 2048) a table at the limit always has enough tombstones to be rebuilt, and no
+occurrence is ever dropped. With a smaller capacity an occurrence that finds no room is dropped:
+proposals get worse, never wrong, since each proposed pair was still seen in the window.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ FNV_PRIME = np.uint64(0x100000001B3)
 
 EMPTY = np.int8(0)  # never written since the slot was seeded or rebuilt: ends every probe
 LIVE = np.int8(1)
-TOMBSTONE = np.int8(2)  # count fell to 0: probes go on past it, inserts may reuse it
+TOMBSTONE = np.int8(2)  # count fell to 0: probes go on past it until the table is rebuilt
 
 
 class NgramTables(NamedTuple):
@@ -130,23 +130,17 @@ def _context_matches(tables, slot, o, index, order, token_ids, start):
 def _locate(tables, slot, o, order, key, ngram):
     """Probe for the entry of the n-gram ``ngram[:order + 1]`` (context, then next token).
 
-    Returns ``(found, index)``: the entry's index if found, else where to insert it (the first
-    TOMBSTONE on the probe path, or the EMPTY entry that ends it).
+    Returns ``(found, index)``: the entry's index if found, else the EMPTY entry ending the probe.
     """
     mask = tables.keys.shape[2] - 1
     index = np.int64(key & np.uint64(mask))
-    has_tombstone = False
-    tombstone = index
     while True:
         state = tables.state[slot, o, index]
         if state == EMPTY:
-            return False, tombstone if has_tombstone else index
-        if state == TOMBSTONE:
-            if not has_tombstone:
-                has_tombstone = True
-                tombstone = index
-        elif (
-            tables.keys[slot, o, index] == key
+            return False, index
+        if (
+            state == LIVE
+            and tables.keys[slot, o, index] == key
             and tables.next_token_ids[slot, o, index] == ngram[order]
             and _context_matches(tables, slot, o, index, order, ngram, 0)
         ):
@@ -163,12 +157,9 @@ def _add_occurrence(tables, slot, o, order, ngram, pos):
         tables.counts[slot, o, index] += 1
         tables.last_pos[slot, o, index] = pos
         return
-    if tables.state[slot, o, index] == TOMBSTONE:
-        tables.num_tombstones[slot, o] -= 1
-    elif tables.num_used[slot, o] >= tables.keys.shape[2] // 2:
-        return  # full: drop the occurrence (keeps an EMPTY entry to end every probe)
-    else:
-        tables.num_used[slot, o] += 1
+    if tables.num_used[slot, o] >= tables.keys.shape[2] // 2:
+        return  # full: drop the occurrence (keeps EMPTY entries to end every probe)
+    tables.num_used[slot, o] += 1
     tables.keys[slot, o, index] = key
     tables.next_token_ids[slot, o, index] = ngram[order]
     tables.counts[slot, o, index] = 1

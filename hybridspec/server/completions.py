@@ -9,6 +9,7 @@ A streamed response is a sequence of server-sent events, ``data: <chunk JSON>``,
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -93,27 +94,19 @@ class ChunkRenderer:
     chat: bool
 
     def _event(self, choices: list[dict[str, object]], **extra: object) -> str:
-        if self.chat:
-            chunk: ChatCompletionChunk | CompletionResponse = ChatCompletionChunk.model_validate(
-                {
-                    "id": self.id,
-                    "created": self.created,
-                    "model": self.model,
-                    "choices": choices,
-                    **extra,
-                }
-            )
-        else:
-            chunk = CompletionResponse.model_validate(
-                {
-                    "id": self.id,
-                    "created": self.created,
-                    "model": self.model,
-                    "choices": choices,
-                    **extra,
-                }
-            )
-        return f"data: {chunk.model_dump_json()}\n\n"
+        schema = ChatCompletionChunk if self.chat else CompletionResponse
+        fields = {"id": self.id, "created": self.created, "model": self.model, **extra}
+        chunk = schema.model_validate({**fields, "choices": choices})
+        # As OpenAI does: a delta holds only what it carries; usage and the statistics appear
+        # only on the chunks that carry them.
+        data = chunk.model_dump(mode="json")
+        for key in ("usage", "hybridspec"):
+            if data[key] is None:
+                del data[key]
+        for choice in data["choices"]:
+            if "delta" in choice:
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
     def head(self) -> str | None:
         if not self.chat:

@@ -257,6 +257,7 @@ async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
 
     Cancelling it cancels the generator it drives, whose ``finally`` aborts the engine request.
     """
+    return await awaitable
     task = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:

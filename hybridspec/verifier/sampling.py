@@ -35,12 +35,10 @@ import torch
 from hybridspec.errors import check
 from hybridspec.types import SamplingParams
 
-# Top-p works on the few candidates it needs instead of sorting the whole vocabulary (sorting 17
-# rows of 49152 floats costs tens of milliseconds on a CPU). Probabilities are binned by their
-# binary exponent (bin j holds [2^-(j+1), 2^-j)); the bins' cumulative mass tells how many of
-# the largest probabilities are enough to reach top_p, and only those are taken with topk.
-_NUM_EXPONENT_BINS = 64  # bin 63 also holds every positive probability below 2^-63
-_ZERO_BIN = _NUM_EXPONENT_BINS  # probabilities that are exactly 0: never nucleus candidates
+# Top-p first looks for the nucleus among this many largest probabilities of each row.
+_PREFIX_SIZE = 64
+# Every non-negative float32 bit pattern (NaN included) shifted right by 20 is below this.
+_NUM_BUCKETS = 2048
 
 TransformKey = tuple[float, int | None, float]
 
@@ -167,30 +165,54 @@ def _nucleus_threshold(
     """The smallest probability in each row's nucleus; 0 for rows without top-p.
 
     ``probs`` [num_rows, vocab_size], ``top_p`` [num_rows or 1, 1] float64 -> [num_rows, 1].
+
+    Sorting 17 rows of 49152 floats costs tens of milliseconds on a CPU, so this never sorts a
+    whole row: the largest ``_PREFIX_SIZE`` probabilities usually hold the nucleus (always when
+    top_k <= _PREFIX_SIZE); when they do not, ``_bucketed_threshold`` finds it in a few passes.
+    """
+    inactive = None
+    if len(active) > 1:
+        inactive = ~torch.tensor(active, device=probs.device).unsqueeze(1)
+    top = probs.topk(min(_PREFIX_SIZE, probs.shape[1]), dim=-1).values  # descending
+    running = top.to(torch.float64).cumsum(dim=1)
+    reached = running[:, -1:] >= top_p
+    if inactive is not None:
+        reached |= inactive
+    if bool(reached.all()):
+        last = (running < top_p).sum(dim=1, keepdim=True)  # inactive rows may count them all
+        threshold = top.gather(1, last.clamp_(max=top.shape[1] - 1))
+    else:
+        threshold = _bucketed_threshold(probs, top_p, inactive)
+    if inactive is not None:
+        threshold.masked_fill_(inactive, 0.0)
+    return threshold
+
+
+def _bucketed_threshold(
+    probs: torch.Tensor, top_p: torch.Tensor, inactive: torch.Tensor | None
+) -> torch.Tensor:
+    """``_nucleus_threshold`` in a few passes over the vocabulary, sorting only one bucket.
+
+    A probability's bucket is the top 11 bits of its float32 bit pattern (sign, exponent, 3
+    mantissa bits): a value range 1/8 of an octave wide, higher buckets holding higher values.
+    The buckets' float64 masses, accumulated from the top, locate the crossing bucket, where the
+    running mass reaches top_p; the largest members of that bucket then finish the count.
     """
     num_rows = probs.shape[0]
-    # Bin by binary exponent: p = m * 2^e with m in [0.5, 1), so bin -e holds [2^(e-1), 2^e).
-    _, exponent = torch.frexp(probs)
-    bins = exponent.neg_().clamp_(0, _NUM_EXPONENT_BINS - 1).long()
-    bins.masked_fill_(probs == 0, _ZERO_BIN)
-    num_bins = _NUM_EXPONENT_BINS + 1
-    mass = torch.zeros(num_rows, num_bins, dtype=torch.float64, device=probs.device)
-    mass.scatter_add_(1, bins, probs.to(torch.float64))
-    count = torch.zeros(num_rows, num_bins, dtype=torch.long, device=probs.device)
-    count.scatter_add_(1, bins, torch.ones_like(bins))
-    # The first bin whose cumulative mass reaches top_p: every token of it and of the bins
-    # above it is enough. The zero bin is never needed (the nonzero tokens then all survive).
-    last_bin = (mass[:, :_NUM_EXPONENT_BINS].cumsum(dim=1) < top_p).sum(dim=1, keepdim=True)
-    last_bin.clamp_(max=_NUM_EXPONENT_BINS - 1)
-    candidates = count[:, :_NUM_EXPONENT_BINS].cumsum(dim=1).gather(1, last_bin)  # [num_rows, 1]
-    if len(active) > 1:
-        candidates.masked_fill_(~torch.tensor(active, device=probs.device).unsqueeze(1), 0)
-    num_candidates = max(int(candidates.max()), 1)
-    # The top candidates, sorted: their float64 running mass finds the nucleus's last member.
-    top_probs = probs.topk(num_candidates, dim=-1).values  # [num_rows, num_candidates]
-    running = top_probs.to(torch.float64).cumsum(dim=1)
-    last = (running < top_p).sum(dim=1, keepdim=True).clamp_(max=num_candidates - 1)
-    threshold = top_probs.gather(1, last)
-    if len(active) > 1:
-        threshold.masked_fill_(~torch.tensor(active, device=probs.device).unsqueeze(1), 0.0)
-    return threshold
+    buckets = probs.float().view(torch.int32) >> 20  # [num_rows, vocab_size]
+    mass = torch.zeros(num_rows, _NUM_BUCKETS, dtype=torch.float64, device=probs.device)
+    mass.scatter_add_(1, buckets.long(), probs.to(torch.float64))
+    above = mass.flip(1).cumsum(dim=1)  # [:, j]: mass of the buckets >= _NUM_BUCKETS - 1 - j
+    # A row whose total rounds below top_p keeps every positive probability.
+    goal = torch.minimum(top_p, above[:, -1:])  # [num_rows, 1]
+    j = (above < goal).sum(dim=1, keepdim=True)
+    crossing = ((_NUM_BUCKETS - 1) - j).to(torch.int32)  # [num_rows, 1]
+    mass_above = above.gather(1, (j - 1).clamp(min=0)).masked_fill_(j == 0, 0.0)
+    if inactive is not None:
+        crossing.masked_fill_(inactive, -1)  # no members: rows without top-p cost nothing
+    member = buckets == crossing  # [num_rows, vocab_size]
+    count = member.sum(dim=1, keepdim=True)
+    top = torch.where(member, probs, 0.0).topk(max(int(count.max()), 1), dim=-1).values
+    running = mass_above + top.to(torch.float64).cumsum(dim=1)
+    last = torch.minimum((running < goal).sum(dim=1, keepdim=True), (count - 1).clamp(min=0))
+    return top.gather(1, last)

@@ -127,6 +127,25 @@ def test_docstring_worked_example_of_the_layout():
     assert table_contents(tables, 0, 2, 2)[(5, 7)] == {9: (1, 2), 2: (1, 40)}
 
 
+def test_hash_collision_is_caught_by_reading_the_context_back():
+    tables = kernels.allocate_tables(1, num_orders=1, capacity=64, window=16)
+    kernels.seed_slot(tables, 2, 0, np.array([5, 7, 9, 3, 5, 7], np.int64))  # "5 7 -> 9" once
+    # Forge, on the probe path of "5 7", an entry with its key but whose stored occurrence is
+    # "9 3 -> 5" at position 4: what a full 64-bit collision of "9 3" with "5 7" would look like.
+    key = kernels.fnv1a_context(2, np.array([5, 7], np.int64), 0)
+    index = int(key) & 63
+    while tables.state[0, 0, index] != kernels.EMPTY:
+        index = (index + 1) & 63
+    tables.keys[0, 0, index], tables.next_token_ids[0, 0, index] = key, 42
+    tables.counts[0, 0, index], tables.last_pos[0, 0, index] = 5, 4
+    tables.state[0, 0, index] = kernels.LIVE
+    tables.num_used[0, 0] += 1
+    out_token_ids, out_num_tokens = np.empty((1, 1), np.int64), np.empty(1, np.int64)
+    slots, ks = np.zeros(1, np.int64), np.ones(1, np.int64)
+    kernels.propose_batch(tables, 2, slots, ks, out_token_ids, out_num_tokens)
+    assert out_token_ids[0, : out_num_tokens[0]].tolist() == [9]  # not the forged, likelier 42
+
+
 # --- kernels against the reference ---------------------------------------------------------
 
 

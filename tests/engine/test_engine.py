@@ -1,0 +1,304 @@
+"""The engine end to end on tiny random Llama models built here (float32, CPU).
+
+Greedy parity: every proposer, every K, alone or in a mixed batch, gives exactly the tokens of
+plain decoding (``proposer="none"``). Rollback: after every round the target's and the draft's
+caches equal what plain decoding of the committed tokens builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hybridspec import (
+    Engine,
+    EngineConfig,
+    FinishReason,
+    GenerationParams,
+    HybridSpecError,
+    InvalidRequestError,
+    ModelConfig,
+    Proposal,
+    Proposer,
+    ProposeRequest,
+)
+from hybridspec.engine.loader import LoadedModel
+from hybridspec.engine.llama import LlamaWeights
+from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.proposers import ProposerContext, default_registry
+from hybridspec.proposers.draft import DraftModelProposer
+
+VOCAB = 64
+EOS = VOCAB - 1
+
+PROMPTS = [
+    [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2],
+    [7],
+    [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30],
+    [5, 9, 5, 9, 5, 9, 5, 9, 40, 41, 42, 5, 9],
+    [33, 34, 33, 35, 33, 36, 8, 8, 8, 8, 8],
+]
+
+
+def tiny_loaded(seed: int, noise_from: LoadedModel | None = None) -> LoadedModel:
+    """A tiny random Llama; with ``noise_from``, that model's weights plus small noise (a draft
+    that mostly agrees with it)."""
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=EOS, bos_token_id=0, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    state = model.state_dict()
+    if noise_from is not None:
+        torch.manual_seed(seed)
+        state = {k: v + 0.3 * v.std() * torch.randn_like(v) if v.dim() > 1 else v
+                 for k, v in state.items()}
+    else:  # sharpen the output so greedy text has structure worth speculating on, and keep
+        # EOS (logit 0, below the largest of 63 others) out of greedy output.
+        state["lm_head.weight"] = state["lm_head.weight"] * 8
+        state["lm_head.weight"][EOS] = 0
+    weights = LlamaWeights.from_hf_state_dict(state, config, dtype=torch.float32)
+    return LoadedModel(weights, None, config, torch.float32, (EOS,), f"tiny:{seed}")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return tiny_loaded(0)
+
+
+@pytest.fixture(scope="module")
+def draft(target: LoadedModel) -> LoadedModel:
+    return tiny_loaded(1, noise_from=target)
+
+
+def make_engine(target: LoadedModel, draft: LoadedModel | None = None, **config: object) -> Engine:
+    registry = default_registry()
+    if draft is not None:
+        def factory(context: ProposerContext) -> Proposer:
+            options = {**context.options, "loaded": draft}
+            return DraftModelProposer(
+                ProposerContext(context.vocab_size, context.eos_token_ids, options=options)
+            )
+
+        registry.register("draft", factory, replace=True)
+    target_config = ModelConfig(dtype="float32", max_seq_len=config.pop("max_seq_len", 256),  # type: ignore[arg-type]
+                                max_num_seqs=config.pop("max_num_seqs", 8))  # type: ignore[arg-type]
+    return Engine(EngineConfig(target=target_config, **config), target=target, registry=registry)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def engine(target: LoadedModel, draft: LoadedModel) -> Engine:
+    return make_engine(target, draft)
+
+
+def plain(engine: Engine, prompt: Sequence[int], max_new_tokens: int = 40) -> list[int]:
+    return engine.generate(prompt_token_ids=prompt, proposer="none",
+                           max_new_tokens=max_new_tokens).token_ids
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_greedy_speculation_equals_plain_decoding(engine: Engine, proposer: str, k: int) -> None:
+    for prompt in PROMPTS:
+        result = engine.generate(prompt_token_ids=prompt, proposer=proposer,
+                                 num_speculative_tokens=k, max_new_tokens=40)
+        expected = plain(engine, prompt)
+        assert len(expected) == 40
+        assert result.token_ids == expected, f"prompt {prompt}"
+        assert result.stats.target_forwards <= result.stats.generated_tokens
+
+
+def test_speculation_saves_forwards(engine: Engine) -> None:
+    result = engine.generate(prompt_token_ids=PROMPTS[0], proposer="draft",
+                             num_speculative_tokens=4, max_new_tokens=40)
+    assert result.stats.draft_tokens_accepted > 0
+    assert result.stats.mean_accepted_length > 1.0
+    assert 0.0 < result.stats.acceptance_rate <= 1.0
+
+
+def test_mixed_batch_joining_at_different_steps_equals_solo(engine: Engine) -> None:
+    expected = {i: plain(engine, p, 30) for i, p in enumerate(PROMPTS)}
+    setups = [("ngram", 8), ("draft", 3), ("none", None), ("draft", 8), ("ngram", 1)]
+    ids: dict[str, int] = {}
+    results: dict[int, list[int]] = {}
+    joins = {0: [0, 1], 2: [2], 3: [3, 4]}  # step number -> prompts that join before it
+    step = 0
+    while step <= max(joins) or engine.has_unfinished():
+        for i in joins.get(step, []):
+            name, k = setups[i]
+            params = GenerationParams(max_new_tokens=30, proposer=name, num_speculative_tokens=k)
+            ids[engine.add_request(PROMPTS[i], params)] = i
+        for output in engine.step():
+            if output.finished:
+                assert output.result is not None
+                results[ids[output.request_id]] = output.result.token_ids
+        step += 1
+    assert results == expected
+
+
+def cache_equals_plain_prefill(target: LoadedModel, runtime: object, slot: int,
+                               token_ids: list[int]) -> None:
+    """The first len(token_ids) cached keys/values equal a fresh prefill of token_ids."""
+    fresh = target.create_runtime(1, 256)
+    fresh_slot = fresh.allocate()
+    fresh.forward(ForwardBatch.from_lists([fresh_slot], [token_ids], []))
+    n = len(token_ids)
+    got, want = runtime._cache, fresh._cache  # type: ignore[attr-defined]
+    assert runtime.seq_len(slot) == n  # type: ignore[attr-defined]
+    torch.testing.assert_close(got.keys[:, slot, :, :n], want.keys[:, fresh_slot, :, :n],
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.values[:, slot, :, :n], want.values[:, fresh_slot, :, :n],
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_rollback_leaves_caches_as_plain_decoding_builds_them(
+    target: LoadedModel, draft: LoadedModel, proposer: str
+) -> None:
+    engine = make_engine(target, draft)
+    draft_proposer = engine.resolve_proposer("draft")
+    assert isinstance(draft_proposer, DraftModelProposer)
+    engine.add_request(PROMPTS[3], GenerationParams(max_new_tokens=40, proposer=proposer,
+                                                    num_speculative_tokens=5))
+    rounds = 0
+    while engine.has_unfinished():
+        engine.step()
+        for request in engine.scheduler.running:
+            assert request.slot is not None
+            cache_equals_plain_prefill(target, engine.runtime, request.slot,
+                                       request.token_ids[:-1])
+            if proposer == "draft":
+                seq = draft_proposer._seqs[request.seq_id]
+                cached = draft_proposer.runtime.seq_len(seq.slot)
+                assert cached <= len(request.token_ids) - 1
+                cache_equals_plain_prefill(draft, draft_proposer.runtime, seq.slot,
+                                           request.token_ids[:cached])
+            rounds += 1
+    assert rounds > 3
+
+
+def test_max_new_tokens_is_exact_even_inside_an_accepted_run(engine: Engine) -> None:
+    for n in (1, 2, 7, 13):
+        result = engine.generate(prompt_token_ids=PROMPTS[0], proposer="draft",
+                                 num_speculative_tokens=8, max_new_tokens=n)
+        assert result.token_ids == plain(engine, PROMPTS[0], 40)[:n]
+        assert result.finish_reason is FinishReason.LENGTH
+
+
+def test_context_length_shrinks_k_then_stops(target: LoadedModel, draft: LoadedModel) -> None:
+    small = make_engine(target, draft, max_seq_len=30)
+    prompt = PROMPTS[2]  # 21 tokens: room for 9 more
+    result = small.generate(prompt_token_ids=prompt, proposer="draft",
+                            num_speculative_tokens=8, max_new_tokens=100)
+    assert result.finish_reason is FinishReason.LENGTH
+    assert len(prompt) + len(result.token_ids) == 30
+    big = make_engine(target)
+    assert result.token_ids == plain(big, prompt, 9)
+
+
+def test_eos_stops_and_is_not_returned(target: LoadedModel) -> None:
+    engine = make_engine(target)
+    reference = plain(engine, PROMPTS[4], 20)
+    stop_token = reference[5]
+    stopper = tiny_loaded(0)
+    stopper = LoadedModel(target.weights, None, target.hf_config, torch.float32,  # type: ignore[arg-type]
+                          (stop_token,), "tiny:eos")
+    stopping = make_engine(stopper)
+    result = stopping.generate(prompt_token_ids=PROMPTS[4], proposer="ngram", max_new_tokens=20)
+    assert result.finish_reason is FinishReason.STOP
+    assert result.token_ids == reference[: reference.index(stop_token)]
+    ignored = stopping.generate(prompt_token_ids=PROMPTS[4], proposer="ngram",
+                                max_new_tokens=20, ignore_eos=True)
+    assert ignored.token_ids == reference
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram", "draft"])
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(
+    engine: Engine, proposer: str
+) -> None:
+    params = GenerationParams.create(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=1234,
+                                     proposer=proposer, num_speculative_tokens=4)
+    alone = engine.generate(prompt_token_ids=PROMPTS[0], params=params).token_ids
+    assert engine.generate(prompt_token_ids=PROMPTS[0], params=params).token_ids == alone
+    mine = engine.add_request(PROMPTS[0], params)
+    for i, prompt in enumerate(PROMPTS[1:]):
+        neighbour = GenerationParams.create(max_new_tokens=15, temperature=1.0, seed=i,
+                                            proposer="draft", num_speculative_tokens=3)
+        engine.add_request(prompt, neighbour)
+    result = None
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.request_id == mine and output.finished:
+                result = output.result
+    assert result is not None and result.token_ids == alone
+
+
+class TooMany(Proposer):
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        return [Proposal([1] * (r.num_tokens + 1)) for r in requests]
+
+
+def test_broken_custom_proposer_fails_only_its_own_request(engine: Engine) -> None:
+    engine.register_proposer("too-many", TooMany, replace=True)
+    bad = engine.add_request(PROMPTS[0], GenerationParams(max_new_tokens=10, proposer="too-many"))
+    good = engine.add_request(PROMPTS[1], GenerationParams(max_new_tokens=10, proposer="draft"))
+    finished = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.result
+    assert finished[bad].finish_reason is FinishReason.ERROR
+    assert "at most" in (finished[bad].error or "")
+    assert finished[good].token_ids == plain(engine, PROMPTS[1], 10)
+    with pytest.raises(HybridSpecError):
+        engine.generate(prompt_token_ids=PROMPTS[0], proposer="too-many", max_new_tokens=4)
+
+
+def test_abort_releases_the_slot(target: LoadedModel) -> None:
+    engine = make_engine(target, max_num_seqs=1)
+    request_id = engine.add_request(PROMPTS[0], GenerationParams(max_new_tokens=50))
+    engine.step()
+    assert engine.runtime.num_free_slots() == 0
+    output = engine.abort(request_id)
+    assert output is not None and output.finish_reason is FinishReason.ABORT
+    assert engine.runtime.num_free_slots() == 1
+    assert not engine.has_unfinished()
+    assert engine.generate(prompt_token_ids=PROMPTS[1], max_new_tokens=3).token_ids
+
+
+@pytest.mark.parametrize(
+    ("prompt", "options", "param"),
+    [
+        ([], {}, "prompt"),
+        ([VOCAB], {}, "prompt"),
+        ([-1, 2], {}, "prompt"),
+        (list(range(10)) * 26, {}, "prompt"),
+        ([1, 2], {"proposer": "nope"}, "proposer"),
+        ([1, 2], {"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ([1, 2], {"num_speculative_tokens": 17}, "num_speculative_tokens"),
+        ([1, 2], {"temperature": -0.5}, "temperature"),
+        ([1, 2], {"top_p": 0.0}, "top_p"),
+        ([1, 2], {"top_k": 0}, "top_k"),
+        ([1, 2], {"max_new_tokens": 0}, "max_new_tokens"),
+        ([1, 2], {"stop": ["x"]}, "stop"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_the_field(
+    engine: Engine, prompt: list[int], options: dict[str, object], param: str
+) -> None:
+    with pytest.raises(ValueError, match=param) as info:
+        engine.generate(prompt_token_ids=prompt, **options)
+    assert isinstance(info.value, InvalidRequestError)
+    assert not engine.has_unfinished()
+
+
+def test_draft_without_a_draft_model_is_a_clear_error(target: LoadedModel) -> None:
+    engine = make_engine(target)
+    assert "draft" not in engine.available_proposers()
+    with pytest.raises(ValueError, match="needs a draft model"):
+        engine.generate(prompt_token_ids=[1, 2], proposer="draft")

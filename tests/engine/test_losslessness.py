@@ -1,0 +1,166 @@
+"""Empirical losslessness through the whole engine, with tiny random Llamas (vocabulary 8).
+
+Thousands of seeded requests generate two tokens each, sixteen at a time in mixed batches; the
+counts of the 64 possible two-token outputs must fit the target's exact distribution
+p(x1) p(x2 | x1), computed from the target alone, by a chi-square test at alpha = 1e-6. Seeds
+are fixed, so the test is deterministic; a control shows the test rejects a wrong distribution.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig, SamplingParams
+from hybridspec.engine.llama import LlamaWeights
+from hybridspec.engine.loader import LoadedModel
+from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.proposers import Proposer, ProposerContext, default_registry
+from hybridspec.proposers.draft import DraftModelProposer
+from hybridspec.verifier import logits_to_probs
+
+VOCAB = 8
+PROMPT = [1, 2, 3, 1, 2]
+NUM_SAMPLES = 2400
+Z_ONE_MINUS_1E6 = 4.753424  # standard normal quantile at 1 - 1e-6
+
+
+def tiny(seed: int, base: dict[str, torch.Tensor] | None = None) -> LoadedModel:
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        eos_token_id=VOCAB - 1, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    state = LlamaForCausalLM(config).state_dict() if base is None else {
+        k: v + 0.5 * v.std() * torch.randn_like(v) if v.dim() > 1 else v for k, v in base.items()
+    }
+    if base is None:
+        state["lm_head.weight"] = state["lm_head.weight"] * 4
+    weights = LlamaWeights.from_hf_state_dict(state, config, dtype=torch.float32)
+    return LoadedModel(weights, None, config, torch.float32, (VOCAB - 1,), f"tiny:{seed}")  # type: ignore[arg-type]
+
+
+def state_of(model: LoadedModel) -> dict[str, torch.Tensor]:
+    w = model.weights
+    assert isinstance(w, LlamaWeights)
+    d, q_rows, kv_rows = w.dims.hidden_size, w.dims.num_heads * w.dims.head_dim, w.dims.num_kv_heads * w.dims.head_dim
+    state = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.norm, "lm_head.weight": w.lm_head}
+    for i, layer in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.wqkv.split([q_rows, kv_rows, kv_rows])
+        gate, up = layer.w_gate_up.chunk(2)
+        state.update({
+            p + "input_layernorm.weight": layer.attn_norm, p + "post_attention_layernorm.weight": layer.mlp_norm,
+            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": layer.wo, p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": layer.w_down,
+        })
+    assert d > 0
+    return state
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[LoadedModel, LoadedModel]:
+    target = tiny(0)
+    return target, tiny(1, base=state_of(target))
+
+
+def exact_two_token_distribution(target: LoadedModel, sampling: SamplingParams) -> torch.Tensor:
+    """p(x1, x2) for every pair, [VOCAB, VOCAB], from the target alone."""
+    runtime = target.create_runtime(1, 64)
+    slot = runtime.allocate()
+    first = runtime.forward(ForwardBatch.from_lists([slot], [PROMPT], [len(PROMPT) - 1]))
+    p1 = logits_to_probs(first, sampling)[0]
+    joint = torch.zeros(VOCAB, VOCAB)
+    for x1 in range(VOCAB):
+        runtime.truncate(slot, len(PROMPT))
+        second = runtime.forward(ForwardBatch.from_lists([slot], [[x1]], [0]))
+        joint[x1] = p1[x1] * logits_to_probs(second, sampling)[0]
+    return joint
+
+
+def sample_counts(engine: Engine, params: GenerationParams) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB)
+    submitted = 0
+    while submitted < NUM_SAMPLES or engine.has_unfinished():
+        while submitted < NUM_SAMPLES and engine.num_waiting < 16:
+            sampling = SamplingParams(params.sampling.temperature, params.sampling.top_k,
+                                      params.sampling.top_p, seed=submitted)
+            engine.add_request(PROMPT, GenerationParams(
+                max_new_tokens=2, sampling=sampling, proposer=params.proposer,
+                num_speculative_tokens=params.num_speculative_tokens, ignore_eos=True))
+            submitted += 1
+        for output in engine.step():
+            if output.finished:
+                assert output.result is not None
+                x1, x2 = output.result.token_ids
+                counts[x1, x2] += 1
+    return counts
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """The statistic (cells with expected count < 5 pooled) and its critical value at 1e-6."""
+    expected = probs.flatten() * counts.sum()
+    observed = counts.flatten()
+    small = expected < 5
+    exp_cells = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    obs_cells = torch.cat([observed[~small], observed[small].sum().reshape(1)])
+    keep = exp_cells > 0
+    stat = float(((obs_cells[keep] - exp_cells[keep]) ** 2 / exp_cells[keep]).sum())
+    df = int(keep.sum()) - 1
+    # Wilson-Hilferty approximation of the chi-square quantile.
+    h = 2 / (9 * df)
+    critical = df * (1 - h + Z_ONE_MINUS_1E6 * math.sqrt(h)) ** 3
+    return stat, critical
+
+
+def build_engine(target: LoadedModel, draft: LoadedModel) -> Engine:
+    registry = default_registry()
+
+    def draft_factory(context: ProposerContext) -> Proposer:
+        return DraftModelProposer(ProposerContext(
+            context.vocab_size, context.eos_token_ids, options={**context.options, "loaded": draft}))
+
+    registry.register("draft", draft_factory, replace=True)
+    config = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=64, max_num_seqs=16))
+    return Engine(config, target=target, registry=registry)
+
+
+@pytest.mark.parametrize(
+    ("proposer", "k", "sampling"),
+    [
+        ("draft", 2, SamplingParams(temperature=1.0)),
+        ("draft", 3, SamplingParams(temperature=0.7, top_k=5, top_p=0.9)),
+        ("ngram", 2, SamplingParams(temperature=1.0)),
+        ("none", None, SamplingParams(temperature=1.0)),
+    ],
+)
+def test_speculative_samples_follow_the_target_distribution(
+    models: tuple[LoadedModel, LoadedModel], proposer: str, k: int | None,
+    sampling: SamplingParams,
+) -> None:
+    target, draft = models
+    engine = build_engine(target, draft)
+    params = GenerationParams(max_new_tokens=2, sampling=sampling, proposer=proposer,
+                              num_speculative_tokens=k)
+    counts = sample_counts(engine, params)
+    assert counts.sum() == NUM_SAMPLES
+    stat, critical = chi_square(counts, exact_two_token_distribution(target, sampling))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+
+
+def test_the_chi_square_test_rejects_the_drafts_distribution(
+    models: tuple[LoadedModel, LoadedModel],
+) -> None:
+    """A verifier that accepted every draft would emit the draft's distribution: detected."""
+    target, draft = models
+    engine = build_engine(target, draft)
+    sampling = SamplingParams(temperature=1.0)
+    counts = sample_counts(engine, GenerationParams(max_new_tokens=2, sampling=sampling,
+                                                    proposer="none"))
+    stat, critical = chi_square(counts, exact_two_token_distribution(draft, sampling))
+    assert stat > critical

@@ -1,0 +1,144 @@
+"""Fixtures of the server tests: a tiny random Llama with a tiny BPE tokenizer, and apps on it.
+
+The model is built in a temporary directory (never downloaded) and loaded once per session;
+each app gets a fresh Engine (its own KV cache) over the loaded weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from hybridspec.config import EngineConfig, ModelConfig
+from hybridspec.engine import Engine
+from hybridspec.engine.loader import LoadedModel, load_model
+from hybridspec.server import ServerConfig, create_app
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "speculative decoding drafts tokens and the target verifies them in one forward",
+    "hello world, how are you today? I am fine, thank you.",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'\"()[]{}",
+] * 4
+TINY_MAX_SEQ_LEN = 256
+TINY_MODEL_NAME = "tiny-llama"
+
+
+def _build_tiny_model(directory: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=TINY_MAX_SEQ_LEN,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    _build_tiny_model(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32"))
+
+
+def tiny_engine_config(tiny_model_dir: Path, **overrides: object) -> EngineConfig:
+    target = ModelConfig(str(tiny_model_dir), dtype="float32", max_num_seqs=4)
+    options: dict[str, object] = {"target": target, "default_num_speculative_tokens": 4}
+    options.update(overrides)
+    return EngineConfig(**options)  # type: ignore[arg-type]
+
+
+AppFactory = Callable[..., FastAPI]
+
+
+@pytest.fixture
+def make_app(tiny_model: LoadedModel, tiny_model_dir: Path) -> AppFactory:
+    """``make_app(**engine_overrides)``: an app serving a fresh engine on the tiny model."""
+
+    def make(**overrides: object) -> FastAPI:
+        config = ServerConfig(
+            engine=tiny_engine_config(tiny_model_dir, **overrides),
+            served_model_name=TINY_MODEL_NAME,
+        )
+        return create_app(config, engine_factory=lambda cfg: Engine(cfg, target=tiny_model))
+
+    return make
+
+
+@pytest.fixture
+def client(make_app: AppFactory) -> Iterator[TestClient]:
+    with TestClient(make_app()) as test_client:
+        yield test_client
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, timeout_s: float = 30.0) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free loopback port in this process; yield its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)

@@ -1,0 +1,151 @@
+"""Bad input gets an OpenAI-style error body and the right status, and harms no one else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.server.conftest import TINY_MODEL_NAME
+
+CHAT = [{"role": "user", "content": "hello"}]
+LONG_PROMPT = "hello world " * 200  # far more than the tiny model's 256-token context
+
+
+def assert_error(response: Any, status: int, param: str | None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["param"] == param, error
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"proposer": "medusa"}, "proposer"),
+        ({"proposer": "draft"}, "proposer"),  # no draft model configured
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 17}, "num_speculative_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"n": 2}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1000}, "max_tokens"),  # prompt + max_tokens beyond the context
+        ({"prompt": LONG_PROMPT}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"stop": [""]}, "stop"),
+        ({"echo": True}, "echo"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+    ],
+)
+def test_invalid_completion_values_are_400(
+    client: TestClient, body: dict[str, Any], param: str
+) -> None:
+    request = {"model": TINY_MODEL_NAME, "prompt": "hello", "max_tokens": 4, **body}
+    error = assert_error(client.post("/v1/completions", json=request), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": 5}, "prompt"),
+        ({"max_tokens": "4"}, "max_tokens"),
+        ({"max_tokens": 4.5}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"stream": "yes"}, "stream"),
+        ({"stop": [1, 2]}, "stop"),
+        ({"proposer": 3}, "proposer"),
+        ({"num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ],
+)
+def test_wrong_types_are_400_not_422(client: TestClient, body: dict[str, Any], param: str) -> None:
+    request = {"model": TINY_MODEL_NAME, "prompt": "hello", "max_tokens": 4, **body}
+    assert_error(client.post("/v1/completions", json=request), 400, param)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
+        ({"messages": None}, "messages"),
+        ({"max_completion_tokens": -1}, "max_tokens"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+    ],
+)
+def test_invalid_chat_requests_are_400(
+    client: TestClient, body: dict[str, Any], param: str
+) -> None:
+    request = {"model": TINY_MODEL_NAME, "messages": CHAT, "max_tokens": 4, **body}
+    assert_error(client.post("/v1/chat/completions", json=request), 400, param)
+
+
+def test_missing_required_field_is_400(client: TestClient) -> None:
+    error = assert_error(
+        client.post("/v1/chat/completions", json={"model": TINY_MODEL_NAME}), 400, "messages"
+    )
+    assert error["code"] == "missing_required_parameter"
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'"text"'])
+def test_malformed_body_is_400(client: TestClient, raw: bytes) -> None:
+    response = client.post(
+        "/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert_error(response, 400, response.json()["error"]["param"])
+
+
+def test_unknown_model_is_404(client: TestClient) -> None:
+    bodies: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": CHAT}),
+    ]
+    for path, body in bodies:
+        response = client.post(path, json={"model": "gpt-4o", **body})
+        error = assert_error(response, 404, "model")
+        assert error["code"] == "model_not_found"
+
+
+def test_unknown_route_and_method_use_the_error_body(client: TestClient) -> None:
+    assert_error(client.get("/v1/nothing"), 404, None)
+    assert_error(client.get("/v1/completions"), 405, None)
+
+
+def test_bad_stream_request_is_an_http_error_not_a_stream(client: TestClient) -> None:
+    response = client.post(
+        "/v1/chat/completions", json={"messages": CHAT, "stream": True, "proposer": "medusa"}
+    )
+    assert_error(response, 400, "proposer")
+    assert response.headers["content-type"].startswith("application/json")
+
+
+def test_errors_leave_the_server_serving(client: TestClient) -> None:
+    before = client.post(
+        "/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 0}
+    ).json()["choices"][0]["text"]
+    for bad in ({"prompt": LONG_PROMPT}, {"prompt": "x", "proposer": "draft"}, {"prompt": 1}):
+        assert client.post("/v1/completions", json=bad).status_code == 400
+    after = client.post(
+        "/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 0}
+    ).json()["choices"][0]["text"]
+    assert before == after
+    assert client.get("/health").status_code == 200

@@ -1,0 +1,150 @@
+"""``hybridspec serve`` as a subprocess on the embedded model, driven by the official client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hybridspec.cli import build_parser
+from hybridspec.server.cli import server_config
+from tests.server.conftest import free_port
+
+openai = pytest.importorskip("openai")
+
+STARTUP_TIMEOUT_S = 240.0
+MAX_TOKENS = 8
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+def test_serve_options_build_the_server_config() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "9001",
+            "--target",
+            "m.gguf",
+            "--draft",
+            "d.gguf",
+            "--dtype",
+            "float32",
+            "--proposer",
+            "draft",
+            "-k",
+            "5",
+            "--max-queue-size",
+            "7",
+        ]
+    )
+    config = server_config(args)
+    assert (config.host, config.port) == ("127.0.0.1", 9001)
+    assert config.engine.target.name_or_path == "m.gguf"
+    assert config.engine.draft.model is not None
+    assert config.engine.draft.model.name_or_path == "d.gguf"
+    assert config.engine.target.dtype == "float32"
+    assert config.engine.default_proposer == "draft"
+    assert config.engine.default_num_speculative_tokens == 5
+    assert config.engine.max_queue_size == 7
+    assert server_config(build_parser().parse_args(["serve"])).engine.target.name_or_path is None
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The embedded default served by ``hybridspec serve`` on a free loopback port."""
+    port = free_port()
+    log = Path(tmp_path_factory.mktemp("serve")) / "server.log"
+    command = [
+        sys.executable,
+        "-m",
+        "hybridspec.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-seq-len",
+        "1024",
+        "--max-num-seqs",
+        "2",
+        "--log-level",
+        "warning",
+    ]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(
+                    f"hybridspec serve exited with {process.returncode}:\n{log.read_text()[-3000:]}"
+                )
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"hybridspec serve did not become healthy:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_official_client_against_the_embedded_model(served: str) -> None:
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused", timeout=120, max_retries=0)
+    (model,) = client.models.list().data
+    assert model.id == "SmolLM2-135M-Instruct"
+
+    whole = client.chat.completions.create(
+        model=model.id, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage is not None and 0 < whole.usage.completion_tokens <= MAX_TOKENS
+    assert whole.model_extra is not None and "hybridspec" in whole.model_extra
+
+    chunks = list(
+        client.chat.completions.create(
+            model=model.id, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+    prompt = "The colors of the rainbow are red, orange, yellow, green, blue,"
+    texts = {}
+    for proposer, k in (("none", 1), ("ngram", 6)):
+        completion = client.completions.create(
+            model=model.id,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"proposer": proposer, "num_speculative_tokens": k},
+        )
+        texts[proposer] = completion.choices[0].text
+        stats = completion.model_extra["hybridspec"]
+        assert stats["proposer"] == proposer and stats["num_speculative_tokens"] == k
+    assert texts["ngram"] == texts["none"] and texts["none"]
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model.id, prompt="hi", extra_body={"proposer": "draft"})
+    assert refused.value.body["param"] == "proposer"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="hi")
