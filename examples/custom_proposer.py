@@ -37,8 +37,9 @@ def main(engine: Engine | None = None) -> dict[str, str]:
     prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog. " * 2
     texts = {}
     for proposer in ("none", "last-occurrence"):
-        result = engine.generate(prompt, proposer=proposer, num_speculative_tokens=4,
-                                 max_new_tokens=32)
+        result = engine.generate(
+            prompt, proposer=proposer, num_speculative_tokens=4, max_new_tokens=32
+        )
         texts[proposer] = result.text
         print(f"{proposer:>16}: {result.stats.mean_accepted_length:.2f} tokens per forward")
     assert texts["none"] == texts["last-occurrence"], "speculation changed the greedy output"

@@ -22,24 +22,38 @@ from hybridspec.errors import HybridSpecError
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """Options that pick and size the target, the draft and the proposer defaults."""
     group = parser.add_argument_group("models")
-    group.add_argument("--target", default=None,
-                       help="hub id, local directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    group.add_argument("--draft", default=None,
-                       help="draft model for the 'draft' proposer (hub id, directory or .gguf)")
-    group.add_argument("--dtype", default="auto", choices=DTYPES,
-                       help="dtype of the models (auto: fastest measured for the device)")
+    group.add_argument(
+        "--target",
+        default=None,
+        help="hub id, local directory or .gguf file (default: embedded SmolLM2-135M-Instruct)",
+    )
+    group.add_argument(
+        "--draft",
+        default=None,
+        help="draft model for the 'draft' proposer (hub id, directory or .gguf)",
+    )
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="dtype of the models (auto: fastest measured for the device)",
+    )
     group.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    group.add_argument("--max-seq-len", type=int, default=None,
-                       help="context length (default: the model's own)")
-    group.add_argument("--max-num-seqs", type=int, default=8,
-                       help="sequences decoded together (KV-cache slots)")
+    group.add_argument(
+        "--max-seq-len", type=int, default=None, help="context length (default: the model's own)"
+    )
+    group.add_argument(
+        "--max-num-seqs", type=int, default=8, help="sequences decoded together (KV-cache slots)"
+    )
 
 
 def engine_config(args: argparse.Namespace, default_proposer: str, default_k: int) -> EngineConfig:
     target = ModelConfig(args.target, args.dtype, args.device, args.max_seq_len, args.max_num_seqs)
     draft = None
     if args.draft is not None:
-        draft = ModelConfig(args.draft, args.dtype, args.device, args.max_seq_len, args.max_num_seqs)
+        draft = ModelConfig(
+            args.draft, args.dtype, args.device, args.max_seq_len, args.max_num_seqs
+        )
     return EngineConfig(
         target=target,
         draft=DraftConfig(model=draft),
@@ -49,10 +63,18 @@ def engine_config(args: argparse.Namespace, default_proposer: str, default_k: in
 
 
 def add_generation_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--proposer", default="ngram",
-                        help="none, ngram, draft or a registered custom proposer (default: ngram)")
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=8,
-                        help=f"draft tokens per round, {MIN_SPECULATIVE_TOKENS}..{MAX_SPECULATIVE_TOKENS}")
+    parser.add_argument(
+        "--proposer",
+        default="ngram",
+        help="none, ngram, draft or a registered custom proposer (default: ngram)",
+    )
+    parser.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=8,
+        help=f"draft tokens per round, {MIN_SPECULATIVE_TOKENS}..{MAX_SPECULATIVE_TOKENS}",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--top-k", type=int, default=None)
@@ -106,10 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text for one prompt")
     generate.add_argument("prompt", help="the prompt ('-' reads standard input)")
-    generate.add_argument("--raw", action="store_true",
-                          help="use the prompt as is, without the chat template")
-    generate.add_argument("--json", action="store_true",
-                          help="print one JSON object: text, token_ids, finish_reason, stats")
+    generate.add_argument(
+        "--raw", action="store_true", help="use the prompt as is, without the chat template"
+    )
+    generate.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: text, token_ids, finish_reason, stats",
+    )
     add_generation_options(generate)
     add_engine_options(generate)
     generate.set_defaults(run=_generate)
@@ -128,8 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
         return int(args.run(args))
     except HybridSpecError as exc:

@@ -24,7 +24,8 @@ def check_num_speculative_tokens(value: object, param: str = "num_speculative_to
     check(
         _is_int(value) and MIN_SPECULATIVE_TOKENS <= value <= MAX_SPECULATIVE_TOKENS,  # type: ignore[operator]
         param,
-        f"expected an integer in [{MIN_SPECULATIVE_TOKENS}, {MAX_SPECULATIVE_TOKENS}], got {value!r}",
+        f"expected an integer in [{MIN_SPECULATIVE_TOKENS}, {MAX_SPECULATIVE_TOKENS}], "
+        f"got {value!r}",
     )
 
 
@@ -38,12 +39,21 @@ class NgramConfig:
     table_capacity: int = 1 << 14  # slots per order's open-addressing table (a power of two)
 
     def __post_init__(self) -> None:
-        check(_is_int(self.min_order) and self.min_order >= 1, "min_order",
-              f"expected an integer >= 1, got {self.min_order!r}")
-        check(_is_int(self.max_order) and self.min_order <= self.max_order <= 8, "max_order",
-              f"expected an integer in [min_order={self.min_order}, 8], got {self.max_order!r}")
-        check(_is_int(self.window) and self.window >= self.max_order + 1, "window",
-              f"expected an integer >= max_order + 1 = {self.max_order + 1}, got {self.window!r}")
+        check(
+            _is_int(self.min_order) and self.min_order >= 1,
+            "min_order",
+            f"expected an integer >= 1, got {self.min_order!r}",
+        )
+        check(
+            _is_int(self.max_order) and self.min_order <= self.max_order <= 8,
+            "max_order",
+            f"expected an integer in [min_order={self.min_order}, 8], got {self.max_order!r}",
+        )
+        check(
+            _is_int(self.window) and self.window >= self.max_order + 1,
+            "window",
+            f"expected an integer >= max_order + 1 = {self.max_order + 1}, got {self.window!r}",
+        )
         check(
             _is_int(self.table_capacity)
             and self.table_capacity >= 16
@@ -65,12 +75,21 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check(self.dtype in DTYPES, "dtype", f"expected one of {DTYPES}, got {self.dtype!r}")
-        check(isinstance(self.device, str) and bool(self.device), "device",
-              f"expected a device string such as 'cpu' or 'cuda', got {self.device!r}")
-        check(self.max_seq_len is None or (_is_int(self.max_seq_len) and self.max_seq_len >= 2),
-              "max_seq_len", f"expected None or an integer >= 2, got {self.max_seq_len!r}")
-        check(_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 1024, "max_num_seqs",
-              f"expected an integer in [1, 1024], got {self.max_num_seqs!r}")
+        check(
+            isinstance(self.device, str) and bool(self.device),
+            "device",
+            f"expected a device string such as 'cpu' or 'cuda', got {self.device!r}",
+        )
+        check(
+            self.max_seq_len is None or (_is_int(self.max_seq_len) and self.max_seq_len >= 2),
+            "max_seq_len",
+            f"expected None or an integer >= 2, got {self.max_seq_len!r}",
+        )
+        check(
+            _is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 1024,
+            "max_num_seqs",
+            f"expected an integer in [1, 1024], got {self.max_num_seqs!r}",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,14 +112,24 @@ class EngineConfig:
     prefill_chunk_size: int = 512  # prompt tokens per prefill forward
 
     def __post_init__(self) -> None:
-        check(isinstance(self.default_proposer, str) and bool(self.default_proposer),
-              "default_proposer", f"expected a proposer name, got {self.default_proposer!r}")
-        check_num_speculative_tokens(self.default_num_speculative_tokens,
-                                     "default_num_speculative_tokens")
-        check(_is_int(self.max_queue_size) and self.max_queue_size >= 1, "max_queue_size",
-              f"expected an integer >= 1, got {self.max_queue_size!r}")
-        check(_is_int(self.prefill_chunk_size) and self.prefill_chunk_size >= 16,
-              "prefill_chunk_size", f"expected an integer >= 16, got {self.prefill_chunk_size!r}")
+        check(
+            isinstance(self.default_proposer, str) and bool(self.default_proposer),
+            "default_proposer",
+            f"expected a proposer name, got {self.default_proposer!r}",
+        )
+        check_num_speculative_tokens(
+            self.default_num_speculative_tokens, "default_num_speculative_tokens"
+        )
+        check(
+            _is_int(self.max_queue_size) and self.max_queue_size >= 1,
+            "max_queue_size",
+            f"expected an integer >= 1, got {self.max_queue_size!r}",
+        )
+        check(
+            _is_int(self.prefill_chunk_size) and self.prefill_chunk_size >= 16,
+            "prefill_chunk_size",
+            f"expected an integer >= 16, got {self.prefill_chunk_size!r}",
+        )
 
     def proposer_options(self) -> dict[str, dict[str, Any]]:
         """Each built-in proposer's own part of the configuration, by registered name."""

@@ -19,7 +19,7 @@ import torch
 
 from hybridspec.errors import check
 
-MAX_TOP_K = 1 << 20
+MAX_SEED = 1 << 63  # torch generators take a signed 64-bit seed
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +48,9 @@ class SamplingParams:
         )
         check(
             self.top_k is None
-            or (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 1),
+            or (
+                isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 1
+            ),
             "top_k",
             f"expected None or an integer >= 1, got {self.top_k!r}",
         )
@@ -61,9 +63,13 @@ class SamplingParams:
         )
         check(
             self.seed is None
-            or (isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0),
+            or (
+                isinstance(self.seed, int)
+                and not isinstance(self.seed, bool)
+                and 0 <= self.seed < MAX_SEED
+            ),
             "seed",
-            f"expected None or an integer >= 0, got {self.seed!r}",
+            f"expected None or an integer in [0, 2**63), got {self.seed!r}",
         )
 
     @property
@@ -88,7 +94,8 @@ class Proposal:
             check(
                 self.probs.dim() == 2 and self.probs.shape[0] == len(self.token_ids),
                 "probs",
-                f"expected shape [{len(self.token_ids)}, vocab_size], got {tuple(self.probs.shape)}",
+                f"expected shape [{len(self.token_ids)}, vocab_size], "
+                f"got {tuple(self.probs.shape)}",
             )
 
     @property

@@ -115,6 +115,10 @@ class Engine:
     def available_proposers(self) -> list[str]:
         return sorted(self._proposers)
 
+    def unavailable_proposers(self) -> dict[str, str]:
+        """Registered proposers that could not be built, with the reason."""
+        return dict(self._unavailable)
+
     def resolve_proposer(self, name: str) -> Proposer:
         if name in self._unavailable:
             raise InvalidRequestError(
@@ -128,7 +132,11 @@ class Engine:
 
     def encode(self, prompt: str | None = None, messages: Messages | None = None) -> list[int]:
         """Token ids of a plain prompt, or of chat messages with the chat template applied."""
-        check(self.tokenizer is not None, "prompt", "this model has no tokenizer; pass token ids")
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "prompt: this model has no tokenizer; pass token ids", "prompt"
+            )
         check(
             (prompt is None) != (messages is None),
             "prompt",
@@ -138,12 +146,17 @@ class Engine:
             check(
                 isinstance(prompt, str), "prompt", f"expected a string, got {type(prompt).__name__}"
             )
-            return list(self.tokenizer.encode(prompt))
+            return list(tokenizer.encode(prompt))
         check_messages(messages)
-        text = self.tokenizer.apply_chat_template(
-            list(messages or ()), tokenize=False, add_generation_prompt=True
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            text = tokenizer.apply_chat_template(
+                list(messages or ()), tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # errors raised by the template itself, e.g. on roles
+            raise InvalidRequestError(
+                f"messages: the chat template rejected them: {exc}", "messages"
+            ) from exc
+        return list(tokenizer.encode(str(text), add_special_tokens=False))
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
         n = len(prompt_token_ids)
@@ -361,9 +374,10 @@ class Engine:
             new_token_ids.append(token)
             if detokenizer.append(token):
                 reason = FinishReason.STOP
-            elif request.num_generated >= request.params.max_new_tokens:
-                reason = FinishReason.LENGTH
-            elif len(request.token_ids) >= self.max_seq_len:
+            elif (
+                request.num_generated >= request.params.max_new_tokens
+                or len(request.token_ids) >= self.max_seq_len
+            ):
                 reason = FinishReason.LENGTH
             if reason is not None:
                 break
@@ -480,6 +494,11 @@ class Engine:
                     raise HybridSpecError(output.result.error or "generation failed")
                 return output.result
         raise AssertionError("stream ended without a final output")
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Cancel every running and waiting request (at shutdown)."""
+        requests = [*self.scheduler.running, *self.scheduler.waiting]
+        return [self._finish(request, FinishReason.ABORT) for request in requests]
 
     def fail_running(self, message: str) -> list[RequestOutput]:
         """Fail every running request with ``message`` (after an unrecoverable step error)."""

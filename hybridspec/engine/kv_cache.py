@@ -1,7 +1,14 @@
-"""A preallocated, slot-indexed KV cache with per-slot lengths, for the native runtimes.
+"""A preallocated, slot-indexed KV cache with per-slot lengths, and attention over it.
 
-Dimensions: ``num_layers`` decoder layers, ``max_num_seqs`` slots, ``num_kv_heads`` key/value
-heads, ``max_seq_len`` positions per slot, ``head_dim`` channels per head.
+Contents: ``SlotTable`` (which slots are taken, how full: host ints), ``KVCache`` (the tensors),
+the two ways of attending over the cache (``OneSequenceAttention`` reads slice views of one slot;
+``RaggedAttention`` gathers several into a padded block), and ``read_batch``, which checks a
+``ForwardBatch`` for any runtime.
+
+Dimensions: ``num_layers`` decoder layers, ``max_num_seqs`` slots, ``num_kv_heads`` (``KV``)
+key/value heads, ``max_seq_len`` (``S``) positions per slot, ``head_dim`` (``hd``) channels per
+head; in attention ``T`` new tokens, ``B`` sequences, ``H`` query heads, ``rep = H // KV``,
+``L`` keys attended.
 
 Each slot is one live sequence. Its first ``seq_len(slot)`` positions hold valid keys and values;
 positions past that hold stale values from before a rollback (or were never written), and every
@@ -18,6 +25,7 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from hybridspec.engine.runtime import ForwardBatch
 from hybridspec.errors import CapacityError
@@ -156,6 +164,103 @@ class KVCache:
             self._finite_len[slot] = end
 
 
+class OneSequenceAttention:
+    """Attention for a batch of one sequence: writes and reads slice views of its cache slot.
+
+    The ``rep`` query heads sharing a key/value head become ``rep`` extra query rows: ``q [n, H,
+    hd]`` is laid out as ``[1, KV, n * rep, hd]``, where row ``i * rep + r`` is token ``i``'s
+    head ``kv * rep + r`` (transformers' ``repeat_kv`` grouping), against keys ``[1, KV, L, hd]``.
+    """
+
+    def __init__(self, cache: KVCache, slot: int, start: int, num_new: int, rep: int) -> None:
+        self.cache, self.slot, self.start, self.end, self.rep = (
+            cache,
+            slot,
+            start,
+            start + num_new,
+            rep,
+        )
+        self.mask: torch.Tensor | None = None  # [n * rep, L] bool; None when all keys are visible
+        if num_new > 1:
+            device = cache.keys.device
+            key_pos = torch.arange(self.end, device=device)
+            query_pos = torch.arange(start, self.end, device=device)
+            self.mask = (key_pos[None, :] <= query_pos[:, None]).repeat_interleave(rep, dim=0)
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q [n, H, hd], k and v [n, KV, hd] -> [n, H hd]
+        n, num_heads, hd = q.shape
+        num_kv = k.shape[1]
+        keys = self.cache.layer_keys[layer][self.slot]  # [KV, S, hd]
+        values = self.cache.layer_values[layer][self.slot]
+        keys[:, self.start : self.end] = k.transpose(0, 1)
+        values[:, self.start : self.end] = v.transpose(0, 1)
+        q = q.view(n, num_kv, self.rep, hd).transpose(0, 1).reshape(1, num_kv, n * self.rep, hd)
+        out = F.scaled_dot_product_attention(
+            q, keys[None, :, : self.end], values[None, :, : self.end], attn_mask=self.mask
+        )  # [1, KV, n * rep, hd]
+        return out.view(num_kv, n, self.rep, hd).transpose(0, 1).reshape(n, num_heads * hd)
+
+
+class RaggedAttention:
+    """Attention for several sequences: scatters new keys by (slot, position), gathers each
+    sequence's keys into a padded ``[B, KV, L, hd]`` block and masks each row to its own past.
+
+    Queries are padded to ``[B, KV, max_n * rep, hd]`` (rows folded as in
+    ``OneSequenceAttention``). A padding row attends to key 0 alone, so no row is fully masked
+    (a fully masked softmax row is NaN); its output is dropped.
+    """
+
+    def __init__(
+        self, cache: KVCache, slots: list[int], starts: list[int], num_new: list[int], rep: int
+    ) -> None:
+        device = cache.keys.device
+        ends = [s + n for s, n in zip(starts, num_new, strict=True)]
+        for slot in slots:  # the padded reads below reach up to max(ends) in every slot
+            cache.make_finite(slot, max(ends))
+        self.cache, self.rep, self.max_new, self.max_end = cache, rep, max(num_new), max(ends)
+        self.slots = torch.tensor(slots, device=device)  # [B]
+        seq_of_token = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(num_new))
+        first_token = torch.tensor([0, *num_new[:-1]]).cumsum(0)
+        row = torch.arange(len(seq_of_token)) - first_token[seq_of_token]  # [T] index in its seq
+        self.positions = (torch.tensor(starts)[seq_of_token] + row).to(device)  # [T]
+        self.token_slots = self.slots[seq_of_token.to(device)]  # [T]
+        self.seq_of_token, self.row = seq_of_token.to(device), row.to(device)
+        query_pos = torch.tensor(starts)[:, None] + torch.arange(self.max_new)  # [B, max_n]
+        key_pos = torch.arange(self.max_end)
+        is_real = torch.arange(self.max_new)[None, :] < torch.tensor(num_new)[:, None]  # [B, max_n]
+        mask = torch.where(is_real[..., None], key_pos <= query_pos[..., None], key_pos == 0)
+        self.mask = mask.repeat_interleave(rep, dim=1)[:, None].to(device)  # [B, 1, max_n rep, L]
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q [T, H, hd], k and v [T, KV, hd] -> [T, H hd]
+        num_tokens, num_heads, hd = q.shape
+        num_kv, batch = k.shape[1], self.slots.numel()
+        layer_keys, layer_values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
+        layer_keys[self.token_slots, :, self.positions] = k  # advanced dims first: [T, KV, hd]
+        layer_values[self.token_slots, :, self.positions] = v
+        keys = layer_keys[self.slots, :, : self.max_end]  # [B, KV, L, hd]
+        values = layer_values[self.slots, :, : self.max_end]
+        padded = q.new_zeros(batch, self.max_new, num_heads, hd)
+        padded[self.seq_of_token, self.row] = q
+        padded = padded.view(batch, self.max_new, num_kv, self.rep, hd).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            padded.reshape(batch, num_kv, self.max_new * self.rep, hd),
+            keys,
+            values,
+            attn_mask=self.mask,
+        )
+        out = out.view(batch, num_kv, self.max_new, self.rep, hd).transpose(1, 2)
+        return out[self.seq_of_token, self.row].reshape(num_tokens, num_heads * hd)
+
+
+Attention = OneSequenceAttention | RaggedAttention
+
+
 @dataclass(frozen=True, slots=True)
 class HostBatch:
     """A ``ForwardBatch`` after its checks, with its bookkeeping read to host ints."""
@@ -186,18 +291,17 @@ def read_batch(batch: ForwardBatch, vocab_size: int) -> HostBatch:
         raise ValueError(
             f"token_ids: expected {cu[-1]} tokens (cu_num_tokens[-1]), got {token_ids.numel()}"
         )
-    low, high = token_ids.aminmax()
-    if int(low) < 0 or int(high) >= vocab_size:
+    ids = token_ids.tolist()  # host ints: cheaper than a tensor reduction for a few tokens
+    if min(ids) < 0 or max(ids) >= vocab_size:
         raise ValueError(
-            f"token_ids: expected ids in [0, {vocab_size}), got [{int(low)}, {int(high)}]"
+            f"token_ids: expected ids in [0, {vocab_size}), got [{min(ids)}, {max(ids)}]"
         )
     indices = batch.logits_indices
     if indices is not None:
         _check_index_tensor(indices, "logits_indices")
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= cu[-1]):
-            raise ValueError(
-                f"logits_indices: expected indices in [0, {cu[-1]}), got {indices.tolist()}"
-            )
+        rows = indices.tolist()
+        if rows and (min(rows) < 0 or max(rows) >= cu[-1]):
+            raise ValueError(f"logits_indices: expected indices in [0, {cu[-1]}), got {rows}")
     return HostBatch(slots, num_new_tokens, token_ids, indices)
 
 

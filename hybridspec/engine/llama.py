@@ -26,7 +26,13 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
-from hybridspec.engine.kv_cache import KVCache, read_batch
+from hybridspec.engine.kv_cache import (
+    Attention,
+    KVCache,
+    OneSequenceAttention,
+    RaggedAttention,
+    read_batch,
+)
 from hybridspec.engine.runtime import ForwardBatch
 
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3")
@@ -224,103 +230,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
 
 
-class _OneSequenceAttention:
-    """Attention for a batch of one sequence: writes and reads slice views of its cache slot.
-
-    The ``rep`` query heads sharing a key/value head become ``rep`` extra query rows: ``q [n, H,
-    hd]`` is laid out as ``[1, KV, n * rep, hd]``, where row ``i * rep + r`` is token ``i``'s
-    head ``kv * rep + r`` (transformers' ``repeat_kv`` grouping), against keys ``[1, KV, L, hd]``.
-    """
-
-    def __init__(self, cache: KVCache, slot: int, start: int, num_new: int, rep: int) -> None:
-        self.cache, self.slot, self.start, self.end, self.rep = (
-            cache,
-            slot,
-            start,
-            start + num_new,
-            rep,
-        )
-        self.mask: torch.Tensor | None = None  # [n * rep, L] bool; None when all keys are visible
-        if num_new > 1:
-            device = cache.keys.device
-            key_pos = torch.arange(self.end, device=device)
-            query_pos = torch.arange(start, self.end, device=device)
-            self.mask = (key_pos[None, :] <= query_pos[:, None]).repeat_interleave(rep, dim=0)
-
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        # q [n, H, hd], k and v [n, KV, hd] -> [n, H hd]
-        n, num_heads, hd = q.shape
-        num_kv = k.shape[1]
-        keys = self.cache.layer_keys[layer][self.slot]  # [KV, S, hd]
-        values = self.cache.layer_values[layer][self.slot]
-        keys[:, self.start : self.end] = k.transpose(0, 1)
-        values[:, self.start : self.end] = v.transpose(0, 1)
-        q = q.view(n, num_kv, self.rep, hd).transpose(0, 1).reshape(1, num_kv, n * self.rep, hd)
-        out = F.scaled_dot_product_attention(
-            q, keys[None, :, : self.end], values[None, :, : self.end], attn_mask=self.mask
-        )  # [1, KV, n * rep, hd]
-        return out.view(num_kv, n, self.rep, hd).transpose(0, 1).reshape(n, num_heads * hd)
-
-
-class _RaggedAttention:
-    """Attention for several sequences: scatters new keys by (slot, position), gathers each
-    sequence's keys into a padded ``[B, KV, L, hd]`` block and masks each row to its own past.
-
-    Queries are padded to ``[B, KV, max_n * rep, hd]`` (rows folded as in
-    ``_OneSequenceAttention``). A padding row attends to key 0 alone, so no row is fully masked
-    (a fully masked softmax row is NaN); its output is dropped.
-    """
-
-    def __init__(
-        self, cache: KVCache, slots: list[int], starts: list[int], num_new: list[int], rep: int
-    ) -> None:
-        device = cache.keys.device
-        ends = [s + n for s, n in zip(starts, num_new, strict=True)]
-        for slot in slots:  # the padded reads below reach up to max(ends) in every slot
-            cache.make_finite(slot, max(ends))
-        self.cache, self.rep, self.max_new, self.max_end = cache, rep, max(num_new), max(ends)
-        self.slots = torch.tensor(slots, device=device)  # [B]
-        seq_of_token = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(num_new))
-        first_token = torch.tensor([0, *num_new[:-1]]).cumsum(0)
-        row = torch.arange(len(seq_of_token)) - first_token[seq_of_token]  # [T] index in its seq
-        self.positions = (torch.tensor(starts)[seq_of_token] + row).to(device)  # [T]
-        self.token_slots = self.slots[seq_of_token.to(device)]  # [T]
-        self.seq_of_token, self.row = seq_of_token.to(device), row.to(device)
-        query_pos = torch.tensor(starts)[:, None] + torch.arange(self.max_new)  # [B, max_n]
-        key_pos = torch.arange(self.max_end)
-        is_real = torch.arange(self.max_new)[None, :] < torch.tensor(num_new)[:, None]  # [B, max_n]
-        mask = torch.where(is_real[..., None], key_pos <= query_pos[..., None], key_pos == 0)
-        self.mask = mask.repeat_interleave(rep, dim=1)[:, None].to(device)  # [B, 1, max_n rep, L]
-
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        # q [T, H, hd], k and v [T, KV, hd] -> [T, H hd]
-        num_tokens, num_heads, hd = q.shape
-        num_kv, batch = k.shape[1], self.slots.numel()
-        layer_keys, layer_values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
-        layer_keys[self.token_slots, :, self.positions] = k  # advanced dims first: [T, KV, hd]
-        layer_values[self.token_slots, :, self.positions] = v
-        keys = layer_keys[self.slots, :, : self.max_end]  # [B, KV, L, hd]
-        values = layer_values[self.slots, :, : self.max_end]
-        padded = q.new_zeros(batch, self.max_new, num_heads, hd)
-        padded[self.seq_of_token, self.row] = q
-        padded = padded.view(batch, self.max_new, num_kv, self.rep, hd).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            padded.reshape(batch, num_kv, self.max_new * self.rep, hd),
-            keys,
-            values,
-            attn_mask=self.mask,
-        )
-        out = out.view(batch, num_kv, self.max_new, self.rep, hd).transpose(1, 2)
-        return out[self.seq_of_token, self.row].reshape(num_tokens, num_heads * hd)
-
-
-_Attention = _OneSequenceAttention | _RaggedAttention
-
-
 class LlamaRuntime:
     """The native Llama forward behind the ``ModelRuntime`` protocol."""
 
@@ -395,14 +304,14 @@ class LlamaRuntime:
         logits_indices: torch.Tensor | None,  # [num_logits]
     ) -> torch.Tensor:
         device = self.device
-        attention: _Attention
+        attention: Attention
         if len(slots) == 1:
-            attention = _OneSequenceAttention(
+            attention = OneSequenceAttention(
                 self._cache, slots[0], starts[0], num_new[0], self._rep
             )
             cos, sin = self._rope[:, starts[0] : starts[0] + num_new[0]]  # [T, 1, hd] views
         else:
-            attention = _RaggedAttention(self._cache, slots, starts, num_new, self._rep)
+            attention = RaggedAttention(self._cache, slots, starts, num_new, self._rep)
             cos, sin = self._rope[:, attention.positions]
         x = F.embedding(token_ids.to(device, non_blocking=True), self.weights.embed)  # [T, D]
         for i, layer in enumerate(self.weights.layers):
@@ -419,7 +328,7 @@ class LlamaRuntime:
         layer: LlamaLayerWeights,
         cos: torch.Tensor,  # [T, 1, hd]
         sin: torch.Tensor,
-        attention: _Attention,
+        attention: Attention,
     ) -> torch.Tensor:
         dims, eps = self.weights.dims, self.weights.dims.rms_norm_eps
         h = F.rms_norm(x, self._norm_shape, layer.attn_norm, eps)

@@ -134,7 +134,7 @@ class EngineLoop:
                 command.loop.call_soon_threadsafe(_set_exception, command.accepted, exc)
                 return
             self._routes[request_id] = (command.loop, command.outputs)
-            command.loop.call_soon_threadsafe(_set_result, command.accepted, request_id)
+            command.loop.call_soon_threadsafe(self._accept, command.accepted, request_id)
         elif isinstance(command, _Abort):
             output = self.engine.abort(command.request_id)
             if output is not None:
@@ -146,6 +146,13 @@ class EngineLoop:
                 command.loop.call_soon_threadsafe(_set_exception, command.done, exc)
             else:
                 command.loop.call_soon_threadsafe(_set_result, command.done, result)
+
+    def _accept(self, accepted: asyncio.Future[str], request_id: str) -> None:
+        """On the caller's loop: hand over the id, or abort if the caller stopped waiting."""
+        if accepted.done():  # cancelled while the engine thread was adding the request
+            self.abort(request_id)
+        else:
+            accepted.set_result(request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -87,14 +87,19 @@ class ProposerRegistry:
         self._factories: dict[str, ProposerFactory] = {}
 
     def register(self, name: str, factory: ProposerFactory, *, replace: bool = False) -> None:
-        if not isinstance(name, str) or not name or not name.replace("-", "").replace("_", "").isalnum():
+        if (
+            not isinstance(name, str)
+            or not name
+            or not name.replace("-", "").replace("_", "").isalnum()
+        ):
             raise InvalidRequestError(
                 f"proposer: expected a non-empty name of letters, digits, '-' or '_', got {name!r}",
                 param="proposer",
             )
         if not callable(factory):
             raise InvalidRequestError(
-                f"proposer: factory for {name!r} must be callable, got {factory!r}", param="proposer"
+                f"proposer: factory for {name!r} must be callable, got {factory!r}",
+                param="proposer",
             )
         if name in self._factories and not replace:
             raise InvalidRequestError(

@@ -64,6 +64,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def _invalid(param: str, message: str) -> InvalidRequestError:
+    """The error ``check`` raises; hot paths build it only on failure, not the message each call."""
+    return InvalidRequestError(f"{param}: {message}", param=param)
+
+
 class NgramProposer(Proposer):
     """Deterministic proposer over per-sequence n-gram tables (see the module docstring).
 
@@ -125,18 +130,17 @@ class NgramProposer(Proposer):
         for request in requests:
             slot = self._slot(request.seq_id, "propose")
             k = request.num_tokens
-            check(
-                _is_int(k) and 0 <= k <= MAX_SPECULATIVE_TOKENS,
-                "num_tokens",
-                f"expected an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}",
-            )
+            if not (_is_int(k) and 0 <= k <= MAX_SPECULATIVE_TOKENS):
+                raise _invalid(
+                    "num_tokens", f"expected an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+                )
             seen = int(self._tables.num_tokens[slot])
-            check(
-                len(request.token_ids) == seen,
-                "token_ids",
-                f"sequence {request.seq_id} has {len(request.token_ids)} committed tokens but "
-                f"the proposer has seen {seen}; was a commit() missed?",
-            )
+            if len(request.token_ids) != seen:
+                raise _invalid(
+                    "token_ids",
+                    f"sequence {request.seq_id} has {len(request.token_ids)} committed tokens "
+                    f"but the proposer has seen {seen}; was a commit() missed?",
+                )
             slots.append(slot)
             num_draft_tokens.append(k)
         out_token_ids = np.empty((len(requests), max(num_draft_tokens)), np.int64)
@@ -160,11 +164,10 @@ class NgramProposer(Proposer):
         and ``num_accepted`` is only checked."""
         slot = self._slot(seq_id, "commit")
         tokens = self._token_array(token_ids, "token_ids")
-        check(
-            _is_int(num_accepted) and 0 <= num_accepted <= len(tokens),
-            "num_accepted",
-            f"expected an integer in [0, {len(tokens)}], got {num_accepted!r}",
-        )
+        if not (_is_int(num_accepted) and 0 <= num_accepted <= len(tokens)):
+            raise _invalid(
+                "num_accepted", f"expected an integer in [0, {len(tokens)}], got {num_accepted!r}"
+            )
         append_tokens(self._tables, self.config.min_order, slot, tokens)
 
     def finish(self, seq_id: int) -> None:
@@ -187,25 +190,22 @@ class NgramProposer(Proposer):
     def _slot(self, seq_id: int, method: str) -> int:
         slot = self._slot_of_seq.get(seq_id)
         if slot is None:
-            raise InvalidRequestError(
-                f"seq_id: unknown sequence {seq_id!r} in {method}(); start() it first",
-                param="seq_id",
-            )
+            raise _invalid("seq_id", f"unknown sequence {seq_id!r} in {method}(); start() it first")
         return slot
 
     def _token_array(self, token_ids: Sequence[int], param: str) -> npt.NDArray[np.int64]:
         """``token_ids`` as a contiguous int64 array, each checked to be in [0, vocab_size)."""
         array = np.asarray(token_ids)
-        check(array.ndim == 1, param, f"expected a flat sequence of token ids, got {array.shape}")
+        if array.ndim != 1:
+            raise _invalid(param, f"expected a flat sequence of token ids, got shape {array.shape}")
         if array.size == 0:
             return np.empty(0, np.int64)
-        check(array.dtype.kind in "iu", param, f"expected integer token ids, got {array.dtype}")
+        if array.dtype.kind not in "iu":
+            raise _invalid(param, f"expected integer token ids, got dtype {array.dtype}")
         low, high = int(array.min()), int(array.max())
-        check(
-            low >= 0 and high < self._vocab_size,
-            param,
-            f"expected token ids in [0, {self._vocab_size}), got {low if low < 0 else high}",
-        )
+        if low < 0 or high >= self._vocab_size:
+            bad = low if low < 0 else high
+            raise _invalid(param, f"expected token ids in [0, {self._vocab_size}), got {bad}")
         return np.ascontiguousarray(array, dtype=np.int64)
 
     def _grow(self) -> None:

@@ -100,8 +100,7 @@ def grow_tables(tables: NgramTables, num_slots: int) -> NgramTables:
 
 @njit(cache=True)
 def fnv1a_context(order, token_ids, start):
-    """64-bit FNV-1a of ``order`` (1 byte), then of ``token_ids[start:start + order]`` (4 LE bytes
-    each)."""
+    """FNV-1a 64 of ``order`` (1 byte), then ``token_ids[start:start+order]`` (4 LE bytes each)."""
     h = (FNV_OFFSET_BASIS ^ np.uint64(order)) * FNV_PRIME
     for i in range(start, start + order):
         t = token_ids[i]

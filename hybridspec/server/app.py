@@ -30,10 +30,7 @@ SHUTDOWN_ABORT_TIMEOUT_S = 10.0
 
 
 def _abort_all(engine: Engine) -> int:
-    requests = [*engine.scheduler.running, *engine.scheduler.waiting]
-    for request in requests:
-        engine.abort(request.request_id)
-    return len(requests)
+    return len(engine.abort_all())
 
 
 def create_app(

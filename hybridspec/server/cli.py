@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from hybridspec.server.config import ServerConfig
 
 
-def add_serve_command(commands: Any) -> None:
+def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``serve`` to the subcommands of the ``hybridspec`` parser (``add_subparsers()``)."""
     from hybridspec.cli import add_engine_options
 
@@ -58,7 +58,7 @@ def add_serve_command(commands: Any) -> None:
     serve.set_defaults(run=serve_main)
 
 
-def server_config(args: argparse.Namespace) -> Any:
+def server_config(args: argparse.Namespace) -> ServerConfig:
     from hybridspec.cli import engine_config
     from hybridspec.server.config import ServerConfig
 

@@ -172,6 +172,7 @@ async def _respond(
         try:
             # Wait for the first output before answering, so that a refusal is an HTTP error.
             first = await until_disconnected(request, next_output(outputs))
+            check_not_failed(first)  # failed before its first token: still an HTTP error
         except BaseException:
             await outputs.aclose()
             raise
@@ -181,33 +182,33 @@ async def _respond(
         )
     async with contextlib.aclosing(outputs):
         output = await until_disconnected(request, final_output(outputs))
+    return _whole_response(prepared, render, output)
+
+
+def _whole_response(
+    prepared: PreparedRequest, render: ChunkRenderer, output: RequestOutput
+) -> Response:
+    """The non-streamed response of a finished request."""
     check_not_failed(output)
     assert output.result is not None
-    stats = speculation_stats(prepared, output.result.stats)
-    usage = _usage(prepared, output)
+    text = output.result.text
     reason = _finish_reason(output)
+    fields = {
+        "id": render.id,
+        "created": render.created,
+        "model": render.model,
+        "usage": _usage(prepared, output),
+        "hybridspec": speculation_stats(prepared, output.result.stats),
+    }
     body: ChatCompletionResponse | CompletionResponse
-    if chat:
-        body = ChatCompletionResponse(
-            id=render.id,
-            created=render.created,
-            model=render.model,
-            choices=[
-                ChatChoice(
-                    message=AssistantMessage(content=output.result.text), finish_reason=reason
-                )
-            ],
-            usage=usage,
-            hybridspec=stats,
+    if render.chat:
+        message = AssistantMessage(content=text)
+        body = ChatCompletionResponse.model_validate(
+            {**fields, "choices": [ChatChoice(message=message, finish_reason=reason)]}
         )
     else:
-        body = CompletionResponse(
-            id=render.id,
-            created=render.created,
-            model=render.model,
-            choices=[CompletionChoice(text=output.result.text, finish_reason=reason)],
-            usage=usage,
-            hybridspec=stats,
+        body = CompletionResponse.model_validate(
+            {**fields, "choices": [CompletionChoice(text=text, finish_reason=reason)]}
         )
     return Response(body.model_dump_json(), media_type="application/json")
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
@@ -32,8 +34,9 @@ from hybridspec.types import GenerationStats
 
 T = TypeVar("T")
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # as in the OpenAI legacy completions API
+COMPLETION_MAX_TOKENS = 16  # as in the OpenAI legacy completions API
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+TORCH_SEED_LIMIT = 1 << 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,48 +95,54 @@ def _chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def _completion_prompt(body: CompletionRequest) -> tuple[str | None, list[int] | None]:
-    """One text prompt or one list of token ids; several prompts are refused like n > 1."""
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        check(
-            len(prompt) == 1,
-            "prompt",
-            f"only one prompt per request is supported, got {len(prompt)}",
-        )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt, None
-    return None, list(prompt)  # type: ignore[arg-type]  # a list[int] after the unwrap
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """What to tokenize (exactly one of the three) and the requested completion budget."""
+
+    text: str | None
+    messages: list[dict[str, str]] | None
+    token_ids: list[int] | None
+    max_tokens: int | None  # None: the rest of the context
 
 
-async def prepare(
-    state: ServerState, body: CompletionRequest | ChatCompletionRequest
-) -> PreparedRequest:
-    """Validate ``body``; tokenize its prompt on the engine thread, which owns the tokenizer."""
-    model = state.model.resolve(body.model)
-    _reject_unsupported(body)
-    max_tokens = body.max_tokens
+def _prompt(body: CompletionRequest | ChatCompletionRequest) -> _Prompt:
+    """One text prompt, token ids or chat; several prompts are refused like n > 1."""
     if isinstance(body, ChatCompletionRequest):
-        max_tokens = (
-            body.max_completion_tokens if body.max_completion_tokens is not None else max_tokens
-        )
-        messages: list[dict[str, str]] | None = _chat_messages(body.messages)
-        text, token_ids = None, None
+        chosen = body.max_completion_tokens
+        max_tokens = chosen if chosen is not None else body.max_tokens
+        prompt = _Prompt(None, _chat_messages(body.messages), None, max_tokens)
     else:
-        messages = None
-        text, token_ids = _completion_prompt(body)
-        max_tokens = max_tokens if max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+        raw = body.prompt
+        if isinstance(raw, list) and raw and isinstance(raw[0], (str, list)):
+            check(
+                len(raw) == 1, "prompt", f"only one prompt per request is supported, got {len(raw)}"
+            )
+            raw = raw[0]
+        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_MAX_TOKENS
+        if isinstance(raw, str):
+            prompt = _Prompt(raw, None, None, max_tokens)
+        else:
+            prompt = _Prompt(None, None, list(raw), max_tokens)  # type: ignore[arg-type]
     check(
-        max_tokens is None or max_tokens >= 1,
+        prompt.max_tokens is None or prompt.max_tokens >= 1,
         "max_tokens",
-        f"expected an integer >= 1, got {max_tokens}",
+        f"expected an integer >= 1, got {prompt.max_tokens}",
     )
-    params = GenerationParams.create(
-        max_new_tokens=1,  # replaced below, once the prompt's length is known
-        temperature=body.temperature
-        if body.temperature is not None
-        else OPENAI_DEFAULT_TEMPERATURE,
+    return prompt
+
+
+def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams:
+    """The body's generation options; ``max_new_tokens`` is set once the prompt is tokenized."""
+    temperature = body.temperature
+    # torch seeds are 64-bit; SamplingParams checks only seed >= 0 (reported to the engine).
+    check(
+        body.seed is None or body.seed < TORCH_SEED_LIMIT,
+        "seed",
+        f"expected an integer in [0, 2**64), got {body.seed}",
+    )
+    return GenerationParams.create(
+        max_new_tokens=1,
+        temperature=temperature if temperature is not None else OPENAI_DEFAULT_TEMPERATURE,
         top_k=body.top_k,
         top_p=body.top_p if body.top_p is not None else 1.0,
         seed=body.seed,
@@ -143,35 +152,49 @@ async def prepare(
         ignore_eos=body.ignore_eos,
     )
 
-    def encode(engine: Engine) -> tuple[list[int], str, int]:
-        ids = token_ids if token_ids is not None else engine.encode(text, messages)
-        engine.check_prompt(ids)
-        proposer = params.proposer or engine.config.default_proposer
-        engine.resolve_proposer(proposer)
-        k = params.num_speculative_tokens or engine.config.default_num_speculative_tokens
-        return ids, proposer, k
 
-    prompt_ids, proposer, k = await state.engine_call(encode)
-    room = state.model.max_seq_len - len(prompt_ids)
+def _tokenize(
+    prompt: _Prompt, params: GenerationParams, engine: Engine
+) -> tuple[list[int], str, int]:
+    """On the engine thread: the prompt's token ids, checked, and the resolved proposer and K."""
+    ids = prompt.token_ids
+    if ids is None:
+        ids = engine.encode(prompt.text, prompt.messages)
+    engine.check_prompt(ids)
+    proposer = params.proposer or engine.config.default_proposer
+    engine.resolve_proposer(proposer)
+    k = params.num_speculative_tokens or engine.config.default_num_speculative_tokens
+    return ids, proposer, k
+
+
+def _completion_budget(max_seq_len: int, num_prompt_tokens: int, max_tokens: int | None) -> int:
+    """``max_tokens``, or the rest of the context when None; refused beyond the context."""
+    room = max_seq_len - num_prompt_tokens
     if max_tokens is None:
-        max_tokens = room
+        return room
     check(
         max_tokens <= room,
         "max_tokens",
-        f"this model's context holds {state.model.max_seq_len} tokens; the prompt has "
-        f"{len(prompt_ids)}, so max_tokens can be at most {room}, got {max_tokens}",
+        f"this model's context holds {max_seq_len} tokens; the prompt has "
+        f"{num_prompt_tokens}, so max_tokens can be at most {room}, got {max_tokens}",
     )
+    return max_tokens
+
+
+async def prepare(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest
+) -> PreparedRequest:
+    """Validate ``body``; tokenize its prompt on the engine thread, which owns the tokenizer."""
+    model = state.model.resolve(body.model)
+    _reject_unsupported(body)
+    prompt = _prompt(body)
+    params = _params(body)
+    ids, proposer, k = await state.engine_call(functools.partial(_tokenize, prompt, params))
+    max_tokens = _completion_budget(state.model.max_seq_len, len(ids), prompt.max_tokens)
     return PreparedRequest(
         model=model,
-        prompt_token_ids=prompt_ids,
-        params=GenerationParams(
-            max_new_tokens=max_tokens,
-            sampling=params.sampling,
-            proposer=params.proposer,
-            num_speculative_tokens=params.num_speculative_tokens,
-            stop=params.stop,
-            ignore_eos=params.ignore_eos,
-        ),
+        prompt_token_ids=ids,
+        params=dataclasses.replace(params, max_new_tokens=max_tokens),
         proposer=proposer,
         num_speculative_tokens=k,
         stream=body.stream,
@@ -221,21 +244,13 @@ async def observe(
 
 
 def speculation_stats(prepared: PreparedRequest, stats: GenerationStats) -> SpeculationStats:
-    return SpeculationStats(
-        proposer=prepared.proposer,
-        num_speculative_tokens=prepared.num_speculative_tokens,
-        acceptance_rate=stats.acceptance_rate,
-        mean_accepted_length=stats.mean_accepted_length,
-        target_forwards=stats.target_forwards,
-        draft_tokens_proposed=stats.draft_tokens_proposed,
-        draft_tokens_accepted=stats.draft_tokens_accepted,
-        acceptance_per_position=[
-            a / p if p else 0.0
-            for a, p in zip(stats.accepted_per_position, stats.proposed_per_position, strict=True)
-        ],
-        time_to_first_token_s=stats.time_to_first_token_s,
-        elapsed_s=stats.elapsed_s,
-        tokens_per_second=stats.tokens_per_second,
+    measured = stats.to_dict()
+    return SpeculationStats.model_validate(
+        {
+            "proposer": prepared.proposer,
+            "num_speculative_tokens": prepared.num_speculative_tokens,
+            **{name: measured[name] for name in SpeculationStats.model_fields if name in measured},
+        }
     )
 
 
@@ -257,7 +272,6 @@ async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
 
     Cancelling it cancels the generator it drives, whose ``finally`` aborts the engine request.
     """
-    return await awaitable
     task = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:

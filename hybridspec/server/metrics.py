@@ -138,7 +138,9 @@ class ServerMetrics:
             ("proposer", "finish_reason"),
         )
         self.prompt_tokens = Counter(
-            "hybridspec_prompt_tokens_total", "Prompt tokens of admitted requests.", ("proposer",)
+            "hybridspec_prompt_tokens_total",
+            "Prompt tokens of requests that began generating.",
+            ("proposer",),
         )
         self.generated_tokens = Counter(
             "hybridspec_generated_tokens_total",

@@ -45,7 +45,7 @@ async def metrics(state: State) -> Response:
     try:
         running, waiting = await state.engine_call(_engine_state, METRICS_SNAPSHOT_TIMEOUT_S)
     except asyncio.TimeoutError:
-        logger.warning("engine busy; /metrics reports the previous batch and queue sizes")
+        logger.info("engine busy; /metrics reports the previous batch and queue sizes")
     else:
         state.metrics.set_engine_state(running, waiting)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
@@ -16,6 +17,8 @@ from hybridspec.engine import Engine, EngineLoop
 from hybridspec.errors import UnknownModelError
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.metrics import ServerMetrics
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +65,10 @@ class ServerState:
     model: ModelInfo
     metrics: ServerMetrics
 
-    async def engine_call(self, fn: Any, timeout_s: float | None = None) -> Any:
+    async def engine_call(self, fn: Callable[[Engine], T], timeout_s: float | None = None) -> T:
         """Run ``fn(engine)`` on the engine thread between steps (tokenizing, snapshots)."""
-        if timeout_s is None:
-            return await self.loop.call(fn)
-        return await asyncio.wait_for(self.loop.call(fn), timeout_s)
+        result: T = await asyncio.wait_for(self.loop.call(fn), timeout_s)
+        return result
 
 
 def get_state(request: Request) -> ServerState:

@@ -120,77 +120,87 @@ def _transform(
     """Temperature, top-k, softmax, top-p; each list has one entry, or one per row."""
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # half-precision softmax sums would miss 1 by ~1e-3
+    # Dividing makes a new tensor, so the in-place steps below never touch the caller's logits.
     if len(temperatures) == 1:
         scaled = logits / temperatures[0]
     else:
         temperature = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
         scaled = logits / temperature.unsqueeze(1)
-    scaled = _apply_top_k(scaled, top_ks)
+    top_k_index = _apply_top_k_(scaled, top_ks)
     probs = torch.softmax(scaled, dim=-1)
-    return _apply_top_p(probs, top_ps)
+    _apply_top_p_(probs, top_ps, top_k_index)
+    return probs
 
 
-def _apply_top_k(scaled: torch.Tensor, top_ks: list[int | None]) -> torch.Tensor:
-    """Set to -inf every logit below its row's k-th largest (ties with it survive)."""
+def _apply_top_k_(scaled: torch.Tensor, top_ks: list[int | None]) -> torch.Tensor | None:
+    """Set to -inf every logit below its row's k-th largest (ties with it survive), in place.
+
+    Returns the top-k token ids [num_rows, k_max], largest first, when every row has a top-k
+    (top-p then looks for the nucleus among them), else None.
+    """
     vocab_size = scaled.shape[-1]
     ks = [vocab_size if k is None else min(k, vocab_size) for k in top_ks]
     k_max = max((k for k in ks if k < vocab_size), default=0)
     if k_max == 0:
-        return scaled
-    top_values = scaled.topk(k_max, dim=-1).values  # [num_rows, k_max], descending
+        return None
+    top = scaled.topk(k_max, dim=-1)  # [num_rows, k_max], descending
     if len(ks) == 1:
-        kth = top_values[:, k_max - 1 :]
+        kth = top.values[:, k_max - 1 :]
     else:
         index = torch.tensor([min(k, k_max) - 1 for k in ks], device=scaled.device)
-        kth = top_values.gather(-1, index.unsqueeze(1))
+        kth = top.values.gather(-1, index.unsqueeze(1))
         unfiltered = torch.tensor([k >= vocab_size for k in ks], device=scaled.device)
-        kth = kth.masked_fill(unfiltered.unsqueeze(1), float("-inf"))
-    return scaled.masked_fill(scaled < kth, float("-inf"))
+        kth.masked_fill_(unfiltered.unsqueeze(1), float("-inf"))
+    scaled.masked_fill_(scaled < kth, float("-inf"))
+    return top.indices if max(ks) < vocab_size else None
 
 
-def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
-    """Zero every probability outside its row's nucleus and renormalise the rest."""
+def _apply_top_p_(
+    probs: torch.Tensor, top_ps: list[float], top_k_index: torch.Tensor | None
+) -> None:
+    """Zero every probability outside its row's nucleus and renormalise the rest, in place."""
     active = [top_p < 1.0 for top_p in top_ps]
     if not any(active):
-        return probs
+        return
     top_p = torch.tensor(top_ps, dtype=torch.float64, device=probs.device).unsqueeze(1)
-    threshold = _nucleus_threshold(probs, top_p, active)  # [num_rows or 1, 1]
-    kept = probs.masked_fill(probs < threshold, 0.0)
-    return kept / kept.sum(dim=-1, keepdim=True)
+    threshold = _nucleus_threshold(probs, top_p, active, top_k_index)  # [num_rows, 1]
+    probs.masked_fill_(probs < threshold, 0.0)
+    probs.div_(probs.sum(dim=-1, keepdim=True))
 
 
 def _nucleus_threshold(
-    probs: torch.Tensor, top_p: torch.Tensor, active: list[bool]
+    probs: torch.Tensor, top_p: torch.Tensor, active: list[bool], top_k_index: torch.Tensor | None
 ) -> torch.Tensor:
     """The smallest probability in each row's nucleus; 0 for rows without top-p.
 
     ``probs`` [num_rows, vocab_size], ``top_p`` [num_rows or 1, 1] float64 -> [num_rows, 1].
 
     Sorting 17 rows of 49152 floats costs tens of milliseconds on a CPU, so this never sorts a
-    whole row: the largest ``_PREFIX_SIZE`` probabilities usually hold the nucleus (always when
-    top_k <= _PREFIX_SIZE); when they do not, ``_bucketed_threshold`` finds it in a few passes.
+    whole row. The nucleus is looked for among a prefix of each row's largest probabilities,
+    descending: those at ``top_k_index`` (the top-k survivors, when every row has a top-k), or
+    else the largest ``_PREFIX_SIZE``. When a prefix's mass falls short of top_p (a flat
+    distribution, or ties beyond the top-k ids), ``_bucketed_threshold`` finds it in a few passes.
     """
-    inactive = None
-    if len(active) > 1:
-        inactive = ~torch.tensor(active, device=probs.device).unsqueeze(1)
-    top = probs.topk(min(_PREFIX_SIZE, probs.shape[1]), dim=-1).values  # descending
-    running = top.to(torch.float64).cumsum(dim=1)
-    reached = running[:, -1:] >= top_p
-    if inactive is not None:
-        reached |= inactive
-    if bool(reached.all()):
-        last = (running < top_p).sum(dim=1, keepdim=True)  # inactive rows may count them all
-        threshold = top.gather(1, last.clamp_(max=top.shape[1] - 1))
+    if top_k_index is not None:
+        top = probs.gather(1, top_k_index)  # descending, as softmax keeps the order of logits
     else:
-        threshold = _bucketed_threshold(probs, top_p, inactive)
-    if inactive is not None:
-        threshold.masked_fill_(inactive, 0.0)
+        top = probs.topk(min(_PREFIX_SIZE, probs.shape[1]), dim=-1).values
+    running = top.to(torch.float64).cumsum(dim=1)
+    last = (running < top_p).sum(dim=1, keepdim=True)  # == prefix size where not reached
+    threshold = top.gather(1, last.clamp(max=top.shape[1] - 1))
+    short = last.squeeze(1) == top.shape[1]
+    if len(active) > 1:
+        inactive = ~torch.tensor(active, device=probs.device)
+        threshold.masked_fill_(inactive.unsqueeze(1), 0.0)
+        short &= ~inactive
+    if bool(short.any()):  # only the rows whose prefix falls short pay for the buckets
+        rows = short.nonzero().squeeze(1)
+        row_top_p = top_p if top_p.shape[0] == 1 else top_p[rows]
+        threshold[rows] = _bucketed_threshold(probs[rows], row_top_p)
     return threshold
 
 
-def _bucketed_threshold(
-    probs: torch.Tensor, top_p: torch.Tensor, inactive: torch.Tensor | None
-) -> torch.Tensor:
+def _bucketed_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """``_nucleus_threshold`` in a few passes over the vocabulary, sorting only one bucket.
 
     A probability's bucket is the top 11 bits of its float32 bit pattern (sign, exponent, 3
@@ -208,10 +218,8 @@ def _bucketed_threshold(
     j = (above < goal).sum(dim=1, keepdim=True)
     crossing = ((_NUM_BUCKETS - 1) - j).to(torch.int32)  # [num_rows, 1]
     mass_above = above.gather(1, (j - 1).clamp(min=0)).masked_fill_(j == 0, 0.0)
-    if inactive is not None:
-        crossing.masked_fill_(inactive, -1)  # no members: rows without top-p cost nothing
     member = buckets == crossing  # [num_rows, vocab_size]
-    count = member.sum(dim=1, keepdim=True)
+    count = torch.count_nonzero(member, dim=1).unsqueeze(1)
     top = torch.where(member, probs, 0.0).topk(max(int(count.max()), 1), dim=-1).values
     running = mass_above + top.to(torch.float64).cumsum(dim=1)
     last = torch.minimum((running < goal).sum(dim=1, keepdim=True), (count - 1).clamp(min=0))

@@ -88,14 +88,21 @@ class VerifyInput:
                 name,
                 f"expected one entry per sequence ({num_seqs}), got {len(values)}",
             )
-        for i, (params, probs) in enumerate(zip(self.sampling, self.draft_probs, strict=True)):
-            check(
-                isinstance(params, SamplingParams),
-                "sampling",
-                f"expected SamplingParams, got {type(params).__name__} for sequence {i}",
-            )
-            if probs is not None:
-                _check_probs_shape(probs, i, counts[i], self.target_logits)
+        # Per-sequence checks test first and format a message only on failure: batches can
+        # hold thousands of sequences.
+        shape = (0, self.target_logits.shape[1])
+        device = self.target_logits.device
+        per_seq = zip(self.sampling, self.generators, self.draft_probs, strict=True)
+        for i, (params, gen, probs) in enumerate(per_seq):
+            if not isinstance(params, SamplingParams):
+                check(False, "sampling", f"sequence {i}: expected SamplingParams, got {params!r}")
+            if gen is not None and not isinstance(gen, torch.Generator):
+                check(False, "generators", f"sequence {i}: expected a Generator, got {gen!r}")
+            if probs is None:
+                continue
+            shape = (counts[i], shape[1])
+            if not (probs.shape == shape and probs.is_floating_point() and probs.device == device):
+                _check_probs_shape(probs, i, shape, device)
 
     @property
     def num_seqs(self) -> int:
@@ -133,22 +140,29 @@ class VerifyInput:
         probabilistic: bool | Sequence[bool] = False,
         seed: int = 0,
     ) -> VerifyInput:
-        """A random valid batch for tests: drafts drawn from random q (or uniformly when
-        deterministic), random target logits, sequence i's generator seeded ``seed + i``."""
+        """A random valid batch for tests; sequence i's generator is seeded ``seed + i``.
+
+        The draft's logits are the target's plus noise, so that drafts are often accepted:
+        a deterministic draft is their argmax, a probabilistic one a sample of q, their softmax
+        under the sequence's transforms (temperature 1 for a greedy sequence).
+        """
         num_seqs = len(num_draft_tokens)
         params = [sampling] * num_seqs if isinstance(sampling, SamplingParams) else list(sampling)
         kinds = [probabilistic] * num_seqs if isinstance(probabilistic, bool) else probabilistic
         rng = torch.Generator().manual_seed(seed)
-        proposals = []
+        logits = torch.randn(sum(num_draft_tokens) + num_seqs, vocab_size, generator=rng) * 2
+        proposals, row = [], 0
         for k, sp, kind in zip(num_draft_tokens, params, kinds, strict=True):
+            draft_logits = logits[row : row + k] + torch.randn(k, vocab_size, generator=rng)
+            row += k + 1
             if not kind:
-                proposals.append(Proposal(torch.randint(vocab_size, (k,), generator=rng).tolist()))
+                proposals.append(Proposal(draft_logits.argmax(dim=-1).tolist()))
                 continue
-            q_params = SamplingParams(temperature=1.0) if sp.is_greedy else sp
-            q = logits_to_probs(torch.randn(k, vocab_size, generator=rng) * 2, q_params)
+            q = logits_to_probs(
+                draft_logits, SamplingParams(temperature=1.0) if sp.is_greedy else sp
+            )
             tokens = torch.multinomial(q, 1, generator=rng).squeeze(1).tolist() if k else []
             proposals.append(Proposal(tokens, q))
-        logits = torch.randn(sum(num_draft_tokens) + num_seqs, vocab_size, generator=rng) * 2
         gens = [torch.Generator().manual_seed(seed + i) for i in range(num_seqs)]
         return VerifyInput.from_proposals(proposals, logits, params, gens)
 
@@ -198,19 +212,19 @@ class _Seqs:
     generators: Sequence[torch.Generator | None]
 
 
-def _select(inp: VerifyInput, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, _Seqs]:
-    """The target rows, drafts and per-sequence fields of the sequences ``seqs``."""
+def _select(inp: VerifyInput, members: list[int]) -> tuple[torch.Tensor, torch.Tensor, _Seqs]:
+    """The target rows, drafts and per-sequence fields of the sequences ``members``."""
     offsets = list(itertools.accumulate(inp.num_draft_tokens, initial=0))
-    draft_index = [t for i in seqs for t in range(offsets[i], offsets[i + 1])]
-    row_index = [r for i in seqs for r in range(offsets[i] + i, offsets[i + 1] + i + 1)]
+    draft_index = [t for i in members for t in range(offsets[i], offsets[i + 1])]
+    row_index = [r for i in members for r in range(offsets[i] + i, offsets[i + 1] + i + 1)]
     device = inp.target_logits.device
     logits = inp.target_logits[torch.tensor(row_index, device=device)]
     drafts = inp.draft_token_ids[torch.tensor(draft_index, dtype=torch.long, device=device)]
     sub = _Seqs(
-        [inp.num_draft_tokens[i] for i in seqs],
-        [inp.draft_probs[i] for i in seqs],
-        [inp.sampling[i] for i in seqs],
-        [inp.generators[i] for i in seqs],
+        [inp.num_draft_tokens[i] for i in members],
+        [inp.draft_probs[i] for i in members],
+        [inp.sampling[i] for i in members],
+        [inp.generators[i] for i in members],
     )
     return logits, drafts, sub
 
@@ -238,9 +252,10 @@ def _verify_sampled(
         ]
     )  # [num_rows]: each sequence's k_i acceptance draws, then its final-token draw
     p_at_draft = target_probs[layout.draft_rows, draft_token_ids]  # [total_draft_tokens]
-    q_at_draft = _draft_probs_at_draft(draft_token_ids, seqs)
+    draft_q = _gather_draft_q(draft_token_ids, seqs)
+    q_at_draft = None if draft_q is None else draft_q.at_draft
     num_accepted = rejection_accept(p_at_draft, q_at_draft, uniforms[layout.draft_rows], layout)
-    final_probs = _final_probs(target_probs, draft_token_ids, num_accepted, layout, seqs)
+    final_probs = _final_probs(target_probs, draft_token_ids, draft_q, num_accepted, layout, seqs)
     return num_accepted, sample_from_probs(final_probs, uniforms[layout.bonus_rows])
 
 
@@ -256,33 +271,44 @@ def _target_probs(target_logits: torch.Tensor, seqs: _Seqs) -> torch.Tensor:
     return logits_to_probs_by_row(target_logits, row_params)
 
 
-def _draft_probs_at_draft(draft_token_ids: torch.Tensor, seqs: _Seqs) -> torch.Tensor | None:
-    """q(d) for every draft [total_draft_tokens]; 1 for deterministic drafts; None if all are."""
+@dataclass(frozen=True, slots=True)
+class _DraftQ:
+    """The draft distributions of the sequences that sent them, gathered once."""
+
+    probs: torch.Tensor  # [num_q_rows, vocab_size]: their q rows, concatenated in sequence order
+    first_row: dict[int, int]  # sequence -> the row of probs holding its first draft's q
+    at_draft: torch.Tensor  # [total_draft_tokens] q(d) of every draft; 1 for deterministic ones
+
+
+def _gather_draft_q(draft_token_ids: torch.Tensor, seqs: _Seqs) -> _DraftQ | None:
+    """q of the probabilistic drafts, checked; None when every draft is deterministic."""
     with_probs = [i for i, q in enumerate(seqs.draft_probs) if q is not None]
     if not with_probs:
         return None
     nums = seqs.num_draft_tokens
-    offsets = list(itertools.accumulate(nums, initial=0))
-    q_rows = [seqs.draft_probs[i] for i in with_probs]
-    q = torch.cat(q_rows) if len(q_rows) > 1 else q_rows[0]  # type: ignore[arg-type]
+    rows = [seqs.draft_probs[i] for i in with_probs]
+    q = torch.cat(rows) if len(rows) > 1 else rows[0]  # type: ignore[arg-type]
     assert q is not None
+    starts = itertools.accumulate((nums[i] for i in with_probs[:-1]), initial=0)
+    first_row = dict(zip(with_probs, starts, strict=True))
     if len(with_probs) == len(nums):
-        tokens = draft_token_ids
+        q_at_tokens = q.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)
+        at_draft = q_at_tokens
     else:
+        offsets = list(itertools.accumulate(nums, initial=0))
         index = [t for i in with_probs for t in range(offsets[i], offsets[i + 1])]
         index_t = torch.tensor(index, dtype=torch.long, device=draft_token_ids.device)
-        tokens = draft_token_ids[index_t]
-    q_at_tokens = q.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    _check_probs_values(q, q_at_tokens, [(i, k) for i in with_probs for k in range(nums[i])])
-    if len(with_probs) == len(nums):
-        return q_at_tokens
-    q_at_draft = torch.ones(len(draft_token_ids), dtype=q.dtype, device=q.device)
-    return q_at_draft.index_copy_(0, index_t, q_at_tokens)
+        q_at_tokens = q.gather(1, draft_token_ids[index_t].unsqueeze(1)).squeeze(1)
+        at_draft = torch.ones(len(draft_token_ids), dtype=q.dtype, device=q.device)
+        at_draft.index_copy_(0, index_t, q_at_tokens)
+    _check_probs_values(q, q_at_tokens, with_probs, nums)
+    return _DraftQ(q, first_row, at_draft)
 
 
 def _final_probs(
     target_probs: torch.Tensor,
     draft_token_ids: torch.Tensor,
+    draft_q: _DraftQ | None,
     num_accepted: torch.Tensor,
     layout: DraftLayout,
     seqs: _Seqs,
@@ -297,9 +323,12 @@ def _final_probs(
     deterministic = [i for i in rejected if seqs.draft_probs[i] is None]
     device = final.device
     if probabilistic:
+        assert draft_q is not None
         index = torch.tensor(probabilistic, device=device)
-        q = torch.stack([seqs.draft_probs[i][accepted[i]] for i in probabilistic])  # type: ignore[index]
-        final[index] = residual_probs(final[index], q.to(final.dtype))
+        rows = torch.tensor(
+            [draft_q.first_row[i] + accepted[i] for i in probabilistic], device=device
+        )
+        final[index] = residual_probs(final[index], draft_q.probs[rows].to(final.dtype))
     if deterministic:
         index = torch.tensor(deterministic, device=device)
         offsets = list(itertools.accumulate(seqs.num_draft_tokens, initial=0))
@@ -362,47 +391,41 @@ def _check_drafts(
 
 
 def _check_probs_shape(
-    probs: torch.Tensor, seq: int, num_draft_tokens: int, target_logits: torch.Tensor
+    probs: torch.Tensor, seq: int, shape: tuple[int, int], device: torch.device
 ) -> None:
-    expected = (num_draft_tokens, target_logits.shape[1])
     check(
-        probs.is_floating_point() and tuple(probs.shape) == expected,
+        probs.is_floating_point() and probs.shape == shape,
         "draft_probs",
-        f"sequence {seq}: expected a float tensor {list(expected)}, got {probs.dtype} "
+        f"sequence {seq}: expected a float tensor {list(shape)}, got {probs.dtype} "
         f"{list(probs.shape)}",
     )
     check(
-        probs.device == target_logits.device,
+        probs.device == device,
         "draft_probs",
-        f"sequence {seq}: expected device {target_logits.device}, got {probs.device}",
+        f"sequence {seq}: expected device {device}, got {probs.device}",
     )
 
 
 def _check_probs_values(
-    q: torch.Tensor, q_at_tokens: torch.Tensor, rows: list[tuple[int, int]]
+    q: torch.Tensor, q_at_tokens: torch.Tensor, with_probs: list[int], nums: Sequence[int]
 ) -> None:
-    """Rows of q are distributions and give their own draft a positive probability.
+    """Rows of q [n, vocab_size] are distributions that give their own draft a positive mass.
 
-    ``rows[r]`` names (sequence, position) of row r of ``q`` [n, vocab_size].
+    Row r of q is a draft of the sequences ``with_probs``, in order (``nums`` drafts each).
     """
     if q.numel() == 0:
         return
     error = (q.sum(dim=1) - 1).abs()
-    if not bool(error.max() <= PROBS_SUM_TOLERANCE):  # also False for NaN
-        seq, pos = rows[int(torch.nan_to_num(error, nan=float("inf")).argmax())]
-        check(
-            False,
-            "draft_probs",
-            f"sequence {seq} position {pos}: expected a row summing to 1 within "
-            f"{PROBS_SUM_TOLERANCE}, got {float(q[rows.index((seq, pos))].sum()):.6g}",
-        )
-    if not bool(q.min() >= 0):
-        seq, pos = rows[int(q.min(dim=1).values.argmin())]
-        check(False, "draft_probs", f"sequence {seq} position {pos}: expected probabilities >= 0")
-    if not bool(q_at_tokens.min() > 0):
-        seq, pos = rows[int(q_at_tokens.argmin())]
-        check(
-            False,
-            "draft_probs",
-            f"sequence {seq} position {pos}: the draft token has probability 0 under its own q",
-        )
+    if not bool(error.max() <= PROBS_SUM_TOLERANCE):  # also True for NaN
+        row = int(torch.nan_to_num(error, nan=float("inf")).argmax())
+        problem = f"expected a row summing to 1 within {PROBS_SUM_TOLERANCE}"
+        problem += f", got {float(q[row].sum()):.6g}"
+    elif not bool(q.min() >= 0):
+        row, problem = int(q.min(dim=1).values.argmin()), "expected probabilities >= 0"
+    elif not bool(q_at_tokens.min() > 0):
+        row = int(q_at_tokens.argmin())
+        problem = "the draft token has probability 0 under its own q"
+    else:
+        return
+    seq, pos = [(i, j) for i in with_probs for j in range(nums[i])][row]
+    check(False, "draft_probs", f"sequence {seq} position {pos}: {problem}")

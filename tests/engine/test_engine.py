@@ -25,8 +25,8 @@ from hybridspec import (
     Proposer,
     ProposeRequest,
 )
-from hybridspec.engine.loader import LoadedModel
 from hybridspec.engine.llama import LlamaWeights
+from hybridspec.engine.loader import LoadedModel
 from hybridspec.engine.runtime import ForwardBatch
 from hybridspec.proposers import ProposerContext, default_registry
 from hybridspec.proposers.draft import DraftModelProposer
@@ -47,17 +47,26 @@ def tiny_loaded(seed: int, noise_from: LoadedModel | None = None) -> LoadedModel
     """A tiny random Llama; with ``noise_from``, that model's weights plus small noise (a draft
     that mostly agrees with it)."""
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=EOS, bos_token_id=0, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=EOS,
+        bos_token_id=0,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     state = model.state_dict()
     if noise_from is not None:
         torch.manual_seed(seed)
-        state = {k: v + 0.3 * v.std() * torch.randn_like(v) if v.dim() > 1 else v
-                 for k, v in state.items()}
+        state = {
+            k: v + 0.3 * v.std() * torch.randn_like(v) if v.dim() > 1 else v
+            for k, v in state.items()
+        }
     else:  # sharpen the output so greedy text has structure worth speculating on, and keep
         # EOS (logit 0, below the largest of 63 others) out of greedy output.
         state["lm_head.weight"] = state["lm_head.weight"] * 8
@@ -79,6 +88,7 @@ def draft(target: LoadedModel) -> LoadedModel:
 def make_engine(target: LoadedModel, draft: LoadedModel | None = None, **config: object) -> Engine:
     registry = default_registry()
     if draft is not None:
+
         def factory(context: ProposerContext) -> Proposer:
             options = {**context.options, "loaded": draft}
             return DraftModelProposer(
@@ -86,8 +96,11 @@ def make_engine(target: LoadedModel, draft: LoadedModel | None = None, **config:
             )
 
         registry.register("draft", factory, replace=True)
-    target_config = ModelConfig(dtype="float32", max_seq_len=config.pop("max_seq_len", 256),  # type: ignore[arg-type]
-                                max_num_seqs=config.pop("max_num_seqs", 8))  # type: ignore[arg-type]
+    target_config = ModelConfig(
+        dtype="float32",
+        max_seq_len=config.pop("max_seq_len", 256),  # type: ignore[arg-type]
+        max_num_seqs=config.pop("max_num_seqs", 8),
+    )  # type: ignore[arg-type]
     return Engine(EngineConfig(target=target_config, **config), target=target, registry=registry)  # type: ignore[arg-type]
 
 
@@ -97,16 +110,18 @@ def engine(target: LoadedModel, draft: LoadedModel) -> Engine:
 
 
 def plain(engine: Engine, prompt: Sequence[int], max_new_tokens: int = 40) -> list[int]:
-    return engine.generate(prompt_token_ids=prompt, proposer="none",
-                           max_new_tokens=max_new_tokens).token_ids
+    return engine.generate(
+        prompt_token_ids=prompt, proposer="none", max_new_tokens=max_new_tokens
+    ).token_ids
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_greedy_speculation_equals_plain_decoding(engine: Engine, proposer: str, k: int) -> None:
     for prompt in PROMPTS:
-        result = engine.generate(prompt_token_ids=prompt, proposer=proposer,
-                                 num_speculative_tokens=k, max_new_tokens=40)
+        result = engine.generate(
+            prompt_token_ids=prompt, proposer=proposer, num_speculative_tokens=k, max_new_tokens=40
+        )
         expected = plain(engine, prompt)
         assert len(expected) == 40
         assert result.token_ids == expected, f"prompt {prompt}"
@@ -114,8 +129,9 @@ def test_greedy_speculation_equals_plain_decoding(engine: Engine, proposer: str,
 
 
 def test_speculation_saves_forwards(engine: Engine) -> None:
-    result = engine.generate(prompt_token_ids=PROMPTS[0], proposer="draft",
-                             num_speculative_tokens=4, max_new_tokens=40)
+    result = engine.generate(
+        prompt_token_ids=PROMPTS[0], proposer="draft", num_speculative_tokens=4, max_new_tokens=40
+    )
     assert result.stats.draft_tokens_accepted > 0
     assert result.stats.mean_accepted_length > 1.0
     assert 0.0 < result.stats.acceptance_rate <= 1.0
@@ -141,8 +157,9 @@ def test_mixed_batch_joining_at_different_steps_equals_solo(engine: Engine) -> N
     assert results == expected
 
 
-def cache_equals_plain_prefill(target: LoadedModel, runtime: object, slot: int,
-                               token_ids: list[int]) -> None:
+def cache_equals_plain_prefill(
+    target: LoadedModel, runtime: object, slot: int, token_ids: list[int]
+) -> None:
     """The first len(token_ids) cached keys/values equal a fresh prefill of token_ids."""
     fresh = target.create_runtime(1, 256)
     fresh_slot = fresh.allocate()
@@ -150,10 +167,12 @@ def cache_equals_plain_prefill(target: LoadedModel, runtime: object, slot: int,
     n = len(token_ids)
     got, want = runtime._cache, fresh._cache  # type: ignore[attr-defined]
     assert runtime.seq_len(slot) == n  # type: ignore[attr-defined]
-    torch.testing.assert_close(got.keys[:, slot, :, :n], want.keys[:, fresh_slot, :, :n],
-                               atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got.values[:, slot, :, :n], want.values[:, fresh_slot, :, :n],
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        got.keys[:, slot, :, :n], want.keys[:, fresh_slot, :, :n], atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        got.values[:, slot, :, :n], want.values[:, fresh_slot, :, :n], atol=1e-4, rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
@@ -163,29 +182,34 @@ def test_rollback_leaves_caches_as_plain_decoding_builds_them(
     engine = make_engine(target, draft)
     draft_proposer = engine.resolve_proposer("draft")
     assert isinstance(draft_proposer, DraftModelProposer)
-    engine.add_request(PROMPTS[3], GenerationParams(max_new_tokens=40, proposer=proposer,
-                                                    num_speculative_tokens=5))
+    engine.add_request(
+        PROMPTS[3], GenerationParams(max_new_tokens=40, proposer=proposer, num_speculative_tokens=5)
+    )
     rounds = 0
     while engine.has_unfinished():
         engine.step()
         for request in engine.scheduler.running:
             assert request.slot is not None
-            cache_equals_plain_prefill(target, engine.runtime, request.slot,
-                                       request.token_ids[:-1])
+            cache_equals_plain_prefill(target, engine.runtime, request.slot, request.token_ids[:-1])
             if proposer == "draft":
                 seq = draft_proposer._seqs[request.seq_id]
                 cached = draft_proposer.runtime.seq_len(seq.slot)
                 assert cached <= len(request.token_ids) - 1
-                cache_equals_plain_prefill(draft, draft_proposer.runtime, seq.slot,
-                                           request.token_ids[:cached])
+                cache_equals_plain_prefill(
+                    draft, draft_proposer.runtime, seq.slot, request.token_ids[:cached]
+                )
             rounds += 1
     assert rounds > 3
 
 
 def test_max_new_tokens_is_exact_even_inside_an_accepted_run(engine: Engine) -> None:
     for n in (1, 2, 7, 13):
-        result = engine.generate(prompt_token_ids=PROMPTS[0], proposer="draft",
-                                 num_speculative_tokens=8, max_new_tokens=n)
+        result = engine.generate(
+            prompt_token_ids=PROMPTS[0],
+            proposer="draft",
+            num_speculative_tokens=8,
+            max_new_tokens=n,
+        )
         assert result.token_ids == plain(engine, PROMPTS[0], 40)[:n]
         assert result.finish_reason is FinishReason.LENGTH
 
@@ -193,8 +217,9 @@ def test_max_new_tokens_is_exact_even_inside_an_accepted_run(engine: Engine) -> 
 def test_context_length_shrinks_k_then_stops(target: LoadedModel, draft: LoadedModel) -> None:
     small = make_engine(target, draft, max_seq_len=30)
     prompt = PROMPTS[2]  # 21 tokens: room for 9 more
-    result = small.generate(prompt_token_ids=prompt, proposer="draft",
-                            num_speculative_tokens=8, max_new_tokens=100)
+    result = small.generate(
+        prompt_token_ids=prompt, proposer="draft", num_speculative_tokens=8, max_new_tokens=100
+    )
     assert result.finish_reason is FinishReason.LENGTH
     assert len(prompt) + len(result.token_ids) == 30
     big = make_engine(target)
@@ -206,14 +231,21 @@ def test_eos_stops_and_is_not_returned(target: LoadedModel) -> None:
     reference = plain(engine, PROMPTS[4], 20)
     stop_token = reference[5]
     stopper = tiny_loaded(0)
-    stopper = LoadedModel(target.weights, None, target.hf_config, torch.float32,  # type: ignore[arg-type]
-                          (stop_token,), "tiny:eos")
+    stopper = LoadedModel(
+        target.weights,
+        None,
+        target.hf_config,
+        torch.float32,  # type: ignore[arg-type]
+        (stop_token,),
+        "tiny:eos",
+    )
     stopping = make_engine(stopper)
     result = stopping.generate(prompt_token_ids=PROMPTS[4], proposer="ngram", max_new_tokens=20)
     assert result.finish_reason is FinishReason.STOP
     assert result.token_ids == reference[: reference.index(stop_token)]
-    ignored = stopping.generate(prompt_token_ids=PROMPTS[4], proposer="ngram",
-                                max_new_tokens=20, ignore_eos=True)
+    ignored = stopping.generate(
+        prompt_token_ids=PROMPTS[4], proposer="ngram", max_new_tokens=20, ignore_eos=True
+    )
     assert ignored.token_ids == reference
 
 
@@ -221,14 +253,21 @@ def test_eos_stops_and_is_not_returned(target: LoadedModel) -> None:
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(
     engine: Engine, proposer: str
 ) -> None:
-    params = GenerationParams.create(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=1234,
-                                     proposer=proposer, num_speculative_tokens=4)
+    params = GenerationParams.create(
+        max_new_tokens=20,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        proposer=proposer,
+        num_speculative_tokens=4,
+    )
     alone = engine.generate(prompt_token_ids=PROMPTS[0], params=params).token_ids
     assert engine.generate(prompt_token_ids=PROMPTS[0], params=params).token_ids == alone
     mine = engine.add_request(PROMPTS[0], params)
     for i, prompt in enumerate(PROMPTS[1:]):
-        neighbour = GenerationParams.create(max_new_tokens=15, temperature=1.0, seed=i,
-                                            proposer="draft", num_speculative_tokens=3)
+        neighbour = GenerationParams.create(
+            max_new_tokens=15, temperature=1.0, seed=i, proposer="draft", num_speculative_tokens=3
+        )
         engine.add_request(prompt, neighbour)
     result = None
     while engine.has_unfinished():

@@ -30,14 +30,25 @@ Z_ONE_MINUS_1E6 = 4.753424  # standard normal quantile at 1 - 1e-6
 
 def tiny(seed: int, base: dict[str, torch.Tensor] | None = None) -> LoadedModel:
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        eos_token_id=VOCAB - 1, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=VOCAB - 1,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    state = LlamaForCausalLM(config).state_dict() if base is None else {
-        k: v + 0.5 * v.std() * torch.randn_like(v) if v.dim() > 1 else v for k, v in base.items()
-    }
+    state = (
+        LlamaForCausalLM(config).state_dict()
+        if base is None
+        else {
+            k: v + 0.5 * v.std() * torch.randn_like(v) if v.dim() > 1 else v
+            for k, v in base.items()
+        }
+    )
     if base is None:
         state["lm_head.weight"] = state["lm_head.weight"] * 4
     weights = LlamaWeights.from_hf_state_dict(state, config, dtype=torch.float32)
@@ -47,18 +58,33 @@ def tiny(seed: int, base: dict[str, torch.Tensor] | None = None) -> LoadedModel:
 def state_of(model: LoadedModel) -> dict[str, torch.Tensor]:
     w = model.weights
     assert isinstance(w, LlamaWeights)
-    d, q_rows, kv_rows = w.dims.hidden_size, w.dims.num_heads * w.dims.head_dim, w.dims.num_kv_heads * w.dims.head_dim
-    state = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.norm, "lm_head.weight": w.lm_head}
+    d, q_rows, kv_rows = (
+        w.dims.hidden_size,
+        w.dims.num_heads * w.dims.head_dim,
+        w.dims.num_kv_heads * w.dims.head_dim,
+    )
+    state = {
+        "model.embed_tokens.weight": w.embed,
+        "model.norm.weight": w.norm,
+        "lm_head.weight": w.lm_head,
+    }
     for i, layer in enumerate(w.layers):
         p = f"model.layers.{i}."
         q, k, v = layer.wqkv.split([q_rows, kv_rows, kv_rows])
         gate, up = layer.w_gate_up.chunk(2)
-        state.update({
-            p + "input_layernorm.weight": layer.attn_norm, p + "post_attention_layernorm.weight": layer.mlp_norm,
-            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": layer.wo, p + "mlp.gate_proj.weight": gate,
-            p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": layer.w_down,
-        })
+        state.update(
+            {
+                p + "input_layernorm.weight": layer.attn_norm,
+                p + "post_attention_layernorm.weight": layer.mlp_norm,
+                p + "self_attn.q_proj.weight": q,
+                p + "self_attn.k_proj.weight": k,
+                p + "self_attn.v_proj.weight": v,
+                p + "self_attn.o_proj.weight": layer.wo,
+                p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": layer.w_down,
+            }
+        )
     assert d > 0
     return state
 
@@ -88,11 +114,22 @@ def sample_counts(engine: Engine, params: GenerationParams) -> torch.Tensor:
     submitted = 0
     while submitted < NUM_SAMPLES or engine.has_unfinished():
         while submitted < NUM_SAMPLES and engine.num_waiting < 16:
-            sampling = SamplingParams(params.sampling.temperature, params.sampling.top_k,
-                                      params.sampling.top_p, seed=submitted)
-            engine.add_request(PROMPT, GenerationParams(
-                max_new_tokens=2, sampling=sampling, proposer=params.proposer,
-                num_speculative_tokens=params.num_speculative_tokens, ignore_eos=True))
+            sampling = SamplingParams(
+                params.sampling.temperature,
+                params.sampling.top_k,
+                params.sampling.top_p,
+                seed=submitted,
+            )
+            engine.add_request(
+                PROMPT,
+                GenerationParams(
+                    max_new_tokens=2,
+                    sampling=sampling,
+                    proposer=params.proposer,
+                    num_speculative_tokens=params.num_speculative_tokens,
+                    ignore_eos=True,
+                ),
+            )
             submitted += 1
         for output in engine.step():
             if output.finished:
@@ -122,8 +159,13 @@ def build_engine(target: LoadedModel, draft: LoadedModel) -> Engine:
     registry = default_registry()
 
     def draft_factory(context: ProposerContext) -> Proposer:
-        return DraftModelProposer(ProposerContext(
-            context.vocab_size, context.eos_token_ids, options={**context.options, "loaded": draft}))
+        return DraftModelProposer(
+            ProposerContext(
+                context.vocab_size,
+                context.eos_token_ids,
+                options={**context.options, "loaded": draft},
+            )
+        )
 
     registry.register("draft", draft_factory, replace=True)
     config = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=64, max_num_seqs=16))
@@ -140,13 +182,16 @@ def build_engine(target: LoadedModel, draft: LoadedModel) -> Engine:
     ],
 )
 def test_speculative_samples_follow_the_target_distribution(
-    models: tuple[LoadedModel, LoadedModel], proposer: str, k: int | None,
+    models: tuple[LoadedModel, LoadedModel],
+    proposer: str,
+    k: int | None,
     sampling: SamplingParams,
 ) -> None:
     target, draft = models
     engine = build_engine(target, draft)
-    params = GenerationParams(max_new_tokens=2, sampling=sampling, proposer=proposer,
-                              num_speculative_tokens=k)
+    params = GenerationParams(
+        max_new_tokens=2, sampling=sampling, proposer=proposer, num_speculative_tokens=k
+    )
     counts = sample_counts(engine, params)
     assert counts.sum() == NUM_SAMPLES
     stat, critical = chi_square(counts, exact_two_token_distribution(target, sampling))
@@ -160,7 +205,8 @@ def test_the_chi_square_test_rejects_the_drafts_distribution(
     target, draft = models
     engine = build_engine(target, draft)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_counts(engine, GenerationParams(max_new_tokens=2, sampling=sampling,
-                                                    proposer="none"))
+    counts = sample_counts(
+        engine, GenerationParams(max_new_tokens=2, sampling=sampling, proposer="none")
+    )
     stat, critical = chi_square(counts, exact_two_token_distribution(draft, sampling))
     assert stat > critical

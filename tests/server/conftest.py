@@ -1,7 +1,8 @@
-"""Fixtures of the server tests: a tiny random Llama with a tiny BPE tokenizer, and apps on it.
+"""Fixtures of the server tests: apps serving the shared tiny random Llama, in-process or on
+a loopback socket.
 
-The model is built in a temporary directory (never downloaded) and loaded once per session;
-each app gets a fresh Engine (its own KV cache) over the loaded weights.
+The model (``tests.conftest.save_tiny_llama``) is saved once per session and loaded once; each
+app gets a fresh Engine (its own KV cache) over the loaded weights.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -23,64 +23,15 @@ from hybridspec.config import EngineConfig, ModelConfig
 from hybridspec.engine import Engine
 from hybridspec.engine.loader import LoadedModel, load_model
 from hybridspec.server import ServerConfig, create_app
+from tests.conftest import save_tiny_llama
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = [
-    "the quick brown fox jumps over the lazy dog",
-    "speculative decoding drafts tokens and the target verifies them in one forward",
-    "hello world, how are you today? I am fine, thank you.",
-    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'\"()[]{}",
-] * 4
-TINY_MAX_SEQ_LEN = 256
+TINY_MAX_SEQ_LEN = 256  # the shared tiny Llama's max_position_embeddings
 TINY_MODEL_NAME = "tiny-llama"
-
-
-def _build_tiny_model(directory: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(CORPUS, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        unk_token="<unk>",
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=TINY_MAX_SEQ_LEN,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    _build_tiny_model(directory)
-    return directory
+    return save_tiny_llama(tmp_path_factory.mktemp("server-tiny-llama"))
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from hybridspec.config import DraftConfig, ModelConfig
 from hybridspec.engine import Engine
 from hybridspec.engine.loader import LoadedModel
 from hybridspec.server import create_app
-from tests.server.conftest import TINY_MODEL_NAME, tiny_engine_config
+from tests.server.conftest import TINY_MAX_SEQ_LEN, TINY_MODEL_NAME, tiny_engine_config
 from tests.server.helpers import chunk_text, metric, parse_metrics, sse_chunks
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
@@ -41,7 +42,7 @@ def test_models_lists_target_with_proposers_and_defaults(client: TestClient) -> 
     assert body["object"] == "list"
     (card,) = body["data"]
     assert card["id"] == TINY_MODEL_NAME and card["object"] == "model"
-    assert card["max_model_len"] == 256
+    assert card["max_model_len"] == TINY_MAX_SEQ_LEN
     proposers = {p["name"]: p for p in card["hybridspec"]["proposers"]}
     assert set(proposers) == {"none", "ngram"}  # no draft model configured
     assert proposers["ngram"]["default"] and not proposers["none"]["default"]
@@ -81,6 +82,7 @@ def test_greedy_completion_equals_engine_generate(
 
 
 def test_token_id_prompt_equals_text_prompt(client: TestClient, tiny_model: LoadedModel) -> None:
+    assert tiny_model.tokenizer is not None
     ids = list(tiny_model.tokenizer.encode("hello world"))
     by_text = complete(client, prompt="hello world", max_tokens=5, temperature=0)
     by_ids = complete(client, prompt=ids, max_tokens=5, temperature=0)
@@ -241,3 +243,29 @@ def test_metrics_count_requests_tokens_and_speculation(client: TestClient) -> No
 def test_health(client: TestClient) -> None:
     response = client.get("/health")
     assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_draft_proposer_is_served_when_a_draft_model_is_given(
+    make_app: Any, tiny_model_dir: Path
+) -> None:
+    draft = DraftConfig(model=ModelConfig(str(tiny_model_dir), dtype="float32", max_num_seqs=4))
+    with TestClient(make_app(draft=draft)) as client:
+        (card,) = client.get("/v1/models").json()["data"]
+        assert {p["name"] for p in card["hybridspec"]["proposers"]} == {"none", "ngram", "draft"}
+        texts = {}
+        for proposer in ("none", "draft"):
+            body = complete(
+                client,
+                prompt="hello world",
+                max_tokens=10,
+                temperature=0,
+                ignore_eos=True,
+                proposer=proposer,
+                num_speculative_tokens=3,
+            )
+            texts[proposer] = body["choices"][0]["text"]
+            stats = body["hybridspec"]
+        # The draft is the target itself: every draft token is accepted.
+        assert texts["draft"] == texts["none"]
+        assert stats["draft_tokens_proposed"] > 0
+        assert stats["acceptance_rate"] == 1.0

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.server.conftest import TINY_MODEL_NAME
+from hybridspec.config import EngineConfig
+from hybridspec.engine import Engine
+from hybridspec.engine.loader import LoadedModel
+from hybridspec.proposers import NoProposer
+from hybridspec.server import ServerConfig, create_app
+from hybridspec.types import Proposal, ProposeRequest
+from tests.server.conftest import TINY_MODEL_NAME, tiny_engine_config
+from tests.server.helpers import metric, parse_metrics
 
 CHAT = [{"role": "user", "content": "hello"}]
 LONG_PROMPT = "hello world " * 200  # far more than the tiny model's 256-token context
@@ -36,6 +45,7 @@ def assert_error(response: Any, status: int, param: str | None) -> dict[str, Any
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": 0}, "top_k"),
         ({"seed": -1}, "seed"),
+        ({"seed": 2**70}, "seed"),
         ({"n": 2}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 1000}, "max_tokens"),  # prompt + max_tokens beyond the context
@@ -149,3 +159,41 @@ def test_errors_leave_the_server_serving(client: TestClient) -> None:
     ).json()["choices"][0]["text"]
     assert before == after
     assert client.get("/health").status_code == 200
+
+
+class BrokenProposer(NoProposer):
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        raise RuntimeError("broken on purpose")
+
+
+def test_failing_proposer_is_a_500_for_its_request_only(
+    tiny_model: LoadedModel, tiny_model_dir: Path
+) -> None:
+    def factory(config: EngineConfig) -> Engine:
+        engine = Engine(config, target=tiny_model)
+        engine.register_proposer("broken", BrokenProposer)
+        return engine
+
+    app = create_app(
+        ServerConfig(engine=tiny_engine_config(tiny_model_dir)), engine_factory=factory
+    )
+    with TestClient(app) as client:
+        good = {"prompt": "hello", "max_tokens": 5, "temperature": 0}
+        expected = client.post("/v1/completions", json=good).json()["choices"][0]["text"]
+        for stream in (False, True):
+            response = client.post(
+                "/v1/completions", json={**good, "proposer": "broken", "stream": stream}
+            )
+            error = assert_error(response, 500, None)
+            assert error["type"] == "server_error" and "broken on purpose" in error["message"]
+        assert client.post("/v1/completions", json=good).json()["choices"][0]["text"] == expected
+        samples = parse_metrics(client.get("/metrics").text)
+        assert (
+            metric(
+                samples,
+                "hybridspec_requests_finished_total",
+                proposer="broken",
+                finish_reason="error",
+            )
+            == 2
+        )

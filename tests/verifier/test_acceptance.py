@@ -28,7 +28,8 @@ from hybridspec.verifier.sampling import logits_to_probs
 
 TOLERANCE = 1e-6
 
-logit = st.one_of(st.floats(-6.0, 6.0), st.just(-math.inf))
+# Logits on a grid of eighths in [-6, 6] (ties included); -49 stands for -inf, a masked token.
+logit = st.integers(-49, 48).map(lambda n: -math.inf if n == -49 else n / 8)
 transforms = st.builds(
     SamplingParams,
     temperature=st.sampled_from([0.4, 1.0, 1.6]),
@@ -44,11 +45,13 @@ def distributions(draw: st.DrawFn, rows: int = 1) -> tuple[torch.Tensor, torch.T
     params = draw(transforms)
 
     def probs() -> torch.Tensor:
-        row = st.lists(logit, min_size=vocab_size, max_size=vocab_size).filter(
-            lambda zs: max(zs) > -math.inf
-        )
-        logits = torch.tensor([draw(row) for _ in range(rows)], dtype=torch.float32)
-        return logits_to_probs(logits, params)
+        rows_of_logits = []
+        for _ in range(rows):
+            row = draw(st.lists(logit, min_size=vocab_size, max_size=vocab_size))
+            if max(row) == -math.inf:
+                row[0] = 0.0  # a row needs one finite logit
+            rows_of_logits.append(row)
+        return logits_to_probs(torch.tensor(rows_of_logits), params)
 
     return probs(), probs()
 
@@ -136,34 +139,28 @@ def test_first_two_emitted_tokens_follow_the_target(
     assert isinstance(second_drafts, list)
     vocab_size = p1.shape[0]
 
-    # next_round[x]: the first token emitted by a round proposed after x
-    next_round = [
-        emitted(p2[x], q2[x]) if probabilistic else emitted_one_hot(p2[x], second_drafts[x])
-        for x in range(vocab_size)
-    ]
-
-    if probabilistic:
-        first_drafts = [(d, float(q1[d])) for d in range(vocab_size)]
+    # next_round[x]: the law of the first token emitted by a round proposed after x
+    next_round = torch.stack(
+        [
+            emitted(p2[x], q2[x]) if probabilistic else emitted_one_hot(p2[x], second_drafts[x])
+            for x in range(vocab_size)
+        ]
+    )
+    if probabilistic:  # d1 ~ q1; the residual does not depend on d1
+        first_drafts = [(d, float(q1[d])) for d in range(vocab_size) if q1[d] > 0]
         recovered = residual_probs(p1.unsqueeze(0), q1.unsqueeze(0))[0].double()
-        recovered_after = {d: recovered for d in range(vocab_size)}
+        accept = accept_probability(p1, q1).double()
     else:
         d = case["first_draft"]
         assert isinstance(d, int)
         first_drafts = [(d, 1.0)]
-        recovered_after = {
-            d: one_hot_residual_probs(p1.unsqueeze(0), torch.tensor([d]))[0].double()
-        }
+        recovered = one_hot_residual_probs(p1.unsqueeze(0), torch.tensor([d]))[0].double()
+        accept = accept_probability(p1, None).double()  # [V]: p1(d) for a one-hot q
     joint = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
     for d1, weight in first_drafts:
-        if weight == 0:
-            continue
-        accept = float(
-            accept_probability(p1[d1 : d1 + 1], q1[d1 : d1 + 1] if probabilistic else None)[0]
-        )
         same_round = next_round[d1] if case["num_drafts"] == 2 else p2[d1].double()
-        joint[d1] += weight * accept * same_round
-        for x in range(vocab_size):
-            joint[x] += weight * (1 - accept) * float(recovered_after[d1][x]) * next_round[x]
+        joint[d1] += weight * accept[d1] * same_round
+        joint += weight * (1 - accept[d1]) * recovered.unsqueeze(1) * next_round
     expected = p1.double().unsqueeze(1) * p2.double()
     torch.testing.assert_close(joint, expected, atol=TOLERANCE, rtol=0)
 

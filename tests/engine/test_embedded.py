@@ -1,0 +1,173 @@
+"""The engine on the embedded SmolLM2-135M-Instruct in float32.
+
+The draft here is the target's own first 10 layers (with its final norm and head): a real,
+imperfect self-speculative draft sharing the tokenizer, with no extra weights to load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hybridspec import Engine, EngineConfig, ModelConfig
+from hybridspec.engine.llama import LlamaWeights
+from hybridspec.engine.loader import LoadedModel, embedded_model_path, load_model
+from hybridspec.errors import ModelLoadError
+from hybridspec.proposers import Proposer, ProposerContext, default_registry
+from hybridspec.proposers.draft import DraftModelProposer
+
+MAX_NEW_TOKENS = 24
+CODE = """def area(width, height):
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+"""
+PROMPTS = [
+    [{"role": "user", "content": f"Rename the function area to rect_area:\n\n{CODE}"}],
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "system", "content": "Answer in one sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
+    [{"role": "user", "content": "List three prime numbers greater than 10."}],
+]
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    try:
+        embedded_model_path()
+    except ModelLoadError as exc:
+        pytest.skip(f"embedded model not installed: {exc}")
+    return load_model(ModelConfig(dtype="float32", max_seq_len=1024))
+
+
+def first_layers(model: LoadedModel, num_layers: int) -> LoadedModel:
+    weights = model.weights
+    assert isinstance(weights, LlamaWeights)
+    dims = dataclasses.replace(weights.dims, num_layers=num_layers)
+    shallow = dataclasses.replace(weights, dims=dims, layers=weights.layers[:num_layers])
+    return dataclasses.replace(model, weights=shallow, source=f"{model.source}[:{num_layers}]")
+
+
+@pytest.fixture(scope="module")
+def engine(target: LoadedModel) -> Engine:
+    draft = first_layers(target, 10)
+    registry = default_registry()
+
+    def draft_factory(context: ProposerContext) -> Proposer:
+        return DraftModelProposer(
+            dataclasses.replace(context, options={**context.options, "loaded": draft})
+        )
+
+    registry.register("draft", draft_factory, replace=True)
+    config = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=1024, max_num_seqs=4))
+    return Engine(config, target=target, registry=registry)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(engine: Engine) -> list[list[int]]:
+    return [
+        engine.generate(messages=m, proposer="none", max_new_tokens=MAX_NEW_TOKENS).token_ids
+        for m in PROMPTS
+    ]
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_greedy_parity_on_the_embedded_model(
+    engine: Engine, plain_outputs: list[list[int]], proposer: str, k: int
+) -> None:
+    for messages, expected in zip(PROMPTS, plain_outputs, strict=True):
+        result = engine.generate(
+            messages=messages,
+            proposer=proposer,
+            num_speculative_tokens=k,
+            max_new_tokens=MAX_NEW_TOKENS,
+        )
+        assert result.token_ids == expected, messages[-1]["content"]
+
+
+def test_ngram_accepts_copied_code(engine: Engine) -> None:
+    result = engine.generate(
+        messages=PROMPTS[0], proposer="ngram", num_speculative_tokens=8, max_new_tokens=48
+    )
+    assert result.stats.mean_accepted_length > 1.5
+
+
+def test_stop_string_cuts_the_text(engine: Engine, plain_outputs: list[list[int]]) -> None:
+    full = engine.generate(messages=PROMPTS[1], proposer="none", max_new_tokens=MAX_NEW_TOKENS)
+    words = full.text.split()
+    assert len(words) >= 3
+    stop = " " + words[2]
+    result = engine.generate(
+        messages=PROMPTS[1], proposer="ngram", max_new_tokens=MAX_NEW_TOKENS, stop=stop
+    )
+    assert result.finish_reason.value == "stop"
+    assert result.text == full.text[: full.text.index(stop)]
+    assert stop not in result.text
+
+
+def test_streamed_text_adds_up_to_the_result(engine: Engine) -> None:
+    pieces, final = [], None
+    for output in engine.stream(messages=PROMPTS[2], proposer="ngram", max_new_tokens=16):
+        pieces.append(output.new_text)
+        final = output.result
+    assert final is not None and "".join(pieces) == final.text
+
+
+def test_tokenizer_mismatch_is_rejected(target: LoadedModel) -> None:
+    other_eos = dataclasses.replace(target, eos_token_ids=(0,))
+    context = ProposerContext(
+        target.vocab_size,
+        target.eos_token_ids,
+        tokenizer=target.tokenizer,
+        options={"loaded": other_eos},
+    )
+    with pytest.raises(ModelLoadError, match="EOS"):
+        DraftModelProposer(context)
+
+
+def test_custom_proposer_example_runs(engine: Engine) -> None:
+    sys.path.insert(0, "examples")
+    try:
+        import custom_proposer
+    finally:
+        sys.path.pop(0)
+    texts = custom_proposer.main(engine)
+    assert texts["none"] == texts["last-occurrence"]
+
+
+def test_cli_generate_json() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridspec.cli",
+            "generate",
+            "Say hello.",
+            "--json",
+            "--max-new-tokens",
+            "8",
+            "--dtype",
+            "float32",
+            "--max-seq-len",
+            "512",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    assert set(result) == {"text", "token_ids", "finish_reason", "stats"}
+    assert len(result["token_ids"]) <= 8 and result["finish_reason"] in ("stop", "length")
+    for key in ("acceptance_rate", "mean_accepted_length", "target_forwards", "tokens_per_second"):
+        assert key in result["stats"]
