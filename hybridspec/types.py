@@ -19,6 +19,7 @@ import torch
 
 from hybridspec.errors import check
 
+MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_SEED = 1 << 63  # torch generators take a signed 64-bit seed
 
 
@@ -26,8 +27,9 @@ MAX_SEED = 1 << 63  # torch generators take a signed 64-bit seed
 class SamplingParams:
     """How the target's next-token distribution is shaped before sampling.
 
-    ``temperature == 0`` means greedy decoding. ``top_k = None`` and ``top_p = 1.0`` disable
-    those filters. ``seed`` makes sampling reproducible per request; ``None`` draws fresh entropy.
+    ``temperature == 0`` (or below 1e-5) means greedy decoding. ``top_k = None`` and
+    ``top_p = 1.0`` disable those filters. ``seed`` makes sampling reproducible per request;
+    ``None`` draws fresh entropy.
     """
 
     temperature: float = 0.0
@@ -74,7 +76,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``MIN_SAMPLING_TEMPERATURE`` decode greedily, as in vLLM:
+        dividing logits by them would overflow float32."""
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 @dataclass(frozen=True, slots=True)

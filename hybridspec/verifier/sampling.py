@@ -16,9 +16,9 @@ The order and the exact semantics, for one row of logits ``z``:
    float64; the nucleus is the shortest prefix whose mass is ``>= top_p``, always at least one
    token; then every token whose probability equals the last member's is kept too (ties at the
    boundary are all kept, so the result never depends on the order of tied tokens). The
-   survivors are renormalised. ``top_p == 1`` keeps everything. The running mass adds the
-   float32 probabilities in float64, so only a prefix whose mass is within a rounding error of
-   ``top_p`` can land on the other side of it.
+   survivors are renormalised. ``top_p == 1`` keeps everything. The running mass is added up
+   in float64, so only a prefix whose mass is within a rounding error of ``top_p`` can land on
+   the other side of it.
 
 Filtered tokens get probability exactly 0, so neither the draft nor the verifier can emit them.
 

@@ -1,0 +1,162 @@
+"""The transformers baseline: ``LlamaForCausalLM.generate`` on the very weights we run.
+
+``hf_model_from_weights`` un-fuses ``LlamaWeights`` (``wqkv`` -> q/k/v, ``w_gate_up`` ->
+gate/up) into a ``LlamaForCausalLM`` built on the meta device, assigning the tensors rather than
+copying them, so both sides share one copy of the weights, in one dtype, with a tied
+``lm_head`` where ours is tied. ``HFMethod`` times ``generate()``, plain or with prompt lookup
+decoding (``prompt_lookup_num_tokens``, transformers' n-gram speculation).
+
+Draft counting for prompt lookup, from the tokens fed to each forward: the first forward
+feeds the prompt plus ``c_1`` candidates, each later one its ``c_i`` candidates plus the last
+committed token; every forward commits its accepted candidates plus one token of the target,
+so ``accepted = generated - forwards``. Example: prompt 50, forwards fed [53, 4, 1] and 7
+tokens generated: drafted 3 + 3 + 0 = 6, accepted 7 - 3 = 4.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import GenerationConfig, LlamaForCausalLM
+
+from hybridspec.bench.records import Measurement, Speculation
+from hybridspec.bench.timing import ModuleForwardTimer
+from hybridspec.engine.llama import LlamaWeights
+from hybridspec.engine.loader import LoadedModel
+from hybridspec.errors import InvalidRequestError
+from hybridspec.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def unfused_state_dict(weights: LlamaWeights) -> dict[str, torch.Tensor]:
+    """Transformers' ``LlamaForCausalLM`` state dict as views of the fused tensors."""
+    dims = weights.dims
+    q_rows = dims.num_heads * dims.head_dim
+    kv_rows = dims.num_kv_heads * dims.head_dim
+    state = {"model.embed_tokens.weight": weights.embed, "model.norm.weight": weights.norm}
+    for i, layer in enumerate(weights.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.wqkv.split([q_rows, kv_rows, kv_rows])
+        gate, up = layer.w_gate_up.split([dims.intermediate_size, dims.intermediate_size])
+        state |= {
+            p + "input_layernorm.weight": layer.attn_norm,
+            p + "self_attn.q_proj.weight": q,
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": layer.wo,
+            p + "post_attention_layernorm.weight": layer.mlp_norm,
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": layer.w_down,
+        }
+    if weights.lm_head is not weights.embed:
+        state["lm_head.weight"] = weights.lm_head
+    return state
+
+
+def hf_model_from_weights(loaded: LoadedModel) -> LlamaForCausalLM:
+    """A transformers ``LlamaForCausalLM`` sharing ``loaded``'s native weights (no copy)."""
+    weights = loaded.weights
+    if not isinstance(weights, LlamaWeights):
+        raise InvalidRequestError(
+            "methods: the transformers baselines need a natively loaded Llama target; "
+            f"{loaded.source} runs on the generic runtime",
+            "methods",
+        )
+    config = copy.deepcopy(loaded.hf_config)
+    config.tie_word_embeddings = weights.lm_head is weights.embed
+    config.dtype = weights.dtype
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(
+        unfused_state_dict(weights), strict=False, assign=True
+    )
+    tied_head = ["lm_head.weight"] if config.tie_word_embeddings else []
+    assert list(missing) == tied_head and not unexpected, (missing, unexpected)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Buffers are not in the state dict: rebuild the rotary table from the config, as
+    # transformers does at construction, on the weights' device.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(weights.device)
+    return model.eval()
+
+
+class HFMethod:
+    """``generate()`` of a transformers model: plain, or prompt lookup with ``K`` candidates."""
+
+    def __init__(
+        self,
+        name: str,
+        model: LlamaForCausalLM,
+        eos_token_ids: Sequence[int],
+        prompt_lookup_num_tokens: int | None,
+    ) -> None:
+        self.name = name
+        self._model = model
+        self._eos = list(eos_token_ids)
+        self._lookup = prompt_lookup_num_tokens
+        self._timer = ModuleForwardTimer(model)
+        self._device = next(model.parameters()).device
+
+    def generation_config(self, sampling: SamplingParams, max_new_tokens: int) -> GenerationConfig:
+        """Our sampling parameters in transformers' terms (its default top_k=50 switched off)."""
+        options: dict[str, object] = {"do_sample": False}
+        if not sampling.is_greedy:
+            options = {
+                "do_sample": True,
+                "temperature": sampling.temperature,
+                "top_k": sampling.top_k or 0,
+                "top_p": sampling.top_p,
+            }
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self._eos,
+            pad_token_id=self._eos[0],
+            prompt_lookup_num_tokens=self._lookup,
+            **options,
+        )
+
+    def run(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
+    ) -> Measurement:
+        input_ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long, device=self._device)
+        config = self.generation_config(sampling, max_new_tokens)
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        self._timer.reset()
+        self._timer.install()
+        try:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                output = self._model.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    generation_config=config,
+                )
+            elapsed = time.perf_counter() - start
+        finally:
+            self._timer.uninstall()
+        generated = output[0, input_ids.shape[1] :].tolist()
+        fed = self._timer.input_tokens
+        num_drafted = (fed[0] - len(prompt_token_ids)) + sum(n - 1 for n in fed[1:]) if fed else 0
+        speculation = Speculation(
+            token_ids=tuple(_strip_eos(generated, self._eos)),
+            num_generated=len(generated),
+            target_forwards=len(fed),
+            num_draft_tokens=num_drafted,
+            num_accepted_tokens=len(generated) - len(fed),
+        )
+        return Measurement((speculation,), elapsed, self._timer.seconds)
+
+
+def _strip_eos(token_ids: list[int], eos_token_ids: Sequence[int]) -> list[int]:
+    """The generated ids before the first EOS (which our engine does not return either)."""
+    for i, token in enumerate(token_ids):
+        if token in eos_token_ids:
+            return token_ids[:i]
+    return token_ids

@@ -1,0 +1,140 @@
+"""What the benchmark compares: methods that turn prompt token ids into timed generations.
+
+A method is either one of the engine's proposers (``none``, ``ngram``, ``draft`` or any
+registered one), run through ``Engine.generate`` with a forward timer installed on the target
+runtime, or a transformers baseline (``hf-plain``, ``hf-prompt-lookup``; see ``hf_baseline``).
+Names are resolved here, once; the harness sees only the ``BenchMethod`` protocol.
+
+Every method returns a ``records.Measurement``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+from transformers import LlamaForCausalLM
+
+from hybridspec.bench.hf_baseline import HFMethod
+from hybridspec.bench.records import Measurement, Speculation
+from hybridspec.bench.timing import EngineForwardTimer
+from hybridspec.engine import Engine, FinishReason, GenerationParams, GenerationResult
+from hybridspec.errors import HybridSpecError, check
+from hybridspec.types import SamplingParams
+
+BASELINE = "none"  # our plain decoding: every speedup "vs none" divides by it
+HF_BASELINE = "hf-plain"  # transformers' plain greedy/sampled generate()
+HF_PROMPT_LOOKUP = "hf-prompt-lookup"
+HF_METHODS = (HF_BASELINE, HF_PROMPT_LOOKUP)
+DEFAULT_METHODS = (BASELINE, "ngram", HF_BASELINE, HF_PROMPT_LOOKUP)
+
+
+class BenchMethod(Protocol):
+    name: str
+
+    def run(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
+    ) -> Measurement: ...
+
+
+@runtime_checkable
+class ConcurrentMethod(Protocol):
+    """A method that can also run several requests at once (the engine's continuous batching)."""
+
+    name: str
+
+    def run_concurrent(
+        self,
+        prompts: Sequence[Sequence[int]],
+        samplings: Sequence[SamplingParams],
+        max_new_tokens: int,
+    ) -> Measurement: ...
+
+
+class EngineMethod:
+    """One of the engine's proposers with a fixed K."""
+
+    def __init__(self, engine: Engine, timer: EngineForwardTimer, proposer: str, k: int) -> None:
+        engine.resolve_proposer(proposer)  # raises for unknown or unavailable ones
+        self.name = proposer
+        self._engine = engine
+        self._timer = timer
+        self._k = k
+
+    def _params(self, sampling: SamplingParams, max_new_tokens: int) -> GenerationParams:
+        return GenerationParams(
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            proposer=self.name,
+            num_speculative_tokens=self._k,
+        )
+
+    def run(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
+    ) -> Measurement:
+        return self.run_concurrent([prompt_token_ids], [sampling], max_new_tokens)
+
+    def run_concurrent(
+        self,
+        prompts: Sequence[Sequence[int]],
+        samplings: Sequence[SamplingParams],
+        max_new_tokens: int,
+    ) -> Measurement:
+        """Queue every prompt, then step the engine until all have finished."""
+        engine = self._engine
+        assert not engine.has_unfinished(), "the bench needs the engine to itself"
+        self._timer.reset()
+        start = time.perf_counter()
+        ids = [
+            engine.add_request(p, self._params(s, max_new_tokens))
+            for p, s in zip(prompts, samplings, strict=True)
+        ]
+        results: dict[str, GenerationResult] = {}
+        while len(results) < len(ids):
+            for output in engine.step():
+                if output.result is not None:
+                    results[output.request_id] = output.result
+        elapsed = time.perf_counter() - start
+        return Measurement(
+            tuple(_speculation(results[i]) for i in ids), elapsed, self._timer.seconds
+        )
+
+
+def _speculation(result: GenerationResult) -> Speculation:
+    if result.finish_reason is FinishReason.ERROR:
+        raise HybridSpecError(f"bench request failed: {result.error}")
+    stats = result.stats
+    return Speculation(
+        token_ids=tuple(result.token_ids),
+        num_generated=stats.generated_tokens,
+        target_forwards=stats.target_forwards,
+        num_draft_tokens=stats.draft_tokens_proposed,
+        num_accepted_tokens=stats.draft_tokens_accepted,
+        accepted_per_position=tuple(stats.accepted_per_position),
+        proposed_per_position=tuple(stats.proposed_per_position),
+    )
+
+
+def build_methods(
+    names: Sequence[str],
+    engine: Engine,
+    timer: EngineForwardTimer,
+    k: int,
+    hf_model: Callable[[], LlamaForCausalLM],
+) -> list[BenchMethod]:
+    """Resolve method names once: transformers baselines by name, anything else a proposer.
+
+    ``hf_model`` is called (once) only when a transformers baseline is asked for.
+    """
+    check(len(set(names)) == len(names) and bool(names), "methods", f"got {list(names)}")
+    methods: list[BenchMethod] = []
+    model: LlamaForCausalLM | None = None
+    eos = sorted(engine.eos_token_ids)
+    for name in names:
+        if name in HF_METHODS:
+            model = model if model is not None else hf_model()
+            methods.append(HFMethod(name, model, eos, k if name == HF_PROMPT_LOOKUP else None))
+        else:
+            methods.append(EngineMethod(engine, timer, name, k))
+    return methods

@@ -1,0 +1,56 @@
+"""What one benchmark trial measured, as plain frozen records (the harness's output).
+
+``generated`` tokens count the EOS token when one ends a request (the engine's statistics and
+``generate()`` both count it), so tokens/s compare like with like; ``token_ids`` leave it out,
+for comparing outputs. Dimensions: ``K`` the largest number of drafts proposed in one round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """What one request generated and how its rounds went."""
+
+    token_ids: tuple[int, ...]  # generated ids, EOS excluded
+    num_generated: int  # generated tokens, EOS included
+    target_forwards: int  # target forwards that committed tokens (prefill-only chunks excluded)
+    num_draft_tokens: int  # proposed over all rounds
+    num_accepted_tokens: int  # accepted drafts (bonus/correction tokens excluded)
+    accepted_per_position: tuple[int, ...] | None = None  # [K]; None: not observable
+    proposed_per_position: tuple[int, ...] | None = None  # [K]
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One timed unit: a single request, or several run concurrently."""
+
+    requests: tuple[Speculation, ...]
+    elapsed_s: float  # wall time from queueing to the last token, prefill included
+    forward_s: float  # of which inside the target model's forward
+
+    @property
+    def num_generated(self) -> int:
+        return sum(r.num_generated for r in self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One measurement, labelled with what was run."""
+
+    method: str
+    temperature: float
+    repeat: int
+    prompt_ids: tuple[str, ...]  # one prompt, or the N run concurrently
+    category: str | None  # None: concurrent requests of mixed categories
+    measurement: Measurement
+    load_average: float  # the machine's 1-minute load average when the trial ended
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for request in data["measurement"]["requests"]:
+            request.pop("token_ids")  # bulky; outputs are compared in the summary instead
+        return data

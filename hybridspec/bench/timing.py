@@ -1,0 +1,108 @@
+"""Timers the benchmark installs around the target's forward, to split a round's time.
+
+The engine exposes no hook for the time spent in the target forward, so the bench wraps
+``engine.runtime.forward`` (an instance attribute shadowing the method; ``Engine.step`` looks it
+up on every call) with ``EngineForwardTimer``. For transformers models, ``ModuleForwardTimer``
+uses forward pre/post hooks on the top-level model, which ``generate`` calls once per round.
+
+On CUDA both synchronise before reading the clock, so that the forward's kernels are counted
+in it rather than in whatever runs next; on CPU the forward is synchronous already.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridspec.engine.runtime import ForwardBatch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class EngineForwardTimer:
+    """Time and count every ``forward`` of an engine's target runtime while installed."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._runtime = runtime
+        self._device: torch.device = runtime.device
+        self._original: Callable[[ForwardBatch], torch.Tensor] | None = None
+
+    def install(self) -> None:
+        assert self._original is None, "already installed"
+        original = self._runtime.forward
+        self._original = original
+
+        def timed_forward(batch: ForwardBatch) -> torch.Tensor:
+            _sync(self._device)
+            start = time.perf_counter()
+            logits = original(batch)
+            _sync(self._device)
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+            return logits
+
+        self._runtime.forward = timed_forward
+
+    def uninstall(self) -> None:
+        if self._original is not None:
+            del self._runtime.forward  # the instance attribute; the class method shows again
+            self._original = None
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+
+class ModuleForwardTimer:
+    """Time, count and size every top-level forward of a transformers model while installed.
+
+    ``input_tokens`` lists the number of tokens fed to each forward (``input_ids.shape[1]``),
+    from which the drafts of assisted generation are counted.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.seconds = 0.0
+        self.input_tokens: list[int] = []
+        self._model = model
+        self._device = next(model.parameters()).device
+        self._start = 0.0
+        self._handles: list[Any] = []
+
+    @property
+    def calls(self) -> int:
+        return len(self.input_tokens)
+
+    def install(self) -> None:
+        assert not self._handles, "already installed"
+        self._handles = [
+            self._model.register_forward_pre_hook(self._before, with_kwargs=True),
+            self._model.register_forward_hook(self._after),
+        ]
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self.input_tokens = []
+
+    def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        self.input_tokens.append(0 if input_ids is None else int(input_ids.shape[-1]))
+        _sync(self._device)
+        self._start = time.perf_counter()
+
+    def _after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        _sync(self._device)
+        self.seconds += time.perf_counter() - self._start
