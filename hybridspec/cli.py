@@ -143,12 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridspec.server.cli import add_serve_command
 
     add_serve_command(commands)
-    try:
-        from hybridspec.bench.cli import add_bench_command
-    except ImportError:  # the benchmark harness is optional
-        pass
-    else:
-        add_bench_command(commands)
+    from hybridspec.bench.cli import add_bench_command
+
+    add_bench_command(commands)
     return parser
 
 

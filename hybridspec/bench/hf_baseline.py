@@ -19,9 +19,10 @@ import copy
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from hybridspec.bench.records import Measurement, Speculation
 from hybridspec.bench.timing import ModuleForwardTimer
@@ -69,6 +70,7 @@ def hf_model_from_weights(loaded: LoadedModel) -> LlamaForCausalLM:
             "methods",
         )
     config = copy.deepcopy(loaded.hf_config)
+    assert isinstance(config, LlamaConfig), "LlamaWeights are only built from a LlamaConfig"
     config.tie_word_embeddings = weights.lm_head is weights.embed
     config.dtype = weights.dtype
     with torch.device("meta"):
@@ -97,7 +99,7 @@ class HFMethod:
         prompt_lookup_num_tokens: int | None,
     ) -> None:
         self.name = name
-        self._model = model
+        self.model = model
         self._eos = list(eos_token_ids)
         self._lookup = prompt_lookup_num_tokens
         self._timer = ModuleForwardTimer(model)
@@ -133,7 +135,9 @@ class HFMethod:
         try:
             start = time.perf_counter()
             with torch.inference_mode():
-                output = self._model.generate(
+                # transformers annotates generate's self as a mixin protocol LlamaForCausalLM
+                # satisfies at run time but not for mypy.
+                output = self.model.generate(  # type: ignore[misc]
                     input_ids,
                     attention_mask=torch.ones_like(input_ids),
                     generation_config=config,
@@ -160,3 +164,62 @@ def _strip_eos(token_ids: list[int], eos_token_ids: Sequence[int]) -> list[int]:
         if token in eos_token_ids:
             return token_ids[:i]
     return token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class ParityResult:
+    """Whether transformers' greedy output equals ours on the warm-up prompt.
+
+    On a mismatch, ``logit_gap`` is transformers' logit of its own token minus its logit of
+    ours at the first differing position, fed our output up to there: a gap near the dtype's
+    rounding step (bfloat16 keeps 8 bits of mantissa) means a near-tie that rounding decided;
+    a large one means the two models differ.
+    """
+
+    ours: str
+    theirs: str
+    num_compared: int
+    first_mismatch: int | None = None
+    our_token: int | None = None
+    their_token: int | None = None
+    logit_gap: float | None = None
+
+    @property
+    def identical(self) -> bool:
+        return self.first_mismatch is None
+
+    def message(self) -> str:
+        if self.identical:
+            return (
+                f"parity: {self.theirs} and {self.ours} greedy outputs are identical "
+                f"({self.num_compared} tokens)"
+            )
+        return (
+            f"PARITY MISMATCH: {self.theirs} greedy output differs from {self.ours} at token "
+            f"{self.first_mismatch} of {self.num_compared} (ours {self.our_token}, theirs "
+            f"{self.their_token}; transformers' logit gap there {self.logit_gap:+.4f})"
+        )
+
+
+def check_parity(
+    ours: tuple[str, Sequence[int]],
+    theirs: tuple[str, Sequence[int]],
+    model: LlamaForCausalLM,
+    prompt_token_ids: Sequence[int],
+) -> ParityResult:
+    """Compare two greedy outputs ``(method name, generated ids)``; diagnose a mismatch."""
+    a, b = list(ours[1]), list(theirs[1])
+    n = max(len(a), len(b))
+    i = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+    if i == n:
+        return ParityResult(ours[0], theirs[0], n)
+    if i == len(a) or i == len(b):  # one ended (EOS) where the other went on
+        return ParityResult(
+            ours[0], theirs[0], n, i, a[i] if i < len(a) else None, b[i] if i < len(b) else None
+        )
+    device = next(model.parameters()).device
+    context = torch.tensor([[*prompt_token_ids, *a[:i]]], dtype=torch.long, device=device)
+    with torch.inference_mode():
+        logits = model(input_ids=context).logits[0, -1].float()
+    gap = float(logits[b[i]] - logits[a[i]])
+    return ParityResult(ours[0], theirs[0], n, i, a[i], b[i], gap)

@@ -127,7 +127,14 @@ def build_methods(
 
     ``hf_model`` is called (once) only when a transformers baseline is asked for.
     """
-    check(len(set(names)) == len(names) and bool(names), "methods", f"got {list(names)}")
+    check(
+        bool(names) and len(set(names)) == len(names),
+        "methods",
+        f"expected distinct method names, got {list(names)}",
+    )
+    known = [*engine.available_proposers(), *engine.unavailable_proposers(), *HF_METHODS]
+    unknown = [n for n in names if n not in known]
+    check(not unknown, "methods", f"unknown {unknown}; known: {sorted(set(known))}")
     methods: list[BenchMethod] = []
     model: LlamaForCausalLM | None = None
     eos = sorted(engine.eos_token_ids)

@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from hybridspec.errors import InvalidRequestError, check
 
 SOURCE_PLACEHOLDER = "{source}"
+MIN_SOURCE_CHARS = 100  # a guard against a grounded prompt that has nothing to copy from
 DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "benchmarks" / "specbench_mini.json"
 
 
@@ -85,7 +86,9 @@ def load_workload(path: str | Path) -> Workload:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError(f"workload: cannot read {str(path)!r}: {exc}", "workload") from exc
+        raise InvalidRequestError(
+            f"workload: cannot read {str(path)!r}: {exc}", "workload"
+        ) from exc
     return parse_workload(data)
 
 
@@ -119,7 +122,10 @@ def parse_workload(data: Any) -> Workload:
     ids = [p.id for p in prompts]
     check(len(set(ids)) == len(ids), "prompts", "prompt ids must be unique")
     return Workload(
-        str(data.get("name", "workload")), tuple(float(t) for t in temperatures), categories, prompts
+        str(data.get("name", "workload")),
+        tuple(float(t) for t in temperatures),
+        categories,
+        prompts,
     )
 
 
@@ -146,14 +152,17 @@ def _parse_prompt(index: int, raw: Any, categories: dict[str, Category]) -> Work
         f"{field}.messages",
         "expected a non-empty list of {role, content} strings",
     )
-    check(messages[-1]["role"] == "user", f"{field}.messages", "the last message must be the user's")
+    check(
+        messages[-1]["role"] == "user", f"{field}.messages", "the last message must be the user's"
+    )
     source = raw.get("source")
     last = messages[-1]["content"]
     if categories[category].input_grounded:
         check(
-            isinstance(source, str) and len(source) >= 200,
+            isinstance(source, str) and len(source) >= MIN_SOURCE_CHARS,
             f"{field}.source",
-            f"input-grounded category {category!r} needs the source text (>= 200 characters)",
+            f"input-grounded category {category!r} needs the text to answer from "
+            f"(at least {MIN_SOURCE_CHARS} characters), got {source!r}",
         )
         check(
             last.count(SOURCE_PLACEHOLDER) == 1,
@@ -167,7 +176,7 @@ def _parse_prompt(index: int, raw: Any, categories: dict[str, Category]) -> Work
     return WorkloadPrompt(
         raw["id"],
         category,
-        tuple({"role": m["role"], "content": m["content"]} for m in messages[:-1]) + (final,),
+        (*({"role": m["role"], "content": m["content"]} for m in messages[:-1]), final),
     )
 
 

@@ -116,7 +116,13 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight":  # folded into config.rope_parameters by _llama_config
             continue
-        values = torch.from_numpy(_dequantize(tensor))
+        try:
+            values = torch.from_numpy(_dequantize(tensor))
+        except (NotImplementedError, ValueError) as exc:
+            raise ModelLoadError(
+                f"GGUF file {meta.path!r}: cannot dequantize {name} "
+                f"({tensor.tensor_type.name}): {exc}"
+            ) from exc
         match = _LAYER_TENSOR.fullmatch(name)
         if match is not None and match.group(2) in _LAYER_NAMES:
             layer, kind = match.groups()

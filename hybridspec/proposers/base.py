@@ -38,7 +38,7 @@ class ProposerContext:
 
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     tokenizer: Any = None  # the target's transformers tokenizer, when one is loaded
     options: dict[str, Any] = field(default_factory=dict)  # this proposer's own configuration
 

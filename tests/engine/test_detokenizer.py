@@ -34,8 +34,8 @@ def test_text_accumulates_token_by_token() -> None:
 
 def test_stop_string_cuts_text_and_reports_stop() -> None:
     detok = IncrementalDetokenizer(CharTokenizer(), [0], ("lo w",))
-    hits = [detok.append(t) for t in ids("hello world")[:6]]
-    assert hits == [False, False, False, False, False, True]
+    hits = [detok.append(t) for t in ids("hello world")[:7]]
+    assert hits == [False] * 6 + [True]
     assert detok.text == "hel"
 
 
@@ -43,9 +43,9 @@ def test_stream_withholds_a_possible_stop_prefix() -> None:
     detok = IncrementalDetokenizer(CharTokenizer(), [0], ("cat",))
     for t in ids("abca"):
         detok.append(t)
-    assert detok.stream_text() == "abc"  # "a" could begin "cat"
+    assert detok.stream_text() == "ab"  # "ca" could begin "cat"
     detok.append(ids("b")[0])
-    assert detok.stream_text() == "ab"  # "ab" cannot
+    assert detok.stream_text() == "cab"  # "cab" cannot
     assert detok.stream_text(final=True) == ""
 
 

@@ -18,6 +18,7 @@ from hybridspec.engine.gguf import read_gguf
 from hybridspec.engine.llama import (
     LlamaRuntime,
     LlamaWeights,
+    PackedLinear,
     native_support_problem,
     rope_inv_freq,
 )
@@ -39,9 +40,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def native(model: LlamaForCausalLM, max_num_seqs: int = 4, max_seq_len: int = 128) -> LlamaRuntime:
+def native(
+    model: LlamaForCausalLM, max_num_seqs: int = 4, max_seq_len: int = 128, prepack: bool = True
+) -> LlamaRuntime:
     weights = LlamaWeights.from_hf_state_dict(model.state_dict(), model.config, dtype=torch.float32)
-    return LlamaRuntime(weights, max_num_seqs, max_seq_len)
+    return LlamaRuntime(weights, max_num_seqs, max_seq_len, prepack=prepack)
 
 
 def reference_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
@@ -81,13 +84,31 @@ def test_rope_inv_freq_matches_transformers(rope: str) -> None:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("length", [1, 6, 45])
-def test_prefill_logits_match_transformers(variant: str, length: int) -> None:
+@pytest.mark.parametrize("prepack", [True, False], ids=["prepacked", "plain"])
+def test_prefill_logits_match_transformers(variant: str, length: int, prepack: bool) -> None:
     model = tiny_llama(seed=3, **VARIANTS[variant])
     ids = prompt(length)
-    runtime = native(model)
+    runtime = native(model, prepack=prepack)
     logits = runtime.forward(ForwardBatch.from_lists([runtime.allocate()], [ids]))
     assert logits.dtype == torch.float32 and logits.shape == (length, TINY_VOCAB_SIZE)
     torch.testing.assert_close(logits, reference_logits(model, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 9, 70])
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=generator).to(dtype)
+    x = torch.randn(rows, 64, generator=generator).to(dtype)
+    packed = PackedLinear(weight, prepack=True)
+    if torch.backends.mkldnn.is_available():
+        assert packed.packed is not None and packed.weight is None
+    expected = torch.nn.functional.linear(x.float(), weight.float())
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05  # bfloat16 output rounding, |y| ~ 8
+    torch.testing.assert_close(packed(x).float(), expected, atol=tolerance, rtol=0.01)
+    plain = PackedLinear(weight, prepack=False)
+    assert plain.packed is None
+    torch.testing.assert_close(plain(x).float(), expected, atol=tolerance, rtol=0.01)
 
 
 @pytest.mark.parametrize("variant", ["gqa", "llama3-rope", "mqa-tied"])

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 
 from hybridspec.config import ModelConfig
 from hybridspec.engine import gguf as gguf_module
+from hybridspec.engine import loader as loader_module
 from hybridspec.engine.gguf import load_gguf_tokenizer, permute_qk, unpermute_qk
 from hybridspec.engine.hf_runtime import HFRuntime
 from hybridspec.engine.llama import LlamaRuntime, LlamaWeights, default_inv_freq, llama3_inv_freq
@@ -199,6 +200,8 @@ def test_other_architectures_use_the_transformers_runtime(
         folder = make_tiny_llama_dir(seed=2, attention_bias=True)
     loaded = load_model(ModelConfig(str(folder), dtype="float32"))
     assert not loaded.is_native
+    with pytest.raises(ValueError, match="context length"):
+        loaded.create_runtime(1, loaded.context_length + 1)
     runtime = loaded.create_runtime(3, 48)
     assert isinstance(runtime, HFRuntime) and runtime.vocab_size == TINY_VOCAB_SIZE
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -280,8 +283,11 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch: pytest.Monkey
         load_model(ModelConfig(dtype="float32"))
 
 
-def test_dtype_resolution() -> None:
-    assert resolve_dtype("auto", torch.device("cpu")) == CPU_AUTO_DTYPE
+def test_dtype_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader_module, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", torch.device("cpu")) == CPU_AUTO_DTYPE == torch.bfloat16
+    monkeypatch.setattr(loader_module, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cuda")) == torch.float32
     with pytest.raises(ValueError, match="dtype"):

@@ -1,0 +1,25 @@
+"""The benchmark harness behind ``hybridspec bench``.
+
+Module map, in data-flow order:
+
+- ``workload``: categories of chat prompts from a JSON file (``benchmarks/``), input-grounded
+  or open-ended.
+- ``session``: loads the target once, builds the engine and the methods, runs everything.
+- ``methods``: the engine's proposers and the transformers baselines behind one protocol;
+  ``hf_baseline``: ``LlamaForCausalLM`` on our own weights, and the greedy parity check;
+  ``timing``: the timers around the target forward.
+- ``harness``: the interleaved schedule, the warm-up, the trials -> ``records``.
+- ``summary``: records -> cells (tokens/s, speedups, acceptance, overhead);
+  ``targets``: pass/fail against the runtime's performance targets.
+- ``report``: the terminal table, the JSON document, the PNG chart; ``cli``: the command.
+
+Glossary: a *trial* runs one method on one prompt (or on N prompts at once); a *group* is a
+category or a union of categories; *outside-forward share* is the part of a request's wall
+time not spent in the target model's forward.
+"""
+
+from hybridspec.bench.harness import BenchConfig
+from hybridspec.bench.session import ModelOptions, execute, open_session
+from hybridspec.bench.workload import load_workload
+
+__all__ = ["BenchConfig", "ModelOptions", "execute", "load_workload", "open_session"]

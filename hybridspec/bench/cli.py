@@ -1,0 +1,151 @@
+"""``hybridspec bench``: run a workload through every method and report the speedups.
+
+The default run (2 prompts of each of the 7 categories, greedy and temperature 0.8, 128 new
+tokens, 4 methods, 1 repeat) takes about 10-15 minutes on a 2-core CPU with the embedded
+SmolLM2-135M in bfloat16. The full run, every prompt with the issue's budget and medians of
+three repeats, is about 12 times that::
+
+    hybridspec bench --prompts-per-category 4 --max-new-tokens 256 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridspec.bench.harness import BenchConfig, plan
+from hybridspec.bench.methods import DEFAULT_METHODS
+from hybridspec.bench.records import Record
+from hybridspec.bench.session import ModelOptions, execute, open_session
+from hybridspec.bench.workload import DEFAULT_WORKLOAD, Workload, load_workload
+from hybridspec.config import DTYPES, MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
+
+DEFAULT_PROMPTS_PER_CATEGORY = 2
+DEFAULT_MAX_NEW_TOKENS = 128  # the issue's 256 doubles the run; pass it for the full one
+# One torch thread by default: on a 2-core machine shared with other work, two OpenMP threads
+# spin at every barrier waiting for a descheduled peer. Measured at load average 4.5 on the
+# 2-core development VM, SmolLM2-135M bf16, one-token forward: 1.75 s with 2 threads, 28 ms
+# with 1 (28 ms is also what 2 threads give on the idle machine). No interleaving cancels a
+# 60x swing; one thread degrades in proportion to the load. --threads 0 keeps torch's default.
+DEFAULT_THREADS = 1
+
+
+def add_bench_command(commands: Any) -> None:
+    """Register ``bench`` on the ``hybridspec`` subcommand parsers."""
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark every method against transformers on a workload",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = bench.add_argument
+    add("--workload", type=Path, default=DEFAULT_WORKLOAD, help="workload JSON file")
+    add("--categories", nargs="+", default=None, help="categories to run (default: all)")
+    add(
+        "--prompts-per-category",
+        type=int,
+        default=DEFAULT_PROMPTS_PER_CATEGORY,
+        help=f"first N prompts of each category (default {DEFAULT_PROMPTS_PER_CATEGORY})",
+    )
+    add(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="engine proposers (none, ngram, draft, ...) and transformers baselines (hf-plain, "
+        f"hf-prompt-lookup); default: {' '.join(DEFAULT_METHODS)}, plus draft with --draft",
+    )
+    add("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    add("--repeats", type=int, default=1, help="repetitions; figures are medians over them")
+    add(
+        "--temperature",
+        type=float,
+        nargs="+",
+        default=None,
+        help="temperatures to run (default: the workload's variants, greedy and 0.8)",
+    )
+    add(
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=8,
+        help=f"drafts per round, also transformers' prompt_lookup_num_tokens "
+        f"({MIN_SPECULATIVE_TOKENS}..{MAX_SPECULATIVE_TOKENS})",
+    )
+    add("--target", default=None, help="target model (default: embedded SmolLM2-135M-Instruct)")
+    add("--draft", default=None, help="draft model of the 'draft' method")
+    add("--dtype", default="bfloat16", choices=DTYPES, help="dtype of every model")
+    add("--device", default="cpu")
+    add("--concurrency", type=int, default=1, help="also run N mixed requests at once (N > 1)")
+    add("--seed", type=int, default=0, help="base seed of sampled requests")
+    add(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help=f"torch CPU threads for every method (default {DEFAULT_THREADS}, robust on a shared "
+        "machine; 0: torch's default)",
+    )
+    add("--output-dir", type=Path, default=Path("bench-results"), help="where JSON and PNG go")
+    bench.set_defaults(run=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    workload = load_workload(args.workload).select(args.categories, args.prompts_per_category)
+    methods = args.methods or [*DEFAULT_METHODS, *(["draft"] if args.draft else [])]
+    config = BenchConfig(
+        temperatures=tuple(args.temperature or workload.temperatures),
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        concurrency=args.concurrency,
+        seed=args.seed,
+    )
+    models = ModelOptions(args.target, args.draft, args.dtype, args.device)
+    threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        _run(args, workload, methods, config, models)
+    finally:
+        torch.set_num_threads(threads)  # callers in the same process keep their setting
+    return 0
+
+
+def _run(
+    args: argparse.Namespace,
+    workload: Workload,
+    methods: list[str],
+    config: BenchConfig,
+    models: ModelOptions,
+) -> None:
+    # Imported here so that other commands do not pay for matplotlib and tqdm.
+    from tqdm import tqdm
+
+    from hybridspec.bench.report import format_outcome, plot_speedups, write_json
+
+    session = open_session(workload, models, methods, args.num_speculative_tokens, config)
+    try:
+        total = len(plan(config, session.methods, session.prompts))
+        with tqdm(total=total, desc="bench", unit="trial", file=sys.stderr) as bar:
+
+            def on_trial(record: Record) -> None:
+                m = record.measurement
+                rate = m.num_generated / m.elapsed_s if m.elapsed_s > 0 else 0.0
+                where = record.category or f"concurrent x{len(record.prompt_ids)}"
+                bar.set_postfix_str(
+                    f"{record.method} {where} T={record.temperature:g} {rate:.1f} tok/s"
+                )
+                bar.update()
+
+            bar.set_postfix_str("warming up")
+            outcome = execute(session, config, on_trial)
+    finally:
+        session.close()
+    print(format_outcome(outcome, workload.categories))
+    json_path = args.output_dir / "bench.json"
+    png_path = args.output_dir / "bench.png"
+    write_json(json_path, outcome.to_json())
+    plot_speedups(outcome.summary, png_path)
+    print(f"\nwrote {json_path} and {png_path}")

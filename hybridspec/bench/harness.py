@@ -1,0 +1,194 @@
+"""Running the benchmark: an interleaved schedule of trials, a warm-up, and the records.
+
+Interleaving: machine speed drifts (other processes, thermal state), so methods never run in
+long blocks. For each repeat and temperature, every prompt is run by every method back to
+back, and the order of the methods rotates from one prompt to the next, so each method runs
+first, second, ... equally often. Worked example, methods (a, b, c), prompts 0..3, one repeat:
+prompt 0 runs a b c, prompt 1 b c a, prompt 2 c a b, prompt 3 a b c. A speedup is taken within
+a repeat, between runs minutes apart at most, and the median is taken over repeats.
+
+Concurrent trials (``concurrency`` N > 1) follow: per repeat and temperature, each method that
+can batch runs the same N prompts of mixed categories at once (rotating which goes first).
+
+Sampled trials seed every request from (repeat, prompt), the same for every method.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hybridspec.bench.methods import BenchMethod, ConcurrentMethod
+from hybridspec.bench.records import Measurement, Record
+from hybridspec.errors import check
+from hybridspec.types import SamplingParams
+
+SEED_STRIDE = 100_003  # a prime above any workload's prompt count: distinct seeds per repeat
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPrompt:
+    """A workload prompt, tokenized."""
+
+    id: str
+    category: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    temperatures: tuple[float, ...] = (0.0, 0.8)
+    max_new_tokens: int = 128
+    repeats: int = 1
+    concurrency: int = 1  # N > 1 adds concurrent trials of N requests per method
+    seed: int = 0  # base seed of sampled requests
+
+    def __post_init__(self) -> None:
+        check(bool(self.temperatures), "temperatures", "expected at least one temperature")
+        check(
+            self.max_new_tokens >= 1, "max_new_tokens", f"expected >= 1, got {self.max_new_tokens}"
+        )
+        check(self.repeats >= 1, "repeats", f"expected >= 1, got {self.repeats}")
+        check(
+            1 <= self.concurrency <= 64,
+            "concurrency",
+            f"expected an integer in [1, 64], got {self.concurrency}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    """One unit of the schedule: a method runs one prompt, or N prompts concurrently."""
+
+    repeat: int
+    temperature: float
+    method: int  # index into the methods
+    prompts: tuple[int, ...]  # indices into the prompts
+
+
+def sequential_schedule(
+    num_prompts: int, num_methods: int, temperatures: Sequence[float], repeats: int
+) -> list[Trial]:
+    """Every (repeat, temperature, prompt, method), methods rotating per prompt (see above)."""
+    trials = []
+    for repeat in range(repeats):
+        for temperature in temperatures:
+            for p in range(num_prompts):
+                shift = repeat * num_prompts + p
+                for j in range(num_methods):
+                    trials.append(Trial(repeat, temperature, (shift + j) % num_methods, (p,)))
+    return trials
+
+
+def mixed_prompts(categories: Sequence[str], n: int) -> tuple[int, ...]:
+    """``n`` prompt indices taking categories in turn (cycling when ``n`` exceeds the prompts).
+
+    ``categories[i]`` is prompt i's category. Example: categories [x, x, y, z] and n = 5 give
+    prompts 0 (x), 2 (y), 3 (z), 1 (x), 0 (x).
+    """
+    by_category: dict[str, list[int]] = {}
+    for i, category in enumerate(categories):
+        by_category.setdefault(category, []).append(i)
+    order: list[int] = []
+    for rank in range(max(len(v) for v in by_category.values())):
+        order.extend(v[rank] for v in by_category.values() if rank < len(v))
+    return tuple(order[i % len(order)] for i in range(n))
+
+
+def concurrent_schedule(
+    prompts: tuple[int, ...], methods: Sequence[int], temperatures: Sequence[float], repeats: int
+) -> list[Trial]:
+    trials = []
+    for repeat in range(repeats):
+        for temperature in temperatures:
+            for j in range(len(methods)):
+                method = methods[(repeat + j) % len(methods)]
+                trials.append(Trial(repeat, temperature, method, prompts))
+    return trials
+
+
+def sampling_for(temperature: float, seed: int, repeat: int, prompt: int) -> SamplingParams:
+    if temperature == 0:
+        return SamplingParams()
+    return SamplingParams(temperature=temperature, seed=seed + repeat * SEED_STRIDE + prompt)
+
+
+def plan(
+    config: BenchConfig, methods: Sequence[BenchMethod], prompts: Sequence[BenchPrompt]
+) -> list[Trial]:
+    """The whole schedule: sequential trials, then concurrent ones when ``concurrency > 1``."""
+    trials = sequential_schedule(len(prompts), len(methods), config.temperatures, config.repeats)
+    if config.concurrency > 1:
+        batching = [i for i, m in enumerate(methods) if isinstance(m, ConcurrentMethod)]
+        if batching:
+            chosen = mixed_prompts([p.category for p in prompts], config.concurrency)
+            trials += concurrent_schedule(chosen, batching, config.temperatures, config.repeats)
+    return trials
+
+
+def run_trial(
+    trial: Trial,
+    config: BenchConfig,
+    methods: Sequence[BenchMethod],
+    prompts: Sequence[BenchPrompt],
+) -> Record:
+    method = methods[trial.method]
+    samplings = [
+        sampling_for(trial.temperature, config.seed, trial.repeat, p) for p in trial.prompts
+    ]
+    chosen = [prompts[p] for p in trial.prompts]
+    measurement: Measurement
+    if len(chosen) == 1:
+        measurement = method.run(chosen[0].token_ids, samplings[0], config.max_new_tokens)
+    else:
+        assert isinstance(method, ConcurrentMethod)
+        measurement = method.run_concurrent(
+            [p.token_ids for p in chosen], samplings, config.max_new_tokens
+        )
+    return Record(
+        method=method.name,
+        temperature=trial.temperature,
+        repeat=trial.repeat,
+        prompt_ids=tuple(p.id for p in chosen),
+        category=chosen[0].category if len(chosen) == 1 else None,
+        measurement=measurement,
+        load_average=os.getloadavg()[0],
+    )
+
+
+def warm_up(
+    config: BenchConfig, methods: Sequence[BenchMethod], prompt: BenchPrompt
+) -> dict[str, Measurement]:
+    """Run every method once, greedy, on ``prompt`` (not recorded as a trial).
+
+    The first calls pay one-time costs (allocator growth, kernel selection, JIT compilation of
+    the n-gram kernels, transformers' generation setup); the greedy outputs double as the
+    transformers parity check. Methods that batch also run one concurrent warm-up.
+    """
+    outputs = {}
+    for method in methods:
+        outputs[method.name] = method.run(prompt.token_ids, SamplingParams(), config.max_new_tokens)
+        if config.concurrency > 1 and isinstance(method, ConcurrentMethod):
+            method.run_concurrent(
+                [prompt.token_ids] * config.concurrency,
+                [SamplingParams()] * config.concurrency,
+                min(config.max_new_tokens, 16),
+            )
+    return outputs
+
+
+def run_benchmark(
+    config: BenchConfig,
+    methods: Sequence[BenchMethod],
+    prompts: Sequence[BenchPrompt],
+    on_trial: Callable[[Record], None] | None = None,
+) -> list[Record]:
+    """Run the planned trials in order; ``on_trial`` sees each record as it is made."""
+    records = []
+    for trial in plan(config, methods, prompts):
+        record = run_trial(trial, config, methods, prompts)
+        records.append(record)
+        if on_trial is not None:
+            on_trial(record)
+    return records

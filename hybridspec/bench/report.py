@@ -1,0 +1,193 @@
+"""Presenting a run: a text table for the terminal, a JSON document and a PNG chart.
+
+The chart uses matplotlib's object API (``Figure``, Agg canvas): no pyplot global state, no
+display needed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+from matplotlib.figure import Figure
+
+from hybridspec.bench.hf_baseline import ParityResult
+from hybridspec.bench.methods import BASELINE, HF_BASELINE
+from hybridspec.bench.session import BenchOutcome
+from hybridspec.bench.summary import GROUNDED, OPEN_ENDED, Cell, Summary
+from hybridspec.bench.targets import TargetResult
+from hybridspec.bench.workload import Category
+
+MAX_POSITIONS_SHOWN = 8
+HEADERS = (
+    "group",
+    "method",
+    "req",
+    "tok/req",
+    "tok/s",
+    "vs none",
+    "vs hf-plain",
+    "accept",
+    "acc.len",
+    "outside",
+    "accept by position",
+)
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _positions(values: tuple[float, ...] | None) -> str:
+    if not values:
+        return "-"
+    shown = " ".join(f"{v:.2f}" for v in values[:MAX_POSITIONS_SHOWN])
+    return shown + (" ..." if len(values) > MAX_POSITIONS_SHOWN else "")
+
+
+def cell_row(cell: Cell, group_label: str) -> list[str]:
+    return [
+        group_label,
+        cell.method,
+        str(cell.num_requests),
+        f"{cell.mean_generated:.0f}",
+        f"{cell.tokens_per_s:.1f}",
+        _num(cell.speedup_vs_none, ".2f") + ("x" if cell.speedup_vs_none is not None else ""),
+        _num(cell.speedup_vs_hf_plain, ".2f")
+        + ("x" if cell.speedup_vs_hf_plain is not None else ""),
+        _num(cell.acceptance_rate, ".2f"),
+        _num(cell.mean_accepted_length, ".2f"),
+        f"{cell.outside_forward_share:.1%}",
+        _positions(cell.acceptance_per_position),
+    ]
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest entry; the first two left-aligned, the rest right."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [
+            str(v).ljust(w) if i < 2 or i == len(widths) - 1 else str(v).rjust(w)
+            for i, (v, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    rule = "-" * len(line(headers))
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def format_summary(summary: Summary, categories: dict[str, Category]) -> str:
+    """One table per temperature; rows grouped by category (marked [G] input-grounded, [O]
+    open-ended), then the group aggregates and concurrent runs."""
+    grounded = {n: c.input_grounded for n, c in categories.items()}
+    grounded |= {GROUNDED: True, OPEN_ENDED: False}
+    parts = []
+    for temperature in summary.temperatures:
+        title = "greedy" if temperature == 0 else f"sampled, temperature {temperature:g}"
+        rows = []
+        for group in summary.group_names:
+            mark = "" if group not in grounded else " [G]" if grounded[group] else " [O]"
+            for i, method in enumerate(summary.methods):
+                cell = summary.cell(method, temperature, group)
+                if cell is not None:
+                    rows.append(cell_row(cell, group + mark if i == 0 else ""))
+        parts.append(f"== {title} ==\n{text_table(HEADERS, rows)}")
+    return "\n\n".join(parts)
+
+
+def format_targets(results: Sequence[TargetResult]) -> str:
+    rows = []
+    for r in results:
+        value = "-" if r.value is None else f"{r.value:.3f}"
+        rows.append([r.status.upper(), r.description, value])
+    return "== targets ==\n" + text_table(("status", "target", "measured"), rows)
+
+
+def format_parity(parity: ParityResult | None) -> str:
+    if parity is None:
+        return "parity: not checked (needs one engine method and one transformers method)"
+    if parity.identical:
+        return parity.message()
+    bar = "!" * 100
+    return f"{bar}\n{parity.message()}\n{bar}"
+
+
+def format_agreement(agreement: dict[str, tuple[int, int]], reference: str | None) -> str:
+    if not agreement:
+        return ""
+    parts = [f"{m} {same}/{total}" for m, (same, total) in agreement.items()]
+    return f"greedy outputs identical to {reference}'s (same prompt and repeat): " + ", ".join(
+        parts
+    )
+
+
+def format_header(meta: dict[str, Any]) -> str:
+    during = meta["load_average_during"] or {"min": float("nan"), "max": float("nan")}
+    return (
+        f"hybridspec bench: {meta['target']} {meta['dtype']} on {meta['device']}, "
+        f"K={meta['num_speculative_tokens']}, {meta['max_new_tokens']} new tokens, "
+        f"{meta['num_prompts']} prompts, {meta['repeats']} repeat(s), {meta['wall_s']:.0f} s\n"
+        f"load average (1 min) {meta['load_average_before'][0]:.2f} before, "
+        f"{during['min']:.2f}..{during['max']:.2f} during, on {meta['cpu_count']} CPUs "
+        f"({meta['torch_threads']} torch threads)"
+    )
+
+
+def format_outcome(outcome: BenchOutcome, categories: dict[str, Category]) -> str:
+    """Everything the terminal shows after a run."""
+    parts = [
+        format_header(outcome.meta),
+        format_parity(outcome.parity),
+        format_agreement(outcome.agreement, outcome.reference),
+        "",
+        format_summary(outcome.summary, categories),
+        "",
+        format_targets(outcome.targets),
+    ]
+    return "\n".join(parts)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=_jsonable) + "\n", encoding="utf-8")
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def plot_speedups(summary: Summary, path: Path) -> None:
+    """Bars of speedup per group and method: vs our ``none`` (left) and vs transformers'
+    plain ``generate`` (right), one row per temperature; the dashed line marks 1x."""
+    baselines = [b for b in (BASELINE, HF_BASELINE) if b in summary.methods] or [BASELINE]
+    groups = summary.group_names
+    temperatures = summary.temperatures
+    figure = Figure(figsize=(max(8.0, 1.1 * len(groups)) * len(baselines), 4.0 * len(temperatures)))
+    axes = figure.subplots(len(temperatures), len(baselines), squeeze=False)
+    palette = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {m: palette[i % len(palette)] for i, m in enumerate(summary.methods)}
+    for row, temperature in enumerate(temperatures):
+        for col, baseline in enumerate(baselines):
+            ax = axes[row][col]
+            methods = [m for m in summary.methods if m != baseline]
+            width = 0.8 / max(1, len(methods))
+            for j, method in enumerate(methods):
+                values = [summary.speedup(method, baseline, g, temperature) for g in groups]
+                xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(groups))]
+                heights = [v if v is not None else 0.0 for v in values]
+                ax.bar(xs, heights, width, label=method, color=colors[method])
+            ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+            ax.set_xticks(range(len(groups)), groups, rotation=35, ha="right", fontsize=8)
+            ax.set_ylabel(f"speedup vs {baseline}")
+            title = "greedy" if temperature == 0 else f"T={temperature:g}"
+            ax.set_title(f"{title}: tokens/s relative to {baseline}", fontsize=10)
+            ax.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)

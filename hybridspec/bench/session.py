@@ -1,0 +1,235 @@
+"""Setting a benchmark up and running it end to end: models, engine, methods, outcome.
+
+``open_session`` loads the target once, tokenizes the workload, sizes the engine's context
+to the longest prompt plus the token budget (a full model context would allocate a KV cache
+many times larger than needed), installs the forward timer and resolves the methods.
+``execute`` warms up, checks transformers parity, runs the schedule and summarises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import transformers
+
+from hybridspec.bench.harness import BenchConfig, BenchPrompt, run_benchmark, warm_up
+from hybridspec.bench.hf_baseline import (
+    HFMethod,
+    ParityResult,
+    check_parity,
+    hf_model_from_weights,
+)
+from hybridspec.bench.methods import BASELINE, BenchMethod, EngineMethod, build_methods
+from hybridspec.bench.records import Record
+from hybridspec.bench.summary import Summary, greedy_agreement
+from hybridspec.bench.targets import TargetResult, evaluate_targets
+from hybridspec.bench.timing import EngineForwardTimer
+from hybridspec.bench.workload import Workload, encode_prompt
+from hybridspec.config import DraftConfig, EngineConfig, ModelConfig
+from hybridspec.engine import Engine
+from hybridspec.engine.loader import LoadedModel, load_model
+from hybridspec.errors import check
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOptions:
+    target: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    draft: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+
+
+@dataclass(slots=True)
+class BenchSession:
+    workload: Workload
+    prompts: list[BenchPrompt]
+    engine: Engine
+    target: LoadedModel
+    models: ModelOptions
+    methods: list[BenchMethod]
+    num_speculative_tokens: int
+    timer: EngineForwardTimer
+
+    def close(self) -> None:
+        self.timer.uninstall()
+        self.engine.close()
+
+
+def open_session(
+    workload: Workload,
+    models: ModelOptions,
+    method_names: Sequence[str],
+    num_speculative_tokens: int,
+    config: BenchConfig,
+) -> BenchSession:
+    target_config = ModelConfig(models.target, models.dtype, models.device)
+    target = load_model(target_config)
+    prompts = [
+        BenchPrompt(p.id, p.category, tuple(encode_prompt(target.tokenizer, p)))
+        for p in workload.prompts
+    ]
+    longest = max(len(p.token_ids) for p in prompts)
+    max_seq_len = longest + config.max_new_tokens + num_speculative_tokens + 1
+    check(
+        max_seq_len <= target.context_length,
+        "max_new_tokens",
+        f"the longest prompt ({longest} tokens) plus {config.max_new_tokens} new tokens exceeds "
+        f"the model's context of {target.context_length}",
+    )
+
+    def sized(name: str | None) -> ModelConfig:
+        return ModelConfig(name, models.dtype, models.device, max_seq_len, config.concurrency)
+
+    engine = Engine(
+        EngineConfig(
+            target=sized(models.target),
+            draft=DraftConfig(sized(models.draft) if models.draft is not None else None),
+            default_num_speculative_tokens=num_speculative_tokens,
+        ),
+        target=target,
+    )
+    timer = EngineForwardTimer(engine.runtime)
+    timer.install()
+    try:
+        methods = build_methods(
+            method_names,
+            engine,
+            timer,
+            num_speculative_tokens,
+            lambda: hf_model_from_weights(target),
+        )
+    except BaseException:
+        timer.uninstall()
+        engine.close()
+        raise
+    return BenchSession(
+        workload, prompts, engine, target, models, methods, num_speculative_tokens, timer
+    )
+
+
+@dataclass(slots=True)
+class BenchOutcome:
+    records: list[Record]
+    summary: Summary
+    targets: list[TargetResult]
+    parity: ParityResult | None
+    agreement: dict[str, tuple[int, int]]  # {method: (identical, compared)} vs reference
+    reference: str | None  # the engine method whose greedy outputs the others are compared to
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "meta": self.meta,
+            "parity": None if self.parity is None else _parity_json(self.parity),
+            "greedy_agreement": {
+                "reference": self.reference,
+                "methods": {
+                    m: {"identical": s, "compared": t} for m, (s, t) in self.agreement.items()
+                },
+            },
+            "targets": [t.to_dict() for t in self.targets],
+            "cells": [asdict(c) for c in self.summary.cells()],
+            "records": [r.to_dict() for r in self.records],
+        }
+
+
+def _parity_json(parity: ParityResult) -> dict[str, Any]:
+    return {
+        "identical": parity.identical,
+        "message": parity.message(),
+        "num_compared": parity.num_compared,
+        "first_mismatch": parity.first_mismatch,
+        "our_token": parity.our_token,
+        "their_token": parity.their_token,
+        "logit_gap": parity.logit_gap,
+    }
+
+
+def execute(
+    session: BenchSession,
+    config: BenchConfig,
+    on_trial: Callable[[Record], None] | None = None,
+) -> BenchOutcome:
+    """Warm up (with the parity check), run every trial, summarise and check the targets."""
+    started = time.time()
+    load_before = os.getloadavg()
+    warm = warm_up(config, session.methods, session.prompts[0])
+    parity = _parity(session, warm)
+    if parity is not None and not parity.identical:
+        logger.warning("%s", parity.message())
+    records = run_benchmark(config, session.methods, session.prompts, on_trial)
+    summary = Summary(records, session.workload.categories)
+    engine_names = [m.name for m in session.methods if isinstance(m, EngineMethod)]
+    reference = BASELINE if BASELINE in engine_names else next(iter(engine_names), None)
+    meta = _meta(session, config, started, load_before, records)
+    return BenchOutcome(
+        records,
+        summary,
+        evaluate_targets(summary),
+        parity,
+        greedy_agreement(records, reference) if reference else {},
+        reference,
+        meta,
+    )
+
+
+def _parity(session: BenchSession, warm: dict[str, Any]) -> ParityResult | None:
+    """Our first engine method against the first transformers method, on the warm-up run."""
+    ours = next((m for m in session.methods if isinstance(m, EngineMethod)), None)
+    theirs = next((m for m in session.methods if isinstance(m, HFMethod)), None)
+    if ours is None or theirs is None:
+        return None
+    return check_parity(
+        (ours.name, warm[ours.name].requests[0].token_ids),
+        (theirs.name, warm[theirs.name].requests[0].token_ids),
+        theirs.model,
+        session.prompts[0].token_ids,
+    )
+
+
+def _meta(
+    session: BenchSession,
+    config: BenchConfig,
+    started: float,
+    load_before: tuple[float, float, float],
+    records: Sequence[Record],
+) -> dict[str, Any]:
+    loads = [r.load_average for r in records]
+    return {
+        "workload": session.workload.name,
+        "categories": {
+            n: {"input_grounded": c.input_grounded} for n, c in session.workload.categories.items()
+        },
+        "num_prompts": len(session.prompts),
+        "target": session.target.source,
+        "draft": session.models.draft,
+        "dtype": str(session.target.dtype).removeprefix("torch."),
+        "device": session.models.device,
+        "methods": [m.name for m in session.methods],
+        "num_speculative_tokens": session.num_speculative_tokens,
+        "max_new_tokens": config.max_new_tokens,
+        "repeats": config.repeats,
+        "temperatures": list(config.temperatures),
+        "concurrency": config.concurrency,
+        "seed": config.seed,
+        "started_unix": started,
+        "wall_s": time.time() - started,
+        "load_average_before": list(load_before),
+        "load_average_during": {"min": min(loads), "max": max(loads)} if loads else None,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }

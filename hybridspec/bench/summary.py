@@ -1,0 +1,205 @@
+"""From records to figures: one ``Cell`` per (temperature, method, group of prompts).
+
+A group is one category, all input-grounded categories, all open-ended ones, or all; the
+concurrent trials form a group of their own (``concurrent xN``). Within a group:
+
+- tokens/s of a repeat = generated tokens / wall seconds, both summed over the group's
+  requests (so long outputs weigh more than short ones); the cell holds the median over
+  repeats. A speedup is the median over repeats of the ratio of two methods' rates in the same
+  repeat (interleaved runs, so drift cancels).
+- acceptance rate = accepted drafts / proposed drafts; mean accepted length = generated tokens
+  / target forwards (the bonus or correction token counted); acceptance per position i =
+  rounds whose i-th draft was accepted / rounds that proposed an i-th draft. These are pooled
+  over repeats: they do not depend on the machine's speed.
+- outside-forward share = 1 - (seconds in the target forward / wall seconds): proposing,
+  verifying, committing, scheduling and Python overhead; the median over repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from hybridspec.bench.methods import BASELINE, HF_BASELINE
+from hybridspec.bench.records import Record, Speculation
+from hybridspec.bench.workload import Category
+
+GROUNDED = "input-grounded"
+OPEN_ENDED = "open-ended"
+ALL = "all"
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    method: str
+    temperature: float
+    group: str
+    num_requests: int  # requests measured, over all repeats
+    mean_generated: float  # generated tokens per request
+    tokens_per_s: float
+    speedup_vs_none: float | None  # None when `none` was not run
+    speedup_vs_hf_plain: float | None  # None when `hf-plain` was not run
+    acceptance_rate: float | None  # None when nothing was proposed
+    mean_accepted_length: float | None  # None when no forward committed tokens
+    acceptance_per_position: tuple[float, ...] | None  # [K]; None when not observable
+    outside_forward_share: float
+
+
+def category_groups(categories: dict[str, Category]) -> dict[str, frozenset[str]]:
+    """Each category alone, then the input-grounded, open-ended and all categories."""
+    groups = {name: frozenset([name]) for name in categories}
+    grounded = frozenset(n for n, c in categories.items() if c.input_grounded)
+    open_ended = frozenset(categories) - grounded
+    if grounded:
+        groups[GROUNDED] = grounded
+    if open_ended:
+        groups[OPEN_ENDED] = open_ended
+    groups[ALL] = frozenset(categories)
+    return groups
+
+
+class Summary:
+    """The records of a run, grouped; cells and speedups on demand."""
+
+    def __init__(self, records: Sequence[Record], categories: dict[str, Category]) -> None:
+        self.records = tuple(records)
+        self.groups = category_groups(categories)
+        self.methods = tuple(dict.fromkeys(r.method for r in records))
+        self.temperatures = tuple(sorted({r.temperature for r in records}))
+        concurrent = sorted({len(r.prompt_ids) for r in records if r.category is None})
+        self._concurrent = {f"concurrent x{n}": n for n in concurrent}
+
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        return (*self.groups, *self._concurrent)
+
+    def select(self, method: str, temperature: float, group: str) -> list[Record]:
+        if group in self._concurrent:
+            n = self._concurrent[group]
+            return [
+                r
+                for r in self.records
+                if r.method == method
+                and r.temperature == temperature
+                and r.category is None
+                and len(r.prompt_ids) == n
+            ]
+        members = self.groups[group]
+        return [
+            r
+            for r in self.records
+            if r.method == method and r.temperature == temperature and r.category in members
+        ]
+
+    def speedup(self, method: str, over: str, group: str, temperature: float) -> float | None:
+        """Median over repeats of the ratio of tokens/s; None when either was not measured."""
+        mine = rates_by_repeat(self.select(method, temperature, group))
+        theirs = rates_by_repeat(self.select(over, temperature, group))
+        ratios = [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r] > 0]
+        return statistics.median(ratios) if ratios else None
+
+    def cell(self, method: str, temperature: float, group: str) -> Cell | None:
+        records = self.select(method, temperature, group)
+        if not records:
+            return None
+        requests = [s for r in records for s in r.measurement.requests]
+        shares = {
+            repeat: 1 - sum(r.measurement.forward_s for r in rs) / _elapsed(rs)
+            for repeat, rs in by_repeat(records).items()
+        }
+        return Cell(
+            method=method,
+            temperature=temperature,
+            group=group,
+            num_requests=len(requests),
+            mean_generated=sum(s.num_generated for s in requests) / len(requests),
+            tokens_per_s=statistics.median(rates_by_repeat(records).values()),
+            speedup_vs_none=self.speedup(method, BASELINE, group, temperature),
+            speedup_vs_hf_plain=self.speedup(method, HF_BASELINE, group, temperature),
+            acceptance_rate=_ratio(
+                sum(s.num_accepted_tokens for s in requests),
+                sum(s.num_draft_tokens for s in requests),
+            ),
+            mean_accepted_length=_ratio(
+                sum(s.num_generated for s in requests), sum(s.target_forwards for s in requests)
+            ),
+            acceptance_per_position=acceptance_per_position(requests),
+            outside_forward_share=statistics.median(shares.values()),
+        )
+
+    def cells(self) -> list[Cell]:
+        """Every measured cell: by temperature, then group, then method."""
+        out = []
+        for temperature in self.temperatures:
+            for group in self.group_names:
+                for method in self.methods:
+                    cell = self.cell(method, temperature, group)
+                    if cell is not None:
+                        out.append(cell)
+        return out
+
+
+def by_repeat(records: Iterable[Record]) -> dict[int, list[Record]]:
+    groups: dict[int, list[Record]] = {}
+    for record in records:
+        groups.setdefault(record.repeat, []).append(record)
+    return groups
+
+
+def _elapsed(records: Sequence[Record]) -> float:
+    return sum(r.measurement.elapsed_s for r in records)
+
+
+def rates_by_repeat(records: Iterable[Record]) -> dict[int, float]:
+    """Tokens/s of each repeat: generated tokens over wall seconds, summed over the records."""
+    return {
+        repeat: sum(r.measurement.num_generated for r in rs) / _elapsed(rs)
+        for repeat, rs in by_repeat(records).items()
+        if _elapsed(rs) > 0
+    }
+
+
+def acceptance_per_position(requests: Sequence[Speculation]) -> tuple[float, ...] | None:
+    """Pooled acceptance of the i-th draft of a round; None when a request did not record it.
+
+    Example: requests with accepted [3, 1] of proposed [4, 2] and accepted [1] of proposed [2]
+    pool to [4/6, 1/2].
+    """
+    if any(s.accepted_per_position is None for s in requests):
+        return None
+    accepted: list[int] = []
+    proposed: list[int] = []
+    for s in requests:
+        assert s.accepted_per_position is not None and s.proposed_per_position is not None
+        for i, (a, p) in enumerate(
+            zip(s.accepted_per_position, s.proposed_per_position, strict=True)
+        ):
+            if i == len(proposed):
+                accepted.append(0)
+                proposed.append(0)
+            accepted[i] += a
+            proposed[i] += p
+    return tuple(a / p if p else 0.0 for a, p in zip(accepted, proposed, strict=True))
+
+
+def _ratio(numerator: int, denominator: int) -> float | None:
+    return numerator / denominator if denominator > 0 else None
+
+
+def greedy_agreement(records: Sequence[Record], reference: str) -> dict[str, tuple[int, int]]:
+    """For each method, how many of its greedy single-prompt outputs equal ``reference``'s
+    output for the same prompt and repeat: ``{method: (identical, compared)}``."""
+    ref = {
+        (r.prompt_ids, r.repeat): r.measurement.requests[0].token_ids
+        for r in records
+        if r.method == reference and r.temperature == 0 and r.category is not None
+    }
+    counts: dict[str, tuple[int, int]] = {}
+    for r in records:
+        key = (r.prompt_ids, r.repeat)
+        if r.method == reference or r.temperature != 0 or r.category is None or key not in ref:
+            continue
+        same, total = counts.get(r.method, (0, 0))
+        counts[r.method] = (same + (r.measurement.requests[0].token_ids == ref[key]), total + 1)
+    return counts

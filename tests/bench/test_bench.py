@@ -1,0 +1,306 @@
+"""The benchmark harness: pure pieces on hand-built records, the transformers baseline against
+the native forward, and a smoke run of ``hybridspec bench`` on a tiny random Llama.
+
+Nothing here measures speed: the smoke run only checks that the table, JSON and PNG come out
+and that the figures are consistent (counts, ranges, parity), never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridspec.bench.harness import mixed_prompts, sequential_schedule
+from hybridspec.bench.hf_baseline import check_parity, hf_model_from_weights
+from hybridspec.bench.records import Measurement, Record, Speculation
+from hybridspec.bench.summary import ALL, GROUNDED, Summary, acceptance_per_position
+from hybridspec.bench.targets import SPEED_TARGETS, evaluate_targets
+from hybridspec.bench.workload import DEFAULT_WORKLOAD, Category, load_workload, parse_workload
+from hybridspec.cli import build_parser, main
+from hybridspec.config import ModelConfig
+from hybridspec.engine.loader import load_model
+from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.errors import InvalidRequestError
+from tests.conftest import TinyLlamaFactory
+
+SOURCE = "The quick brown fox jumps over the lazy dog near the river bank. " * 3
+
+
+def tiny_workload() -> dict[str, Any]:
+    return {
+        "name": "tiny",
+        "temperatures": [0.0, 0.8],
+        "categories": {
+            "copy": {"input_grounded": True},
+            "story": {"input_grounded": False},
+        },
+        "prompts": [
+            {
+                "id": "copy-1",
+                "category": "copy",
+                "source": SOURCE,
+                "messages": [{"role": "user", "content": "Repeat: {source}"}],
+            },
+            {
+                "id": "story-1",
+                "category": "story",
+                "messages": [{"role": "user", "content": "Tell a story about a fox."}],
+            },
+        ],
+    }
+
+
+# --------------------------------------------------------------------------- workload
+
+
+def test_shipped_workload_has_seven_categories_of_four_prompts() -> None:
+    workload = load_workload(DEFAULT_WORKLOAD)
+    assert len(workload.categories) == 7
+    assert {c.input_grounded for c in workload.categories.values()} == {True, False}
+    assert set(workload.temperatures) == {0.0, 0.8}
+    for name in workload.categories:
+        assert sum(p.category == name for p in workload.prompts) >= 4, name
+    raw = json.loads(DEFAULT_WORKLOAD.read_text())
+    for prompt, parsed in zip(raw["prompts"], workload.prompts, strict=True):
+        if "source" in prompt:  # substituted into the last message, verbatim
+            assert prompt["source"] in parsed.messages[-1]["content"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda p: p[0].pop("source"), "prompts[0].source"),
+        (lambda p: p[0]["messages"][0].update(content="no placeholder"), "prompts[0].messages"),
+        (lambda p: p[1].update(source=SOURCE), "prompts[1].source"),
+        (lambda p: p[1].update(category="poetry"), "prompts[1].category"),
+        (lambda p: p[1].update(id="copy-1"), "prompts"),
+    ],
+)
+def test_invalid_workload_names_the_field(edit: Any, field: str) -> None:
+    data = tiny_workload()
+    edit(data["prompts"])
+    with pytest.raises(InvalidRequestError) as info:
+        parse_workload(data)
+    assert info.value.param == field
+
+
+def test_select_keeps_category_order_and_count() -> None:
+    workload = load_workload(DEFAULT_WORKLOAD).select(["math_reasoning", "code_editing"], 2)
+    assert [p.category for p in workload.prompts] == ["math_reasoning"] * 2 + ["code_editing"] * 2
+    with pytest.raises(InvalidRequestError, match="unknown"):
+        workload.select(["poetry"])
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def test_schedule_rotates_which_method_runs_first() -> None:
+    trials = sequential_schedule(num_prompts=6, num_methods=3, temperatures=[0.0], repeats=1)
+    assert len(trials) == 18
+    firsts = [trials[3 * p].method for p in range(6)]
+    assert sorted(firsts) == [0, 0, 1, 1, 2, 2]
+    for p in range(6):  # every method once per prompt
+        assert sorted(t.method for t in trials[3 * p : 3 * p + 3]) == [0, 1, 2]
+
+
+def test_mixed_prompts_takes_categories_in_turn() -> None:
+    assert mixed_prompts(["x", "x", "y", "z"], 5) == (0, 2, 3, 1, 0)
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def record(
+    method: str,
+    repeat: int,
+    category: str,
+    tokens: int,
+    seconds: float,
+    forward_s: float,
+    drafts: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    forwards: int | None = None,
+) -> Record:
+    accepted, proposed = drafts if drafts is not None else ((), ())
+    speculation = Speculation(
+        token_ids=tuple(range(tokens)),
+        num_generated=tokens,
+        target_forwards=forwards if forwards is not None else tokens,
+        num_draft_tokens=sum(proposed),
+        num_accepted_tokens=sum(accepted),
+        accepted_per_position=accepted,
+        proposed_per_position=proposed,
+    )
+    return Record(
+        method,
+        0.0,
+        repeat,
+        (f"{category}-1",),
+        category,
+        Measurement((speculation,), seconds, forward_s),
+        load_average=0.0,
+    )
+
+
+CATEGORIES = {"code": Category("code", True), "chat": Category("chat", False)}
+
+
+def test_speedup_is_the_median_of_per_repeat_ratios() -> None:
+    records = [
+        record("none", 0, "code", 100, 10.0, 9.0),  # 10 tokens/s
+        record("none", 1, "code", 100, 5.0, 4.5),  # 20 tokens/s
+        record("ngram", 0, "code", 100, 100 / 30, 3.0, ((30, 20), (40, 30)), 50),  # 30/s
+        record("ngram", 1, "code", 100, 100 / 40, 2.0, ((10, 5), (10, 10)), 25),  # 40/s
+    ]
+    summary = Summary(records, CATEGORIES)
+    assert summary.speedup("ngram", "none", "code", 0.0) == pytest.approx((3.0 + 2.0) / 2)
+    cell = summary.cell("ngram", 0.0, GROUNDED)
+    assert cell is not None
+    assert cell.tokens_per_s == pytest.approx(35.0)
+    assert cell.speedup_vs_none == pytest.approx(2.5)
+    assert cell.speedup_vs_hf_plain is None  # not run
+    assert cell.acceptance_rate == pytest.approx(65 / 90)
+    assert cell.mean_accepted_length == pytest.approx(200 / 75)
+    assert cell.acceptance_per_position == pytest.approx((40 / 50, 25 / 40))
+    assert cell.outside_forward_share == pytest.approx(
+        ((1 - 3.0 / (100 / 30)) + (1 - 2.0 / (100 / 40))) / 2
+    )
+    none = summary.cell("none", 0.0, "code")
+    assert none is not None and none.acceptance_rate is None
+    assert none.mean_accepted_length == 1.0
+    assert summary.cell("ngram", 0.0, "chat") is None  # nothing measured there
+
+
+def test_acceptance_per_position_pools_requests() -> None:
+    a = Speculation((), 0, 0, 6, 4, (3, 1), (4, 2))
+    b = Speculation((), 0, 0, 2, 1, (1,), (2,))
+    assert acceptance_per_position([a, b]) == pytest.approx((4 / 6, 1 / 2))
+    assert acceptance_per_position([a, Speculation((), 0, 0, 0, 0)]) is None
+
+
+def test_targets_pass_fail_and_not_measured() -> None:
+    records = [
+        record("none", 0, "code", 100, 10.0, 9.95),  # 10/s, 0.5% outside
+        record("ngram", 0, "code", 100, 2.0, 1.0),  # 50/s: 5x none, 50% outside
+        record("none", 0, "chat", 100, 10.0, 9.95),
+        record("ngram", 0, "chat", 100, 20.0, 19.0),  # 0.5x none
+        record("hf-plain", 0, "code", 100, 10.0, 9.0),
+        record("hf-plain", 0, "chat", 100, 10.0, 9.0),
+    ]
+    results = {r.description: r for r in evaluate_targets(Summary(records, CATEGORIES))}
+    by_target = [results[t.description] for t in SPEED_TARGETS]
+    assert [r.status for r in by_target] == ["fail", "not measured", "pass", "fail", "not measured"]
+    assert by_target[0].value == pytest.approx(10 / 10)
+    overhead = {d.split(":")[0]: r for d, r in results.items() if "outside" in d}
+    assert overhead["none"].status == "pass"
+    assert overhead["ngram"].status == "fail" and overhead["ngram"].value == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------ transformers baseline
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_model_shares_and_matches_the_native_weights(
+    make_tiny_llama_dir: TinyLlamaFactory, tied: bool
+) -> None:
+    loaded = load_model(
+        ModelConfig(str(make_tiny_llama_dir(tie_word_embeddings=tied)), dtype="float32")
+    )
+    model = hf_model_from_weights(loaded)
+    assert model.model.layers[0].self_attn.q_proj.weight.untyped_storage().data_ptr() == (
+        loaded.weights.layers[0].wqkv.untyped_storage().data_ptr()  # type: ignore[union-attr]
+    )
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    token_ids = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+    runtime = loaded.create_runtime(1, 64)
+    ours = runtime.forward(ForwardBatch.from_lists([runtime.allocate()], [token_ids]))
+    with torch.inference_mode():
+        theirs = model(input_ids=torch.tensor([token_ids])).logits[0].float()
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_parity_check_reports_a_mismatch(make_tiny_llama_dir: TinyLlamaFactory) -> None:
+    loaded = load_model(ModelConfig(str(make_tiny_llama_dir()), dtype="float32"))
+    model = hf_model_from_weights(loaded)
+    prompt = [256, 72, 105]
+    same = check_parity(("none", [5, 6, 7]), ("hf-plain", [5, 6, 7]), model, prompt)
+    assert same.identical and "identical" in same.message()
+    differ = check_parity(("none", [5, 6, 7]), ("hf-plain", [5, 9, 7]), model, prompt)
+    assert differ.first_mismatch == 1 and (differ.our_token, differ.their_token) == (6, 9)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([[*prompt, 5]])).logits[0, -1]
+    assert differ.logit_gap == pytest.approx(float(logits[9] - logits[6]), abs=1e-5)
+    assert differ.message().startswith("PARITY MISMATCH")
+    shorter = check_parity(("none", [5, 6]), ("hf-plain", [5, 6, 7]), model, prompt)
+    assert shorter.first_mismatch == 2 and shorter.our_token is None
+
+
+# ------------------------------------------------------------------------ smoke run
+
+
+def test_cli_registers_bench() -> None:
+    args = build_parser().parse_args(["bench", "--methods", "none", "hf-plain"])
+    assert args.methods == ["none", "hf-plain"] and args.max_new_tokens == 128
+
+
+def test_bench_smoke_on_tiny_llama(
+    make_tiny_llama_dir: TinyLlamaFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model_dir = make_tiny_llama_dir(max_position_embeddings=1024)
+    draft_dir = make_tiny_llama_dir(seed=1, max_position_embeddings=1024)
+    workload = tmp_path / "workload.json"
+    workload.write_text(json.dumps(tiny_workload()))
+    out = tmp_path / "out"
+    k, max_new = 4, 8
+    methods = ["none", "ngram", "draft", "hf-plain", "hf-prompt-lookup"]
+    argv = ["bench", "--target", str(model_dir), "--draft", str(draft_dir)]
+    argv += ["--workload", str(workload), "--dtype"]
+    argv += ["float32", "--max-new-tokens", str(max_new), "-k", str(k), "--methods", *methods]
+    argv += ["--concurrency", "2", "--output-dir", str(out), "--threads", "0"]
+    threads = torch.get_num_threads()
+    assert main(argv) == 0
+    assert torch.get_num_threads() == threads
+    stdout = capsys.readouterr().out
+    for text in ("parity: hf-plain and none", "== greedy ==", "== sampled", "== targets =="):
+        assert text in stdout
+    assert "copy [G]" in stdout and "story [O]" in stdout and "concurrent x2" in stdout
+
+    report = json.loads((out / "bench.json").read_text())
+    assert report["parity"]["identical"] is True  # float32: the same weights, the same tokens
+    agreement = report["greedy_agreement"]["methods"]
+    for method in ("ngram", "draft"):  # lossless speculation
+        assert agreement[method] == {"identical": 2, "compared": 2}
+    # 2 prompts x 5 methods x 2 temperatures, then 3 engine methods x 2 temperatures at once
+    assert len(report["records"]) == 20 + 6
+    concurrent = {r["method"] for r in report["records"] if r["category"] is None}
+    assert concurrent == {"none", "ngram", "draft"}
+    for r in report["records"]:
+        for request in r["measurement"]["requests"]:
+            assert request["num_accepted_tokens"] <= request["num_draft_tokens"]
+            assert request["num_generated"] <= (
+                request["target_forwards"] + request["num_accepted_tokens"]
+            )
+    cells = {(c["method"], c["temperature"], c["group"]): c for c in report["cells"]}
+    for cell in report["cells"]:
+        assert cell["tokens_per_s"] > 0 and 1 <= cell["mean_generated"] <= max_new
+        assert 0 <= cell["outside_forward_share"] < 1
+        assert cell["mean_accepted_length"] is not None
+        assert 1 <= cell["mean_accepted_length"] <= k + 1
+        assert cell["acceptance_rate"] is None or 0 <= cell["acceptance_rate"] <= 1
+        assert all(0 <= a <= 1 for a in cell["acceptance_per_position"] or [])
+    for method in ("none", "hf-plain"):  # one token per forward, nothing proposed
+        cell = cells[(method, 0.0, ALL)]
+        assert cell["mean_accepted_length"] == 1.0 and cell["acceptance_rate"] is None
+    assert cells[("none", 0.0, ALL)]["speedup_vs_none"] == 1.0
+    assert cells[("hf-plain", 0.8, ALL)]["speedup_vs_hf_plain"] == 1.0
+    for method in ("ngram", "draft"):
+        assert cells[(method, 0.0, "copy")]["acceptance_per_position"] is not None
+    assert cells[("hf-prompt-lookup", 0.0, "copy")]["acceptance_per_position"] is None
+    statuses = {t["status"] for t in report["targets"]}
+    assert statuses <= {"pass", "fail", "not measured"}
+    assert len(report["targets"]) == len(SPEED_TARGETS) + 2 * 2  # overhead: 2 methods x 2 T
+    png = (out / "bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
