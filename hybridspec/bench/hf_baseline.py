@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from hybridspec.bench.records import Measurement, Speculation
+from hybridspec.bench.records import Measurement, Speculation, first_difference
 from hybridspec.bench.timing import ModuleForwardTimer
 from hybridspec.engine.llama import LlamaWeights
 from hybridspec.engine.loader import LoadedModel
@@ -210,13 +210,13 @@ def check_parity(
     """Compare two greedy outputs ``(method name, generated ids)``; diagnose a mismatch."""
     a, b = list(ours[1]), list(theirs[1])
     n = max(len(a), len(b))
-    i = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
-    if i == n:
+    i = first_difference(a, b)
+    if i is None:
         return ParityResult(ours[0], theirs[0], n)
-    if i == len(a) or i == len(b):  # one ended (EOS) where the other went on
-        return ParityResult(
-            ours[0], theirs[0], n, i, a[i] if i < len(a) else None, b[i] if i < len(b) else None
-        )
+    if i == min(len(a), len(b)):  # one ended (EOS) where the other went on
+        our_token = a[i] if i < len(a) else None
+        their_token = b[i] if i < len(b) else None
+        return ParityResult(ours[0], theirs[0], n, i, our_token, their_token)
     device = next(model.parameters()).device
     context = torch.tensor([[*prompt_token_ids, *a[:i]]], dtype=torch.long, device=device)
     with torch.inference_mode():

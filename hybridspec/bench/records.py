@@ -7,6 +7,7 @@ for comparing outputs. Dimensions: ``K`` the largest number of drafts proposed i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -54,3 +55,14 @@ class Record:
         for request in data["measurement"]["requests"]:
             request.pop("token_ids")  # bulky; outputs are compared in the summary instead
         return data
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where ``a`` and ``b`` differ (or one ends); None if equal.
+
+    Example: [1, 2, 3] and [1, 5, 3] differ at 1; [1, 2] and [1, 2, 3] at 2.
+    """
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # unequal lengths are the point
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

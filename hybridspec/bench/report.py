@@ -7,6 +7,7 @@ display needed.
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from matplotlib.figure import Figure
 from hybridspec.bench.hf_baseline import ParityResult
 from hybridspec.bench.methods import BASELINE, HF_BASELINE
 from hybridspec.bench.session import BenchOutcome
-from hybridspec.bench.summary import GROUNDED, OPEN_ENDED, Cell, Summary
+from hybridspec.bench.summary import GROUNDED, OPEN_ENDED, Agreement, Cell, Summary
 from hybridspec.bench.targets import TargetResult
 from hybridspec.bench.workload import Category
 
@@ -116,11 +117,18 @@ def format_parity(parity: ParityResult | None) -> str:
     return f"{bar}\n{parity.message()}\n{bar}"
 
 
-def format_agreement(agreement: dict[str, tuple[int, int]], reference: str | None) -> str:
+def format_agreement(agreement: dict[str, Agreement], reference: str | None) -> str:
     if not agreement:
         return ""
-    parts = [f"{m} {same}/{total}" for m, (same, total) in agreement.items()]
-    return f"greedy outputs identical to {reference}'s (same prompt and repeat): " + ", ".join(
+    parts = []
+    for method, a in agreement.items():
+        part = f"{method} {a.identical}/{a.compared}"
+        if a.first_divergence:
+            part += (
+                f" (others diverge at token {statistics.median(a.first_divergence):.0f}, median)"
+            )
+        parts.append(part)
+    return f"greedy outputs identical to {reference}'s (same prompt and repeat): " + "; ".join(
         parts
     )
 
@@ -187,7 +195,7 @@ def plot_speedups(summary: Summary, path: Path) -> None:
             ax.set_ylabel(f"speedup vs {baseline}")
             title = "greedy" if temperature == 0 else f"T={temperature:g}"
             ax.set_title(f"{title}: tokens/s relative to {baseline}", fontsize=10)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -28,7 +28,7 @@ from hybridspec.bench.hf_baseline import (
 )
 from hybridspec.bench.methods import BASELINE, BenchMethod, EngineMethod, build_methods
 from hybridspec.bench.records import Record
-from hybridspec.bench.summary import Summary, greedy_agreement
+from hybridspec.bench.summary import Agreement, Summary, greedy_agreement
 from hybridspec.bench.targets import TargetResult, evaluate_targets
 from hybridspec.bench.timing import EngineForwardTimer
 from hybridspec.bench.workload import Workload, encode_prompt
@@ -122,7 +122,7 @@ class BenchOutcome:
     summary: Summary
     targets: list[TargetResult]
     parity: ParityResult | None
-    agreement: dict[str, tuple[int, int]]  # {method: (identical, compared)} vs reference
+    agreement: dict[str, Agreement]  # greedy outputs of each method vs the reference's
     reference: str | None  # the engine method whose greedy outputs the others are compared to
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -132,9 +132,7 @@ class BenchOutcome:
             "parity": None if self.parity is None else _parity_json(self.parity),
             "greedy_agreement": {
                 "reference": self.reference,
-                "methods": {
-                    m: {"identical": s, "compared": t} for m, (s, t) in self.agreement.items()
-                },
+                "methods": {m: a.to_dict() for m, a in self.agreement.items()},
             },
             "targets": [t.to_dict() for t in self.targets],
             "cells": [asdict(c) for c in self.summary.cells()],

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hybridspec.bench.methods import BASELINE, HF_BASELINE
-from hybridspec.bench.records import Record, Speculation
+from hybridspec.bench.records import Record, Speculation, first_difference
 from hybridspec.bench.workload import Category
 
 GROUNDED = "input-grounded"
@@ -187,19 +187,42 @@ def _ratio(numerator: int, denominator: int) -> float | None:
     return numerator / denominator if denominator > 0 else None
 
 
-def greedy_agreement(records: Sequence[Record], reference: str) -> dict[str, tuple[int, int]]:
-    """For each method, how many of its greedy single-prompt outputs equal ``reference``'s
-    output for the same prompt and repeat: ``{method: (identical, compared)}``."""
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    """How often one method's greedy outputs equal the reference method's (same prompt and
+    repeat). Lossless speculation gives identical outputs in exact arithmetic; in bfloat16 a
+    forward over k + 1 tokens rounds differently from k + 1 one-token forwards, and a near-tie
+    of the argmax can flip, after which the texts go separate ways."""
+
+    identical: int
+    compared: int
+    first_divergence: tuple[int, ...]  # index of the first differing token, per differing pair
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "identical": self.identical,
+            "compared": self.compared,
+            "first_divergence": list(self.first_divergence),
+        }
+
+
+def greedy_agreement(records: Sequence[Record], reference: str) -> dict[str, Agreement]:
+    """Each method's greedy single-prompt outputs compared with ``reference``'s."""
     ref = {
         (r.prompt_ids, r.repeat): r.measurement.requests[0].token_ids
         for r in records
         if r.method == reference and r.temperature == 0 and r.category is not None
     }
-    counts: dict[str, tuple[int, int]] = {}
+    compared: dict[str, list[int | None]] = {}
     for r in records:
         key = (r.prompt_ids, r.repeat)
         if r.method == reference or r.temperature != 0 or r.category is None or key not in ref:
             continue
-        same, total = counts.get(r.method, (0, 0))
-        counts[r.method] = (same + (r.measurement.requests[0].token_ids == ref[key]), total + 1)
-    return counts
+        ours = r.measurement.requests[0].token_ids
+        compared.setdefault(r.method, []).append(first_difference(ours, ref[key]))
+    return {
+        method: Agreement(
+            sum(d is None for d in diffs), len(diffs), tuple(d for d in diffs if d is not None)
+        )
+        for method, diffs in compared.items()
+    }

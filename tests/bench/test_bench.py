@@ -17,7 +17,14 @@ import torch
 from hybridspec.bench.harness import mixed_prompts, sequential_schedule
 from hybridspec.bench.hf_baseline import check_parity, hf_model_from_weights
 from hybridspec.bench.records import Measurement, Record, Speculation
-from hybridspec.bench.summary import ALL, GROUNDED, Summary, acceptance_per_position
+from hybridspec.bench.summary import (
+    ALL,
+    GROUNDED,
+    Agreement,
+    Summary,
+    acceptance_per_position,
+    greedy_agreement,
+)
 from hybridspec.bench.targets import SPEED_TARGETS, evaluate_targets
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, Category, load_workload, parse_workload
 from hybridspec.cli import build_parser, main
@@ -174,6 +181,24 @@ def test_speedup_is_the_median_of_per_repeat_ratios() -> None:
     assert summary.cell("ngram", 0.0, "chat") is None  # nothing measured there
 
 
+def test_greedy_agreement_finds_where_outputs_diverge() -> None:
+    def run(method: str, prompt: str, tokens: tuple[int, ...]) -> Record:
+        speculation = Speculation(tokens, len(tokens), len(tokens), 0, 0)
+        measurement = Measurement((speculation,), 1.0, 1.0)
+        return Record(method, 0.0, 0, (prompt,), "code", measurement, 0.0)
+
+    records = [
+        run("none", "a", (1, 2, 3)),
+        run("none", "b", (1, 2, 3)),
+        run("ngram", "a", (1, 2, 3)),
+        run("ngram", "b", (1, 5, 3)),
+        run("hf-plain", "a", (1, 2)),
+    ]
+    agreement = greedy_agreement(records, "none")
+    assert agreement["ngram"] == Agreement(identical=1, compared=2, first_divergence=(1,))
+    assert agreement["hf-plain"] == Agreement(identical=0, compared=1, first_divergence=(2,))
+
+
 def test_acceptance_per_position_pools_requests() -> None:
     a = Speculation((), 0, 0, 6, 4, (3, 1), (4, 2))
     b = Speculation((), 0, 0, 2, 1, (1,), (2,))
@@ -272,7 +297,7 @@ def test_bench_smoke_on_tiny_llama(
     assert report["parity"]["identical"] is True  # float32: the same weights, the same tokens
     agreement = report["greedy_agreement"]["methods"]
     for method in ("ngram", "draft"):  # lossless speculation
-        assert agreement[method] == {"identical": 2, "compared": 2}
+        assert agreement[method] == {"identical": 2, "compared": 2, "first_divergence": []}
     # 2 prompts x 5 methods x 2 temperatures, then 3 engine methods x 2 temperatures at once
     assert len(report["records"]) == 20 + 6
     concurrent = {r["method"] for r in report["records"] if r["category"] is None}

@@ -16,7 +16,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+)
 
 from hybridspec.config import ModelConfig
 from hybridspec.engine import gguf as gguf_module
@@ -351,3 +357,26 @@ def test_cached_tokenizer_round_trips_like_a_fresh_conversion(
         len(fresh),
     )
     assert cached.all_special_tokens == fresh.all_special_tokens
+
+
+def test_transformers_runtime_rebuilds_a_cache_that_cannot_crop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = GPT2Config(vocab_size=TINY_VOCAB_SIZE, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(4)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    tiny_tokenizer().save_pretrained(tmp_path / "gpt2")
+    loaded = load_model(ModelConfig(str(tmp_path / "gpt2"), dtype="float32"))
+    expected = reference_logits(loaded.weights, PROMPT)  # type: ignore[arg-type]
+    runtime = loaded.create_runtime(1, 32)
+    slot = runtime.allocate()
+    runtime.forward(ForwardBatch.from_lists([slot], [PROMPT[:8]]))
+
+    def cannot_crop(self: DynamicCache, count: int) -> None:
+        raise RuntimeError("this cache cannot roll back")
+
+    monkeypatch.setattr(DynamicCache, "crop", cannot_crop)
+    runtime.truncate(slot, 5)
+    logits = runtime.forward(ForwardBatch.from_lists([slot], [PROMPT[5:10]]))
+    torch.testing.assert_close(logits, expected[5:10], atol=ATOL, rtol=0)
+    assert runtime.seq_len(slot) == 10
