@@ -1,9 +1,9 @@
 """``hybridspec bench``: run a workload through every method and report the speedups.
 
 The default run (2 prompts of each of the 7 categories, greedy and temperature 0.8, 128 new
-tokens, 4 methods, 1 repeat) takes about 10-15 minutes on a 2-core CPU with the embedded
-SmolLM2-135M in bfloat16. The full run, every prompt with the issue's budget and medians of
-three repeats, is about 12 times that::
+tokens, 4 methods, 1 repeat: 112 trials) took 9 minutes on the 2-core development CPU with the
+embedded SmolLM2-135M in bfloat16, at load average 3-5. The full run, every prompt with the
+issue's budget and medians of three repeats, is about 12 times that (2-3 hours)::
 
     hybridspec bench --prompts-per-category 4 --max-new-tokens 256 --repeats 3
 """
@@ -27,10 +27,10 @@ from hybridspec.config import DTYPES, MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TO
 DEFAULT_PROMPTS_PER_CATEGORY = 2
 DEFAULT_MAX_NEW_TOKENS = 128  # the issue's 256 doubles the run; pass it for the full one
 # One torch thread by default: on a 2-core machine shared with other work, two OpenMP threads
-# spin at every barrier waiting for a descheduled peer. Measured at load average 4.5 on the
-# 2-core development VM, SmolLM2-135M bf16, one-token forward: 1.75 s with 2 threads, 28 ms
-# with 1 (28 ms is also what 2 threads give on the idle machine). No interleaving cancels a
-# 60x swing; one thread degrades in proportion to the load. --threads 0 keeps torch's default.
+# spin at every barrier waiting for a descheduled peer. Measured on the 2-core development VM,
+# SmolLM2-135M bf16, one-token forward: at load average 4.5, 1.75 s with 2 threads and 28 ms
+# with 1; at load 2.7, 27 ms with 2 threads. No interleaving cancels a 60x swing; one thread
+# degrades in proportion to the load. --threads 0 keeps torch's default.
 DEFAULT_THREADS = 1
 
 

@@ -182,6 +182,11 @@ def _parse_prompt(index: int, raw: Any, categories: dict[str, Category]) -> Work
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: WorkloadPrompt) -> list[int]:
     """Token ids of the prompt with the chat template applied, exactly as ``Engine.encode``."""
+    check(
+        tokenizer.chat_template is not None,
+        "workload",
+        "the target's tokenizer has no chat template; workload prompts are chat messages",
+    )
     text = tokenizer.apply_chat_template(
         list(prompt.messages), tokenize=False, add_generation_prompt=True
     )
