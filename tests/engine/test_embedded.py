@@ -17,8 +17,9 @@ from hybridspec import Engine, EngineConfig, ModelConfig
 from hybridspec.engine.llama import LlamaWeights
 from hybridspec.engine.loader import LoadedModel, embedded_model_path, load_model
 from hybridspec.errors import ModelLoadError
-from hybridspec.proposers import Proposer, ProposerContext, default_registry
+from hybridspec.proposers import ProposerContext
 from hybridspec.proposers.draft import DraftModelProposer
+from tests.conftest import registry_with_draft
 
 MAX_NEW_TOKENS = 24
 CODE = """def area(width, height):
@@ -60,14 +61,7 @@ def first_layers(model: LoadedModel, num_layers: int) -> LoadedModel:
 @pytest.fixture(scope="module")
 def engine(target: LoadedModel) -> Engine:
     draft = first_layers(target, 10)
-    registry = default_registry()
-
-    def draft_factory(context: ProposerContext) -> Proposer:
-        return DraftModelProposer(
-            dataclasses.replace(context, options={**context.options, "loaded": draft})
-        )
-
-    registry.register("draft", draft_factory, replace=True)
+    registry = registry_with_draft(draft)
     config = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=1024, max_num_seqs=4))
     return Engine(config, target=target, registry=registry)
 

@@ -28,8 +28,9 @@ from hybridspec import (
 from hybridspec.engine.llama import LlamaWeights
 from hybridspec.engine.loader import LoadedModel
 from hybridspec.engine.runtime import ForwardBatch
-from hybridspec.proposers import ProposerContext, default_registry
+from hybridspec.proposers import default_registry
 from hybridspec.proposers.draft import DraftModelProposer
+from tests.conftest import registry_with_draft
 
 VOCAB = 64
 EOS = VOCAB - 1
@@ -86,16 +87,7 @@ def draft(target: LoadedModel) -> LoadedModel:
 
 
 def make_engine(target: LoadedModel, draft: LoadedModel | None = None, **config: object) -> Engine:
-    registry = default_registry()
-    if draft is not None:
-
-        def factory(context: ProposerContext) -> Proposer:
-            options = {**context.options, "loaded": draft}
-            return DraftModelProposer(
-                ProposerContext(context.vocab_size, context.eos_token_ids, options=options)
-            )
-
-        registry.register("draft", factory, replace=True)
+    registry = default_registry() if draft is None else registry_with_draft(draft)
     target_config = ModelConfig(
         dtype="float32",
         max_seq_len=config.pop("max_seq_len", 256),  # type: ignore[arg-type]

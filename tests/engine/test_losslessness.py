@@ -15,12 +15,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig, SamplingParams
+from hybridspec.bench.hf_baseline import unfused_state_dict
 from hybridspec.engine.llama import LlamaWeights
 from hybridspec.engine.loader import LoadedModel
 from hybridspec.engine.runtime import ForwardBatch
-from hybridspec.proposers import Proposer, ProposerContext, default_registry
-from hybridspec.proposers.draft import DraftModelProposer
 from hybridspec.verifier import logits_to_probs
+from tests.conftest import registry_with_draft
 
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -55,44 +55,11 @@ def tiny(seed: int, base: dict[str, torch.Tensor] | None = None) -> LoadedModel:
     return LoadedModel(weights, None, config, torch.float32, (VOCAB - 1,), f"tiny:{seed}")  # type: ignore[arg-type]
 
 
-def state_of(model: LoadedModel) -> dict[str, torch.Tensor]:
-    w = model.weights
-    assert isinstance(w, LlamaWeights)
-    d, q_rows, kv_rows = (
-        w.dims.hidden_size,
-        w.dims.num_heads * w.dims.head_dim,
-        w.dims.num_kv_heads * w.dims.head_dim,
-    )
-    state = {
-        "model.embed_tokens.weight": w.embed,
-        "model.norm.weight": w.norm,
-        "lm_head.weight": w.lm_head,
-    }
-    for i, layer in enumerate(w.layers):
-        p = f"model.layers.{i}."
-        q, k, v = layer.wqkv.split([q_rows, kv_rows, kv_rows])
-        gate, up = layer.w_gate_up.chunk(2)
-        state.update(
-            {
-                p + "input_layernorm.weight": layer.attn_norm,
-                p + "post_attention_layernorm.weight": layer.mlp_norm,
-                p + "self_attn.q_proj.weight": q,
-                p + "self_attn.k_proj.weight": k,
-                p + "self_attn.v_proj.weight": v,
-                p + "self_attn.o_proj.weight": layer.wo,
-                p + "mlp.gate_proj.weight": gate,
-                p + "mlp.up_proj.weight": up,
-                p + "mlp.down_proj.weight": layer.w_down,
-            }
-        )
-    assert d > 0
-    return state
-
-
 @pytest.fixture(scope="module")
 def models() -> tuple[LoadedModel, LoadedModel]:
     target = tiny(0)
-    return target, tiny(1, base=state_of(target))
+    assert isinstance(target.weights, LlamaWeights)
+    return target, tiny(1, base=unfused_state_dict(target.weights))
 
 
 def exact_two_token_distribution(target: LoadedModel, sampling: SamplingParams) -> torch.Tensor:
@@ -156,18 +123,7 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]
 
 
 def build_engine(target: LoadedModel, draft: LoadedModel) -> Engine:
-    registry = default_registry()
-
-    def draft_factory(context: ProposerContext) -> Proposer:
-        return DraftModelProposer(
-            ProposerContext(
-                context.vocab_size,
-                context.eos_token_ids,
-                options={**context.options, "loaded": draft},
-            )
-        )
-
-    registry.register("draft", draft_factory, replace=True)
+    registry = registry_with_draft(draft)
     config = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=64, max_num_seqs=16))
     return Engine(config, target=target, registry=registry)
 
