@@ -110,8 +110,29 @@ class EngineConfig:
     default_num_speculative_tokens: int = 8
     max_queue_size: int = 64  # requests waiting for a batch slot before CapacityError
     prefill_chunk_size: int = 512  # prompt tokens per prefill forward
+    # Adaptive speculation (engine.speculation): each round, a request asks for the drafts
+    # (at most its K) whose estimated chance of acceptance pays for verifying them. False: K.
+    adaptive_speculation: bool = True
+    # Verifying one more token, relative to a forward's fixed cost. The default was measured on
+    # the development CPU; None times it at start-up (seeded sampled outputs then vary by machine).
+    verify_token_cost: float | None = 0.03
 
     def __post_init__(self) -> None:
+        check(
+            isinstance(self.adaptive_speculation, bool),
+            "adaptive_speculation",
+            f"expected a bool, got {self.adaptive_speculation!r}",
+        )
+        check(
+            self.verify_token_cost is None
+            or (
+                isinstance(self.verify_token_cost, (int, float))
+                and not isinstance(self.verify_token_cost, bool)
+                and 0 <= self.verify_token_cost <= 1
+            ),
+            "verify_token_cost",
+            f"expected None or a number in [0, 1], got {self.verify_token_cost!r}",
+        )
         check(
             isinstance(self.default_proposer, str) and bool(self.default_proposer),
             "default_proposer",

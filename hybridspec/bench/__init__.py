@@ -13,9 +13,10 @@ Module map, in data-flow order:
   ``targets``: pass/fail against the runtime's performance targets.
 - ``report``: the terminal table, the JSON document, the PNG chart; ``cli``: the command.
 
-Glossary: a *trial* runs one method on one prompt (or on N prompts at once); a *group* is a
-category or a union of categories; *outside-forward share* is the part of a request's wall
-time not spent in the target model's forward.
+Glossary: a *trial* runs one method on one prompt (or, for ``--concurrency N``, every prompt
+with N in the engine at a time); a *group* is a category or a union of categories (or the
+concurrent trials); *outside-forward share* is the part of a request's wall time not spent in
+the target model's forward.
 """
 
 from hybridspec.bench.harness import BenchConfig

@@ -21,6 +21,7 @@ from hybridspec.bench.harness import BenchConfig, plan
 from hybridspec.bench.methods import DEFAULT_METHODS
 from hybridspec.bench.records import Record
 from hybridspec.bench.session import ModelOptions, execute, open_session
+from hybridspec.bench.summary import concurrent_group
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, Workload, load_workload
 from hybridspec.config import DTYPES, MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
 
@@ -79,7 +80,14 @@ def add_bench_command(commands: Any) -> None:
     add("--draft", default=None, help="draft model of the 'draft' method")
     add("--dtype", default="bfloat16", choices=DTYPES, help="dtype of every model")
     add("--device", default="cpu")
-    add("--concurrency", type=int, default=1, help="also run N mixed requests at once (N > 1)")
+    add(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="N > 1: also serve every prompt, categories alternating, with N requests in the "
+        "engine at once (a closed loop: each finished request is replaced by the next), per "
+        "engine method; reported as aggregate tokens/s and its ratio to one none request",
+    )
     add("--seed", type=int, default=0, help="base seed of sampled requests")
     add(
         "--threads",
@@ -133,7 +141,7 @@ def _run(
             def on_trial(record: Record) -> None:
                 m = record.measurement
                 rate = m.num_generated / m.elapsed_s if m.elapsed_s > 0 else 0.0
-                where = record.category or f"concurrent x{len(record.prompt_ids)}"
+                where = record.category or concurrent_group(record.concurrency)
                 bar.set_postfix_str(
                     f"{record.method} {where} T={record.temperature:g} {rate:.1f} tok/s"
                 )

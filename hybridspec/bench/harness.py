@@ -8,9 +8,17 @@ prompt 0 runs a b c, prompt 1 b c a, prompt 2 c a b, prompt 3 a b c. A speedup i
 a repeat, between runs minutes apart at most, and the median is taken over repeats.
 
 Concurrent trials (``concurrency`` N > 1) follow: per repeat and temperature, each method that
-can batch runs the same N prompts of mixed categories at once (rotating which goes first).
+can batch (rotating which goes first) serves a closed loop, like N clients each sending requests
+back to back: the M requests are every prompt, in the order of ``mixed_prompts`` so that
+categories alternate (cycled up to M = N when there are fewer than N prompts); the first N are
+added at once and each finished request is replaced by the next, so at most N are in the engine.
+Worked example, N = 2, prompts [x0, x1, y0]: M = 3 requests x0, y0, x1; x0 and y0 start, and x1
+starts when the first of them finishes. The trial's time runs from the first request added to the
+last one finished, and its aggregate tokens/s is compared with ``none`` run one request at a
+time on the same prompts (``summary``).
 
-Sampled trials seed every request from (repeat, prompt), the same for every method.
+Sampled trials seed every request from (repeat, prompt), the same for every method and for the
+concurrent trials.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0, 0.8)
     max_new_tokens: int = 128
     repeats: int = 1
-    concurrency: int = 1  # N > 1 adds concurrent trials of N requests per method
+    concurrency: int = 1  # N > 1 adds closed-loop trials, N requests at once, per method
     seed: int = 0  # base seed of sampled requests
 
     def __post_init__(self) -> None:
@@ -59,12 +67,13 @@ class BenchConfig:
 
 @dataclass(frozen=True, slots=True)
 class Trial:
-    """One unit of the schedule: a method runs one prompt, or N prompts concurrently."""
+    """One unit of the schedule: a method runs one prompt, or M prompts N at a time."""
 
     repeat: int
     temperature: float
     method: int  # index into the methods
-    prompts: tuple[int, ...]  # indices into the prompts
+    prompts: tuple[int, ...]  # [M] indices into the prompts, in the order they are sent
+    concurrency: int = 1  # N: the most requests in the engine at once
 
 
 def sequential_schedule(
@@ -96,15 +105,28 @@ def mixed_prompts(categories: Sequence[str], n: int) -> tuple[int, ...]:
     return tuple(order[i % len(order)] for i in range(n))
 
 
+def concurrent_prompts(categories: Sequence[str], concurrency: int) -> tuple[int, ...]:
+    """The M requests of a closed-loop trial: every prompt, categories alternating, M >= N.
+
+    Example: categories [x, x, y] and N = 2 give (0, 2, 1); with N = 4, (0, 2, 1, 0).
+    """
+    return mixed_prompts(categories, max(len(categories), concurrency))
+
+
 def concurrent_schedule(
-    prompts: tuple[int, ...], methods: Sequence[int], temperatures: Sequence[float], repeats: int
+    prompts: tuple[int, ...],
+    methods: Sequence[int],
+    temperatures: Sequence[float],
+    repeats: int,
+    concurrency: int,
 ) -> list[Trial]:
+    """One closed-loop trial per (repeat, temperature, method), the methods' order rotating."""
     trials = []
     for repeat in range(repeats):
         for temperature in temperatures:
             for j in range(len(methods)):
                 method = methods[(repeat + j) % len(methods)]
-                trials.append(Trial(repeat, temperature, method, prompts))
+                trials.append(Trial(repeat, temperature, method, prompts, concurrency))
     return trials
 
 
@@ -122,8 +144,10 @@ def plan(
     if config.concurrency > 1:
         batching = [i for i, m in enumerate(methods) if isinstance(m, ConcurrentMethod)]
         if batching:
-            chosen = mixed_prompts([p.category for p in prompts], config.concurrency)
-            trials += concurrent_schedule(chosen, batching, config.temperatures, config.repeats)
+            chosen = concurrent_prompts([p.category for p in prompts], config.concurrency)
+            trials += concurrent_schedule(
+                chosen, batching, config.temperatures, config.repeats, config.concurrency
+            )
     return trials
 
 
@@ -139,21 +163,23 @@ def run_trial(
     ]
     chosen = [prompts[p] for p in trial.prompts]
     measurement: Measurement
-    if len(chosen) == 1:
+    if trial.concurrency == 1:
+        assert len(chosen) == 1, "a sequential trial runs one prompt"
         measurement = method.run(chosen[0].token_ids, samplings[0], config.max_new_tokens)
     else:
         assert isinstance(method, ConcurrentMethod)
         measurement = method.run_concurrent(
-            [p.token_ids for p in chosen], samplings, config.max_new_tokens
+            [p.token_ids for p in chosen], samplings, config.max_new_tokens, trial.concurrency
         )
     return Record(
         method=method.name,
         temperature=trial.temperature,
         repeat=trial.repeat,
         prompt_ids=tuple(p.id for p in chosen),
-        category=chosen[0].category if len(chosen) == 1 else None,
+        category=chosen[0].category if trial.concurrency == 1 else None,
         measurement=measurement,
         load_average=os.getloadavg()[0],
+        concurrency=trial.concurrency,
     )
 
 
@@ -164,16 +190,15 @@ def warm_up(
 
     The first calls pay one-time costs (allocator growth, kernel selection, JIT compilation of
     the n-gram kernels, transformers' generation setup); the greedy outputs double as the
-    transformers parity check. Methods that batch also run one concurrent warm-up.
+    transformers parity check. Methods that batch also run N copies of ``prompt`` at once.
     """
     outputs = {}
+    n = config.concurrency
     for method in methods:
         outputs[method.name] = method.run(prompt.token_ids, SamplingParams(), config.max_new_tokens)
-        if config.concurrency > 1 and isinstance(method, ConcurrentMethod):
+        if n > 1 and isinstance(method, ConcurrentMethod):
             method.run_concurrent(
-                [prompt.token_ids] * config.concurrency,
-                [SamplingParams()] * config.concurrency,
-                min(config.max_new_tokens, 16),
+                [prompt.token_ids] * n, [SamplingParams()] * n, min(config.max_new_tokens, 16), n
             )
     return outputs
 

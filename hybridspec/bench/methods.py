@@ -5,7 +5,9 @@ registered one), run through ``Engine.generate`` with a forward timer installed 
 runtime, or a transformers baseline (``hf-plain``, ``hf-prompt-lookup``; see ``hf_baseline``).
 Names are resolved here, once; the harness sees only the ``BenchMethod`` protocol.
 
-Every method returns a ``records.Measurement``.
+Every method returns a ``records.Measurement``. Engine methods can also run a closed loop
+(``closed_loop``): M requests with at most N in the engine at once, like N clients each sending
+requests back to back.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from transformers import LlamaForCausalLM
 from hybridspec.bench.hf_baseline import HFMethod
 from hybridspec.bench.records import Measurement, Speculation
 from hybridspec.bench.timing import EngineForwardTimer
-from hybridspec.engine import Engine, FinishReason, GenerationParams, GenerationResult
+from hybridspec.engine import (
+    Engine,
+    FinishReason,
+    GenerationParams,
+    GenerationResult,
+    RequestOutput,
+)
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.types import SamplingParams
 
@@ -49,7 +57,49 @@ class ConcurrentMethod(Protocol):
         prompts: Sequence[Sequence[int]],
         samplings: Sequence[SamplingParams],
         max_new_tokens: int,
-    ) -> Measurement: ...
+        concurrency: int,
+    ) -> Measurement:
+        """Run every prompt, at most ``concurrency`` at once (see ``closed_loop``)."""
+        ...
+
+
+class SteppedEngine(Protocol):
+    """What ``closed_loop`` drives: the part of ``Engine`` a server loop uses."""
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: GenerationParams) -> str: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+
+def closed_loop(
+    engine: SteppedEngine,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[GenerationParams],
+    concurrency: int,
+) -> tuple[list[GenerationResult], float]:
+    """Run M requests with at most N = ``concurrency`` in the engine, as N clients would.
+
+    The first N are added at once; each time a step finishes one, the next is added, and the
+    engine admits it on its next step. Returns the M results in request order and the wall
+    seconds from the first add to the last finish. Example, M = 5, N = 2, requests 0 and 1
+    running: 1 finishes, 2 is added; 0 finishes, 3 is added; 2 and 3 finish in the same step,
+    4 is added and runs alone to the end.
+    """
+    check(concurrency >= 1, "concurrency", f"expected >= 1, got {concurrency}")
+    check(len(prompts) == len(params), "params", f"expected {len(prompts)}, got {len(params)}")
+    start = time.perf_counter()
+    in_flight: dict[str, int] = {}  # request id -> index into prompts
+    num_added = 0
+    results: dict[int, GenerationResult] = {}
+    while len(results) < len(prompts):
+        while num_added < len(prompts) and len(in_flight) < concurrency:
+            in_flight[engine.add_request(prompts[num_added], params[num_added])] = num_added
+            num_added += 1
+        for output in engine.step():
+            if output.result is not None:
+                results[in_flight.pop(output.request_id)] = output.result
+    elapsed = time.perf_counter() - start
+    return [results[i] for i in range(len(prompts))], elapsed
 
 
 class EngineMethod:
@@ -73,32 +123,22 @@ class EngineMethod:
     def run(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
     ) -> Measurement:
-        return self.run_concurrent([prompt_token_ids], [sampling], max_new_tokens)
+        return self.run_concurrent([prompt_token_ids], [sampling], max_new_tokens, 1)
 
     def run_concurrent(
         self,
         prompts: Sequence[Sequence[int]],
         samplings: Sequence[SamplingParams],
         max_new_tokens: int,
+        concurrency: int,
     ) -> Measurement:
-        """Queue every prompt, then step the engine until all have finished."""
+        """Every prompt through ``closed_loop``, at most ``concurrency`` in the engine at once."""
         engine = self._engine
         assert not engine.has_unfinished(), "the bench needs the engine to itself"
         self._timer.reset()
-        start = time.perf_counter()
-        ids = [
-            engine.add_request(p, self._params(s, max_new_tokens))
-            for p, s in zip(prompts, samplings, strict=True)
-        ]
-        results: dict[str, GenerationResult] = {}
-        while len(results) < len(ids):
-            for output in engine.step():
-                if output.result is not None:
-                    results[output.request_id] = output.result
-        elapsed = time.perf_counter() - start
-        return Measurement(
-            tuple(_speculation(results[i]) for i in ids), elapsed, self._timer.seconds
-        )
+        params = [self._params(s, max_new_tokens) for s in samplings]
+        results, elapsed = closed_loop(engine, prompts, params, concurrency)
+        return Measurement(tuple(_speculation(r) for r in results), elapsed, self._timer.seconds)
 
 
 def _speculation(result: GenerationResult) -> Speculation:

@@ -27,10 +27,10 @@ class Speculation:
 
 @dataclass(frozen=True, slots=True)
 class Measurement:
-    """One timed unit: a single request, or several run concurrently."""
+    """One timed unit: a single request, or several run concurrently (in request order)."""
 
     requests: tuple[Speculation, ...]
-    elapsed_s: float  # wall time from queueing to the last token, prefill included
+    elapsed_s: float  # wall time, first request queued to last token finished, prefill included
     forward_s: float  # of which inside the target model's forward
 
     @property
@@ -45,10 +45,11 @@ class Record:
     method: str
     temperature: float
     repeat: int
-    prompt_ids: tuple[str, ...]  # one prompt, or the N run concurrently
+    prompt_ids: tuple[str, ...]  # one prompt, or the M of a concurrent trial, in order
     category: str | None  # None: concurrent requests of mixed categories
     measurement: Measurement
     load_average: float  # the machine's 1-minute load average when the trial ended
+    concurrency: int = 1  # most requests in the engine at once: 1, or the N of a concurrent trial
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

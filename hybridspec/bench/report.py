@@ -81,9 +81,16 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
+CONCURRENT_NOTE = (
+    "concurrent xN: every prompt, N requests in the engine at a time (closed loop); tok/s is\n"
+    "their aggregate, 'vs none' and 'vs hf-plain' its ratio to that method's tok/s one request\n"
+    "at a time on the same prompts"
+)
+
+
 def format_summary(summary: Summary, categories: dict[str, Category]) -> str:
     """One table per temperature; rows grouped by category (marked [G] input-grounded, [O]
-    open-ended), then the group aggregates and concurrent runs."""
+    open-ended), then the group aggregates and concurrent runs (with a note on reading them)."""
     grounded = {n: c.input_grounded for n, c in categories.items()}
     grounded |= {GROUNDED: True, OPEN_ENDED: False}
     parts = []
@@ -97,6 +104,8 @@ def format_summary(summary: Summary, categories: dict[str, Category]) -> str:
                 if cell is not None:
                     rows.append(cell_row(cell, group + mark if i == 0 else ""))
         parts.append(f"== {title} ==\n{text_table(HEADERS, rows)}")
+    if summary.concurrency_levels:
+        parts.append(CONCURRENT_NOTE)
     return "\n\n".join(parts)
 
 
@@ -172,7 +181,8 @@ def _jsonable(value: object) -> object:
 
 def plot_speedups(summary: Summary, path: Path) -> None:
     """Bars of speedup per group and method: vs our ``none`` (left) and vs transformers'
-    plain ``generate`` (right), one row per temperature; the dashed line marks 1x."""
+    plain ``generate`` (right), one row per temperature; the dashed line marks 1x. The bars of
+    a ``concurrent xN`` group are over the baseline run one request at a time."""
     baselines = [b for b in (BASELINE, HF_BASELINE) if b in summary.methods] or [BASELINE]
     groups = summary.group_names
     temperatures = summary.temperatures

@@ -2,7 +2,8 @@
 
 ``open_session`` loads the target once, tokenizes the workload, sizes the engine's context
 to the longest prompt plus the token budget (a full model context would allocate a KV cache
-many times larger than needed), installs the forward timer and resolves the methods.
+many times larger than needed) and its KV-cache slots to the concurrency (the closed loop holds
+at most N requests), installs the forward timer and resolves the methods.
 ``execute`` warms up, checks transformers parity, runs the schedule and summarises.
 """
 
@@ -87,7 +88,14 @@ def open_session(
     )
 
     def sized(name: str | None) -> ModelConfig:
-        return ModelConfig(name, models.dtype, models.device, max_seq_len, config.concurrency)
+        # Every slot holds the longest prompt plus the budget; one slot per request in flight.
+        return ModelConfig(
+            name,
+            models.dtype,
+            models.device,
+            max_seq_len=max_seq_len,
+            max_num_seqs=config.concurrency,
+        )
 
     engine = Engine(
         EngineConfig(

@@ -1,12 +1,16 @@
 """From records to figures: one ``Cell`` per (temperature, method, group of prompts).
 
 A group is one category, all input-grounded categories, all open-ended ones, or all; the
-concurrent trials form a group of their own (``concurrent xN``). Within a group:
+closed-loop trials at concurrency N form a group of their own (``concurrent xN``). Within a group:
 
 - tokens/s of a repeat = generated tokens / wall seconds, both summed over the group's
   requests (so long outputs weigh more than short ones); the cell holds the median over
   repeats. A speedup is the median over repeats of the ratio of two methods' rates in the same
   repeat (interleaved runs, so drift cancels).
+- on a ``concurrent xN`` group, the speedup over a method is over that method run one request
+  at a time: its sequential trials of the same repeat, temperature and prompts. Example: in a
+  repeat, ngram x8 generates 2000 tokens in 10 s (200 tokens/s) over prompts a..h, and ``none``
+  generated 1500 tokens in 30 s over the sequential trials of a..h (50 tokens/s): 4.0x.
 - acceptance rate = accepted drafts / proposed drafts; mean accepted length = generated tokens
   / target forwards (the bonus or correction token counted); acceptance per position i =
   rounds whose i-th draft was accepted / rounds that proposed an i-th draft. These are pooled
@@ -32,6 +36,9 @@ ALL = "all"
 
 @dataclass(frozen=True, slots=True)
 class Cell:
+    """A group's figures for one method and temperature. On a ``concurrent xN`` group the
+    speedups are over one request of ``none`` (``hf-plain``) at a time, on the same prompts."""
+
     method: str
     temperature: float
     group: str
@@ -67,12 +74,17 @@ class Summary:
         self.groups = category_groups(categories)
         self.methods = tuple(dict.fromkeys(r.method for r in records))
         self.temperatures = tuple(sorted({r.temperature for r in records}))
-        concurrent = sorted({len(r.prompt_ids) for r in records if r.category is None})
-        self._concurrent = {f"concurrent x{n}": n for n in concurrent}
+        concurrent = sorted({r.concurrency for r in records if r.category is None})
+        self._concurrent = {concurrent_group(n): n for n in concurrent}
 
     @property
     def group_names(self) -> tuple[str, ...]:
         return (*self.groups, *self._concurrent)
+
+    @property
+    def concurrency_levels(self) -> tuple[int, ...]:
+        """The N of every closed-loop group run, ascending."""
+        return tuple(self._concurrent.values())
 
     def select(self, method: str, temperature: float, group: str) -> list[Record]:
         if group in self._concurrent:
@@ -83,7 +95,7 @@ class Summary:
                 if r.method == method
                 and r.temperature == temperature
                 and r.category is None
-                and len(r.prompt_ids) == n
+                and r.concurrency == n
             ]
         members = self.groups[group]
         return [
@@ -93,11 +105,42 @@ class Summary:
         ]
 
     def speedup(self, method: str, over: str, group: str, temperature: float) -> float | None:
-        """Median over repeats of the ratio of tokens/s; None when either was not measured."""
-        mine = rates_by_repeat(self.select(method, temperature, group))
-        theirs = rates_by_repeat(self.select(over, temperature, group))
+        """Median over repeats of the ratio of tokens/s; None when either was not measured.
+
+        On a concurrent group, ``over`` is run one request at a time (see the module docstring).
+        """
+        records = self.select(method, temperature, group)
+        if group in self._concurrent:
+            baseline = self.one_at_a_time(over, temperature, records)
+        else:
+            baseline = self.select(over, temperature, group)
+        mine = rates_by_repeat(records)
+        theirs = rates_by_repeat(baseline)
         ratios = [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r] > 0]
         return statistics.median(ratios) if ratios else None
+
+    def concurrent_speedup(
+        self, method: str, concurrency: int, temperature: float, over: str = BASELINE
+    ) -> float | None:
+        """Aggregate tokens/s of ``concurrency`` requests of ``method`` at once over one request
+        of ``over`` at a time, on the same prompts; None when either was not measured."""
+        if concurrency not in self.concurrency_levels:
+            return None
+        return self.speedup(method, over, concurrent_group(concurrency), temperature)
+
+    def one_at_a_time(
+        self, method: str, temperature: float, concurrent: Sequence[Record]
+    ) -> list[Record]:
+        """``method``'s sequential trials of the prompts of ``concurrent``, repeat by repeat."""
+        keys = {(r.repeat, p) for r in concurrent for p in r.prompt_ids}
+        return [
+            r
+            for r in self.records
+            if r.method == method
+            and r.temperature == temperature
+            and r.concurrency == 1
+            and (r.repeat, r.prompt_ids[0]) in keys
+        ]
 
     def cell(self, method: str, temperature: float, group: str) -> Cell | None:
         records = self.select(method, temperature, group)
@@ -138,6 +181,11 @@ class Summary:
                     if cell is not None:
                         out.append(cell)
         return out
+
+
+def concurrent_group(concurrency: int) -> str:
+    """The name of the group of closed-loop trials at ``concurrency``."""
+    return f"concurrent x{concurrency}"
 
 
 def by_repeat(records: Iterable[Record]) -> dict[int, list[Record]]:

@@ -1,9 +1,11 @@
 """The performance targets the runtime must meet, checked against a run's summary.
 
 Speed targets compare two methods' tokens/s on a group of prompts at one temperature (the
-median over repeats of per-repeat ratios, see ``summary``); the overhead target bounds the
-share of wall time spent outside the target forward, in the worst category, for our plain and
-n-gram decoding. A target whose methods, group or temperature were not run is "not measured".
+median over repeats of per-repeat ratios, see ``summary``); concurrency targets compare the
+aggregate tokens/s of N requests served at once (a closed loop, see ``harness``) with one
+``none`` request at a time on the same prompts; the overhead target bounds the share of wall
+time spent outside the target forward, in the worst category, for our plain and n-gram
+decoding. A target whose methods, group or temperature were not run is "not measured".
 """
 
 from __future__ import annotations
@@ -46,6 +48,33 @@ SPEED_TARGETS = (
 
 
 @dataclass(frozen=True, slots=True)
+class ConcurrencyTarget:
+    """``method`` serving N requests at once reaches ``minimum`` times the tokens/s of one
+    ``none`` request at a time (``Summary.concurrent_speedup``).
+
+    The issue sets N = 8; a run at another N (``--concurrency``) is checked at the N it ran,
+    against the same minimum, and says so in its description.
+    """
+
+    method: str
+    temperature: float
+    minimum: float
+    concurrency: int = 8
+
+    def description(self, concurrency: int) -> str:
+        return (
+            f"{concurrency} concurrent {self.method} requests (mixed categories, "
+            f"T={self.temperature:g}) >= {self.minimum:g}x one {BASELINE} request tokens/s"
+        )
+
+
+CONCURRENCY_TARGETS = (
+    ConcurrencyTarget(NGRAM, 0.0, 4.0),
+    ConcurrencyTarget(BASELINE, 0.0, 3.0),
+)
+
+
+@dataclass(frozen=True, slots=True)
 class TargetResult:
     description: str
     status: str  # "pass", "fail" or "not measured"
@@ -81,10 +110,24 @@ def evaluate_targets(summary: Summary) -> list[TargetResult]:
                 target.minimum,
             )
         )
+    results += [_concurrency_result(summary, target) for target in CONCURRENCY_TARGETS]
     for method in OVERHEAD_METHODS:
         for temperature in summary.temperatures:
             results.append(_overhead_result(summary, method, temperature))
     return results
+
+
+def _concurrency_result(summary: Summary, target: ConcurrencyTarget) -> TargetResult:
+    """At the target's N when it was run, else at the largest N run; not measured if none."""
+    levels = summary.concurrency_levels
+    n = target.concurrency if target.concurrency in levels or not levels else levels[-1]
+    value = summary.concurrent_speedup(target.method, n, target.temperature)
+    return TargetResult(
+        target.description(n),
+        _status(value, value is not None and value >= target.minimum),
+        value,
+        target.minimum,
+    )
 
 
 def _overhead_result(summary: Summary, method: str, temperature: float) -> TargetResult:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hybridspec.config import EngineConfig
+from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.loader import LoadedModel, load_model
 from hybridspec.engine.request import (
@@ -38,6 +38,7 @@ from hybridspec.engine.request import (
 )
 from hybridspec.engine.runtime import ForwardBatch
 from hybridspec.engine.scheduler import Scheduler
+from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
 from hybridspec.errors import HybridSpecError, InvalidRequestError, check
 from hybridspec.proposers import Proposer, ProposerContext, ProposerRegistry, default_registry
 from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest
@@ -80,6 +81,13 @@ class Engine:
             self._build_proposer(name)
         self.resolve_proposer(self.config.default_proposer)
         self._seq_ids = itertools.count()
+        self.speculation: SpeculationPolicy | None = None
+        if self.config.adaptive_speculation:
+            cost = self.config.verify_token_cost
+            if cost is None:
+                cost = measure_verify_token_cost(self.runtime, MAX_SPECULATIVE_TOKENS)
+                logger.info("verify cost per token: %.4f of a forward", cost)
+            self.speculation = SpeculationPolicy(cost)
 
     # ----------------------------------------------------------------- proposers
 
@@ -249,10 +257,15 @@ class Engine:
                     [r.generator for r, _ in drafts],
                 )
             )
+            committed = 0
             for (request, proposal), tokens, num_accepted in zip(
                 drafts, verified.output_token_ids, verified.num_accepted.tolist(), strict=True
             ):
+                committed += len(tokens)
                 outputs.append(self._commit(request, tokens, num_accepted, proposal.num_tokens))
+            if self.speculation is not None:
+                verified_tokens = sum(p.num_tokens + 1 for _, p in drafts)
+                self.speculation.record_step(committed, verified_tokens)
         return outputs
 
     def _admit(self, outputs: list[RequestOutput]) -> None:
@@ -267,11 +280,20 @@ class Engine:
                 logger.exception("proposer %r failed to start", request.proposer_name)
                 outputs.append(self._finish(request, FinishReason.ERROR, f"proposer: {exc}"))
 
-    def _num_drafts(self, request: Request) -> int:
-        """K for this round, shrunk so that committing k + 1 tokens fits the context and budget."""
+    def _num_drafts(self, request: Request, proposer: Proposer) -> int:
+        """Drafts to ask for this round: the request's K, shrunk so that committing k + 1 tokens
+        fits the context and budget, then to what pays off (adaptive speculation)."""
         room = self.max_seq_len - len(request.token_ids) - 1
         budget = request.params.max_new_tokens - request.num_generated - 1
-        return max(0, min(request.num_speculative_tokens, room, budget))
+        k = max(0, min(request.num_speculative_tokens, room, budget))
+        if self.speculation is None or k == 0:
+            return k
+        return self.speculation.num_drafts(
+            request.speculation,
+            k,
+            greedy=request.params.sampling.is_greedy,
+            proposer_cost_per_token=proposer.cost_per_token,
+        )
 
     def _propose(
         self, decode: list[Request], outputs: list[RequestOutput]
@@ -282,14 +304,19 @@ class Engine:
             groups.setdefault(request.proposer_name, []).append(request)
         proposals: dict[int, Proposal] = {}
         for name, requests in groups.items():
+            proposer = self._proposers[name]
             asks = [
                 ProposeRequest(
-                    r.seq_id, r.token_ids, self._num_drafts(r), r.params.sampling, r.generator
+                    r.seq_id,
+                    r.token_ids,
+                    self._num_drafts(r, proposer),
+                    r.params.sampling,
+                    r.generator,
                 )
                 for r in requests
             ]
             try:
-                got = self._proposers[name].propose(asks)
+                got = proposer.propose(asks)
                 check(
                     len(got) == len(asks),
                     "proposer",
@@ -361,6 +388,7 @@ class Engine:
     ) -> RequestOutput:
         """Append verified tokens, stopping at the first stop condition; roll caches back."""
         request.stats.record_round(num_proposed, num_accepted)
+        request.speculation.update(num_proposed, num_accepted, len(tokens))
         detokenizer = request.detokenizer
         assert detokenizer is not None and request.slot is not None
         new_token_ids: list[int] = []

@@ -1,9 +1,10 @@
 """A preallocated, slot-indexed KV cache with per-slot lengths, and attention over it.
 
 Contents: ``SlotTable`` (which slots are taken, how full: host ints), ``KVCache`` (the tensors),
-the two ways of attending over the cache (``OneSequenceAttention`` reads slice views of one slot;
-``RaggedAttention`` gathers several into a padded block), and ``read_batch``, which checks a
-``ForwardBatch`` for any runtime.
+the ways of attending over the cache (``OneSequenceAttention`` reads slice views of one slot;
+``PaddedAttention`` reads several short spans as rows of a padded block; ``RaggedAttention``
+combines them for a batch: a prompt alone, short spans padded by length bucket), and
+``read_batch``, which checks a ``ForwardBatch`` for any runtime.
 
 Dimensions: ``num_layers`` decoder layers, ``max_num_seqs`` slots, ``num_kv_heads`` (``KV``)
 key/value heads, ``max_seq_len`` (``S``) positions per slot, ``head_dim`` (``hd``) channels per
@@ -164,6 +165,17 @@ class KVCache:
             self._finite_len[slot] = end
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the additive one SDPA applies: 0 where visible, -inf elsewhere.
+
+    Built once per forward: SDPA converts a boolean mask on every call (every layer), so
+    passing the additive form saves that work, about 0.5 ms per 30-layer forward on CPU.
+    """
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, float("-inf")
+    )
+
+
 class OneSequenceAttention:
     """Attention for a batch of one sequence: writes and reads slice views of its cache slot.
 
@@ -180,12 +192,13 @@ class OneSequenceAttention:
             start + num_new,
             rep,
         )
-        self.mask: torch.Tensor | None = None  # [n * rep, L] bool; None when all keys are visible
+        self.mask: torch.Tensor | None = None  # [n * rep, L] additive; None: all keys visible
         if num_new > 1:
             device = cache.keys.device
             key_pos = torch.arange(self.end, device=device)
             query_pos = torch.arange(start, self.end, device=device)
-            self.mask = (key_pos[None, :] <= query_pos[:, None]).repeat_interleave(rep, dim=0)
+            visible = (key_pos[None, :] <= query_pos[:, None]).repeat_interleave(rep, dim=0)
+            self.mask = additive_mask(visible, cache.keys.dtype)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -204,14 +217,24 @@ class OneSequenceAttention:
         return out.view(num_kv, n, self.rep, hd).transpose(0, 1).reshape(n, num_heads * hd)
 
 
-class RaggedAttention:
-    """Attention for several sequences: scatters new keys by (slot, position), gathers each
-    sequence's keys into a padded ``[B, KV, L, hd]`` block and masks each row to its own past.
+class PaddedAttention:
+    """Attention for several short spans: scatters new keys by (slot, position), reads each
+    sequence's keys as one row of a padded ``[R, KV, L, hd]`` block and masks each row to its
+    own past.
 
-    Queries are padded to ``[B, KV, max_n * rep, hd]`` (rows folded as in
-    ``OneSequenceAttention``). A padding row attends to key 0 alone, so no row is fully masked
+    The block is a view of the cache over the slot range ``lo .. hi - 1`` spanned by the batch
+    when that range is at most ``MAX_RANGE_PADDING`` times the batch (slots are handed out lowest
+    first, so running sequences sit close together); otherwise the batch's slots are gathered
+    (a copy of every key and value read, each layer). In range mode, rows of slots outside the
+    batch are padding. Queries are padded to ``[R, KV, max_n * rep, hd]`` (rows folded as in
+    ``OneSequenceAttention``). A padding query attends to key 0 alone, so no row is fully masked
     (a fully masked softmax row is NaN); its output is dropped.
+
+    Worked example: slots [3, 1] (lengths 10, 4, one new token each) span slots 1..3, R = 3
+    rows; slot 1 is row 0, slot 3 row 2, and row 1 (slot 2, not in the batch) is padding.
     """
+
+    MAX_RANGE_PADDING = 2
 
     def __init__(
         self, cache: KVCache, slots: list[int], starts: list[int], num_new: list[int], rep: int
@@ -221,44 +244,134 @@ class RaggedAttention:
         for slot in slots:  # the padded reads below reach up to max(ends) in every slot
             cache.make_finite(slot, max(ends))
         self.cache, self.rep, self.max_new, self.max_end = cache, rep, max(num_new), max(ends)
+        self.slot_range = self.block_range(slots)
+        if self.slot_range is not None:
+            lo, hi = self.slot_range
+            row_of_seq = [slot - lo for slot in slots]
+            num_rows = hi - lo
+        else:
+            row_of_seq = list(range(len(slots)))
+            num_rows = len(slots)
+        self.num_rows = num_rows
         self.slots = torch.tensor(slots, device=device)  # [B]
         seq_of_token = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(num_new))
         first_token = torch.tensor([0, *num_new[:-1]]).cumsum(0)
         row = torch.arange(len(seq_of_token)) - first_token[seq_of_token]  # [T] index in its seq
         self.positions = (torch.tensor(starts)[seq_of_token] + row).to(device)  # [T]
         self.token_slots = self.slots[seq_of_token.to(device)]  # [T]
-        self.seq_of_token, self.row = seq_of_token.to(device), row.to(device)
-        query_pos = torch.tensor(starts)[:, None] + torch.arange(self.max_new)  # [B, max_n]
+        self.block_row = torch.tensor(row_of_seq)[seq_of_token].to(device)  # [T] row in block
+        self.row = row.to(device)
+        # Per block row: the first query position and the real query count (0: padding row).
+        row_start = torch.zeros(num_rows, dtype=torch.long)
+        row_new = torch.zeros(num_rows, dtype=torch.long)
+        row_start[row_of_seq] = torch.tensor(starts)
+        row_new[row_of_seq] = torch.tensor(num_new)
+        query_pos = row_start[:, None] + torch.arange(self.max_new)  # [R, max_n]
         key_pos = torch.arange(self.max_end)
-        is_real = torch.arange(self.max_new)[None, :] < torch.tensor(num_new)[:, None]  # [B, max_n]
-        mask = torch.where(is_real[..., None], key_pos <= query_pos[..., None], key_pos == 0)
-        self.mask = mask.repeat_interleave(rep, dim=1)[:, None].to(device)  # [B, 1, max_n rep, L]
+        is_real = torch.arange(self.max_new)[None, :] < row_new[:, None]  # [R, max_n]
+        visible = torch.where(is_real[..., None], key_pos <= query_pos[..., None], key_pos == 0)
+        visible = visible.repeat_interleave(rep, dim=1)[:, None]  # [R, 1, max_n rep, L]
+        self.mask = additive_mask(visible.to(device), cache.keys.dtype)
+
+    @classmethod
+    def block_range(cls, slots: list[int]) -> tuple[int, int] | None:
+        """The slot range ``(lo, hi)`` read as a view, or None when the slots are gathered."""
+        lo, hi = min(slots), max(slots) + 1
+        return (lo, hi) if hi - lo <= cls.MAX_RANGE_PADDING * len(slots) else None
+
+    def _block(self, layer_cache: torch.Tensor) -> torch.Tensor:
+        """The ``[R, KV, L, hd]`` keys or values the batch reads: a view, or a gathered copy."""
+        if self.slot_range is not None:
+            lo, hi = self.slot_range
+            return layer_cache[lo:hi, :, : self.max_end]
+        return layer_cache[self.slots, :, : self.max_end]
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         # q [T, H, hd], k and v [T, KV, hd] -> [T, H hd]
         num_tokens, num_heads, hd = q.shape
-        num_kv, batch = k.shape[1], self.slots.numel()
+        num_kv, num_rows = k.shape[1], self.num_rows
         layer_keys, layer_values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
         layer_keys[self.token_slots, :, self.positions] = k  # advanced dims first: [T, KV, hd]
         layer_values[self.token_slots, :, self.positions] = v
-        keys = layer_keys[self.slots, :, : self.max_end]  # [B, KV, L, hd]
-        values = layer_values[self.slots, :, : self.max_end]
-        padded = q.new_zeros(batch, self.max_new, num_heads, hd)
-        padded[self.seq_of_token, self.row] = q
-        padded = padded.view(batch, self.max_new, num_kv, self.rep, hd).transpose(1, 2)
+        padded = q.new_zeros(num_rows, self.max_new, num_heads, hd)
+        padded[self.block_row, self.row] = q
+        padded = padded.view(num_rows, self.max_new, num_kv, self.rep, hd).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            padded.reshape(batch, num_kv, self.max_new * self.rep, hd),
-            keys,
-            values,
+            padded.reshape(num_rows, num_kv, self.max_new * self.rep, hd),
+            self._block(layer_keys),
+            self._block(layer_values),
             attn_mask=self.mask,
         )
-        out = out.view(batch, num_kv, self.max_new, self.rep, hd).transpose(1, 2)
-        return out[self.seq_of_token, self.row].reshape(num_tokens, num_heads * hd)
+        out = out.view(num_rows, num_kv, self.max_new, self.rep, hd).transpose(1, 2)
+        return out[self.block_row, self.row].reshape(num_tokens, num_heads * hd)
 
 
-Attention = OneSequenceAttention | RaggedAttention
+class RaggedAttention:
+    """Attention for several sequences, each over its own cache slot.
+
+    Sequences are grouped by how many tokens they feed, and each group attends in one call,
+    so that no row is padded far past its own length: padding a row costs as much as a real
+    one. A sequence feeding more than ``MAX_PADDED_TOKENS`` tokens (a prompt) attends alone
+    (``OneSequenceAttention``); the others share a ``PaddedAttention`` call per bucket of
+    lengths 1, 2, 3-4, 5-8, 9-16 and 17-32. One call costs about 50 us per layer on CPU, the
+    padding it saves (a 9-token row beside six 1-token rows) about 0.5 ms per layer.
+
+    Worked example: spans of 1, 200, 3 and 1 tokens (tokens 0, 1..200, 201..203, 204): tokens
+    1..200 attend alone; tokens [0, 204] in one padded call of 2 rows of 1; tokens 201..203 in
+    another of 1 row of 3.
+    """
+
+    MAX_PADDED_TOKENS = 32
+
+    def __init__(
+        self, cache: KVCache, slots: list[int], starts: list[int], num_new: list[int], rep: int
+    ) -> None:
+        device = cache.keys.device
+        offsets = [0, *itertools.accumulate(num_new)]
+        self.positions = torch.cat(
+            [torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
+        ).to(device)  # [T]
+        groups: dict[int, list[int]] = {}  # bucket -> sequences; -1 - i: sequence i alone
+        for i, n in enumerate(num_new):
+            bucket = (n - 1).bit_length() if n <= self.MAX_PADDED_TOKENS else -1 - i
+            groups.setdefault(bucket, []).append(i)
+        # Each part: the token indices it covers (None: every token) and its attention.
+        self.parts: list[tuple[torch.Tensor | slice | None, Attention]] = []
+        for members in groups.values():
+            attention: Attention
+            if len(members) == 1 and num_new[members[0]] > self.MAX_PADDED_TOKENS:
+                i = members[0]
+                attention = OneSequenceAttention(cache, slots[i], starts[i], num_new[i], rep)
+                tokens: torch.Tensor | slice = slice(offsets[i], offsets[i + 1])
+            else:
+                attention = PaddedAttention(
+                    cache,
+                    [slots[i] for i in members],
+                    [starts[i] for i in members],
+                    [num_new[i] for i in members],
+                    rep,
+                )
+                tokens = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members]).to(
+                    device
+                )
+            self.parts.append((tokens if len(groups) > 1 else None, attention))
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q [T, H, hd], k and v [T, KV, hd] -> [T, H hd]
+        if len(self.parts) == 1:
+            return self.parts[0][1](layer, q, k, v)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for tokens, attention in self.parts:
+            assert tokens is not None
+            out[tokens] = attention(layer, q[tokens], k[tokens], v[tokens])
+        return out
+
+
+Attention = OneSequenceAttention | PaddedAttention | RaggedAttention
 
 
 @dataclass(frozen=True, slots=True)

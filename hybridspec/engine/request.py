@@ -17,6 +17,7 @@ import torch
 
 from hybridspec.config import check_num_speculative_tokens
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
+from hybridspec.engine.speculation import SpeculationState
 from hybridspec.errors import check
 from hybridspec.types import GenerationStats, SamplingParams
 
@@ -163,6 +164,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    speculation: SpeculationState = field(default_factory=SpeculationState)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

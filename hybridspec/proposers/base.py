@@ -46,6 +46,11 @@ class ProposerContext:
 class Proposer(ABC):
     """Base class of every proposer. Subclasses implement ``propose``."""
 
+    # The time of proposing one draft token, relative to the fixed cost of one target forward;
+    # adaptive speculation (engine.speculation) asks for fewer drafts from costlier proposers.
+    # 0 for proposers whose cost is negligible next to a forward (none, ngram).
+    cost_per_token: float = 0.0
+
     def __init__(self, context: ProposerContext) -> None:
         self.context = context
 

@@ -25,7 +25,7 @@ from hybridspec.bench.summary import (
     acceptance_per_position,
     greedy_agreement,
 )
-from hybridspec.bench.targets import SPEED_TARGETS, evaluate_targets
+from hybridspec.bench.targets import CONCURRENCY_TARGETS, SPEED_TARGETS, evaluate_targets
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, Category, load_workload, parse_workload
 from hybridspec.cli import build_parser, main
 from hybridspec.config import ModelConfig
@@ -300,8 +300,11 @@ def test_bench_smoke_on_tiny_llama(
         assert agreement[method] == {"identical": 2, "compared": 2, "first_divergence": []}
     # 2 prompts x 5 methods x 2 temperatures, then 3 engine methods x 2 temperatures at once
     assert len(report["records"]) == 20 + 6
-    concurrent = {r["method"] for r in report["records"] if r["category"] is None}
-    assert concurrent == {"none", "ngram", "draft"}
+    concurrent = [r for r in report["records"] if r["category"] is None]
+    assert {r["method"] for r in concurrent} == {"none", "ngram", "draft"}
+    for r in concurrent:  # every prompt, categories alternating, 2 at a time
+        assert r["prompt_ids"] == ["copy-1", "story-1"] and r["concurrency"] == 2
+        assert len(r["measurement"]["requests"]) == 2
     for r in report["records"]:
         for request in r["measurement"]["requests"]:
             assert request["num_accepted_tokens"] <= request["num_draft_tokens"]
@@ -320,12 +323,17 @@ def test_bench_smoke_on_tiny_llama(
         cell = cells[(method, 0.0, ALL)]
         assert cell["mean_accepted_length"] == 1.0 and cell["acceptance_rate"] is None
     assert cells[("none", 0.0, ALL)]["speedup_vs_none"] == 1.0
+    for method in ("none", "ngram", "draft"):  # over one none request at a time
+        assert cells[(method, 0.0, "concurrent x2")]["speedup_vs_none"] > 0
     assert cells[("hf-plain", 0.8, ALL)]["speedup_vs_hf_plain"] == 1.0
     for method in ("ngram", "draft"):
         assert cells[(method, 0.0, "copy")]["acceptance_per_position"] is not None
     assert cells[("hf-prompt-lookup", 0.0, "copy")]["acceptance_per_position"] is None
     statuses = {t["status"] for t in report["targets"]}
     assert statuses <= {"pass", "fail", "not measured"}
-    assert len(report["targets"]) == len(SPEED_TARGETS) + 2 * 2  # overhead: 2 methods x 2 T
+    assert len(report["targets"]) == len(SPEED_TARGETS) + len(CONCURRENCY_TARGETS) + 2 * 2
+    measured = [t for t in report["targets"] if t["description"].startswith("2 concurrent")]
+    assert len(measured) == len(CONCURRENCY_TARGETS)
+    assert all(t["status"] != "not measured" for t in measured)
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000

@@ -15,6 +15,7 @@ from transformers import LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hybridspec.engine.gguf import read_gguf
+from hybridspec.engine.kv_cache import PaddedAttention, RaggedAttention
 from hybridspec.engine.llama import (
     LlamaRuntime,
     LlamaWeights,
@@ -130,21 +131,46 @@ def test_logits_indices_select_rows() -> None:
     torch.testing.assert_close(logits, reference_logits(model, ids)[[11, 3, 3]], atol=ATOL, rtol=0)
 
 
-def test_ragged_batch_equals_each_sequence_alone() -> None:
+@pytest.mark.parametrize(
+    "slot_ids",
+    [
+        (0, 1, 2),  # a contiguous range: the block is a view of the cache
+        (1, 2, 4),  # a range with slot 3 outside the batch: one padding row
+        (0, 1, 7),  # spread wider than twice the batch: the slots are gathered
+    ],
+)
+@pytest.mark.parametrize(
+    "new",
+    [
+        (5, 9, 1),  # short spans of three length buckets: three padded calls
+        (1, 3, 1),  # two spans of one bucket share a padded block
+        (5, 40, 1),  # a prompt longer than MAX_PADDED_TOKENS attends alone
+        (40, 35, 1),
+    ],
+)
+def test_ragged_batch_equals_each_sequence_alone(
+    slot_ids: tuple[int, int, int], new: tuple[int, int, int]
+) -> None:
     model = tiny_llama(seed=6)
-    seqs = [prompt(30, seed=s) for s in (7, 8, 9)]
-    cached, new = [11, 0, 24], [5, 9, 1]  # slot lengths before the batch, tokens it adds
+    seqs = [prompt(70, seed=s) for s in (7, 8, 9)]
+    cached = [11, 0, 24]  # slot lengths before the batch; it adds ``new`` tokens to each
+    assert RaggedAttention.MAX_PADDED_TOKENS < 35
     alone = []
     for seq, c, n in zip(seqs, cached, new, strict=True):
         runtime = native(model)
         slot = runtime.allocate()
         chunks = [seq[:c], seq[c : c + n]] if c else [seq[:n]]
         alone.append(run_chunks(runtime, slot, chunks)[-n:])
-    runtime = native(model)
+    runtime = native(model, max_num_seqs=8)
     # Garbage (NaN) in never-written cache memory must not leak through the padded reads.
     runtime._cache.keys.fill_(float("nan"))
     runtime._cache.values.fill_(float("nan"))
-    slots = [runtime.allocate() for _ in seqs]
+    taken = [runtime.allocate() for _ in range(max(slot_ids) + 1)]
+    for slot in taken:
+        if slot not in slot_ids:
+            runtime.free(slot)
+    slots = list(slot_ids)
+    assert (PaddedAttention.block_range(slots) is None) == (slot_ids == (0, 1, 7))
     for slot, seq, c in zip(slots, seqs, cached, strict=True):
         if c:
             runtime.forward(ForwardBatch.from_lists([slot], [seq[:c]]))

@@ -1,0 +1,181 @@
+"""Adaptive speculation length: how many drafts each request asks for in a round.
+
+A request's K (``num_speculative_tokens``) is an upper bound. Each round the engine asks for
+the ``k <= K`` drafts that are expected to pay for themselves:
+
+- Acceptance: a request's drafts are modelled as accepted one after another with a constant
+  probability ``alpha`` each (Leviathan et al. 2023, section 3.3), so draft ``j`` (1-based) is
+  kept with probability ``alpha ** j``. ``AcceptanceEstimate`` tracks ``alpha`` per request from
+  its own recent rounds: a round that proposed drafts adds its accepted drafts to the accepted
+  count and one to the rejected count if it stopped before the end of the proposal; both
+  counts decay by ``DECAY`` every round, and a prior of one accept and one reject keeps the
+  estimate defined (0.5 with no history).
+- Cost: a target forward over ``T`` tokens costs about ``a (1 + c T)``: a fixed part (reading
+  the weights) plus ``c`` per token, ``c`` being ``verify_token_cost``. A proposer adds its own
+  ``cost_per_token`` (relative to ``a``) for each draft it makes.
+- Value: the last round committed ``n`` tokens over ``T`` verified tokens, so one committed
+  token was worth ``a (1 + c T) / n`` of time. A draft is worth asking for when its chance of
+  being kept is at least its cost over that worth: ``alpha ** j >= threshold`` with
+  ``threshold = (c + cost_per_token) n / (1 + c T)``.
+- Whose round: a greedy request uses the whole last engine step (every request verified in
+  it), since batch neighbours share the forward's fixed cost and so make each token cheaper and
+  drafts relatively dearer. A sampled request uses its own last round only: the drafts it asks
+  for steer how its random generator is consumed, and its seeded output must not depend on its
+  batch neighbours. (A greedy output does not depend on the number of drafts at all.)
+
+So ``k`` is the largest ``j <= K`` with ``alpha ** j >= threshold``. It may be 0: such a request
+decodes plainly until its decayed history makes it try again (its estimate drifts back toward
+the prior at 0.5).
+
+``c`` defaults to ``DEFAULT_VERIFY_TOKEN_COST``, measured on the development CPU; it is a fixed
+number rather than one timed at start-up so that a seeded sampled request gives the same text
+on every run. ``measure_verify_token_cost`` times it for another machine (``EngineConfig(
+verify_token_cost=None)`` does so at start-up).
+
+Worked example (c = 0.03): one request alone, the last round verified 9 tokens and committed
+4: threshold = 0.03 * 4 / 1.27 = 0.094. With alpha = 0.8, 0.8 ** 10 = 0.107 >= 0.094, so it
+asks for min(K, 10) drafts; with alpha = 0.3, 1 draft (0.3 >= 0.094 > 0.09). Eight greedy
+requests that committed 16 tokens over 40 verified tokens: threshold = 0.03 * 16 / 2.2 = 0.218;
+alpha = 0.3 gives 1 draft, alpha = 0.2 none.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hybridspec.engine.runtime import ForwardBatch, ModelRuntime
+
+DECAY = 0.8  # weight of a round's evidence after each later round
+PRIOR_ACCEPTED = 1.0
+PRIOR_REJECTED = 1.0
+DEFAULT_VERIFY_TOKEN_COST = 0.03  # dev CPU, SmolLM2-135M bf16: timed 0.026..0.036
+CALIBRATION_TOKENS = 16  # extra tokens of the calibration forward
+CALIBRATION_CONTEXT = 128  # tokens cached before the timed forwards
+CALIBRATION_REPEATS = 3
+# A measured cost above this is timing noise (a loaded machine); real ones are ~0.03 on CPU.
+MAX_VERIFY_TOKEN_COST = 0.1
+
+
+@dataclass(slots=True)
+class SpeculationState:
+    """One request's evidence: decayed counts of accepted and rejected drafts, and its own
+    last round (see the module docstring)."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+    last_committed: int = 1  # before any round: as if one plain decoding step
+    last_verified: int = 1
+
+    @property
+    def rate(self) -> float:
+        """The estimated probability ``alpha`` that a draft is accepted, given its predecessor."""
+        return (self.accepted + PRIOR_ACCEPTED) / (
+            self.accepted + self.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED
+        )
+
+    def update(self, num_proposed: int, num_accepted: int, num_committed: int) -> None:
+        """Learn from a round that proposed, accepted and committed so many tokens."""
+        self.accepted *= DECAY
+        self.rejected *= DECAY
+        if num_proposed > 0:
+            self.accepted += num_accepted
+            self.rejected += 1.0 if num_accepted < num_proposed else 0.0
+        if num_committed > 0:
+            self.last_committed, self.last_verified = num_committed, num_proposed + 1
+
+
+def drafts_worth_asking(rate: float, threshold: float, max_drafts: int) -> int:
+    """The largest ``k <= max_drafts`` with ``rate ** k >= threshold`` (0 if even k = 1 fails).
+
+    Example: rate 0.8, threshold 0.094, max_drafts 8: 0.8 ** 8 = 0.168 >= 0.094, so 8.
+    """
+    if max_drafts <= 0 or rate <= 0.0 or rate < threshold:
+        return 0
+    if rate >= 1.0 or threshold <= 0.0:
+        return max_drafts
+    return min(max_drafts, int(math.log(threshold) / math.log(rate) + 1e-9))
+
+
+def draft_threshold(
+    verify_token_cost: float, committed: int, verified: int, proposer_cost_per_token: float
+) -> float:
+    """The least chance of acceptance that pays for one more draft (module docstring)."""
+    c = verify_token_cost
+    return (c + proposer_cost_per_token) * committed / (1.0 + c * verified)
+
+
+class SpeculationPolicy:
+    """Chooses each request's drafts for the round from its state and the last engine step."""
+
+    def __init__(self, verify_token_cost: float) -> None:
+        if not (math.isfinite(verify_token_cost) and verify_token_cost >= 0):
+            raise ValueError(f"verify_token_cost: expected a number >= 0, got {verify_token_cost}")
+        self.verify_token_cost = verify_token_cost
+        self._committed = 1  # what the last step committed and verified; one plain decode
+        self._verified = 1
+
+    def record_step(self, committed: int, verified: int) -> None:
+        """Remember a step that verified ``verified`` tokens and committed ``committed``."""
+        if committed > 0 and verified > 0:
+            self._committed, self._verified = committed, verified
+
+    def num_drafts(
+        self,
+        state: SpeculationState,
+        max_drafts: int,
+        *,
+        greedy: bool,
+        proposer_cost_per_token: float = 0.0,
+    ) -> int:
+        committed, verified = (
+            (self._committed, self._verified)
+            if greedy
+            else (state.last_committed, state.last_verified)
+        )
+        threshold = draft_threshold(
+            self.verify_token_cost, committed, verified, proposer_cost_per_token
+        )
+        return drafts_worth_asking(state.rate, threshold, max_drafts)
+
+
+def measure_verify_token_cost(runtime: ModelRuntime, max_drafts: int) -> float:
+    """``c`` of the module docstring, timed on ``runtime``: one sequence with a short cached
+    context, a forward of 1 token against one of ``1 + m`` (``m = min(16, max_drafts)``).
+
+    Takes a free cache slot for the duration (none free: returns 0, i.e. drafts cost nothing
+    to verify). Medians of ``CALIBRATION_REPEATS`` timings after one warm-up each; the result
+    is clamped to ``[0, MAX_VERIFY_TOKEN_COST]``.
+    """
+    extra = min(CALIBRATION_TOKENS, max(1, max_drafts))
+    context = min(CALIBRATION_CONTEXT, runtime.max_seq_len - 1 - extra)
+    if runtime.num_free_slots() == 0 or context < 0:
+        return 0.0
+    slot = runtime.allocate()
+    try:
+        if context > 0:
+            runtime.forward(ForwardBatch.from_lists([slot], [[0] * context], logits_indices=[]))
+        one = _median_forward_s(runtime, slot, context, 1)
+        many = _median_forward_s(runtime, slot, context, 1 + extra)
+    finally:
+        runtime.free(slot)
+    if one <= 0:
+        return 0.0
+    return min(MAX_VERIFY_TOKEN_COST, max(0.0, (many - one) / (extra * one)))
+
+
+def _median_forward_s(runtime: ModelRuntime, slot: int, context: int, num_tokens: int) -> float:
+    batch = ForwardBatch.from_lists([slot], [[0] * num_tokens], logits_indices=[num_tokens - 1])
+    timings = []
+    for i in range(CALIBRATION_REPEATS + 1):
+        start = time.perf_counter()
+        logits = runtime.forward(batch)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        if i > 0:  # the first is a warm-up
+            timings.append(time.perf_counter() - start)
+        runtime.truncate(slot, context)
+    return sorted(timings)[len(timings) // 2]

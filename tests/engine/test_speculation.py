@@ -1,0 +1,136 @@
+"""Adaptive speculation: the choice of drafts per round, and its effect inside the engine."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import ClassVar
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridspec import EngineConfig, Proposal, Proposer, ProposeRequest
+from hybridspec.engine.speculation import (
+    DEFAULT_VERIFY_TOKEN_COST,
+    MAX_VERIFY_TOKEN_COST,
+    SpeculationPolicy,
+    SpeculationState,
+    draft_threshold,
+    drafts_worth_asking,
+    measure_verify_token_cost,
+)
+from tests.engine.test_engine import PROMPTS, VOCAB, make_engine, plain, target  # noqa: F401
+
+
+@pytest.mark.parametrize(
+    ("rate", "threshold", "max_drafts", "expected"),
+    [
+        (0.8, 0.094, 8, 8),  # 0.8 ** 8 = 0.168 >= 0.094
+        (0.8, 0.094, 16, 10),  # 0.8 ** 10 = 0.107 >= 0.094 > 0.8 ** 11 = 0.086
+        (0.3, 0.094, 8, 1),  # 0.3 >= 0.094 > 0.09
+        (0.2, 0.218, 8, 0),
+        (1.0, 0.5, 5, 5),
+        (0.5, 0.0, 5, 5),
+        (0.9, 0.1, 0, 0),
+    ],
+)
+def test_drafts_worth_asking_examples(
+    rate: float, threshold: float, max_drafts: int, expected: int
+) -> None:
+    assert drafts_worth_asking(rate, threshold, max_drafts) == expected
+
+
+@given(
+    st.floats(0.01, 0.99),
+    st.floats(0.001, 1.0),
+    st.integers(0, 16),
+)
+def test_drafts_worth_asking_is_the_largest_paying_k(
+    rate: float, threshold: float, max_drafts: int
+) -> None:
+    k = drafts_worth_asking(rate, threshold, max_drafts)
+    assert 0 <= k <= max_drafts
+    if k > 0:
+        assert rate**k >= threshold * (1 - 1e-9)
+    if k < max_drafts:
+        assert rate ** (k + 1) < threshold * (1 + 1e-9)
+
+
+def test_state_learns_and_decays_back_to_the_prior() -> None:
+    state = SpeculationState()
+    assert state.rate == 0.5
+    state.update(num_proposed=8, num_accepted=8, num_committed=9)  # all kept
+    high = state.rate
+    assert high == pytest.approx(9 / 10)
+    assert (state.last_committed, state.last_verified) == (9, 9)
+    state.update(num_proposed=8, num_accepted=0, num_committed=1)  # first draft rejected
+    assert state.rate < high
+    assert (state.last_committed, state.last_verified) == (1, 9)
+    for _ in range(60):  # rounds that proposed nothing carry no evidence: back to 0.5
+        state.update(num_proposed=0, num_accepted=0, num_committed=1)
+    assert state.rate == pytest.approx(0.5, abs=1e-4)
+
+
+def test_greedy_requests_price_drafts_by_the_batch_sampled_by_their_own_round() -> None:
+    policy = SpeculationPolicy(0.03)
+    state = SpeculationState(accepted=3.0, rejected=3.0)  # rate 0.5
+    state.update(num_proposed=2, num_accepted=0, num_committed=1)
+    policy.record_step(committed=16, verified=40)  # eight busy neighbours
+    assert draft_threshold(0.03, 16, 40, 0.0) == pytest.approx(0.218, abs=1e-3)
+    greedy = policy.num_drafts(state, 8, greedy=True)
+    sampled = policy.num_drafts(state, 8, greedy=False)
+    assert sampled == drafts_worth_asking(state.rate, draft_threshold(0.03, 1, 3, 0.0), 8)
+    assert greedy < sampled
+    # A costly proposer is asked for fewer drafts.
+    assert policy.num_drafts(state, 8, greedy=False, proposer_cost_per_token=0.3) < sampled
+
+
+def test_policy_rejects_a_bad_cost() -> None:
+    with pytest.raises(ValueError, match="verify_token_cost"):
+        SpeculationPolicy(float("nan"))
+    with pytest.raises(ValueError, match="verify_token_cost"):
+        EngineConfig(verify_token_cost=-0.1)
+    with pytest.raises(ValueError, match="adaptive_speculation"):
+        EngineConfig(adaptive_speculation="yes")  # type: ignore[arg-type]
+
+
+def test_measured_cost_is_bounded_and_leaves_the_cache_as_it_was(target) -> None:  # noqa: F811
+    engine = make_engine(target, verify_token_cost=None)
+    assert engine.speculation is not None
+    assert 0.0 <= engine.speculation.verify_token_cost <= MAX_VERIFY_TOKEN_COST
+    free = engine.runtime.num_free_slots()
+    cost = measure_verify_token_cost(engine.runtime, 8)
+    assert 0.0 <= cost <= MAX_VERIFY_TOKEN_COST
+    assert engine.runtime.num_free_slots() == free
+    assert make_engine(target).speculation.verify_token_cost == DEFAULT_VERIFY_TOKEN_COST  # type: ignore[union-attr]
+
+
+class Wrong(Proposer):
+    """Always proposes what the target never picks (``VOCAB - 1`` is EOS, kept out of greedy
+    output), recording how many drafts each round asked for."""
+
+    asked: ClassVar[list[int]] = []
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        Wrong.asked.extend(r.num_tokens for r in requests)
+        return [Proposal(token_ids=(VOCAB - 1,) * r.num_tokens) for r in requests]
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_rejected_drafts_shrink_what_a_request_asks_for(target, adaptive: bool) -> None:  # noqa: F811
+    engine = make_engine(target, adaptive_speculation=adaptive)
+    engine.register_proposer("wrong", Wrong)
+    Wrong.asked = []
+    result = engine.generate(
+        prompt_token_ids=PROMPTS[0], proposer="wrong", num_speculative_tokens=8, max_new_tokens=30
+    )
+    assert result.token_ids == plain(engine, PROMPTS[0], 30)  # lossless either way
+    asked = Wrong.asked[:20]
+    if adaptive:
+        # The prior (rate 0.5) asks for log(0.028) / log(0.5) = 5 drafts; every rejection
+        # lowers the rate until one draft a round remains worth its verification.
+        assert asked[0] == math.floor(math.log(draft_threshold(0.03, 1, 1, 0.0)) / math.log(0.5))
+        assert asked[-1] == 1 and sorted(asked, reverse=True) == asked
+    else:
+        assert asked == [8] * 20
