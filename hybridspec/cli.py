@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from hybridspec.config import (
+    DEFAULT_VERIFY_TOKEN_COST,
     DTYPES,
     MAX_SPECULATIVE_TOKENS,
     MIN_SPECULATIVE_TOKENS,
@@ -45,6 +46,27 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-num-seqs", type=int, default=8, help="sequences decoded together (KV-cache slots)"
     )
+    group.add_argument(
+        "--fixed-k",
+        action="store_true",
+        help="always ask for K drafts (default: each round, as many as pay for their verification)",
+    )
+    group.add_argument(
+        "--verify-token-cost",
+        type=_cost,
+        default=DEFAULT_VERIFY_TOKEN_COST,
+        help="cost of verifying one more token relative to a forward, for adaptive speculation; "
+        f"'auto' times it at start-up (default {DEFAULT_VERIFY_TOKEN_COST}, from a 2-core CPU)",
+    )
+
+
+def _cost(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
 
 
 def engine_config(args: argparse.Namespace, default_proposer: str, default_k: int) -> EngineConfig:
@@ -59,6 +81,8 @@ def engine_config(args: argparse.Namespace, default_proposer: str, default_k: in
         draft=DraftConfig(model=draft),
         default_proposer=default_proposer,
         default_num_speculative_tokens=default_k,
+        adaptive_speculation=not args.fixed_k,
+        verify_token_cost=args.verify_token_cost,
     )
 
 

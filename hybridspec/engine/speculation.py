@@ -27,10 +27,10 @@ So ``k`` is the largest ``j <= K`` with ``alpha ** j >= threshold``. It may be 0
 decodes plainly until its decayed history makes it try again (its estimate drifts back toward
 the prior at 0.5).
 
-``c`` defaults to ``DEFAULT_VERIFY_TOKEN_COST``, measured on the development CPU; it is a fixed
-number rather than one timed at start-up so that a seeded sampled request gives the same text
-on every run. ``measure_verify_token_cost`` times it for another machine (``EngineConfig(
-verify_token_cost=None)`` does so at start-up).
+``c`` defaults to ``config.DEFAULT_VERIFY_TOKEN_COST``, measured on the development CPU; it is
+a fixed number rather than one timed at start-up so that a seeded sampled request gives the
+same text on every run. ``measure_verify_token_cost`` times it for another machine
+(``EngineConfig(verify_token_cost=None)`` does so at start-up).
 
 Worked example (c = 0.03): one request alone, the last round verified 9 tokens and committed
 4: threshold = 0.03 * 4 / 1.27 = 0.094. With alpha = 0.8, 0.8 ** 10 = 0.107 >= 0.094, so it
@@ -52,7 +52,6 @@ from hybridspec.engine.runtime import ForwardBatch, ModelRuntime
 DECAY = 0.8  # weight of a round's evidence after each later round
 PRIOR_ACCEPTED = 1.0
 PRIOR_REJECTED = 1.0
-DEFAULT_VERIFY_TOKEN_COST = 0.03  # dev CPU, SmolLM2-135M bf16: timed 0.026..0.036
 CALIBRATION_TOKENS = 16  # extra tokens of the calibration forward
 CALIBRATION_CONTEXT = 128  # tokens cached before the timed forwards
 CALIBRATION_REPEATS = 3

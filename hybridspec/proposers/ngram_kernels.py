@@ -282,15 +282,63 @@ def _best_next_token(tables, slot, o, order, context, start):
 
 
 @njit(cache=True)
-def _propose_one(tables, min_order, slot, num_draft_tokens, context, out):
-    """Chain up to ``num_draft_tokens`` predictions into ``out``; returns how many were made."""
+def _load_context(tables, min_order, slot, context):
+    """``context[:n]`` = the last ``n = min(L, max_order)`` committed tokens; returns (L, n)."""
     window = tables.history.shape[1]
     max_order = min_order + tables.keys.shape[1] - 1
     length = tables.num_tokens[slot]
-    # context[:num_context] = the last max_order committed tokens, then the predictions so far.
     num_context = min(length, max_order)
     for j in range(num_context):
         context[j] = tables.history[slot, (length - num_context + j) % window]
+    return length, num_context
+
+
+@njit(cache=True)
+def _latest_occurrence(tables, slot, o, order, context, start):
+    """``(found, pos)``: the next-token position of the context's latest occurrence."""
+    mask = tables.keys.shape[2] - 1
+    key = fnv1a_context(order, context, start)
+    index = np.int64(key & np.uint64(mask))
+    best_pos = np.int64(-1)
+    while tables.state[slot, o, index] != EMPTY:
+        if (
+            tables.state[slot, o, index] == LIVE
+            and tables.keys[slot, o, index] == key
+            and tables.last_pos[slot, o, index] > best_pos
+            and _context_matches(tables, slot, o, index, order, context, start)
+        ):
+            best_pos = tables.last_pos[slot, o, index]
+        index = (index + 1) & mask
+    return best_pos >= 0, best_pos
+
+
+@njit(cache=True)
+def _copy_one(tables, min_order, slot, num_draft_tokens, context, out):
+    """Copy what followed the latest occurrence of the longest matching context into ``out``."""
+    window = tables.history.shape[1]
+    length, num_context = _load_context(tables, min_order, slot, context)
+    if num_draft_tokens == 0:
+        return 0
+    for order in range(num_context, min_order - 1, -1):
+        found, pos = _latest_occurrence(
+            tables, slot, order - min_order, order, context, num_context - order
+        )
+        if found:
+            # Positions pos .. length - 1 are committed and inside the window: the occurrence's
+            # context, which starts before pos, is.
+            num = min(num_draft_tokens, length - pos)
+            for j in range(num):
+                out[j] = tables.history[slot, (pos + j) % window]
+            return num
+    return 0
+
+
+@njit(cache=True)
+def _propose_one(tables, min_order, slot, num_draft_tokens, context, out):
+    """Chain up to ``num_draft_tokens`` predictions into ``out``; returns how many were made."""
+    max_order = min_order + tables.keys.shape[1] - 1
+    # context[:num_context] = the last max_order committed tokens, then the predictions so far.
+    _, num_context = _load_context(tables, min_order, slot, context)
     for k in range(num_draft_tokens):
         found, token = False, 0
         for order in range(min(max_order, num_context), min_order - 1, -1):
@@ -308,9 +356,10 @@ def _propose_one(tables, min_order, slot, num_draft_tokens, context, out):
 
 
 @njit(cache=True)
-def propose_batch(tables, min_order, slots, num_draft_tokens, out_token_ids, out_num_tokens):
+def propose_batch(tables, min_order, copy, slots, num_draft_tokens, out_token_ids, out_num_tokens):
     """Propose for every sequence of a batch in one call.
 
+    copy: True for the "copy" continuation, False for "frequency";
     slots: [num_seqs] int64; num_draft_tokens: [num_seqs] int64, each <= max_k;
     out_token_ids: [num_seqs, max_k] int64 (row i valid up to out_num_tokens[i]);
     out_num_tokens: [num_seqs] int64.
@@ -318,9 +367,14 @@ def propose_batch(tables, min_order, slots, num_draft_tokens, out_token_ids, out
     max_order = min_order + tables.keys.shape[1] - 1
     context = np.empty(max_order + out_token_ids.shape[1], np.int64)
     for i in range(len(slots)):
-        out_num_tokens[i] = _propose_one(
-            tables, min_order, slots[i], num_draft_tokens[i], context, out_token_ids[i]
-        )
+        if copy:
+            out_num_tokens[i] = _copy_one(
+                tables, min_order, slots[i], num_draft_tokens[i], context, out_token_ids[i]
+            )
+        else:
+            out_num_tokens[i] = _propose_one(
+                tables, min_order, slots[i], num_draft_tokens[i], context, out_token_ids[i]
+            )
 
 
 def warmup() -> None:
@@ -334,6 +388,13 @@ def warmup() -> None:
     append_tokens(tables, 1, 0, np.array([1], np.int64))
     out_token_ids = np.empty((1, 2), np.int64)
     out_num_tokens = np.empty(1, np.int64)
-    propose_batch(
-        tables, 1, np.zeros(1, np.int64), np.full(1, 2, np.int64), out_token_ids, out_num_tokens
-    )
+    for copy in (True, False):
+        propose_batch(
+            tables,
+            1,
+            copy,
+            np.zeros(1, np.int64),
+            np.full(1, 2, np.int64),
+            out_token_ids,
+            out_num_tokens,
+        )

@@ -43,6 +43,8 @@ def reference_proposal(token_ids: Sequence[int], num_tokens: int, config: NgramC
     """Up to ``num_tokens`` next tokens predicted from the committed context ``token_ids``."""
     orders = range(config.max_order, config.min_order - 1, -1)
     tables = {order: ngram_counts(token_ids, order, config.window) for order in orders}
+    if config.continuation == "copy":
+        return _copy(tables, token_ids, num_tokens)
     context = list(token_ids)
     proposal: list[int] = []
     while len(proposal) < num_tokens:
@@ -64,3 +66,17 @@ def _predict(tables: dict[int, NgramCounts], context: list[int]) -> int | None:
             # (count, latest position) compares count first, then recency.
             return max(continuations, key=continuations.__getitem__)
     return None
+
+
+def _copy(tables: dict[int, NgramCounts], token_ids: Sequence[int], num_tokens: int) -> list[int]:
+    """The tokens after the latest occurrence of the longest context that has one."""
+    if num_tokens == 0:
+        return []
+    for order, counts in tables.items():  # longest order first
+        if len(token_ids) < order:
+            continue
+        continuations = counts.get(tuple(token_ids[-order:]))
+        if continuations:
+            latest = max(pos for _, pos in continuations.values())
+            return list(token_ids[latest : latest + num_tokens])
+    return []

@@ -22,6 +22,7 @@ from hybridspec.proposers.ngram_reference import NgramCounts, ngram_counts, refe
 from hybridspec.types import ProposeRequest, SamplingParams
 
 VOCAB_SIZE = 1000
+FREQUENCY = NgramConfig(min_order=2, max_order=4, continuation="frequency")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -143,8 +144,9 @@ def test_hash_collision_is_caught_by_reading_the_context_back():
     tables.num_used[0, 0] += 1
     out_token_ids, out_num_tokens = np.empty((1, 1), np.int64), np.empty(1, np.int64)
     slots, ks = np.zeros(1, np.int64), np.ones(1, np.int64)
-    kernels.propose_batch(tables, 2, slots, ks, out_token_ids, out_num_tokens)
-    assert out_token_ids[0, : out_num_tokens[0]].tolist() == [9]  # not the forged, likelier 42
+    for copy in (True, False):  # not the forged entry: likelier (42) and more recent (at 4)
+        kernels.propose_batch(tables, 2, copy, slots, ks, out_token_ids, out_num_tokens)
+        assert out_token_ids[0, : out_num_tokens[0]].tolist() == [9]
 
 
 # --- kernels against the reference ---------------------------------------------------------
@@ -196,7 +198,8 @@ def test_evictions_trigger_rebuilds_and_tables_stay_exact():
 def scenarios(draw):
     min_order, max_order, window, _, _ = draw(streams())
     capacity = draw(st.sampled_from([1 << 14, smallest_power_of_two_at_least(4 * window)]))
-    config = NgramConfig(min_order, max_order, window, capacity)
+    continuation = draw(st.sampled_from(["copy", "frequency"]))
+    config = NgramConfig(min_order, max_order, window, capacity, continuation)
     tokens = st.integers(0, draw(st.integers(2, 5)) - 1)
     prompts = draw(st.lists(st.lists(tokens, max_size=50), min_size=1, max_size=3))
     # Each round: per sequence, the K to propose, then the tokens to commit.
@@ -230,10 +233,10 @@ def test_proposals_equal_the_reference(scenario):
 
 
 @settings(max_examples=150, deadline=None)
-@given(streams(max_window=120), st.integers(0, 16))
-def test_full_tables_still_give_sound_proposals(stream, k):
+@given(streams(max_window=120), st.integers(0, 16), st.sampled_from(["copy", "frequency"]))
+def test_full_tables_still_give_sound_proposals(stream, k, continuation):
     min_order, max_order, window, prompt, chunks = stream
-    config = NgramConfig(min_order, max_order, window, table_capacity=16)
+    config = NgramConfig(min_order, max_order, window, 16, continuation)
     proposer = make_proposer(config)
     proposer.start(7, prompt)
     history = list(prompt)
@@ -256,21 +259,21 @@ def test_copies_prompt_continuation():
 
 
 def test_backs_off_to_shorter_order():
-    proposer = make_proposer()
+    proposer = make_proposer(FREQUENCY)
     prompt = [1, 2, 3, 50, 60, 2, 3]  # "60 2 3" and "3 50 60 2 3" are new; "2 3" was seen
     proposer.start(0, prompt)
     assert propose_one(proposer, 0, prompt, 2) == [50, 60]
 
 
 def test_longest_match_beats_more_frequent_shorter_one():
-    proposer = make_proposer()
+    proposer = make_proposer(FREQUENCY)
     prompt = [7, 8, 1, 7, 8, 1, 9, 7, 8, 2, 9, 7, 8]  # "7 8" -> 1 twice, "9 7 8" -> 2 once
     proposer.start(0, prompt)
     assert propose_one(proposer, 0, prompt, 1) == [2]
 
 
 def test_prefers_most_frequent_continuation():
-    proposer = make_proposer()
+    proposer = make_proposer(FREQUENCY)
     prompt = [4, 5, 6, 4, 5, 6, 4, 5, 7, 4, 5]
     proposer.start(0, prompt)
     assert propose_one(proposer, 0, prompt, 1) == [6]
@@ -280,18 +283,43 @@ def test_prefers_most_frequent_continuation():
     "prompt, expected", [([4, 5, 6, 4, 5, 7, 4, 5], 7), ([4, 5, 7, 4, 5, 6, 4, 5], 6)]
 )
 def test_ties_go_to_most_recent_continuation(prompt, expected):
-    proposer = make_proposer()
+    proposer = make_proposer(FREQUENCY)
     proposer.start(0, prompt)
     assert propose_one(proposer, 0, prompt, 1) == [expected]
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 8, 16])
 def test_chains_predictions_up_to_k(k):
-    proposer = make_proposer()
+    proposer = make_proposer(FREQUENCY)
     prompt = [1, 2, 3, 4, 1, 2]  # from the 3rd guess on, contexts include guessed tokens
     proposer.start(0, prompt)
     assert propose_one(proposer, 0, prompt, k) == ([3, 4, 1, 2] * 4)[:k]
     assert propose_one(proposer, 0, prompt, k) == ([3, 4, 1, 2] * 4)[:k], "guesses not learned"
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 8])
+def test_copy_stops_where_the_committed_text_ends(k):
+    proposer = make_proposer()
+    prompt = [1, 2, 3, 4, 1, 2]  # "1 2" last seen at 0-1: copies 3 4 1 2, then nothing is left
+    proposer.start(0, prompt)
+    assert propose_one(proposer, 0, prompt, k) == [3, 4, 1, 2][:k]
+
+
+def test_copy_follows_the_latest_occurrence_not_the_most_frequent():
+    proposer = make_proposer()
+    prompt = [4, 5, 6, 9, 4, 5, 6, 9, 4, 5, 7, 8, 4, 5]  # "4 5" -> 6 twice, latest -> 7 8
+    proposer.start(0, prompt)
+    assert propose_one(proposer, 0, prompt, 3) == [7, 8, 4]
+    frequency = make_proposer(FREQUENCY)
+    frequency.start(0, prompt)
+    assert propose_one(frequency, 0, prompt, 3) == [6, 9, 4]
+
+
+def test_copy_prefers_the_longest_matching_context():
+    proposer = make_proposer()
+    prompt = [3, 1, 2, 10, 11, 9, 1, 2, 20, 21, 3, 1, 2]  # "3 1 2" -> 10 11 beats later "1 2"
+    proposer.start(0, prompt)
+    assert propose_one(proposer, 0, prompt, 2) == [10, 11]
 
 
 def test_no_match_proposes_nothing():

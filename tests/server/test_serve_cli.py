@@ -52,7 +52,20 @@ def test_serve_options_build_the_server_config() -> None:
     assert config.engine.default_proposer == "draft"
     assert config.engine.default_num_speculative_tokens == 5
     assert config.engine.max_queue_size == 7
-    assert server_config(build_parser().parse_args(["serve"])).engine.target.name_or_path is None
+    assert config.engine.adaptive_speculation and config.engine.verify_token_cost == 0.03
+    default = server_config(build_parser().parse_args(["serve"])).engine
+    assert default.target.name_or_path is None
+
+
+@pytest.mark.parametrize(
+    ("options", "adaptive", "cost"),
+    [(["--fixed-k"], False, 0.03), (["--verify-token-cost", "auto"], True, None)],
+)
+def test_speculation_options(options: list[str], adaptive: bool, cost: float | None) -> None:
+    engine = server_config(build_parser().parse_args(["serve", *options])).engine
+    assert (engine.adaptive_speculation, engine.verify_token_cost) == (adaptive, cost)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--verify-token-cost", "cheap"])
 
 
 @pytest.fixture(scope="module")
