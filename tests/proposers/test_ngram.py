@@ -23,6 +23,7 @@ from hybridspec.types import ProposeRequest, SamplingParams
 
 VOCAB_SIZE = 1000
 FREQUENCY = NgramConfig(min_order=2, max_order=4, continuation="frequency")
+COPY = NgramConfig(min_order=1, max_order=8, continuation="copy")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -299,14 +300,14 @@ def test_chains_predictions_up_to_k(k):
 
 @pytest.mark.parametrize("k", [0, 1, 3, 8])
 def test_copy_stops_where_the_committed_text_ends(k):
-    proposer = make_proposer()
+    proposer = make_proposer(COPY)
     prompt = [1, 2, 3, 4, 1, 2]  # "1 2" last seen at 0-1: copies 3 4 1 2, then nothing is left
     proposer.start(0, prompt)
     assert propose_one(proposer, 0, prompt, k) == [3, 4, 1, 2][:k]
 
 
 def test_copy_follows_the_latest_occurrence_not_the_most_frequent():
-    proposer = make_proposer()
+    proposer = make_proposer(COPY)
     prompt = [4, 5, 6, 9, 4, 5, 6, 9, 4, 5, 7, 8, 4, 5]  # "4 5" -> 6 twice, latest -> 7 8
     proposer.start(0, prompt)
     assert propose_one(proposer, 0, prompt, 3) == [7, 8, 4]
@@ -316,7 +317,7 @@ def test_copy_follows_the_latest_occurrence_not_the_most_frequent():
 
 
 def test_copy_prefers_the_longest_matching_context():
-    proposer = make_proposer()
+    proposer = make_proposer(COPY)
     prompt = [3, 1, 2, 10, 11, 9, 1, 2, 20, 21, 3, 1, 2]  # "3 1 2" -> 10 11 beats later "1 2"
     proposer.start(0, prompt)
     assert propose_one(proposer, 0, prompt, 2) == [10, 11]
