@@ -5,7 +5,7 @@ the ``k <= K`` drafts that are expected to pay for themselves:
 
 - Acceptance: a request's drafts are modelled as accepted one after another with a constant
   probability ``alpha`` each (Leviathan et al. 2023, section 3.3), so draft ``j`` (1-based) is
-  kept with probability ``alpha ** j``. ``AcceptanceEstimate`` tracks ``alpha`` per request from
+  kept with probability ``alpha ** j``. ``SpeculationState`` tracks ``alpha`` per request from
   its own recent rounds: a round that proposed drafts adds its accepted drafts to the accepted
   count and one to the rejected count if it stopped before the end of the proposal; both
   counts decay by ``DECAY`` every round, and a prior of one accept and one reject keeps the

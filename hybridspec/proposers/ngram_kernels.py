@@ -261,24 +261,29 @@ def append_tokens(tables, min_order, slot, token_ids):
 
 
 @njit(cache=True)
-def _best_next_token(tables, slot, o, order, context, start):
-    """``(found, token)``: the most frequent, then most recent, next token of the context."""
+def _best_next_token(tables, slot, o, order, context, start, by_count):
+    """``(found, token, pos)``: the context's best continuation and its latest position.
+
+    ``by_count``: the most frequent, then most recent ("frequency"); otherwise the most recent
+    alone, i.e. the context's latest occurrence ("copy").
+    """
     mask = tables.keys.shape[2] - 1
     key = fnv1a_context(order, context, start)
     index = np.int64(key & np.uint64(mask))
-    best_token, best_count, best_pos = 0, 0, 0
+    best_token, best_count, best_pos = 0, 0, np.int64(-1)
     while tables.state[slot, o, index] != EMPTY:
         if (
             tables.state[slot, o, index] == LIVE
             and tables.keys[slot, o, index] == key
             and _context_matches(tables, slot, o, index, order, context, start)
         ):
-            count, pos = tables.counts[slot, o, index], tables.last_pos[slot, o, index]
+            count = tables.counts[slot, o, index] if by_count else 1
+            pos = tables.last_pos[slot, o, index]
             if count > best_count or (count == best_count and pos > best_pos):
                 best_token = tables.next_token_ids[slot, o, index]
                 best_count, best_pos = count, pos
         index = (index + 1) & mask
-    return best_count > 0, best_token
+    return best_count > 0, best_token, best_pos
 
 
 @njit(cache=True)
@@ -294,25 +299,6 @@ def _load_context(tables, min_order, slot, context):
 
 
 @njit(cache=True)
-def _latest_occurrence(tables, slot, o, order, context, start):
-    """``(found, pos)``: the next-token position of the context's latest occurrence."""
-    mask = tables.keys.shape[2] - 1
-    key = fnv1a_context(order, context, start)
-    index = np.int64(key & np.uint64(mask))
-    best_pos = np.int64(-1)
-    while tables.state[slot, o, index] != EMPTY:
-        if (
-            tables.state[slot, o, index] == LIVE
-            and tables.keys[slot, o, index] == key
-            and tables.last_pos[slot, o, index] > best_pos
-            and _context_matches(tables, slot, o, index, order, context, start)
-        ):
-            best_pos = tables.last_pos[slot, o, index]
-        index = (index + 1) & mask
-    return best_pos >= 0, best_pos
-
-
-@njit(cache=True)
 def _copy_one(tables, min_order, slot, num_draft_tokens, context, out):
     """Copy what followed the latest occurrence of the longest matching context into ``out``."""
     window = tables.history.shape[1]
@@ -320,8 +306,8 @@ def _copy_one(tables, min_order, slot, num_draft_tokens, context, out):
     if num_draft_tokens == 0:
         return 0
     for order in range(num_context, min_order - 1, -1):
-        found, pos = _latest_occurrence(
-            tables, slot, order - min_order, order, context, num_context - order
+        found, _, pos = _best_next_token(
+            tables, slot, order - min_order, order, context, num_context - order, False
         )
         if found:
             # Positions pos .. length - 1 are committed and inside the window: the occurrence's
@@ -342,8 +328,8 @@ def _propose_one(tables, min_order, slot, num_draft_tokens, context, out):
     for k in range(num_draft_tokens):
         found, token = False, 0
         for order in range(min(max_order, num_context), min_order - 1, -1):
-            found, token = _best_next_token(
-                tables, slot, order - min_order, order, context, num_context - order
+            found, token, _ = _best_next_token(
+                tables, slot, order - min_order, order, context, num_context - order, True
             )
             if found:
                 break

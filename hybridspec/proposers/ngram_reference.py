@@ -56,27 +56,32 @@ def reference_proposal(token_ids: Sequence[int], num_tokens: int, config: NgramC
     return proposal
 
 
-def _predict(tables: dict[int, NgramCounts], context: list[int]) -> int | None:
-    """The best next token of the longest matching context, or None when no order matches."""
+def _longest_match(
+    tables: dict[int, NgramCounts], context: Sequence[int]
+) -> dict[int, tuple[int, int]] | None:
+    """The continuations of the longest order whose context has any, or None when none has."""
     for order, counts in tables.items():  # longest order first
         if len(context) < order:
             continue
         continuations = counts.get(tuple(context[-order:]))
         if continuations:
-            # (count, latest position) compares count first, then recency.
-            return max(continuations, key=continuations.__getitem__)
+            return continuations
     return None
+
+
+def _predict(tables: dict[int, NgramCounts], context: list[int]) -> int | None:
+    """The best next token of the longest matching context, or None when no order matches."""
+    continuations = _longest_match(tables, context)
+    if continuations is None:
+        return None
+    # (count, latest position) compares count first, then recency.
+    return max(continuations, key=continuations.__getitem__)
 
 
 def _copy(tables: dict[int, NgramCounts], token_ids: Sequence[int], num_tokens: int) -> list[int]:
     """The tokens after the latest occurrence of the longest context that has one."""
-    if num_tokens == 0:
+    continuations = _longest_match(tables, token_ids)
+    if num_tokens == 0 or continuations is None:
         return []
-    for order, counts in tables.items():  # longest order first
-        if len(token_ids) < order:
-            continue
-        continuations = counts.get(tuple(token_ids[-order:]))
-        if continuations:
-            latest = max(pos for _, pos in continuations.values())
-            return list(token_ids[latest : latest + num_tokens])
-    return []
+    latest = max(pos for _, pos in continuations.values())
+    return list(token_ids[latest : latest + num_tokens])
