@@ -32,20 +32,20 @@ def check_num_speculative_tokens(value: object, param: str = "num_speculative_to
     )
 
 
-NGRAM_CONTINUATIONS = ("frequency", "copy")
+NGRAM_CONTINUATIONS = ("copy", "frequency")
 
 
 @dataclass(frozen=True, slots=True)
 class NgramConfig:
     """Options of the n-gram proposer."""
 
-    min_order: int = 2  # shortest context (in tokens) that keys a table
-    max_order: int = 4  # longest context; matched first, backing off to shorter ones
+    min_order: int = 1  # shortest context (in tokens) that keys a table
+    max_order: int = 8  # longest context; matched first, backing off to shorter ones
     window: int = 512  # committed tokens (prompt included) that the tables remember
     table_capacity: int = 1 << 14  # slots per order's open-addressing table (a power of two)
-    # "frequency": each token the most frequent continuation, chained; "copy": the tokens that
-    # followed the latest occurrence of the longest matching context (see proposers.ngram).
-    continuation: str = "frequency"
+    # "copy": the tokens that followed the latest occurrence of the longest matching context;
+    # "frequency": each token the most frequent continuation, chained (see proposers.ngram).
+    continuation: str = "copy"
 
     def __post_init__(self) -> None:
         check(
