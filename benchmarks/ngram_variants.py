@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from hybridspec.bench.timing import EngineForwardTimer
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, encode_prompt, load_workload
 from hybridspec.config import EngineConfig, ModelConfig, NgramConfig
 from hybridspec.engine import Engine, GenerationParams
@@ -91,22 +92,13 @@ def forward_cost_table(runtime: ModelRuntime) -> Callable[[int], float]:
     return lambda n: table[n] if n in table else max(table[MAX_TABLE_TOKENS], per_token * n)
 
 
-def record_forward_sizes(engine: Engine, sizes: list[int]) -> None:
-    """Append the token count of every forward of ``engine``'s target runtime to ``sizes``."""
-    runtime = engine.runtime
-    forward = runtime.forward
-
-    def counting(batch: ForwardBatch) -> torch.Tensor:
-        sizes.append(int(batch.token_ids.numel()))
-        return forward(batch)
-
-    runtime.forward = counting  # type: ignore[method-assign]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--variants", nargs="+", type=parse_variant, default=["copy:1-8", "frequency:2-4"]
+        "--variants",
+        nargs="+",
+        type=parse_variant,
+        default=[parse_variant("copy:1-8"), parse_variant("frequency:2-4")],
     )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seeds", type=int, default=1, help="sampled runs per prompt")
@@ -115,23 +107,21 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=None, help="first N prompts only")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    variants = [v if isinstance(v, NgramConfig) else parse_variant(v) for v in args.variants]
     torch.set_num_threads(args.threads)
 
     workload = load_workload(DEFAULT_WORKLOAD)
     grounded = {name for name, c in workload.categories.items() if c.input_grounded}
     prompts = [p for p in workload.prompts if p.category in grounded][: args.prompts]
     target = ModelConfig(None, "bfloat16", "cpu", max_num_seqs=1, max_seq_len=1024)
-    sizes: list[int] = []
     engines = {"none": Engine(EngineConfig(target=target))}
-    for v in variants:
+    for v in args.variants:
         engines[f"{v.continuation}:{v.min_order}-{v.max_order}"] = Engine(
             EngineConfig(target=target, ngram=v)
         )
-    for engine in engines.values():
-        record_forward_sizes(engine, sizes)
     cost = forward_cost_table(engines["none"].runtime)
-    sizes.clear()
+    timers = {name: EngineForwardTimer(engine.runtime) for name, engine in engines.items()}
+    for timer in timers.values():
+        timer.install()
     token_ids = [encode_prompt(engines["none"].tokenizer, p) for p in prompts]
 
     totals: dict[str, list[float]] = {}  # name -> [tokens, modelled ms, forwards]
@@ -139,8 +129,9 @@ def main() -> None:
     for seed in range(seeds):
         for name, engine in engines.items():
             total = totals.setdefault(name, [0, 0.0, 0])
+            timer = timers[name]
             for i, ids in enumerate(token_ids):
-                sizes.clear()
+                timer.reset()
                 result = engine.generate(
                     prompt_token_ids=ids,
                     params=GenerationParams.create(
@@ -152,8 +143,8 @@ def main() -> None:
                     ),
                 )
                 total[0] += len(result.token_ids)
-                total[1] += sum(cost(n) for n in sizes)
-                total[2] += len(sizes)
+                total[1] += sum(cost(n) for n in timer.input_tokens)
+                total[2] += timer.calls
             print(f"seed {seed} {name}: {total[0] / total[1] * 1e3:.1f} tok/s so far", flush=True)
     base = totals["none"][0] / totals["none"][1]
     print(f"\n{len(prompts)} input-grounded prompts, T = {args.temperature}, {seeds} seed(s)")

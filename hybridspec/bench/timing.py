@@ -27,14 +27,22 @@ def _sync(device: torch.device) -> None:
 
 
 class EngineForwardTimer:
-    """Time and count every ``forward`` of an engine's target runtime while installed."""
+    """Time, count and size every ``forward`` of an engine's target runtime while installed.
+
+    ``input_tokens`` lists the number of tokens fed to each forward (all sequences of the batch,
+    prefill chunks included).
+    """
 
     def __init__(self, runtime: Any) -> None:
         self.seconds = 0.0
-        self.calls = 0
+        self.input_tokens: list[int] = []
         self._runtime = runtime
         self._device: torch.device = runtime.device
         self._original: Callable[[ForwardBatch], torch.Tensor] | None = None
+
+    @property
+    def calls(self) -> int:
+        return len(self.input_tokens)
 
     def install(self) -> None:
         assert self._original is None, "already installed"
@@ -47,7 +55,7 @@ class EngineForwardTimer:
             logits = original(batch)
             _sync(self._device)
             self.seconds += time.perf_counter() - start
-            self.calls += 1
+            self.input_tokens.append(int(batch.token_ids.numel()))
             return logits
 
         self._runtime.forward = timed_forward
@@ -59,7 +67,7 @@ class EngineForwardTimer:
 
     def reset(self) -> None:
         self.seconds = 0.0
-        self.calls = 0
+        self.input_tokens = []
 
 
 class ModuleForwardTimer:

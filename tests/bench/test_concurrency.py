@@ -115,10 +115,12 @@ def test_engine_method_holds_at_most_n_sequences(
     timer = EngineForwardTimer(engine.runtime)
     timer.install()
     batch_sizes: list[int] = []
+    batch_tokens: list[int] = []
     forward = engine.runtime.forward
 
     def counting_forward(batch: ForwardBatch) -> torch.Tensor:
         batch_sizes.append(len(batch.slots))
+        batch_tokens.append(len(batch.token_ids))
         return forward(batch)
 
     monkeypatch.setattr(engine.runtime, "forward", counting_forward)
@@ -130,6 +132,7 @@ def test_engine_method_holds_at_most_n_sequences(
     assert all(1 <= r.num_generated <= 6 for r in measurement.requests)
     assert max(batch_sizes) == 2
     assert 0 < measurement.forward_s <= measurement.elapsed_s
+    assert timer.input_tokens == batch_tokens and timer.calls == len(batch_tokens)
 
 
 # ------------------------------------------------------------------------ the schedule
