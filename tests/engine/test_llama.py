@@ -96,7 +96,7 @@ def test_prefill_logits_match_transformers(variant: str, length: int, prepack: b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 9, 70])
+@pytest.mark.parametrize("rows", [1, 2, 9, 70])
 def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=generator).to(dtype)
@@ -110,6 +110,15 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     plain = PackedLinear(weight, prepack=False)
     assert plain.packed is None
     torch.testing.assert_close(plain(x).float(), expected, atol=tolerance, rtol=0.01)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_packed_linear_two_rows_padded_to_three_give_the_same_rows() -> None:
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(96, 64, generator=generator).bfloat16()
+    x = torch.randn(2, 64, generator=generator).bfloat16()
+    packed = PackedLinear(weight, prepack=True)
+    assert torch.equal(packed(x), packed._packed(x))
 
 
 @pytest.mark.parametrize("variant", ["gqa", "llama3-rope", "mqa-tied"])
