@@ -14,6 +14,7 @@ Run from the repository root, after ``make install``::
     python benchmarks/ngram_variants.py                       # greedy, the input-grounded prompts
     python benchmarks/ngram_variants.py --temperature 0.8 --seeds 2
     python benchmarks/ngram_variants.py --variants copy:1-8 frequency:2-4 frequency:1-4
+    python benchmarks/ngram_variants.py --variants copy:1-8 -k 8 12 16     # K, same table
 
 A variant is ``continuation:min-max`` (orders). The figures in ``hybridspec/proposers/ngram.py``
 came from these settings on the development CPU (bfloat16, 256 new tokens, K = 8).
@@ -103,7 +104,13 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seeds", type=int, default=1, help="sampled runs per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("-k", type=int, default=8, help="K, the drafts per round at most")
+    parser.add_argument(
+        "-k",
+        type=int,
+        nargs="+",
+        default=[8],
+        help="K, the drafts per round at most; several values run every variant at each",
+    )
     parser.add_argument("--prompts", type=int, default=None, help="first N prompts only")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -114,10 +121,13 @@ def main() -> None:
     prompts = [p for p in workload.prompts if p.category in grounded][: args.prompts]
     target = ModelConfig(None, "bfloat16", "cpu", max_num_seqs=1, max_seq_len=1024)
     engines = {"none": Engine(EngineConfig(target=target))}
+    num_drafts = {"none": 0}
     for v in args.variants:
-        engines[f"{v.continuation}:{v.min_order}-{v.max_order}"] = Engine(
-            EngineConfig(target=target, ngram=v)
-        )
+        for k in args.k:
+            name = f"{v.continuation}:{v.min_order}-{v.max_order}"
+            name += f" K={k}" if len(args.k) > 1 else ""
+            engines[name] = Engine(EngineConfig(target=target, ngram=v))
+            num_drafts[name] = k
     cost = forward_cost_table(engines["none"].runtime)
     timers = {name: EngineForwardTimer(engine.runtime) for name, engine in engines.items()}
     for timer in timers.values():
@@ -139,7 +149,7 @@ def main() -> None:
                         temperature=args.temperature,
                         seed=i + 1000 * seed,
                         proposer="none" if name == "none" else "ngram",
-                        num_speculative_tokens=None if name == "none" else args.k,
+                        num_speculative_tokens=num_drafts[name] or None,
                     ),
                 )
                 total[0] += len(result.token_ids)
