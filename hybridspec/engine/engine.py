@@ -43,6 +43,7 @@ from hybridspec.errors import HybridSpecError, InvalidRequestError, check
 from hybridspec.proposers import Proposer, ProposerContext, ProposerRegistry, default_registry
 from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest
 from hybridspec.verifier import VerifyInput, verify
+from hybridspec.verifier.uniforms import KeyedUniforms, key_of
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +210,7 @@ class Engine:
             num_speculative_tokens=params.num_speculative_tokens
             or self.config.default_num_speculative_tokens,
             generator=new_generator(params.sampling.seed),
+            uniform_key=key_of(params.sampling.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
         )
         self.scheduler.add(request)
@@ -255,6 +257,7 @@ class Engine:
                     logits,
                     [r.params.sampling for r, _ in drafts],
                     [r.generator for r, _ in drafts],
+                    [KeyedUniforms(r.uniform_key, len(r.token_ids)) for r, _ in drafts],
                 )
             )
             committed = 0
@@ -291,7 +294,7 @@ class Engine:
         return self.speculation.num_drafts(
             request.speculation,
             k,
-            greedy=request.params.sampling.is_greedy,
+            by_step=request.params.sampling.is_greedy or not proposer.samples_drafts,
             proposer_cost_per_token=proposer.cost_per_token,
         )
 

@@ -20,6 +20,7 @@ from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.speculation import SpeculationState
 from hybridspec.errors import check
 from hybridspec.types import GenerationStats, SamplingParams
+from hybridspec.verifier.uniforms import key_of
 
 MAX_STOP_STRINGS = 16
 
@@ -156,6 +157,8 @@ class Request:
     proposer_name: str
     num_speculative_tokens: int
     generator: torch.Generator
+    # position-keyed randomness of sampled verification (verifier.uniforms); fresh by default
+    uniform_key: int = field(default_factory=lambda: key_of(None))
     token_ids: list[int] = field(default_factory=list)  # committed: prompt, then generated
     slot: int | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)

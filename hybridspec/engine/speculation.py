@@ -17,11 +17,14 @@ the ``k <= K`` drafts that are expected to pay for themselves:
   token was worth ``a (1 + c T) / n`` of time. A draft is worth asking for when its chance of
   being kept is at least its cost over that worth: ``alpha ** j >= threshold`` with
   ``threshold = (c + cost_per_token) n / (1 + c T)``.
-- Whose round: a greedy request uses the whole last engine step (every request verified in
-  it), since batch neighbours share the forward's fixed cost and so make each token cheaper and
-  drafts relatively dearer. A sampled request uses its own last round only: the drafts it asks
-  for steer how its random generator is consumed, and its seeded output must not depend on its
-  batch neighbours. (A greedy output does not depend on the number of drafts at all.)
+- Whose round: a request whose text does not depend on its drafts uses the whole last engine
+  step (every request verified in it), since batch neighbours share the forward's fixed cost
+  and so make each token cheaper and drafts relatively dearer. That is every greedy request,
+  and every sampled one whose proposer is deterministic (``Proposer.samples_drafts`` False:
+  its tokens come from position-keyed uniforms, ``verifier.uniforms``). A sampled request
+  whose proposer samples its drafts uses its own last round only: the drafts it asks for steer
+  how its random generator is consumed, and its seeded output must not depend on its batch
+  neighbours.
 
 So ``k`` is the largest ``j <= K`` with ``alpha ** j >= threshold``. It may be 0: such a request
 decodes plainly until its decayed history makes it try again (its estimate drifts back toward
@@ -127,12 +130,14 @@ class SpeculationPolicy:
         state: SpeculationState,
         max_drafts: int,
         *,
-        greedy: bool,
+        by_step: bool,
         proposer_cost_per_token: float = 0.0,
     ) -> int:
+        """Drafts to ask for; ``by_step``: priced by the last engine step, else by the
+        request's own last round (module docstring, "Whose round")."""
         committed, verified = (
             (self._committed, self._verified)
-            if greedy
+            if by_step
             else (state.last_committed, state.last_verified)
         )
         threshold = draft_threshold(

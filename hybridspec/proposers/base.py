@@ -50,6 +50,12 @@ class Proposer(ABC):
     # adaptive speculation (engine.speculation) asks for fewer drafts from costlier proposers.
     # 0 for proposers whose cost is negligible next to a forward (none, ngram).
     cost_per_token: float = 0.0
+    # True for a proposer that samples its drafts and returns their distributions
+    # (``Proposal.probs``). Such a request's sampled text depends on how many drafts it asks
+    # for, so adaptive speculation decides them from its own rounds alone, keeping a seeded
+    # output independent of its batch neighbours. A deterministic proposer's sampled text does
+    # not depend on its drafts (``verifier.uniforms``).
+    samples_drafts: bool = False
 
     def __init__(self, context: ProposerContext) -> None:
         self.context = context

@@ -75,6 +75,8 @@ class DraftModelProposer(Proposer):
     already loaded LoadedModel, for tests and embedding).
     """
 
+    samples_drafts = True  # sampled requests get drafts drawn from q, returned as probs
+
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
         options = context.options

@@ -6,10 +6,14 @@ Chen et al. 2023). The verifier applies the request's sampling transforms to the
 itself; a sampling proposer's ``q`` must already be under the same transforms (it gets them from
 ``sampling.logits_to_probs``). A greedy sequence's draft probabilities are never read.
 
-Randomness: sequence i draws ``k_i + 1`` float64 uniforms from its own generator, in one call,
-whatever happens: ``u_1 .. u_k`` decide its drafts and ``u_{k+1}`` samples its recovered or bonus
-token by inverse CDF. So a sequence's result depends on its inputs and its generator only, never
-on the other sequences of the batch (``None`` uses torch's global generator, which they share).
+Randomness: a sampled sequence with deterministic drafts and ``KeyedUniforms`` (the engine
+gives every request one) is decided by position-keyed uniforms (``uniforms``): its token at each
+position is the inverse-CDF sample of p there, and its drafts are accepted while they equal
+those tokens, so its text does not depend on what was drafted. Any other sampled sequence draws
+``k_i + 1`` float64 uniforms from its own generator, in one call, whatever happens: ``u_1 ..
+u_k`` decide its drafts and ``u_{k+1}`` samples its recovered or bonus token by inverse CDF.
+Either way a sequence's result depends on its inputs and its own randomness only, never on the
+other sequences of the batch (a ``None`` generator is torch's global one, which they share).
 Greedy sequences draw nothing.
 
 Layout of ``target_logits`` (as in vLLM): sequence i with k_i drafts owns the k_i + 1 rows
@@ -44,6 +48,7 @@ from hybridspec.verifier.sampling import (
     logits_to_probs_by_row,
     transform_key,
 )
+from hybridspec.verifier.uniforms import KeyedUniforms
 
 GREEDY = SamplingParams()  # frozen, so safe to share as a default
 PROBS_SUM_TOLERANCE = 1e-3  # |sum(q row) - 1| allowed; float32 softmax rows miss 1 by ~1e-6
@@ -59,6 +64,8 @@ class VerifyInput:
     target_logits: torch.Tensor  # [total_draft_tokens + num_seqs, vocab_size] float
     sampling: Sequence[SamplingParams]  # per seq
     generators: Sequence[torch.Generator | None]  # per seq, on target_logits' device
+    # per seq: position-keyed randomness, used when its drafts are deterministic; () = all None
+    keyed: Sequence[KeyedUniforms | None] = ()
     num_draft_tokens: tuple[int, ...] = field(init=False)  # per seq k_i, read from cu once
 
     def __post_init__(self) -> None:
@@ -77,11 +84,14 @@ class VerifyInput:
         )
         object.__setattr__(self, "num_draft_tokens", counts)
         num_seqs = len(counts)
+        if not self.keyed:
+            object.__setattr__(self, "keyed", (None,) * num_seqs)
         _check_drafts(self.draft_token_ids, offsets[-1], num_seqs, self.target_logits)
         for name, values in (
             ("draft_probs", self.draft_probs),
             ("sampling", self.sampling),
             ("generators", self.generators),
+            ("keyed", self.keyed),
         ):
             check(
                 len(values) == num_seqs,
@@ -98,6 +108,10 @@ class VerifyInput:
                 check(False, "sampling", f"sequence {i}: expected SamplingParams, got {params!r}")
             if gen is not None and not isinstance(gen, torch.Generator):
                 check(False, "generators", f"sequence {i}: expected a Generator, got {gen!r}")
+            if self.keyed[i] is not None and not isinstance(self.keyed[i], KeyedUniforms):
+                check(
+                    False, "keyed", f"sequence {i}: expected KeyedUniforms, got {self.keyed[i]!r}"
+                )
             if probs is None:
                 continue
             shape = (counts[i], shape[1])
@@ -118,6 +132,7 @@ class VerifyInput:
         target_logits: torch.Tensor,
         sampling: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
+        keyed: Sequence[KeyedUniforms | None] = (),
     ) -> VerifyInput:
         """Flatten one ``Proposal`` per sequence; ``generators`` None means all None."""
         device = target_logits.device
@@ -130,6 +145,7 @@ class VerifyInput:
             target_logits=target_logits,
             sampling=list(sampling),
             generators=[None] * len(proposals) if generators is None else list(generators),
+            keyed=list(keyed),
         )
 
     @staticmethod
@@ -180,25 +196,25 @@ class VerifyOutput:
 
 
 def verify(inp: VerifyInput) -> VerifyOutput:
-    """Verify every sequence's drafts: greedy or rejection sampling, per its SamplingParams."""
-    greedy = [params.is_greedy for params in inp.sampling]
-    seqs = _Seqs(inp.num_draft_tokens, inp.draft_probs, inp.sampling, inp.generators)
-    if all(greedy):
-        num_accepted, final = _verify_greedy(inp.target_logits, inp.draft_token_ids, seqs)
-    elif not any(greedy):
-        num_accepted, final = _verify_sampled(inp.target_logits, inp.draft_token_ids, seqs)
-    else:
-        num_accepted = torch.empty(inp.num_seqs, dtype=torch.long, device=inp.target_logits.device)
-        final = torch.empty_like(num_accepted)
-        for members, step in (
-            ([i for i, g in enumerate(greedy) if g], _verify_greedy),
-            ([i for i, g in enumerate(greedy) if not g], _verify_sampled),
-        ):
-            logits, drafts, sub = _select(inp, members)
-            index = torch.tensor(members, device=num_accepted.device)
-            sub_accepted, sub_final = step(logits, drafts, sub)
-            num_accepted.index_copy_(0, index, sub_accepted)
-            final.index_copy_(0, index, sub_final)
+    """Verify every sequence's drafts: greedy, keyed or rejection sampling (module docstring)."""
+    steps = (_verify_greedy, _verify_keyed, _verify_sampled)
+    kinds = [
+        0 if params.is_greedy else 1 if keyed is not None and probs is None else 2
+        for params, keyed, probs in zip(inp.sampling, inp.keyed, inp.draft_probs, strict=True)
+    ]
+    if len(set(kinds)) == 1:
+        seqs = _Seqs(inp.num_draft_tokens, inp.draft_probs, inp.sampling, inp.generators, inp.keyed)
+        num_accepted, final = steps[kinds[0]](inp.target_logits, inp.draft_token_ids, seqs)
+        return VerifyOutput(num_accepted, _output_token_ids(inp, num_accepted, final))
+    num_accepted = torch.empty(inp.num_seqs, dtype=torch.long, device=inp.target_logits.device)
+    final = torch.empty_like(num_accepted)
+    for kind in sorted(set(kinds)):
+        members = [i for i, k in enumerate(kinds) if k == kind]
+        logits, drafts, sub = _select(inp, members)
+        index = torch.tensor(members, device=num_accepted.device)
+        sub_accepted, sub_final = steps[kind](logits, drafts, sub)
+        num_accepted.index_copy_(0, index, sub_accepted)
+        final.index_copy_(0, index, sub_final)
     return VerifyOutput(num_accepted, _output_token_ids(inp, num_accepted, final))
 
 
@@ -210,6 +226,7 @@ class _Seqs:
     draft_probs: Sequence[torch.Tensor | None]
     sampling: Sequence[SamplingParams]
     generators: Sequence[torch.Generator | None]
+    keyed: Sequence[KeyedUniforms | None]
 
 
 def _select(inp: VerifyInput, members: list[int]) -> tuple[torch.Tensor, torch.Tensor, _Seqs]:
@@ -225,6 +242,7 @@ def _select(inp: VerifyInput, members: list[int]) -> tuple[torch.Tensor, torch.T
         [inp.draft_probs[i] for i in members],
         [inp.sampling[i] for i in members],
         [inp.generators[i] for i in members],
+        [inp.keyed[i] for i in members],
     )
     return logits, drafts, sub
 
@@ -235,6 +253,50 @@ def _verify_greedy(
     """(num_accepted [num_seqs], final_token_ids [num_seqs]) by argmax; one argmax in all."""
     layout = DraftLayout.from_counts(seqs.num_draft_tokens, target_logits.device)
     return greedy_accept(greedy_token_ids(target_logits), draft_token_ids, layout)
+
+
+def _verify_keyed(
+    target_logits: torch.Tensor, draft_token_ids: torch.Tensor, seqs: _Seqs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_accepted, final_token_ids) of sampled sequences with deterministic drafts and
+    ``KeyedUniforms``: the token at each position is the inverse-CDF sample of p at that
+    position's uniform; drafts are accepted while they equal it (``uniforms``).
+
+    Rows are sampled in waves, row j of every sequence still matching its drafts at once, so
+    only the rows that decide a token are transformed and sampled.
+    """
+    nums = seqs.num_draft_tokens
+    first_rows = list(itertools.accumulate((k + 1 for k in nums[:-1]), initial=0))
+    draft_starts = list(itertools.accumulate(nums[:-1], initial=0))
+    drafts = draft_token_ids.tolist()
+    num_accepted, final = [0] * len(nums), [0] * len(nums)
+    active, j = list(range(len(nums))), 0
+    while active:
+        rows = torch.tensor([first_rows[i] + j for i in active], device=target_logits.device)
+        probs = _probs_of_rows(target_logits[rows], [seqs.sampling[i] for i in active])
+        uniforms = [seqs.keyed[i].uniforms(j)[0] for i in active]  # type: ignore[union-attr]
+        tokens = sample_from_probs(
+            probs, torch.tensor(uniforms, dtype=torch.float64, device=probs.device)
+        ).tolist()
+        still = []
+        for i, token in zip(active, tokens, strict=True):
+            if j < nums[i] and token == drafts[draft_starts[i] + j]:
+                still.append(i)
+            else:
+                num_accepted[i], final[i] = j, token
+        active, j = still, j + 1
+    device = target_logits.device
+    return (
+        torch.tensor(num_accepted, dtype=torch.long, device=device),
+        torch.tensor(final, dtype=torch.long, device=device),
+    )
+
+
+def _probs_of_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """p of ``logits`` row r under ``params[r]``."""
+    if len({transform_key(p) for p in params}) == 1:
+        return logits_to_probs(logits, params[0])
+    return logits_to_probs_by_row(logits, list(params))
 
 
 def _verify_sampled(
@@ -261,14 +323,12 @@ def _verify_sampled(
 
 def _target_probs(target_logits: torch.Tensor, seqs: _Seqs) -> torch.Tensor:
     """p at every target row, each under its own sequence's sampling transforms."""
-    if len({transform_key(params) for params in seqs.sampling}) == 1:
-        return logits_to_probs(target_logits, seqs.sampling[0])
     row_params = [
         params
         for params, k in zip(seqs.sampling, seqs.num_draft_tokens, strict=True)
         for _ in range(k + 1)
     ]
-    return logits_to_probs_by_row(target_logits, row_params)
+    return _probs_of_rows(target_logits, row_params)
 
 
 @dataclass(frozen=True, slots=True)

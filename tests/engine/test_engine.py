@@ -269,6 +269,37 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(
     assert result is not None and result.token_ids == alone
 
 
+class RepeatLast(Proposer):
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        return [Proposal([r.token_ids[-1]] * r.num_tokens) for r in requests]
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_seeded_sampled_text_is_the_same_with_any_deterministic_proposer(
+    target: LoadedModel, adaptive: bool
+) -> None:
+    engine = make_engine(target, adaptive_speculation=adaptive)
+    engine.register_proposer("repeat-last", RepeatLast)
+    for prompt, seed in ((PROMPTS[0], 5), (PROMPTS[2], 6)):
+
+        def sample(proposer: str, k: int | None, prompt: list[int] = prompt, seed: int = seed):
+            params = GenerationParams.create(
+                max_new_tokens=30,
+                temperature=0.9,
+                top_p=0.95,
+                seed=seed,
+                proposer=proposer,
+                num_speculative_tokens=k,
+            )
+            return engine.generate(prompt_token_ids=prompt, params=params)
+
+        reference = sample("none", None).token_ids
+        for proposer, k in (("ngram", 1), ("ngram", 4), ("ngram", 8), ("repeat-last", 3)):
+            result = sample(proposer, k)
+            assert result.token_ids == reference, (proposer, k)
+        assert sample("ngram", 8).stats.draft_tokens_accepted > 0  # drafts were really verified
+
+
 class TooMany(Proposer):
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
         return [Proposal([1] * (r.num_tokens + 1)) for r in requests]

@@ -72,18 +72,18 @@ def test_state_learns_and_decays_back_to_the_prior() -> None:
     assert state.rate == pytest.approx(0.5, abs=1e-4)
 
 
-def test_greedy_requests_price_drafts_by_the_batch_sampled_by_their_own_round() -> None:
+def test_drafts_priced_by_the_step_or_by_the_request_own_round() -> None:
     policy = SpeculationPolicy(0.03)
     state = SpeculationState(accepted=3.0, rejected=3.0)  # rate 0.5
     state.update(num_proposed=2, num_accepted=0, num_committed=1)
     policy.record_step(committed=16, verified=40)  # eight busy neighbours
     assert draft_threshold(0.03, 16, 40, 0.0) == pytest.approx(0.218, abs=1e-3)
-    greedy = policy.num_drafts(state, 8, greedy=True)
-    sampled = policy.num_drafts(state, 8, greedy=False)
-    assert sampled == drafts_worth_asking(state.rate, draft_threshold(0.03, 1, 3, 0.0), 8)
-    assert greedy < sampled
+    by_step = policy.num_drafts(state, 8, by_step=True)
+    own = policy.num_drafts(state, 8, by_step=False)
+    assert own == drafts_worth_asking(state.rate, draft_threshold(0.03, 1, 3, 0.0), 8)
+    assert by_step < own
     # A costly proposer is asked for fewer drafts.
-    assert policy.num_drafts(state, 8, greedy=False, proposer_cost_per_token=0.3) < sampled
+    assert policy.num_drafts(state, 8, by_step=False, proposer_cost_per_token=0.3) < own
 
 
 def test_policy_rejects_a_bad_cost() -> None:
