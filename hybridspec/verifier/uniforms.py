@@ -54,7 +54,6 @@ class KeyedUniforms:
     key: int
     position: int
 
-    def uniforms(self, offset: int, count: int = 1) -> list[float]:
-        """The uniforms of positions ``position + offset .. + count - 1``."""
-        start = self.position + offset
-        return [position_uniform(self.key, p) for p in range(start, start + count)]
+    def uniform(self, offset: int) -> float:
+        """The uniform of position ``position + offset``."""
+        return position_uniform(self.key, self.position + offset)

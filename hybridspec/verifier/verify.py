@@ -266,15 +266,14 @@ def _verify_keyed(
     only the rows that decide a token are transformed and sampled.
     """
     nums = seqs.num_draft_tokens
-    first_rows = list(itertools.accumulate((k + 1 for k in nums[:-1]), initial=0))
-    draft_starts = list(itertools.accumulate(nums[:-1], initial=0))
+    draft_starts = list(itertools.accumulate(nums[:-1], initial=0))  # seq i's row j: start + i + j
     drafts = draft_token_ids.tolist()
     num_accepted, final = [0] * len(nums), [0] * len(nums)
     active, j = list(range(len(nums))), 0
     while active:
-        rows = torch.tensor([first_rows[i] + j for i in active], device=target_logits.device)
+        rows = torch.tensor([draft_starts[i] + i + j for i in active], device=target_logits.device)
         probs = _probs_of_rows(target_logits[rows], [seqs.sampling[i] for i in active])
-        uniforms = [seqs.keyed[i].uniforms(j)[0] for i in active]  # type: ignore[union-attr]
+        uniforms = [seqs.keyed[i].uniform(j) for i in active]  # type: ignore[union-attr]
         tokens = sample_from_probs(
             probs, torch.tensor(uniforms, dtype=torch.float64, device=probs.device)
         ).tolist()

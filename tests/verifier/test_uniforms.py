@@ -32,13 +32,14 @@ def test_uniforms_are_in_range_and_look_uniform() -> None:
     chi_square = float(((counts - 2000) ** 2 / 2000).sum())
     assert chi_square < 27.9  # 9 degrees of freedom, p = 0.001
     assert key_of(7) == key_of(7) != key_of(8)
-    assert KeyedUniforms(5, 10).uniforms(2, 3) == [position_uniform(5, p) for p in (12, 13, 14)]
+    keyed = KeyedUniforms(5, 10)
+    assert [keyed.uniform(o) for o in (2, 3, 4)] == [position_uniform(5, p) for p in (12, 13, 14)]
 
 
 def expected_tokens(logits: torch.Tensor, params: SamplingParams, keyed: KeyedUniforms) -> list:
     """Each row's token: the inverse-CDF sample of p at its position's uniform."""
     probs = logits_to_probs(logits, params)
-    u = torch.tensor(keyed.uniforms(0, logits.shape[0]), dtype=torch.float64)
+    u = torch.tensor([keyed.uniform(j) for j in range(logits.shape[0])], dtype=torch.float64)
     return sample_from_probs(probs, u).tolist()
 
 
