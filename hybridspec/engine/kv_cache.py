@@ -3,8 +3,10 @@
 Contents: ``SlotTable`` (which slots are taken, how full: host ints), ``KVCache`` (the tensors),
 the ways of attending over the cache (``OneSequenceAttention`` reads slice views of one slot;
 ``PaddedAttention`` reads several short spans as rows of a padded block; ``RaggedAttention``
-combines them for a batch: a prompt alone, short spans padded by length bucket), and
-``read_batch``, which checks a ``ForwardBatch`` for any runtime.
+combines them for a batch: a prompt alone, short spans padded by length bucket;
+``KernelAttention``, the CPU default, sends every row that gets logits through the
+row-invariant kernel of ``attention_kernels``), and ``read_batch``, which checks a
+``ForwardBatch`` for any runtime.
 
 Dimensions: ``num_layers`` decoder layers, ``max_num_seqs`` slots, ``num_kv_heads`` (``KV``)
 key/value heads, ``max_seq_len`` (``S``) positions per slot, ``head_dim`` (``hd``) channels per
@@ -23,11 +25,14 @@ next forward overwrites them.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybridspec.engine.attention_kernels import ITEM_COLUMNS, attend
 from hybridspec.engine.runtime import ForwardBatch
 from hybridspec.errors import CapacityError
 
@@ -126,6 +131,10 @@ class KVCache:
     sequences actually use. Uninitialised memory may hold NaN bit patterns, which would survive
     masking in attention (0 * NaN = NaN); readers that look past a slot's length (the padded
     ragged path) first call ``make_finite``, which zero-fills once up to where they read.
+
+    ``transposed_keys`` stores keys as ``[layers, slots, KV, hd, S]`` (values keep ``[..., S,
+    hd]``), the layout the row-invariant kernel reads (``attention_kernels``); ``key_view``
+    gives them in the usual ``[KV, L, hd]`` order either way.
     """
 
     def __init__(
@@ -138,14 +147,21 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        transposed_keys: bool = False,
     ) -> None:
         self.slots = SlotTable(max_num_seqs, max_seq_len)
         shape = (num_layers, max_num_seqs, num_kv_heads, max_seq_len, head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.transposed_keys = transposed_keys
+        key_shape = (*shape[:3], head_dim, max_seq_len) if transposed_keys else shape
+        self.keys = torch.empty(key_shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         # Per-layer views, indexed once here rather than on every layer of every forward.
         self.layer_keys: tuple[torch.Tensor, ...] = tuple(self.keys.unbind(0))
         self.layer_values: tuple[torch.Tensor, ...] = tuple(self.values.unbind(0))
+        # numpy views of the same memory for ``KernelAttention`` (CPU, transposed keys only).
+        kernel_ready = transposed_keys and torch.device(device).type == "cpu"
+        self.kernel_keys = tuple(map(numpy_view, self.layer_keys)) if kernel_ready else ()
+        self.kernel_values = tuple(map(numpy_view, self.layer_values)) if kernel_ready else ()
         # Per slot: positions [0, n) have been written or zeroed at least once, so hold finite
         # values. Writes always start at the slot's length, so this is at least that length.
         self._finite_len = [0] * max_num_seqs
@@ -160,9 +176,45 @@ class KVCache:
         """Zero-fill positions of ``slot`` never written before, up to ``end`` (all layers)."""
         start = self._finite_len[slot]
         if start < end:
-            self.keys[:, slot, :, start:end].zero_()
+            keys = self.keys[:, slot]
+            (keys[..., start:end] if self.transposed_keys else keys[:, :, start:end]).zero_()
             self.values[:, slot, :, start:end].zero_()
             self._finite_len[slot] = end
+
+    def key_view(self, layer: int, slot: int, end: int) -> torch.Tensor:
+        """Keys of positions ``0 .. end - 1`` of ``slot`` at ``layer``, ``[KV, end, hd]``: a
+        view, or a contiguous copy when keys are stored transposed (SDPA on CPU runs about a
+        quarter slower on the transposed view than on the copy)."""
+        keys = self.layer_keys[layer][slot]
+        if self.transposed_keys:
+            return keys[..., :end].transpose(-1, -2).contiguous()
+        return keys[:, :end]
+
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v [n, KV, hd]`` at positions ``start .. start + n - 1`` of ``slot``."""
+        end = start + k.shape[0]
+        keys = self.layer_keys[layer][slot]
+        if self.transposed_keys:
+            keys[..., start:end] = k.permute(1, 2, 0)
+        else:
+            keys[:, start:end] = k.transpose(0, 1)
+        self.layer_values[layer][slot][:, start:end] = v.transpose(0, 1)
+
+    def scatter(
+        self,
+        layer: int,
+        token_slots: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Store token ``t``'s ``k[t], v[t] [KV, hd]`` at ``positions[t]`` of ``token_slots[t]``."""
+        keys = self.layer_keys[layer]
+        if self.transposed_keys:
+            keys[token_slots, :, :, positions] = k  # advanced dims first: [T, KV, hd]
+        else:
+            keys[token_slots, :, positions] = k
+        self.layer_values[layer][token_slots, :, positions] = v
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -206,13 +258,12 @@ class OneSequenceAttention:
         # q [n, H, hd], k and v [n, KV, hd] -> [n, H hd]
         n, num_heads, hd = q.shape
         num_kv = k.shape[1]
-        keys = self.cache.layer_keys[layer][self.slot]  # [KV, S, hd]
-        values = self.cache.layer_values[layer][self.slot]
-        keys[:, self.start : self.end] = k.transpose(0, 1)
-        values[:, self.start : self.end] = v.transpose(0, 1)
+        self.cache.write(layer, self.slot, self.start, k, v)
+        keys = self.cache.key_view(layer, self.slot, self.end)  # [KV, L, hd]
+        values = self.cache.layer_values[layer][self.slot][:, : self.end]
         q = q.view(n, num_kv, self.rep, hd).transpose(0, 1).reshape(1, num_kv, n * self.rep, hd)
         out = F.scaled_dot_product_attention(
-            q, keys[None, :, : self.end], values[None, :, : self.end], attn_mask=self.mask
+            q, keys[None], values[None], attn_mask=self.mask
         )  # [1, KV, n * rep, hd]
         return out.view(num_kv, n, self.rep, hd).transpose(0, 1).reshape(n, num_heads * hd)
 
@@ -293,8 +344,9 @@ class PaddedAttention:
         num_tokens, num_heads, hd = q.shape
         num_kv, num_rows = k.shape[1], self.num_rows
         layer_keys, layer_values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
-        layer_keys[self.token_slots, :, self.positions] = k  # advanced dims first: [T, KV, hd]
-        layer_values[self.token_slots, :, self.positions] = v
+        self.cache.scatter(layer, self.token_slots, self.positions, k, v)
+        if self.cache.transposed_keys:
+            layer_keys = layer_keys.transpose(-1, -2)
         padded = q.new_zeros(num_rows, self.max_new, num_heads, hd)
         padded[self.block_row, self.row] = q
         padded = padded.view(num_rows, self.max_new, num_kv, self.rep, hd).transpose(1, 2)
@@ -371,7 +423,122 @@ class RaggedAttention:
         return out
 
 
-Attention = OneSequenceAttention | PaddedAttention | RaggedAttention
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array for the kernels: bfloat16 as its uint16 bits."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
+
+
+class KernelAttention:
+    """Attention for any batch on CPU, each decoding row through the row-invariant kernel.
+
+    Of each span of ``n`` new tokens, the rows from ``kernel_from`` on (the ones that get
+    logits: a decoding span's last committed token and its drafts) attend through
+    ``attention_kernels.attend``, so their outputs do not depend on the drafts, the batch or
+    the split into items; a greedy request's text is then the same with any proposer, K or
+    batch. Rows before ``kernel_from`` (prompt tokens fed before the first logits row, or a
+    whole prefill chunk, which gets none) attend through SDPA, one call per sequence, as in
+    ``OneSequenceAttention``: the same prompt rows make the same call with any proposer, and
+    SDPA is several times faster on hundreds of rows.
+
+    Kernel rows are split into items of at most ``MAX_ITEM_TOKENS`` consecutive tokens per
+    key/value head, so that a verify span of 9 tokens gives 9 items to share between threads.
+    Requires ``cache.transposed_keys``.
+
+    Worked example: spans of 230 tokens with logits for the last 9 (a prompt fed with 8
+    drafts) and of 1 token (a plain decode), 3 key/value heads: rows 0..220 of the first span
+    attend through one SDPA call; its rows 221..229 form 3 items of 3 tokens per head, and the
+    second span 1 item per head: 12 items in one kernel call.
+    """
+
+    MAX_ITEM_TOKENS = 4
+
+    def __init__(
+        self,
+        cache: KVCache,
+        slots: list[int],
+        starts: list[int],
+        num_new: list[int],
+        kernel_from: list[int],
+        rep: int,
+    ) -> None:
+        if not cache.transposed_keys:
+            raise ValueError("cache: KernelAttention reads keys transposed (transposed_keys)")
+        self.cache = cache
+        offsets = [0, *itertools.accumulate(num_new)]
+        self.positions = torch.cat(
+            [torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
+        )  # [T]
+        self.prompt_parts: list[tuple[slice, OneSequenceAttention]] = []
+        items: list[tuple[int, int, int, int, int]] = []
+        kernel_tokens: list[int] = []
+        num_kv = cache.keys.shape[2]
+        for i, (slot, start, n, first) in enumerate(
+            zip(slots, starts, num_new, kernel_from, strict=True)
+        ):
+            if first > 0:
+                part = OneSequenceAttention(cache, slot, start, first, rep)
+                self.prompt_parts.append((slice(offsets[i], offsets[i] + first), part))
+            num = n - first
+            if num <= 0:
+                continue
+            kernel_tokens.extend(range(offsets[i] + first, offsets[i] + n))
+            blocks = -(-num // self.MAX_ITEM_TOKENS)
+            size = -(-num // blocks)
+            for b in range(first, n, size):
+                count = min(size, n - b)
+                for head in range(num_kv):
+                    items.append((slot, head, offsets[i] + b, start + b, count))
+        self.items = np.array(items, dtype=np.int32).reshape(-1, ITEM_COLUMNS)
+        self.all_kernel = len(kernel_tokens) == offsets[-1]
+        index = torch.tensor(kernel_tokens, dtype=torch.long)
+        self.kernel_tokens: torch.Tensor | slice = slice(None) if self.all_kernel else index
+        # One sequence writes its kernel rows as a slice (an index_put costs ~10 us per call).
+        self.single: tuple[int, int] | None = None
+        if len(slots) == 1:
+            self.single = (slots[0], starts[0] + kernel_from[0])
+        token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(num_new))
+        self.kernel_slots = token_slots[index]
+        self.kernel_positions = self.positions[index]
+        self.scale = np.float32(1.0 / math.sqrt(cache.keys.shape[3]))
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q [T, H, hd], k and v [T, KV, hd] -> [T, H hd]
+        num_tokens, num_heads, hd = q.shape
+        parts = [
+            (tokens, part(layer, q[tokens], k[tokens], v[tokens]))
+            for tokens, part in self.prompt_parts
+        ]
+        if len(self.items) == 0:
+            out = q.new_empty(num_tokens, num_heads * hd)
+        else:
+            tokens = self.kernel_tokens
+            if self.single is not None:
+                slot, position = self.single
+                self.cache.write(layer, slot, position, k[tokens], v[tokens])
+            else:
+                self.cache.scatter(
+                    layer, self.kernel_slots, self.kernel_positions, k[tokens], v[tokens]
+                )
+            out_f = np.empty((num_tokens, num_heads, hd), dtype=np.float32)
+            attend(
+                numpy_view(q.float().contiguous()),
+                self.cache.kernel_keys[layer],
+                self.cache.kernel_values[layer],
+                self.items,
+                self.scale,
+                out_f,
+            )
+            out = torch.from_numpy(out_f).view(num_tokens, num_heads * hd).to(q.dtype)
+        for tokens, part_out in parts:
+            out[tokens] = part_out
+        return out
+
+
+Attention = OneSequenceAttention | PaddedAttention | RaggedAttention | KernelAttention
 
 
 @dataclass(frozen=True, slots=True)

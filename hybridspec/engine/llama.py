@@ -17,6 +17,8 @@ the LM head runs only at ``logits_indices``.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import math
 from collections.abc import Mapping
@@ -29,6 +31,7 @@ from transformers import PretrainedConfig
 
 from hybridspec.engine.kv_cache import (
     Attention,
+    KernelAttention,
     KVCache,
     OneSequenceAttention,
     RaggedAttention,
@@ -39,6 +42,9 @@ from hybridspec.engine.runtime import ForwardBatch
 logger = logging.getLogger(__name__)
 
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3")
+# oneDNN sums a row over more than this many input features in another order when the row is
+# alone than when it has company (PackedLinear docstring).
+ONE_ROW_MAX_IN_FEATURES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,13 +256,22 @@ class PackedLinear:
     development CPU, a whole forward after a 300-token context, relative to one token: 2 tokens
     1.10 -> 1.03 (3 tokens: 1.01). Each row's result is unchanged (oneDNN's rows are
     independent), so outputs are identical.
+
+    One row also goes through as three when the weight has more than
+    ``ONE_ROW_MAX_IN_FEATURES`` input features: oneDNN then sums a lone row in another order
+    than a row among 3 or more (measured: 6 to 49 of 128 rows differ in bfloat16 for 1088 to
+    1536 features, none for 576 to 1024), so a token decoded alone would come out slightly
+    different from the same token verified among drafts. With the padding every row is
+    computed the same way in any call (``tests/engine/test_invariance.py``); it costs about
+    8 us per call (SmolLM2's down projection, 1536 features).
     """
 
-    __slots__ = ("packed", "weight")
+    __slots__ = ("packed", "pad_one_row", "weight")
 
     def __init__(self, weight: torch.Tensor, *, prepack: bool) -> None:
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
+        self.pad_one_row = weight.shape[1] > ONE_ROW_MAX_IN_FEATURES
         if prepack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
             try:  # batch-size hint 1: decode; measured as fast or faster for 9..256 rows too
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
@@ -268,14 +283,31 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            if x.shape[0] == 2:  # oneDNN is slow for exactly two rows (class docstring)
-                return self._packed(torch.cat((x, x[:1])))[:2]
+            rows = x.shape[0]
+            if rows == 2 or (rows == 1 and self.pad_one_row):  # see the class docstring
+                return self._packed(torch.cat((x, x[:1].expand(3 - rows, -1))))[:rows]
             return self._packed(x)
         assert self.weight is not None
         return F.linear(x, self.weight)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+def first_logits_rows(num_new: list[int], logits_indices: torch.Tensor | None) -> list[int]:
+    """Per sequence of a batch, the index within its span of its first row with logits (the
+    span's length when it has none; 0 for all when ``logits_indices`` is None: every row).
+
+    Example: spans of 5 and 3 tokens, logits at rows [3, 4, 7]: [3, 2].
+    """
+    if logits_indices is None:
+        return [0] * len(num_new)
+    first = list(num_new)
+    offsets = [0, *itertools.accumulate(num_new)]
+    for row in logits_indices.tolist():
+        seq = bisect.bisect_right(offsets, row) - 1
+        first[seq] = min(first[seq], row - offsets[seq])
+    return first
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,10 +347,21 @@ class LlamaRuntime:
         max_seq_len: int,
         *,
         prepack: bool | None = None,
+        invariant_attention: bool | None = None,
     ) -> None:
         dims = weights.dims
         self.weights = weights
-        prepack = weights.device.type == "cpu" if prepack is None else prepack
+        on_cpu = weights.device.type == "cpu"
+        prepack = on_cpu if prepack is None else prepack
+        kernel_dtypes = (torch.bfloat16, torch.float32)
+        if invariant_attention is None:
+            invariant_attention = on_cpu and weights.dtype in kernel_dtypes
+        if invariant_attention and not (on_cpu and weights.dtype in kernel_dtypes):
+            raise ValueError(
+                "invariant_attention: the row-invariant kernel runs on CPU in bfloat16 or "
+                f"float32, not on {weights.device.type} in {weights.dtype}"
+            )
+        self.invariant_attention = invariant_attention
         self._layers = tuple(_RuntimeLayer.of(layer, prepack) for layer in weights.layers)
         self._lm_head = PackedLinear(weights.lm_head, prepack=prepack)
         self._cache = KVCache(
@@ -329,6 +372,7 @@ class LlamaRuntime:
             head_dim=dims.head_dim,
             dtype=weights.dtype,
             device=weights.device,
+            transposed_keys=invariant_attention,
         )
         self._slots = self._cache.slots
         self._rope = rope_tables(weights.inv_freq, max_seq_len, weights.dtype)  # [2, S, 1, hd]
@@ -373,7 +417,12 @@ class LlamaRuntime:
         starts = self._slots.reserve(host.slots, host.num_new_tokens)
         with torch.inference_mode():
             logits = self._forward(
-                host.token_ids, host.slots, starts, host.num_new_tokens, host.logits_indices
+                host.token_ids,
+                host.slots,
+                starts,
+                host.num_new_tokens,
+                host.logits_indices,
+                first_logits_rows(host.num_new_tokens, host.logits_indices),
             )
         self._cache.commit(
             host.slots, [s + n for s, n in zip(starts, host.num_new_tokens, strict=True)]
@@ -387,10 +436,17 @@ class LlamaRuntime:
         starts: list[int],
         num_new: list[int],
         logits_indices: torch.Tensor | None,  # [num_logits]
+        kernel_from: list[int],  # per sequence: its first row with logits (n: none)
     ) -> torch.Tensor:
         device = self.device
         attention: Attention
-        if len(slots) == 1:
+        if self.invariant_attention:
+            attention = KernelAttention(self._cache, slots, starts, num_new, kernel_from, self._rep)
+            if len(slots) == 1:
+                cos, sin = self._rope[:, starts[0] : starts[0] + num_new[0]]  # [T, 1, hd] views
+            else:
+                cos, sin = self._rope[:, attention.positions]
+        elif len(slots) == 1:
             attention = OneSequenceAttention(
                 self._cache, slots[0], starts[0], num_new[0], self._rep
             )

@@ -207,13 +207,14 @@ def test_rollback_matches_fresh_prefill_and_continues_identically() -> None:
     fresh = native(model)
     fresh_slot = fresh.allocate()
     fresh.forward(ForwardBatch.from_lists([fresh_slot], [ids[:23]]))
-    for cache, ref in (
-        (runtime._cache.keys, fresh._cache.keys),
-        (runtime._cache.values, fresh._cache.values),
-    ):
+    got, want = runtime._cache, fresh._cache
+    for layer in range(got.keys.shape[0]):
         torch.testing.assert_close(
-            cache[:, slot, :, :23], ref[:, fresh_slot, :, :23], atol=1e-5, rtol=0
+            got.key_view(layer, slot, 23), want.key_view(layer, fresh_slot, 23), atol=1e-5, rtol=0
         )
+    torch.testing.assert_close(
+        got.values[:, slot, :, :23], want.values[:, fresh_slot, :, :23], atol=1e-5, rtol=0
+    )
     torch.testing.assert_close(
         run_chunks(runtime, slot, [ids[23:30], ids[30:31]]),
         run_chunks(fresh, fresh_slot, [ids[23:30], ids[30:31]]),

@@ -1,0 +1,156 @@
+"""Row invariance on CPU: a token's logits are bit-identical however it is batched.
+
+Greedy speculative decoding gives plain decoding's text only if verifying a token among drafts
+computes it exactly as decoding it alone. These tests check the pieces that make it so in
+bfloat16 (``attention_kernels.attend``, ``kv_cache.KernelAttention``, ``llama.PackedLinear``'s
+one-row padding) and the result through the engine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig
+from hybridspec.engine.attention_kernels import attend
+from hybridspec.engine.kv_cache import numpy_view
+from hybridspec.engine.llama import (
+    ONE_ROW_MAX_IN_FEATURES,
+    LlamaRuntime,
+    LlamaWeights,
+    PackedLinear,
+)
+from hybridspec.engine.loader import LoadedModel
+from hybridspec.engine.runtime import ForwardBatch
+
+VOCAB = 64
+
+
+def reference_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int
+) -> torch.Tensor:
+    """float64 softmax attention of ``q [H, hd]`` over positions ``0 .. position``."""
+    rep = q.shape[0] // keys.shape[0]
+    k = keys[:, : position + 1].double().repeat_interleave(rep, 0)  # [H, L, hd]
+    v = values[:, : position + 1].double().repeat_interleave(rep, 0)
+    scores = torch.einsum("hd,hld->hl", q.double(), k) / q.shape[-1] ** 0.5
+    return torch.einsum("hl,hld->hd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_softmax_attention_and_ignores_memory_past_each_row(
+    dtype: torch.dtype,
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    slots, kv, rep, hd, max_len = 2, 2, 3, 16, 40
+    keys = torch.randn(slots, kv, max_len, hd, generator=gen).to(dtype)
+    values = torch.randn(slots, kv, max_len, hd, generator=gen).to(dtype)
+    keys[1, :, 20:] = float("nan")  # stale or never-written memory past the rows' positions
+    values[1, :, 20:] = float("nan")
+    keys_t = keys.transpose(-1, -2).contiguous()
+    # slot 0: tokens at positions 30..34 (one item of 5); slot 1: positions 17..19 (2 items)
+    spans = [(0, 30, 5), (1, 17, 2), (1, 19, 1)]
+    items = []
+    token = 0
+    for slot, position, count in spans:
+        items += [(slot, head, token, position, count) for head in range(kv)]
+        token += count
+    q = torch.randn(token, kv * rep, hd, generator=gen)
+    out = np.full((token, kv * rep, hd), np.nan, dtype=np.float32)
+    scale = np.float32(hd**-0.5)
+    attend(q.numpy(), numpy_view(keys_t), numpy_view(values), np.array(items, np.int32), scale, out)
+    token = 0
+    for slot, position, count in spans:
+        for i in range(count):
+            want = reference_attention(q[token], keys[slot], values[slot], position + i)
+            torch.testing.assert_close(
+                torch.from_numpy(out[token]).double(), want, atol=2e-6, rtol=2e-6
+            )
+            token += 1
+
+
+@pytest.mark.parametrize("in_features", [576, ONE_ROW_MAX_IN_FEATURES + 512])
+def test_packed_linear_computes_a_row_alike_alone_and_among_others(in_features: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(576, in_features, generator=gen).to(torch.bfloat16)
+    linear = PackedLinear(weight, prepack=True)
+    x = torch.randn(40, in_features, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
+    for rows in (2, 3, 9, 17, 40):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+
+
+def tiny_bf16_config() -> LlamaConfig:
+    # intermediate_size > ONE_ROW_MAX_IN_FEATURES: the down projection takes the padded path.
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=ONE_ROW_MAX_IN_FEATURES + 256,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+
+
+def bf16_runtime(max_num_seqs: int = 4) -> LlamaRuntime:
+    torch.manual_seed(2)
+    config = tiny_bf16_config()
+    model = LlamaForCausalLM(config).eval()
+    weights = LlamaWeights.from_hf_state_dict(model.state_dict(), config, dtype=torch.bfloat16)
+    return LlamaRuntime(weights, max_num_seqs, 256)
+
+
+def test_bfloat16_logits_do_not_depend_on_drafts_or_batch() -> None:
+    runtime = bf16_runtime()
+    assert runtime.invariant_attention
+    ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    slot, other = runtime.allocate(), runtime.allocate()
+    runtime.forward(ForwardBatch.from_lists([other], [ids[5:50]], logits_indices=[]))
+    # plain decoding: the prompt (logits for its last row), then one token per forward
+    decoded = [runtime.forward(ForwardBatch.from_lists([slot], [ids[:40]], logits_indices=[39]))]
+    for i in range(40, 49):
+        decoded.append(runtime.forward(ForwardBatch.from_lists([slot], [[ids[i]]])))
+    plain = torch.cat(decoded)  # logits of positions 39..48
+    runtime.truncate(slot, 40)
+    verified = runtime.forward(ForwardBatch.from_lists([slot], [ids[40:49]]))
+    assert torch.equal(verified, plain[1:])
+    runtime.truncate(slot, 40)
+    # the same 9 tokens beside a 3-token span of another sequence, in one forward
+    batch = ForwardBatch.from_lists([other, slot], [ids[50:53], ids[40:49]])
+    assert torch.equal(runtime.forward(batch)[3:], plain[1:])
+    # a prompt fed with 9 drafts, as the engine's first round does: rows before the first
+    # logits row go through SDPA as plain decoding's prompt did, the rest as decoded
+    fresh = bf16_runtime()
+    fresh_slot = fresh.allocate()
+    logits = fresh.forward(
+        ForwardBatch.from_lists([fresh_slot], [ids[:49]], logits_indices=list(range(39, 49)))
+    )
+    assert torch.equal(logits, plain)
+
+
+def test_greedy_ngram_text_equals_plain_decoding_in_bfloat16() -> None:
+    runtime = bf16_runtime(max_num_seqs=2)
+    target = LoadedModel(runtime.weights, None, tiny_bf16_config(), torch.bfloat16, (), "tiny")  # type: ignore[arg-type]
+    engine = Engine(
+        EngineConfig(target=ModelConfig(dtype="bfloat16", max_seq_len=256, max_num_seqs=2)),
+        target=target,
+    )
+    # a repetitive prompt, so that the n-gram proposer finds drafts and some are accepted
+    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(4)).tolist() * 4
+    texts = {}
+    for proposer, k in (("none", None), ("ngram", 3), ("ngram", 8)):
+        result = engine.generate(
+            prompt_token_ids=prompt,
+            params=GenerationParams.create(
+                max_new_tokens=80, temperature=0.0, proposer=proposer, num_speculative_tokens=k
+            ),
+        )
+        texts[(proposer, k)] = list(result.token_ids)
+        if proposer == "ngram":
+            assert result.stats.draft_tokens_accepted > 0
+    assert texts[("ngram", 3)] == texts[("none", None)]
+    assert texts[("ngram", 8)] == texts[("none", None)]
