@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-__all__ = ["ITEM_COLUMNS", "attend", "fast_exp", "widen"]
+__all__ = ["ITEM_COLUMNS", "attend", "fast_exp", "widen", "widen_row"]
 
 # Columns of the int32 ``items`` array: cache slot, key/value head, index of the item's first
 # query token in ``q``, position of that token in its sequence, number of consecutive tokens.
@@ -57,6 +57,13 @@ def _widen_overload(x):  # numba compares parameter lists: no annotations
     if isinstance(x, types.Float):
         return lambda x: np.float32(x)
     return None
+
+
+@njit(inline="always", cache=True)
+def widen_row(source, target):  # numba-typed; no annotations
+    """``target[i] = widen(source[i])`` for the first ``len(target)`` elements."""
+    for i in range(target.shape[0]):
+        target[i] = widen(source[i])
 
 
 @njit(inline="always", cache=True)
@@ -96,9 +103,7 @@ def attend(q, keys_t, values, items, scale, out):  # numba-typed; no annotations
         scores = np.empty((rows, width), _F32)
         keys_f = np.empty(width, _F32)
         for d in range(hd):
-            key_row = keys_t[slot, head, d]
-            for j in range(width):
-                keys_f[j] = widen(key_row[j])
+            widen_row(keys_t[slot, head, d], keys_f)
             for m in range(rows):
                 qd = q[token0 + m // rep, head * rep + m % rep, d] * scale
                 if d == 0:
@@ -122,9 +127,7 @@ def attend(q, keys_t, values, items, scale, out):  # numba-typed; no annotations
         acc = np.zeros((rows, hd), _F32)
         value_f = np.empty(hd, _F32)
         for j in range(width):
-            value_row = values[slot, head, j]
-            for d in range(hd):
-                value_f[d] = widen(value_row[d])
+            widen_row(values[slot, head, j], value_f)
             # rows whose token sees position j: all when j <= position0, else from token j - p0
             first = 0 if j <= position0 else (j - position0) * rep
             for m in range(first, rows):

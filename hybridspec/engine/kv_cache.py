@@ -491,16 +491,18 @@ class KernelAttention:
                 for head in range(num_kv):
                     items.append((slot, head, offsets[i] + b, start + b, count))
         self.items = np.array(items, dtype=np.int32).reshape(-1, ITEM_COLUMNS)
-        self.all_kernel = len(kernel_tokens) == offsets[-1]
         index = torch.tensor(kernel_tokens, dtype=torch.long)
-        self.kernel_tokens: torch.Tensor | slice = slice(None) if self.all_kernel else index
-        # One sequence writes its kernel rows as a slice (an index_put costs ~10 us per call).
+        all_kernel = len(kernel_tokens) == offsets[-1]
+        self.kernel_tokens: torch.Tensor | slice = slice(None) if all_kernel else index
+        # One sequence writes its kernel rows as a slice (an index_put costs ~10 us per call);
+        # several scatter them by (slot, position).
         self.single: tuple[int, int] | None = None
         if len(slots) == 1:
             self.single = (slots[0], starts[0] + kernel_from[0])
-        token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(num_new))
-        self.kernel_slots = token_slots[index]
-        self.kernel_positions = self.positions[index]
+        else:
+            token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(num_new))
+            self.kernel_slots = token_slots[index]
+            self.kernel_positions = self.positions[index]
         self.scale = np.float32(1.0 / math.sqrt(cache.keys.shape[3]))
 
     def __call__(

@@ -422,7 +422,6 @@ class LlamaRuntime:
                 starts,
                 host.num_new_tokens,
                 host.logits_indices,
-                first_logits_rows(host.num_new_tokens, host.logits_indices),
             )
         self._cache.commit(
             host.slots, [s + n for s, n in zip(starts, host.num_new_tokens, strict=True)]
@@ -436,23 +435,22 @@ class LlamaRuntime:
         starts: list[int],
         num_new: list[int],
         logits_indices: torch.Tensor | None,  # [num_logits]
-        kernel_from: list[int],  # per sequence: its first row with logits (n: none)
     ) -> torch.Tensor:
         device = self.device
         attention: Attention
         if self.invariant_attention:
+            kernel_from = first_logits_rows(num_new, logits_indices)
             attention = KernelAttention(self._cache, slots, starts, num_new, kernel_from, self._rep)
-            if len(slots) == 1:
-                cos, sin = self._rope[:, starts[0] : starts[0] + num_new[0]]  # [T, 1, hd] views
-            else:
-                cos, sin = self._rope[:, attention.positions]
         elif len(slots) == 1:
             attention = OneSequenceAttention(
                 self._cache, slots[0], starts[0], num_new[0], self._rep
             )
-            cos, sin = self._rope[:, starts[0] : starts[0] + num_new[0]]  # [T, 1, hd] views
         else:
             attention = RaggedAttention(self._cache, slots, starts, num_new, self._rep)
+        if len(slots) == 1:
+            cos, sin = self._rope[:, starts[0] : starts[0] + num_new[0]]  # [T, 1, hd] views
+        else:
+            assert not isinstance(attention, OneSequenceAttention)
             cos, sin = self._rope[:, attention.positions]
         x = F.embedding(token_ids.to(device, non_blocking=True), self.weights.embed)  # [T, D]
         for i, layer in enumerate(self._layers):
