@@ -71,6 +71,34 @@ def test_kernel_matches_softmax_attention_and_ignores_memory_past_each_row(
             token += 1
 
 
+@pytest.mark.parametrize("hd", [20, 64])  # 20: dims left over after the groups of 8
+def test_kernel_computes_a_row_alike_alone_and_in_any_item(hd: int) -> None:
+    gen = torch.Generator().manual_seed(4)
+    kv, rep, max_len, tokens = 2, 3, 64, 12
+    kernel_keys = numpy_view(torch.randn(1, kv, hd, max_len, generator=gen).to(torch.bfloat16))
+    kernel_values = numpy_view(torch.randn(1, kv, max_len, hd, generator=gen).to(torch.bfloat16))
+    q = torch.randn(tokens, kv * rep, hd, generator=gen).numpy()
+    scale = np.float32(hd**-0.5)
+
+    def run(queries: np.ndarray, first_position: int, counts: list[int]) -> np.ndarray:
+        """Attention of ``queries`` at positions first_position.., in items of ``counts``."""
+        items, token = [], 0
+        for count in counts:
+            items += [(0, h, token, first_position + token, count) for h in range(kv)]
+            token += count
+        out = np.full(queries.shape, np.nan, dtype=np.float32)
+        attend(queries, kernel_keys, kernel_values, np.array(items, np.int32), scale, out)
+        return out
+
+    # first positions and lengths cross the groups of 8 positions and the 16 sum lanes
+    for first in (0, 5, 7, 15, 16, 30, 45):
+        alone = np.concatenate([run(q[t : t + 1], first + t, [1]) for t in range(tokens)])
+        assert not np.isnan(alone).any()
+        for counts in ([tokens], [4, 4, 4], [5, 7], [1, 11], [3, 2, 6, 1]):
+            together = run(q, first, counts)
+            assert together.tobytes() == alone.tobytes(), (first, counts)
+
+
 @pytest.mark.parametrize("in_features", [576, ONE_ROW_MAX_IN_FEATURES + 512])
 def test_packed_linear_computes_a_row_alike_alone_and_among_others(in_features: int) -> None:
     gen = torch.Generator().manual_seed(1)
