@@ -17,8 +17,6 @@ the LM head runs only at ``logits_indices``.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
 import math
 from collections.abc import Mapping
@@ -294,22 +292,6 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
-def first_logits_rows(num_new: list[int], logits_indices: torch.Tensor | None) -> list[int]:
-    """Per sequence of a batch, the index within its span of its first row with logits (the
-    span's length when it has none; 0 for all when ``logits_indices`` is None: every row).
-
-    Example: spans of 5 and 3 tokens, logits at rows [3, 4, 7]: [3, 2].
-    """
-    if logits_indices is None:
-        return [0] * len(num_new)
-    first = list(num_new)
-    offsets = [0, *itertools.accumulate(num_new)]
-    for row in logits_indices.tolist():
-        seq = bisect.bisect_right(offsets, row) - 1
-        first[seq] = min(first[seq], row - offsets[seq])
-    return first
-
-
 @dataclass(frozen=True, slots=True)
 class _RuntimeLayer:
     """One decoder layer's weights as the runtime uses them (matmul weights maybe prepacked)."""
@@ -439,8 +421,7 @@ class LlamaRuntime:
         device = self.device
         attention: Attention
         if self.invariant_attention:
-            kernel_from = first_logits_rows(num_new, logits_indices)
-            attention = KernelAttention(self._cache, slots, starts, num_new, kernel_from, self._rep)
+            attention = KernelAttention(self._cache, slots, starts, num_new, self._rep)
         elif len(slots) == 1:
             attention = OneSequenceAttention(
                 self._cache, slots[0], starts[0], num_new[0], self._rep

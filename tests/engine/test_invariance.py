@@ -150,14 +150,25 @@ def test_bfloat16_logits_do_not_depend_on_drafts_or_batch() -> None:
     # the same 9 tokens beside a 3-token span of another sequence, in one forward
     batch = ForwardBatch.from_lists([other, slot], [ids[50:53], ids[40:49]])
     assert torch.equal(runtime.forward(batch)[3:], plain[1:])
-    # a prompt fed with 9 drafts, as the engine's first round does: rows before the first
-    # logits row go through SDPA as plain decoding's prompt did, the rest as decoded
+    # a prompt fed with 9 drafts, as the engine's first round does
     fresh = bf16_runtime()
     fresh_slot = fresh.allocate()
     logits = fresh.forward(
         ForwardBatch.from_lists([fresh_slot], [ids[:49]], logits_indices=list(range(39, 49)))
     )
     assert torch.equal(logits, plain)
+    # the prompt split into chunks (as a prefill budget splits it), the last chunk batched
+    # beside another sequence's prompt
+    fresh.truncate(fresh_slot, 0)
+    fresh.forward(ForwardBatch.from_lists([fresh_slot], [ids[:17]], logits_indices=[]))
+    fresh.forward(ForwardBatch.from_lists([fresh_slot], [ids[17:30]], logits_indices=[]))
+    neighbour = fresh.allocate()
+    chunked = fresh.forward(
+        ForwardBatch.from_lists(
+            [neighbour, fresh_slot], [ids[3:40], ids[30:40]], logits_indices=[36, 46]
+        )
+    )
+    assert torch.equal(chunked[1:], plain[:1])
 
 
 def test_greedy_ngram_text_equals_plain_decoding_in_bfloat16() -> None:
