@@ -183,8 +183,11 @@ class KVCache:
 
     def key_view(self, layer: int, slot: int, end: int) -> torch.Tensor:
         """Keys of positions ``0 .. end - 1`` of ``slot`` at ``layer``, ``[KV, end, hd]``: a
-        view, or a contiguous copy when keys are stored transposed (SDPA on CPU runs about a
-        quarter slower on the transposed view than on the copy)."""
+        view, or a contiguous copy when keys are stored transposed.
+
+        The SDPA paths (``OneSequenceAttention``, ``PaddedAttention``, ``make_finite``) handle
+        both layouts, though the runtime pairs a transposed cache only with
+        ``KernelAttention``; the tests read either layout through this."""
         keys = self.layer_keys[layer][slot]
         if self.transposed_keys:
             return keys[..., :end].transpose(-1, -2).contiguous()
