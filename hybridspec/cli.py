@@ -9,7 +9,6 @@ import sys
 from collections.abc import Sequence
 
 from hybridspec.config import (
-    DEFAULT_FREE_VERIFY_TOKENS,
     DEFAULT_VERIFY_TOKEN_COST,
     DTYPES,
     MAX_SPECULATIVE_TOKENS,
@@ -56,16 +55,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--verify-token-cost",
         type=_cost,
         default=DEFAULT_VERIFY_TOKEN_COST,
-        help="cost of verifying one more token past the free ones, relative to a forward, for "
-        "adaptive speculation; 'auto' times it at start-up "
-        f"(default {DEFAULT_VERIFY_TOKEN_COST}, from a 2-core CPU)",
-    )
-    group.add_argument(
-        "--free-verify-tokens",
-        type=int,
-        default=DEFAULT_FREE_VERIFY_TOKENS,
-        help="tokens a forward verifies at the cost of one, for adaptive speculation "
-        f"(default {DEFAULT_FREE_VERIFY_TOKENS}, from a 2-core CPU; 1: a linear cost)",
+        help="cost of verifying one more token relative to a forward, for adaptive speculation; "
+        f"'auto' times it at start-up (default {DEFAULT_VERIFY_TOKEN_COST}, from a 2-core CPU)",
     )
 
 
@@ -92,7 +83,6 @@ def engine_config(args: argparse.Namespace, default_proposer: str, default_k: in
         default_num_speculative_tokens=default_k,
         adaptive_speculation=not args.fixed_k,
         verify_token_cost=args.verify_token_cost,
-        free_verify_tokens=args.free_verify_tokens,
     )
 
 

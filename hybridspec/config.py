@@ -13,11 +13,9 @@ from hybridspec.errors import check
 
 MIN_SPECULATIVE_TOKENS = 1
 MAX_SPECULATIVE_TOKENS = 16
-# Adaptive speculation's cost model (engine.speculation), timed on the development CPU (2 cores,
-# SmolLM2-135M bf16, 300 cached tokens): a forward of up to 6 tokens costs what one of 1 does
-# (0.98-1.04 of it); each token beyond adds 0.041-0.047 of it (7: 1.08, 16: 1.44, 32: 2.07).
-DEFAULT_FREE_VERIFY_TOKENS = 6
-DEFAULT_VERIFY_TOKEN_COST = 0.043
+# Adaptive speculation's verify cost per token (engine.speculation), timed on the development
+# CPU (2 cores, SmolLM2-135M bf16): 0.026..0.036 of a one-token forward.
+DEFAULT_VERIFY_TOKEN_COST = 0.03
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -129,11 +127,9 @@ class EngineConfig:
     # Adaptive speculation (engine.speculation): each round, a request asks for the drafts
     # (at most its K) whose estimated chance of acceptance pays for verifying them. False: K.
     adaptive_speculation: bool = True
-    # Verifying one more token beyond the first ``free_verify_tokens`` of a forward, relative to
-    # a forward's fixed cost. Defaults measured on the development CPU; None times the cost at
-    # start-up (seeded sampled outputs then vary by machine).
+    # Verifying one more token, relative to a forward's fixed cost. The default was measured on
+    # the development CPU; None times it at start-up (seeded sampled outputs then vary by machine).
     verify_token_cost: float | None = DEFAULT_VERIFY_TOKEN_COST
-    free_verify_tokens: int = DEFAULT_FREE_VERIFY_TOKENS
 
     def __post_init__(self) -> None:
         check(
@@ -150,11 +146,6 @@ class EngineConfig:
             ),
             "verify_token_cost",
             f"expected None or a number in [0, 1], got {self.verify_token_cost!r}",
-        )
-        check(
-            _is_int(self.free_verify_tokens) and 1 <= self.free_verify_tokens <= 4096,
-            "free_verify_tokens",
-            f"expected an integer in [1, 4096], got {self.free_verify_tokens!r}",
         )
         check(
             isinstance(self.default_proposer, str) and bool(self.default_proposer),

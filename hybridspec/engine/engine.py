@@ -86,11 +86,9 @@ class Engine:
         if self.config.adaptive_speculation:
             cost = self.config.verify_token_cost
             if cost is None:
-                cost = measure_verify_token_cost(
-                    self.runtime, MAX_SPECULATIVE_TOKENS, self.config.free_verify_tokens
-                )
+                cost = measure_verify_token_cost(self.runtime, MAX_SPECULATIVE_TOKENS)
                 logger.info("verify cost per token: %.4f of a forward", cost)
-            self.speculation = SpeculationPolicy(cost, self.config.free_verify_tokens)
+            self.speculation = SpeculationPolicy(cost)
 
     # ----------------------------------------------------------------- proposers
 
@@ -247,7 +245,7 @@ class Engine:
             return outputs
         assert all(r.slot is not None for r in running)
         plan = self.scheduler.plan([self.runtime.seq_len(r.slot) for r in running])  # type: ignore[arg-type]
-        drafts = self._propose(plan.decode, outputs, sum(n for _, n in plan.prefill))
+        drafts = self._propose(plan.decode, outputs)
         if not drafts and not plan.prefill:
             return outputs
         batch = self._build_batch(drafts, plan.prefill)
@@ -285,53 +283,41 @@ class Engine:
                 logger.exception("proposer %r failed to start", request.proposer_name)
                 outputs.append(self._finish(request, FinishReason.ERROR, f"proposer: {exc}"))
 
-    def _num_drafts(self, request: Request, proposer: Proposer, rows_before: int = 0) -> int:
+    def _num_drafts(self, request: Request, proposer: Proposer) -> int:
         """Drafts to ask for this round: the request's K, shrunk so that committing k + 1 tokens
-        fits the context and budget, then to what pays off (adaptive speculation). Its first
-        draft is row ``rows_before + 1`` of the forward; for a request priced by its own round
-        (its text depends on its drafts), its own committed tokens are the rows before."""
+        fits the context and budget, then to what pays off (adaptive speculation)."""
         room = self.max_seq_len - len(request.token_ids) - 1
         budget = request.params.max_new_tokens - request.num_generated - 1
         k = max(0, min(request.num_speculative_tokens, room, budget))
         if self.speculation is None or k == 0:
             return k
-        by_step = request.params.sampling.is_greedy or not proposer.samples_drafts
-        if not by_step:  # its seeded text must not depend on its batch neighbours
-            assert request.slot is not None
-            rows_before = len(request.token_ids) - self.runtime.seq_len(request.slot)
         return self.speculation.num_drafts(
             request.speculation,
             k,
-            by_step=by_step,
+            by_step=request.params.sampling.is_greedy or not proposer.samples_drafts,
             proposer_cost_per_token=proposer.cost_per_token,
-            rows_before=rows_before,
         )
 
     def _propose(
-        self, decode: list[Request], outputs: list[RequestOutput], rows: int = 0
+        self, decode: list[Request], outputs: list[RequestOutput]
     ) -> list[tuple[Request, Proposal]]:
-        """Ask each proposer for its requests' drafts; a failing proposer fails its requests.
-
-        ``rows``: the forward's rows before any draft (prefill chunks). Every request's
-        uncached committed tokens are added to it, then each request's drafts in turn, so that
-        adaptive speculation knows which rows of the forward are free (``speculation``).
-        """
-        for request in decode:
-            assert request.slot is not None
-            rows += len(request.token_ids) - self.runtime.seq_len(request.slot)
+        """Ask each proposer for its requests' drafts; a failing proposer fails its requests."""
         groups: dict[str, list[Request]] = {}
         for request in decode:
             groups.setdefault(request.proposer_name, []).append(request)
         proposals: dict[int, Proposal] = {}
         for name, requests in groups.items():
             proposer = self._proposers[name]
-            asks = []
-            for r in requests:
-                k = self._num_drafts(r, proposer, rows)
-                rows += k  # at most: a proposer may return fewer
-                asks.append(
-                    ProposeRequest(r.seq_id, r.token_ids, k, r.params.sampling, r.generator)
+            asks = [
+                ProposeRequest(
+                    r.seq_id,
+                    r.token_ids,
+                    self._num_drafts(r, proposer),
+                    r.params.sampling,
+                    r.generator,
                 )
+                for r in requests
+            ]
             try:
                 got = proposer.propose(asks)
                 check(

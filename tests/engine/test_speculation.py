@@ -17,79 +17,44 @@ from hybridspec.engine.speculation import (
     SpeculationPolicy,
     SpeculationState,
     draft_threshold,
-    forward_cost,
+    drafts_worth_asking,
     measure_verify_token_cost,
 )
 from tests.engine.test_engine import PROMPTS, VOCAB, make_engine, plain, target  # noqa: F401
 
 
-def policy_state(rate_accepted: float, rate_rejected: float) -> SpeculationState:
-    """A state whose rate is (accepted + 1) / (accepted + rejected + 2)."""
-    return SpeculationState(accepted=rate_accepted, rejected=rate_rejected)
-
-
 @pytest.mark.parametrize(
-    ("accepted", "rejected", "free", "last", "max_drafts", "expected"),
+    ("rate", "threshold", "max_drafts", "expected"),
     [
-        # the module docstring's example: c = 0.043, F = 6, 4 committed over 9 verified
-        (7.0, 1.0, 6, (4, 9), 16, 8),  # rate 0.8: 0.8 ** 8 = 0.168 >= 0.152 > 0.8 ** 9
-        (2.0, 8.0, 6, (4, 9), 16, 5),  # rate 0.25: only the free drafts (rows 2..6)
-        (2.0, 8.0, 6, (4, 9), 3, 3),  # capped by K
-        (7.0, 1.0, 1, (4, 9), 16, 9),  # linear: threshold 0.043 * 4 / 1.344 = 0.128
-        (2.0, 8.0, 1, (4, 9), 16, 1),  # rate 0.25 >= 0.128 > 0.0625
-        (7.0, 1.0, 6, (4, 9), 0, 0),
+        (0.8, 0.094, 8, 8),  # 0.8 ** 8 = 0.168 >= 0.094
+        (0.8, 0.094, 16, 10),  # 0.8 ** 10 = 0.107 >= 0.094 > 0.8 ** 11 = 0.086
+        (0.3, 0.094, 8, 1),  # 0.3 >= 0.094 > 0.09
+        (0.2, 0.218, 8, 0),
+        (1.0, 0.5, 5, 5),
+        (0.5, 0.0, 5, 5),
+        (0.9, 0.1, 0, 0),
     ],
 )
-def test_num_drafts_examples(
-    accepted: float,
-    rejected: float,
-    free: int,
-    last: tuple[int, int],
-    max_drafts: int,
-    expected: int,
+def test_drafts_worth_asking_examples(
+    rate: float, threshold: float, max_drafts: int, expected: int
 ) -> None:
-    policy = SpeculationPolicy(0.043, free)
-    policy.record_step(*last)
-    state = policy_state(accepted, rejected)
-    assert policy.num_drafts(state, max_drafts, by_step=True, rows_before=1) == expected
+    assert drafts_worth_asking(rate, threshold, max_drafts) == expected
 
 
 @given(
-    st.floats(0.0, 40.0),
-    st.floats(0.0, 40.0),
-    st.floats(0.0, 0.2),
-    st.integers(1, 12),
-    st.integers(0, 16),
-    st.integers(1, 20),
-    st.integers(1, 40),
+    st.floats(0.01, 0.99),
+    st.floats(0.001, 1.0),
     st.integers(0, 16),
 )
-def test_num_drafts_is_the_longest_paying_prefix(
-    accepted: float,
-    rejected: float,
-    cost: float,
-    free: int,
-    rows_before: int,
-    committed: int,
-    verified: int,
-    max_drafts: int,
+def test_drafts_worth_asking_is_the_largest_paying_k(
+    rate: float, threshold: float, max_drafts: int
 ) -> None:
-    policy = SpeculationPolicy(cost, free)
-    policy.record_step(committed, verified)
-    state = policy_state(accepted, rejected)
-    k = policy.num_drafts(state, max_drafts, by_step=True, rows_before=rows_before)
-    verified_cost = forward_cost(cost, free, verified)
-
-    def pays(j: int) -> bool:
-        row_cost = cost if rows_before + j > free else 0.0
-        return state.rate**j >= draft_threshold(row_cost, committed, verified_cost, 0.0)
-
+    k = drafts_worth_asking(rate, threshold, max_drafts)
     assert 0 <= k <= max_drafts
-    assert all(pays(j) for j in range(1, k + 1))
+    if k > 0:
+        assert rate**k >= threshold * (1 - 1e-9)
     if k < max_drafts:
-        assert not pays(k + 1)
-    # drafts in free rows cost nothing, so they are always asked for
-    assert k >= min(max_drafts, max(0, free - rows_before))
+        assert rate ** (k + 1) < threshold * (1 + 1e-9)
 
 
 def test_state_learns_and_decays_back_to_the_prior() -> None:
@@ -108,16 +73,15 @@ def test_state_learns_and_decays_back_to_the_prior() -> None:
 
 
 def test_drafts_priced_by_the_step_or_by_the_request_own_round() -> None:
-    policy = SpeculationPolicy(0.03)  # one free row: the linear model 1 + c (T - 1)
-    state = SpeculationState(accepted=3.0, rejected=3.0)
-    state.update(num_proposed=2, num_accepted=0, num_committed=1)  # rate 3.4 / 7.8 = 0.436
+    policy = SpeculationPolicy(0.03)
+    state = SpeculationState(accepted=3.0, rejected=3.0)  # rate 0.5
+    state.update(num_proposed=2, num_accepted=0, num_committed=1)
     policy.record_step(committed=16, verified=40)  # eight busy neighbours
-    assert draft_threshold(0.03, 16, forward_cost(0.03, 1, 40), 0.0) == pytest.approx(0.221, 1e-3)
+    assert draft_threshold(0.03, 16, 40, 0.0) == pytest.approx(0.218, abs=1e-3)
     by_step = policy.num_drafts(state, 8, by_step=True)
     own = policy.num_drafts(state, 8, by_step=False)
-    # by step: 0.436 >= 0.221 > 0.436 ** 2; own round (1 committed over 3 verified):
-    # threshold 0.03 / 1.06 = 0.0283, 0.436 ** 4 = 0.036 passes, 0.436 ** 5 = 0.016 does not
-    assert (by_step, own) == (1, 4)
+    assert own == drafts_worth_asking(state.rate, draft_threshold(0.03, 1, 3, 0.0), 8)
+    assert by_step < own
     # A costly proposer is asked for fewer drafts.
     assert policy.num_drafts(state, 8, by_step=False, proposer_cost_per_token=0.3) < own
 
@@ -153,9 +117,9 @@ class Wrong(Proposer):
         return [Proposal(token_ids=(VOCAB - 1,) * r.num_tokens) for r in requests]
 
 
-@pytest.mark.parametrize(("adaptive", "free"), [(True, 1), (True, 6), (False, 1)])
-def test_rejected_drafts_shrink_what_a_request_asks_for(target, adaptive: bool, free: int) -> None:  # noqa: F811
-    engine = make_engine(target, adaptive_speculation=adaptive, free_verify_tokens=free)
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_rejected_drafts_shrink_what_a_request_asks_for(target, adaptive: bool) -> None:  # noqa: F811
+    engine = make_engine(target, adaptive_speculation=adaptive)
     engine.register_proposer("wrong", Wrong)
     Wrong.asked = []
     result = engine.generate(
@@ -163,15 +127,10 @@ def test_rejected_drafts_shrink_what_a_request_asks_for(target, adaptive: bool, 
     )
     assert result.token_ids == plain(engine, PROMPTS[0], 30)  # lossless either way
     asked = Wrong.asked[:20]
-    if adaptive and free == 1:
-        # The prior (rate 0.5) asks for log(0.043) / log(0.5) = 4 drafts; every rejection
+    if adaptive:
+        # The prior (rate 0.5) asks for log(0.028) / log(0.5) = 5 drafts; every rejection
         # lowers the rate until one draft a round remains worth its verification.
-        threshold = draft_threshold(DEFAULT_VERIFY_TOKEN_COST, 1, 1.0, 0.0)
-        assert asked[0] == math.floor(math.log(threshold) / math.log(0.5)) == 4
+        assert asked[0] == math.floor(math.log(draft_threshold(0.03, 1, 1, 0.0)) / math.log(0.5))
         assert asked[-1] == 1 and sorted(asked, reverse=True) == asked
-    elif adaptive:
-        # The first round's forward carries the prompt, which fills the free rows: priced
-        # drafts, as in the linear case. Later ones fill rows 2..6 after the root: never fewer.
-        assert asked == [4] + [5] * 19
     else:
         assert asked == [8] * 20

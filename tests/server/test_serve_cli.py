@@ -13,7 +13,6 @@ import httpx
 import pytest
 
 from hybridspec.cli import build_parser
-from hybridspec.config import DEFAULT_FREE_VERIFY_TOKENS, DEFAULT_VERIFY_TOKEN_COST
 from hybridspec.server.cli import server_config
 from tests.server.conftest import free_port
 
@@ -53,31 +52,20 @@ def test_serve_options_build_the_server_config() -> None:
     assert config.engine.default_proposer == "draft"
     assert config.engine.default_num_speculative_tokens == 5
     assert config.engine.max_queue_size == 7
-    assert config.engine.adaptive_speculation
-    assert config.engine.verify_token_cost == DEFAULT_VERIFY_TOKEN_COST
-    assert config.engine.free_verify_tokens == DEFAULT_FREE_VERIFY_TOKENS
+    assert config.engine.adaptive_speculation and config.engine.verify_token_cost == 0.03
     default = server_config(build_parser().parse_args(["serve"])).engine
     assert default.target.name_or_path is None
 
 
 @pytest.mark.parametrize(
-    ("options", "adaptive", "cost", "free"),
-    [
-        (["--fixed-k"], False, DEFAULT_VERIFY_TOKEN_COST, DEFAULT_FREE_VERIFY_TOKENS),
-        (["--verify-token-cost", "auto"], True, None, DEFAULT_FREE_VERIFY_TOKENS),
-        (["--free-verify-tokens", "1"], True, DEFAULT_VERIFY_TOKEN_COST, 1),
-    ],
+    ("options", "adaptive", "cost"),
+    [(["--fixed-k"], False, 0.03), (["--verify-token-cost", "auto"], True, None)],
 )
-def test_speculation_options(
-    options: list[str], adaptive: bool, cost: float | None, free: int
-) -> None:
+def test_speculation_options(options: list[str], adaptive: bool, cost: float | None) -> None:
     engine = server_config(build_parser().parse_args(["serve", *options])).engine
     assert (engine.adaptive_speculation, engine.verify_token_cost) == (adaptive, cost)
-    assert engine.free_verify_tokens == free
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--verify-token-cost", "cheap"])
-    with pytest.raises(ValueError, match="free_verify_tokens"):
-        server_config(build_parser().parse_args(["serve", "--free-verify-tokens", "0"]))
 
 
 @pytest.fixture(scope="module")
