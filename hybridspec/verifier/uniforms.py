@@ -8,8 +8,10 @@ token, which happens with probability ``p(d)``: the acceptance rate of rejection
 one-hot draft, and the same output distribution, since every position is an ordinary
 inverse-CDF sample given the text before it. But the realised text no longer depends on what
 was drafted: a seeded request gives the same tokens with any deterministic proposer and any K,
-alone or batched (up to floating-point differences between forward shapes). So such a request
-may also price its drafts by the whole engine step, as a greedy one does
+alone or batched, wherever the target's logits do not depend on the forward's shape (the native
+Llama runtime on CPU in bfloat16 or float32, through its row-invariant attention kernel; on
+CUDA, in float16 or with transformers' own model code another batch may round otherwise). So
+such a request may also price its drafts by the whole engine step, as a greedy one does
 (``engine.speculation``).
 
 ``u(key, p)`` is output ``p`` of a SplitMix64 stream seeded with ``key`` (Steele, Lea and Flood
