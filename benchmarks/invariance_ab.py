@@ -1,7 +1,7 @@
 """What the row-invariant CPU attention buys and costs, against PyTorch's SDPA, in one run.
 
 Two engines on the same weights (the embedded SmolLM2-135M in bfloat16): the default runtime
-(``LlamaRuntime(invariant_attention=True)``: decoding rows through
+(``LlamaRuntime(invariant_attention=True)``: every row, prompts included, through
 ``hybridspec.engine.attention_kernels``) and one with ``invariant_attention=False`` (SDPA for
 every row). For each, it
 

@@ -230,8 +230,8 @@ def attend(q, keys_t, values, items, scale, out):  # numba-typed; no annotations
     num_heads, hd = q.shape[1], q.shape[2]
     rep = num_heads // keys_t.shape[1]
     for it in prange(items.shape[0]):
-        slot, head, token0 = items[it, 0], items[it, 1], items[it, 2]
-        position0, num_tokens = items[it, 3], items[it, 4]
+        slot, head, token0 = items[it, ITEM_SLOT], items[it, ITEM_HEAD], items[it, ITEM_TOKEN]
+        position0, num_tokens = items[it, ITEM_POSITION], items[it, ITEM_NUM_TOKENS]
         rows = num_tokens * rep  # row m: token m // rep, query head head * rep + m % rep
         width = position0 + num_tokens  # keys seen by the item's last token
         qs = np.empty((rows, hd), _F32)

@@ -463,9 +463,6 @@ class KernelAttention:
         if not cache.transposed_keys:
             raise ValueError("cache: KernelAttention reads keys transposed (transposed_keys)")
         self.cache = cache
-        self.positions = torch.cat(
-            [torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
-        )  # [T]
         items: list[tuple[int, int, int, int, int]] = []
         num_kv = cache.keys.shape[2]
         token = 0
@@ -479,12 +476,15 @@ class KernelAttention:
                     items.append((slot, head, token + b, start + b, count))
             token += n
         self.items = np.array(items, dtype=np.int32).reshape(-1, ITEM_COLUMNS)
-        # One sequence writes its rows as a slice (an index_put costs ~10 us per call); several
-        # scatter them by (slot, position).
+        # One sequence writes its rows as a slice (an index_put costs ~10 us per call) and takes
+        # its rope rows as a slice too; several scatter them by (slot, position).
         self.single: tuple[int, int] | None = None
         if len(slots) == 1:
             self.single = (slots[0], starts[0])
         else:
+            self.positions = torch.cat(
+                [torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
+            )  # [T]
             self.token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(num_new))
         self.scale = np.float32(1.0 / math.sqrt(cache.keys.shape[3]))
 

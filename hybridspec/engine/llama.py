@@ -399,11 +399,7 @@ class LlamaRuntime:
         starts = self._slots.reserve(host.slots, host.num_new_tokens)
         with torch.inference_mode():
             logits = self._forward(
-                host.token_ids,
-                host.slots,
-                starts,
-                host.num_new_tokens,
-                host.logits_indices,
+                host.token_ids, host.slots, starts, host.num_new_tokens, host.logits_indices
             )
         self._cache.commit(
             host.slots, [s + n for s, n in zip(starts, host.num_new_tokens, strict=True)]
