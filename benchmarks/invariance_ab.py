@@ -2,7 +2,7 @@
 
 Two engines on the same weights (the embedded SmolLM2-135M in bfloat16): the default runtime
 (``LlamaRuntime(invariant_attention=True)``: every row, prompts included, through
-``hybridspec.engine.attention_kernels``) and one with ``invariant_attention=False`` (SDPA for
+``hybridspec.model.attention_kernels``) and one with ``invariant_attention=False`` (SDPA for
 every row). For each, it
 
 1. times forwards interleaved, so that machine drift cancels: prefill per token (300 tokens),
@@ -28,8 +28,8 @@ import torch
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, encode_prompt, load_workload
 from hybridspec.config import EngineConfig, ModelConfig
 from hybridspec.engine import Engine, GenerationParams
-from hybridspec.engine.llama import LlamaRuntime
-from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.model.llama import LlamaRuntime
+from hybridspec.model.runtime import ForwardBatch
 
 CONTEXT = 300
 SIZES = (1, 4, 9)

@@ -33,7 +33,7 @@ from hybridspec.bench.timing import EngineForwardTimer
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, encode_prompt, load_workload
 from hybridspec.config import EngineConfig, ModelConfig, NgramConfig
 from hybridspec.engine import Engine, GenerationParams
-from hybridspec.engine.runtime import ForwardBatch, ModelRuntime
+from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 
 MAX_TABLE_TOKENS = 17
 TABLE_CONTEXT = 300

@@ -40,7 +40,7 @@ from hybridspec.bench.timing import EngineForwardTimer
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, encode_prompt, load_workload
 from hybridspec.config import EngineConfig, ModelConfig, NgramConfig
 from hybridspec.engine import Engine, GenerationParams
-from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.model.runtime import ForwardBatch
 from hybridspec.types import Proposal, ProposeRequest
 from hybridspec.verifier.acceptance import sample_from_probs
 from hybridspec.verifier.sampling import logits_to_probs

@@ -1,15 +1,20 @@
-"""The ``hybridspec`` command line: generate, serve and bench."""
+"""The ``hybridspec`` command line: generate, serve and bench.
+
+Every default is read from the configuration classes (``EngineConfig``, ``ModelConfig``,
+``ServerConfig``, ``GenerationParams``), so a default changes in one place.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from collections.abc import Sequence
 
+from hybridspec.bench.cli import add_bench_command
 from hybridspec.config import (
-    DEFAULT_VERIFY_TOKEN_COST,
     DTYPES,
     MAX_SPECULATIVE_TOKENS,
     MIN_SPECULATIVE_TOKENS,
@@ -18,6 +23,11 @@ from hybridspec.config import (
     ModelConfig,
 )
 from hybridspec.errors import HybridSpecError
+from hybridspec.server.config import ServerConfig
+
+# The defaults every option below takes: one instance of each configuration class.
+ENGINE_DEFAULTS = EngineConfig()
+SERVER_DEFAULTS = ServerConfig(engine=ENGINE_DEFAULTS)
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -33,18 +43,25 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="draft model for the 'draft' proposer (hub id, directory or .gguf)",
     )
+    target = ENGINE_DEFAULTS.target
     group.add_argument(
         "--dtype",
-        default="auto",
+        default=target.dtype,
         choices=DTYPES,
-        help="dtype of the models (auto: fastest measured for the device)",
+        help=f"dtype of the models (default {target.dtype}: fastest measured for the device)",
     )
-    group.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    group.add_argument("--device", default=target.device, help="torch device, e.g. cpu or cuda")
     group.add_argument(
-        "--max-seq-len", type=int, default=None, help="context length (default: the model's own)"
+        "--max-seq-len",
+        type=int,
+        default=target.max_seq_len,
+        help="context length (default: the model's own)",
     )
     group.add_argument(
-        "--max-num-seqs", type=int, default=8, help="sequences decoded together (KV-cache slots)"
+        "--max-num-seqs",
+        type=int,
+        default=target.max_num_seqs,
+        help=f"sequences decoded together (KV-cache slots; default {target.max_num_seqs})",
     )
     group.add_argument(
         "--fixed-k",
@@ -54,9 +71,24 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--verify-token-cost",
         type=_cost,
-        default=DEFAULT_VERIFY_TOKEN_COST,
+        default=ENGINE_DEFAULTS.verify_token_cost,
         help="cost of verifying one more token relative to a forward, for adaptive speculation; "
-        f"'auto' times it at start-up (default {DEFAULT_VERIFY_TOKEN_COST}, from a 2-core CPU)",
+        f"'auto' times it at start-up (default {ENGINE_DEFAULTS.verify_token_cost}, from a "
+        "2-core CPU)",
+    )
+    group.add_argument(
+        "--proposer",
+        default=ENGINE_DEFAULTS.default_proposer,
+        help="none, ngram, draft or a registered custom proposer: the proposer of requests that "
+        f"name none (default {ENGINE_DEFAULTS.default_proposer})",
+    )
+    group.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=ENGINE_DEFAULTS.default_num_speculative_tokens,
+        help=f"draft tokens per round, {MIN_SPECULATIVE_TOKENS}..{MAX_SPECULATIVE_TOKENS} "
+        f"(default {ENGINE_DEFAULTS.default_num_speculative_tokens})",
     )
 
 
@@ -69,42 +101,104 @@ def _cost(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
 
 
-def engine_config(args: argparse.Namespace, default_proposer: str, default_k: int) -> EngineConfig:
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration from the options of ``add_engine_options``."""
     target = ModelConfig(args.target, args.dtype, args.device, args.max_seq_len, args.max_num_seqs)
     draft = None
     if args.draft is not None:
-        draft = ModelConfig(
-            args.draft, args.dtype, args.device, args.max_seq_len, args.max_num_seqs
-        )
-    return EngineConfig(
+        draft = dataclasses.replace(target, name_or_path=args.draft)
+    return dataclasses.replace(
+        ENGINE_DEFAULTS,
         target=target,
         draft=DraftConfig(model=draft),
-        default_proposer=default_proposer,
-        default_num_speculative_tokens=default_k,
+        default_proposer=args.proposer,
+        default_num_speculative_tokens=args.num_speculative_tokens,
         adaptive_speculation=not args.fixed_k,
         verify_token_cost=args.verify_token_cost,
     )
 
 
 def add_generation_options(parser: argparse.ArgumentParser) -> None:
+    from hybridspec.engine import GenerationParams
+
+    params = GenerationParams()
+    sampling = params.sampling
+    parser.add_argument("--max-new-tokens", type=int, default=params.max_new_tokens)
     parser.add_argument(
-        "--proposer",
-        default="ngram",
-        help="none, ngram, draft or a registered custom proposer (default: ngram)",
+        "--temperature", type=float, default=sampling.temperature, help="0 means greedy"
     )
-    parser.add_argument(
-        "-k",
-        "--num-speculative-tokens",
-        type=int,
-        default=8,
-        help=f"draft tokens per round, {MIN_SPECULATIVE_TOKENS}..{MAX_SPECULATIVE_TOKENS}",
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-k", type=int, default=sampling.top_k)
+    parser.add_argument("--top-p", type=float, default=sampling.top_p)
+    parser.add_argument("--seed", type=int, default=sampling.seed)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``serve`` to the subcommands of the ``hybridspec`` parser."""
+    serve: argparse.ArgumentParser = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics. Requests may pick their proposer and K with the extension fields "
+        "'proposer' and 'num_speculative_tokens'.",
+    )
+    serve.add_argument(
+        "--host",
+        default=SERVER_DEFAULTS.host,
+        help=f"address to bind (default {SERVER_DEFAULTS.host}: loopback)",
+    )
+    serve.add_argument("--port", type=int, default=SERVER_DEFAULTS.port)
+    serve.add_argument(
+        "--served-model-name",
+        default=SERVER_DEFAULTS.served_model_name,
+        help="the model id in the API (default: derived from --target)",
+    )
+    serve.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=ENGINE_DEFAULTS.max_queue_size,
+        help="requests waiting for a batch slot before 503s "
+        f"(default {ENGINE_DEFAULTS.max_queue_size})",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level",
+    )
+    add_engine_options(serve)
+    serve.set_defaults(run=_serve)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's configuration from the options of ``serve``."""
+    engine = dataclasses.replace(engine_config(args), max_queue_size=args.max_queue_size)
+    return dataclasses.replace(
+        SERVER_DEFAULTS,
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hybridspec.server.app import create_app
+
+    config = server_config(args)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=config.host,
+            port=config.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+        )
+    )
+    server.run()
+    return 0 if server.started else 1
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -120,7 +214,7 @@ def _generate(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         stop=args.stop,
     )
-    engine = Engine(engine_config(args, args.proposer, args.num_speculative_tokens))
+    engine = Engine(engine_config(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     messages = None if args.raw else [{"role": "user", "content": prompt}]
     if args.json:
@@ -164,10 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(generate)
     generate.set_defaults(run=_generate)
 
-    from hybridspec.server.cli import add_serve_command
-
     add_serve_command(commands)
-    from hybridspec.bench.cli import add_bench_command
 
     add_bench_command(commands)
     return parser

@@ -82,7 +82,7 @@ class ModelConfig:
     """Which model to load and how. ``name_or_path`` None means the embedded default."""
 
     name_or_path: str | None = None
-    dtype: str = "auto"  # "auto" picks per device by measurement (see engine.loader)
+    dtype: str = "auto"  # "auto" picks per device by measurement (see model.loader)
     device: str = "cpu"
     max_seq_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 8  # KV-cache slots: the most sequences alive at once

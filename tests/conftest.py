@@ -27,7 +27,7 @@ from transformers import (
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from hybridspec.config import ModelConfig
-from hybridspec.engine.loader import EMBEDDED_DISTRIBUTION, LoadedModel, load_model
+from hybridspec.model.loader import EMBEDDED_DISTRIBUTION, LoadedModel, load_model
 from hybridspec.proposers import Proposer, ProposerContext, ProposerRegistry, default_registry
 from hybridspec.proposers.draft import DraftModelProposer
 

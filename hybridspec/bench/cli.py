@@ -23,7 +23,7 @@ from hybridspec.bench.records import Record
 from hybridspec.bench.session import ModelOptions, execute, open_session
 from hybridspec.bench.summary import concurrent_group
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, Workload, load_workload
-from hybridspec.config import DTYPES, MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
+from hybridspec.config import DTYPES, MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS, EngineConfig
 
 DEFAULT_PROMPTS_PER_CATEGORY = 2
 DEFAULT_MAX_NEW_TOKENS = 128  # the issue's 256 doubles the run; pass it for the full one
@@ -72,7 +72,7 @@ def add_bench_command(commands: Any) -> None:
         "-k",
         "--num-speculative-tokens",
         type=int,
-        default=8,
+        default=EngineConfig().default_num_speculative_tokens,
         help=f"drafts per round, also transformers' prompt_lookup_num_tokens "
         f"({MIN_SPECULATIVE_TOKENS}..{MAX_SPECULATIVE_TOKENS})",
     )

@@ -26,9 +26,9 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from hybridspec.bench.records import Measurement, Speculation, first_difference
 from hybridspec.bench.timing import ModuleForwardTimer
-from hybridspec.engine.llama import LlamaWeights
-from hybridspec.engine.loader import LoadedModel
 from hybridspec.errors import InvalidRequestError
+from hybridspec.model.llama import LlamaWeights
+from hybridspec.model.loader import LoadedModel
 from hybridspec.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -135,9 +135,9 @@ class HFMethod:
         try:
             start = time.perf_counter()
             with torch.inference_mode():
-                # transformers annotates generate's self as a mixin protocol LlamaForCausalLM
-                # satisfies at run time but not for mypy.
-                output = self.model.generate(  # type: ignore[misc]
+                # Some transformers releases annotate generate's self as a mixin protocol that
+                # LlamaForCausalLM satisfies at run time but not for mypy; others do not.
+                output = self.model.generate(  # type: ignore[misc,unused-ignore]
                     input_ids,
                     attention_mask=torch.ones_like(input_ids),
                     generation_config=config,

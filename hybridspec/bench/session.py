@@ -35,8 +35,8 @@ from hybridspec.bench.timing import EngineForwardTimer
 from hybridspec.bench.workload import Workload, encode_prompt
 from hybridspec.config import DraftConfig, EngineConfig, ModelConfig
 from hybridspec.engine import Engine
-from hybridspec.engine.loader import LoadedModel, load_model
 from hybridspec.errors import check
+from hybridspec.model.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.model.runtime import ForwardBatch
 
 
 def _sync(device: torch.device) -> None:

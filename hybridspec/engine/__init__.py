@@ -1,4 +1,4 @@
-"""The engine: model runtime, KV cache, scheduling and requests."""
+"""The engine: scheduling, requests, adaptive speculation and the speculative round."""
 
 from hybridspec.engine.engine import Engine
 from hybridspec.engine.loop import EngineLoop

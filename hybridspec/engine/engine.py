@@ -27,7 +27,6 @@ import torch
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
-from hybridspec.engine.loader import LoadedModel, load_model
 from hybridspec.engine.request import (
     FinishReason,
     GenerationParams,
@@ -36,10 +35,11 @@ from hybridspec.engine.request import (
     RequestOutput,
     new_generator,
 )
-from hybridspec.engine.runtime import ForwardBatch
 from hybridspec.engine.scheduler import Scheduler
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
 from hybridspec.errors import HybridSpecError, InvalidRequestError, check
+from hybridspec.model.loader import LoadedModel, load_model
+from hybridspec.model.runtime import ForwardBatch
 from hybridspec.proposers import Proposer, ProposerContext, ProposerRegistry, default_registry
 from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest
 from hybridspec.verifier import VerifyInput, verify

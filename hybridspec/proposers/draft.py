@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from hybridspec.config import DraftConfig
-from hybridspec.engine.loader import LoadedModel, load_model
-from hybridspec.engine.runtime import ForwardBatch, ModelRuntime
 from hybridspec.errors import InvalidRequestError, ModelLoadError
+from hybridspec.model.loader import LoadedModel, load_model
+from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.types import Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.sampling import logits_to_probs

@@ -29,9 +29,9 @@ from hybridspec.bench.targets import CONCURRENCY_TARGETS, SPEED_TARGETS, evaluat
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, Category, load_workload, parse_workload
 from hybridspec.cli import build_parser, main
 from hybridspec.config import ModelConfig
-from hybridspec.engine.loader import load_model
-from hybridspec.engine.runtime import ForwardBatch
 from hybridspec.errors import InvalidRequestError
+from hybridspec.model.loader import load_model
+from hybridspec.model.runtime import ForwardBatch
 from tests.conftest import TinyLlamaFactory
 
 SOURCE = "The quick brown fox jumps over the lazy dog near the river bank. " * 3

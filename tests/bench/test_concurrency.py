@@ -32,8 +32,8 @@ from hybridspec.engine import (
     GenerationResult,
     RequestOutput,
 )
-from hybridspec.engine.loader import load_model
-from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.model.loader import load_model
+from hybridspec.model.runtime import ForwardBatch
 from hybridspec.types import GenerationStats, SamplingParams
 from tests.conftest import TinyLlamaFactory
 

@@ -14,9 +14,9 @@ import sys
 import pytest
 
 from hybridspec import Engine, EngineConfig, ModelConfig
-from hybridspec.engine.llama import LlamaWeights
-from hybridspec.engine.loader import LoadedModel, embedded_model_path, load_model
 from hybridspec.errors import ModelLoadError
+from hybridspec.model.llama import LlamaWeights
+from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
 from hybridspec.proposers import ProposerContext
 from hybridspec.proposers.draft import DraftModelProposer
 from tests.conftest import registry_with_draft

@@ -25,9 +25,9 @@ from hybridspec import (
     Proposer,
     ProposeRequest,
 )
-from hybridspec.engine.llama import LlamaWeights
-from hybridspec.engine.loader import LoadedModel
-from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.model.llama import LlamaWeights
+from hybridspec.model.loader import LoadedModel
+from hybridspec.model.runtime import ForwardBatch
 from hybridspec.proposers import default_registry
 from hybridspec.proposers.draft import DraftModelProposer
 from tests.conftest import registry_with_draft

@@ -16,9 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig, SamplingParams
 from hybridspec.bench.hf_baseline import unfused_state_dict
-from hybridspec.engine.llama import LlamaWeights
-from hybridspec.engine.loader import LoadedModel
-from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.model.llama import LlamaWeights
+from hybridspec.model.loader import LoadedModel
+from hybridspec.model.runtime import ForwardBatch
 from hybridspec.verifier import logits_to_probs
 from tests.conftest import registry_with_draft
 

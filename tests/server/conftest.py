@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 
 from hybridspec.config import EngineConfig, ModelConfig
 from hybridspec.engine import Engine
-from hybridspec.engine.loader import LoadedModel, load_model
+from hybridspec.model.loader import LoadedModel, load_model
 from hybridspec.server import ServerConfig, create_app
 from tests.conftest import save_tiny_llama
 

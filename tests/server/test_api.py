@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from hybridspec.config import DraftConfig, ModelConfig
 from hybridspec.engine import Engine
-from hybridspec.engine.loader import LoadedModel
+from hybridspec.model.loader import LoadedModel
 from hybridspec.server import create_app
 from tests.server.conftest import TINY_MAX_SEQ_LEN, TINY_MODEL_NAME, tiny_engine_config
 from tests.server.helpers import chunk_text, metric, parse_metrics, sse_chunks

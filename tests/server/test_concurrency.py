@@ -19,7 +19,7 @@ import pytest
 
 from hybridspec.config import ModelConfig
 from hybridspec.engine import Engine
-from hybridspec.engine.loader import LoadedModel
+from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers import NoProposer
 from hybridspec.server import ServerConfig, create_app
 from hybridspec.types import Proposal, ProposeRequest

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from hybridspec.config import EngineConfig
 from hybridspec.engine import Engine
-from hybridspec.engine.loader import LoadedModel
+from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers import NoProposer
 from hybridspec.server import ServerConfig, create_app
 from hybridspec.types import Proposal, ProposeRequest

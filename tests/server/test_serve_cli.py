@@ -12,8 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hybridspec.cli import build_parser
-from hybridspec.server.cli import server_config
+from hybridspec.cli import build_parser, server_config
 from tests.server.conftest import free_port
 
 openai = pytest.importorskip("openai")

@@ -27,18 +27,18 @@ from transformers import (
 from hybridspec.config import ModelConfig
 from hybridspec.engine import gguf as gguf_module
 from hybridspec.engine import loader as loader_module
-from hybridspec.engine.gguf import load_gguf_tokenizer, permute_qk, unpermute_qk
-from hybridspec.engine.hf_runtime import HFRuntime
-from hybridspec.engine.llama import LlamaRuntime, LlamaWeights, default_inv_freq, llama3_inv_freq
-from hybridspec.engine.loader import (
+from hybridspec.errors import ModelLoadError
+from hybridspec.model.gguf import load_gguf_tokenizer, permute_qk, unpermute_qk
+from hybridspec.model.hf_runtime import HFRuntime
+from hybridspec.model.llama import LlamaRuntime, LlamaWeights, default_inv_freq, llama3_inv_freq
+from hybridspec.model.loader import (
     CPU_AUTO_DTYPE,
     LoadedModel,
     embedded_model_path,
     load_model,
     resolve_dtype,
 )
-from hybridspec.engine.runtime import ForwardBatch, ModelRuntime
-from hybridspec.errors import ModelLoadError
+from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 from tests.conftest import (
     TINY_BOS,
     TINY_CHAT_TEMPLATE,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
-from hybridspec.engine.kv_cache import (
+from hybridspec.model.kv_cache import (
     Attention,
     KernelAttention,
     KVCache,
@@ -35,7 +35,7 @@ from hybridspec.engine.kv_cache import (
     RaggedAttention,
     read_batch,
 )
-from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.model.runtime import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

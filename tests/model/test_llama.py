@@ -14,18 +14,18 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from hybridspec.engine.gguf import read_gguf
-from hybridspec.engine.kv_cache import PaddedAttention, RaggedAttention
-from hybridspec.engine.llama import (
+from hybridspec.errors import CapacityError
+from hybridspec.model.gguf import read_gguf
+from hybridspec.model.kv_cache import PaddedAttention, RaggedAttention
+from hybridspec.model.llama import (
     LlamaRuntime,
     LlamaWeights,
     PackedLinear,
     native_support_problem,
     rope_inv_freq,
 )
-from hybridspec.engine.loader import LoadedModel, embedded_model_path
-from hybridspec.engine.runtime import ForwardBatch, ModelRuntime
-from hybridspec.errors import CapacityError
+from hybridspec.model.loader import LoadedModel, embedded_model_path
+from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 from tests.conftest import LLAMA3_ROPE, TINY_VOCAB_SIZE, tiny_llama, tiny_llama_config
 
 ATOL = 1e-4

@@ -30,8 +30,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
 
-from hybridspec.engine.llama import default_inv_freq, llama3_inv_freq
 from hybridspec.errors import ModelLoadError
+from hybridspec.model.llama import default_inv_freq, llama3_inv_freq
 
 logger = logging.getLogger(__name__)
 

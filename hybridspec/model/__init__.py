@@ -1,0 +1,10 @@
+"""The target's runtime: loading, the GGUF reader, the Llama forward, the KV cache, kernels.
+
+``load_model(ModelConfig) -> LoadedModel`` is the entry point; a ``ModelRuntime`` runs one
+``ForwardBatch`` per call. Nothing here imports the verifier, the proposers or the engine.
+"""
+
+from hybridspec.model.loader import LoadedModel, load_model
+from hybridspec.model.runtime import ForwardBatch, ModelRuntime
+
+__all__ = ["ForwardBatch", "LoadedModel", "ModelRuntime", "load_model"]
