@@ -27,37 +27,10 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from hybridspec.bench.records import Measurement, Speculation, first_difference
 from hybridspec.bench.timing import ModuleForwardTimer
 from hybridspec.errors import InvalidRequestError
-from hybridspec.model.llama import LlamaWeights
-from hybridspec.model.loader import LoadedModel
+from hybridspec.model import LlamaWeights, LoadedModel
 from hybridspec.types import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def unfused_state_dict(weights: LlamaWeights) -> dict[str, torch.Tensor]:
-    """Transformers' ``LlamaForCausalLM`` state dict as views of the fused tensors."""
-    dims = weights.dims
-    q_rows = dims.num_heads * dims.head_dim
-    kv_rows = dims.num_kv_heads * dims.head_dim
-    state = {"model.embed_tokens.weight": weights.embed, "model.norm.weight": weights.norm}
-    for i, layer in enumerate(weights.layers):
-        p = f"model.layers.{i}."
-        q, k, v = layer.wqkv.split([q_rows, kv_rows, kv_rows])
-        gate, up = layer.w_gate_up.split([dims.intermediate_size, dims.intermediate_size])
-        state |= {
-            p + "input_layernorm.weight": layer.attn_norm,
-            p + "self_attn.q_proj.weight": q,
-            p + "self_attn.k_proj.weight": k,
-            p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": layer.wo,
-            p + "post_attention_layernorm.weight": layer.mlp_norm,
-            p + "mlp.gate_proj.weight": gate,
-            p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": layer.w_down,
-        }
-    if weights.lm_head is not weights.embed:
-        state["lm_head.weight"] = weights.lm_head
-    return state
 
 
 def hf_model_from_weights(loaded: LoadedModel) -> LlamaForCausalLM:
@@ -75,9 +48,7 @@ def hf_model_from_weights(loaded: LoadedModel) -> LlamaForCausalLM:
     config.dtype = weights.dtype
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(
-        unfused_state_dict(weights), strict=False, assign=True
-    )
+    missing, unexpected = model.load_state_dict(weights.hf_state_dict(), strict=False, assign=True)
     tied_head = ["lm_head.weight"] if config.tie_word_embeddings else []
     assert list(missing) == tied_head and not unexpected, (missing, unexpected)
     if config.tie_word_embeddings:

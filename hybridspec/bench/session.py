@@ -36,7 +36,7 @@ from hybridspec.bench.workload import Workload, encode_prompt
 from hybridspec.config import DraftConfig, EngineConfig, ModelConfig
 from hybridspec.engine import Engine
 from hybridspec.errors import check
-from hybridspec.model.loader import LoadedModel, load_model
+from hybridspec.model import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
 

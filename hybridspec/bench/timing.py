@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridspec.model.runtime import ForwardBatch
+from hybridspec.model import ForwardBatch
 
 
 def _sync(device: torch.device) -> None:

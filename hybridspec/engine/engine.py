@@ -38,8 +38,7 @@ from hybridspec.engine.request import (
 from hybridspec.engine.scheduler import Scheduler
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
 from hybridspec.errors import HybridSpecError, InvalidRequestError, check
-from hybridspec.model.loader import LoadedModel, load_model
-from hybridspec.model.runtime import ForwardBatch
+from hybridspec.model import ForwardBatch, LoadedModel, load_model
 from hybridspec.proposers import Proposer, ProposerContext, ProposerRegistry, default_registry
 from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest
 from hybridspec.verifier import VerifyInput, verify

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridspec.model.runtime import ForwardBatch, ModelRuntime
+from hybridspec.model import ForwardBatch, ModelRuntime
 
 DECAY = 0.8  # weight of a round's evidence after each later round
 PRIOR_ACCEPTED = 1.0

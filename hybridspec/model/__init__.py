@@ -4,7 +4,8 @@
 ``ForwardBatch`` per call. Nothing here imports the verifier, the proposers or the engine.
 """
 
+from hybridspec.model.llama import LlamaWeights
 from hybridspec.model.loader import LoadedModel, load_model
 from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 
-__all__ = ["ForwardBatch", "LoadedModel", "ModelRuntime", "load_model"]
+__all__ = ["ForwardBatch", "LlamaWeights", "LoadedModel", "ModelRuntime", "load_model"]

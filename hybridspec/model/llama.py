@@ -222,6 +222,31 @@ class LlamaWeights:
             inv_freq=rope_inv_freq(config).to(device),
         )
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Transformers' ``LlamaForCausalLM`` state dict as views of the fused tensors (no copy)."""
+        dims = self.dims
+        q_rows = dims.num_heads * dims.head_dim
+        kv_rows = dims.num_kv_heads * dims.head_dim
+        state = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q, k, v = layer.wqkv.split([q_rows, kv_rows, kv_rows])
+            gate, up = layer.w_gate_up.split([dims.intermediate_size, dims.intermediate_size])
+            state |= {
+                p + "input_layernorm.weight": layer.attn_norm,
+                p + "self_attn.q_proj.weight": q,
+                p + "self_attn.k_proj.weight": k,
+                p + "self_attn.v_proj.weight": v,
+                p + "self_attn.o_proj.weight": layer.wo,
+                p + "post_attention_layernorm.weight": layer.mlp_norm,
+                p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": layer.w_down,
+            }
+        if self.lm_head is not self.embed:
+            state["lm_head.weight"] = self.lm_head
+        return state
+
 
 def rope_tables(inv_freq: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> torch.Tensor:
     """cos and sin of every position, ``[2, S, 1, hd]``, computed in float32 like transformers."""

@@ -26,8 +26,7 @@ import torch
 
 from hybridspec.config import DraftConfig
 from hybridspec.errors import InvalidRequestError, ModelLoadError
-from hybridspec.model.loader import LoadedModel, load_model
-from hybridspec.model.runtime import ForwardBatch, ModelRuntime
+from hybridspec.model import ForwardBatch, LoadedModel, ModelRuntime, load_model
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.types import Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.sampling import logits_to_probs

@@ -15,7 +15,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig, SamplingParams
-from hybridspec.bench.hf_baseline import unfused_state_dict
 from hybridspec.model.llama import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
@@ -59,7 +58,7 @@ def tiny(seed: int, base: dict[str, torch.Tensor] | None = None) -> LoadedModel:
 def models() -> tuple[LoadedModel, LoadedModel]:
     target = tiny(0)
     assert isinstance(target.weights, LlamaWeights)
-    return target, tiny(1, base=unfused_state_dict(target.weights))
+    return target, tiny(1, base=target.weights.hf_state_dict())
 
 
 def exact_two_token_distribution(target: LoadedModel, sampling: SamplingParams) -> torch.Tensor:

@@ -25,9 +25,9 @@ from transformers import (
 )
 
 from hybridspec.config import ModelConfig
-from hybridspec.engine import gguf as gguf_module
-from hybridspec.engine import loader as loader_module
 from hybridspec.errors import ModelLoadError
+from hybridspec.model import gguf as gguf_module
+from hybridspec.model import loader as loader_module
 from hybridspec.model.gguf import load_gguf_tokenizer, permute_qk, unpermute_qk
 from hybridspec.model.hf_runtime import HFRuntime
 from hybridspec.model.llama import LlamaRuntime, LlamaWeights, default_inv_freq, llama3_inv_freq
