@@ -20,7 +20,7 @@ class LastOccurrenceProposer(Proposer):
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
         proposals = []
         for request in requests:
-            context, k = request.token_ids, request.num_tokens
+            context, k = request.token_ids, request.max_num_drafts
             last = context[-1]
             guess: list[int] = []
             for start in range(len(context) - 2, -1, -1):

@@ -14,11 +14,12 @@ from hybridspec.errors import (
     ModelLoadError,
     UnknownModelError,
 )
-from hybridspec.proposers import Proposer, ProposerContext
-from hybridspec.types import Proposal, ProposeRequest, SamplingParams
+from hybridspec.proposers import Proposer, ProposerContext, register_proposer
+from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 
 __all__ = [
     "CapacityError",
+    "CommitInfo",
     "DraftConfig",
     "Engine",
     "EngineConfig",
@@ -36,4 +37,5 @@ __all__ = [
     "ProposerContext",
     "SamplingParams",
     "UnknownModelError",
+    "register_proposer",
 ]

@@ -43,6 +43,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="draft model for the 'draft' proposer (hub id, directory or .gguf)",
     )
+    group.add_argument(
+        "--draft-cost-per-token",
+        type=float,
+        default=ENGINE_DEFAULTS.draft.cost_per_token,
+        help="time of one draft token relative to a target forward, for adaptive speculation "
+        "(default: measured at start-up)",
+    )
     target = ENGINE_DEFAULTS.target
     group.add_argument(
         "--dtype",
@@ -110,7 +117,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return dataclasses.replace(
         ENGINE_DEFAULTS,
         target=target,
-        draft=DraftConfig(model=draft),
+        draft=DraftConfig(model=draft, cost_per_token=args.draft_cost_per_token),
         default_proposer=args.proposer,
         default_num_speculative_tokens=args.num_speculative_tokens,
         adaptive_speculation=not args.fixed_k,

@@ -17,6 +17,7 @@ MAX_SPECULATIVE_TOKENS = 16
 # CPU (2 cores, SmolLM2-135M bf16): 0.026..0.036 of a one-token forward.
 DEFAULT_VERIFY_TOKEN_COST = 0.03
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_DRAFT_COST_PER_TOKEN = 10.0  # a draft ten times the target's cost never pays
 
 
 def _is_int(value: object) -> bool:
@@ -108,9 +109,29 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class DraftConfig:
-    """The draft model of the ``draft`` proposer; ``model`` None means none is configured."""
+    """The draft model of the ``draft`` proposer; ``model`` None means none is configured.
+
+    ``cost_per_token``: the time of one draft token relative to a one-token target forward,
+    which adaptive speculation charges for each draft. None measures it when the proposer is
+    built; a seeded sampled request's text then depends on the figure measured (its drafts are
+    sampled, and how many it asks for steers its randomness), so fix it for reproducible runs.
+    """
 
     model: ModelConfig | None = None
+    cost_per_token: float | None = None
+
+    def __post_init__(self) -> None:
+        check(
+            self.cost_per_token is None
+            or (
+                isinstance(self.cost_per_token, (int, float))
+                and not isinstance(self.cost_per_token, bool)
+                and 0 <= self.cost_per_token <= MAX_DRAFT_COST_PER_TOKEN
+            ),
+            "cost_per_token",
+            f"expected None or a number in [0, {MAX_DRAFT_COST_PER_TOKEN}], "
+            f"got {self.cost_per_token!r}",
+        )
 
 
 @dataclass(frozen=True, slots=True)

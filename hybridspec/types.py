@@ -1,10 +1,11 @@
 """Types shared by the proposers, the verifier and the engine.
 
-Glossary of dimensions used in tensor shape comments across the package:
+Glossary of dimensions used in tensor shape comments across the package (ARCHITECTURE.md has
+the whole glossary):
 
 - ``num_seqs``: sequences verified together in one target forward.
-- ``num_draft_tokens``: proposed tokens of one sequence in one round (K after shrinking, 0..K).
-- ``total_draft_tokens``: sum of ``num_draft_tokens`` over a batch (flat ragged layout).
+- ``num_drafts``: draft tokens of one sequence in one round (0..K, ``k_i`` in formulas).
+- ``total_num_drafts``: sum of ``num_drafts`` over a batch (flat ragged layout).
 - ``vocab_size``: size of the target's (and draft's) vocabulary.
 - ``cu_*``: cumulative offsets, length ``num_seqs + 1``, starting at 0.
 """
@@ -82,49 +83,66 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
-class Proposal:
-    """What a proposer guesses for one sequence in one round.
+class ProposeRequest:
+    """One sequence's request to a proposer for one round.
 
-    ``token_ids`` holds 0..K proposed token ids. ``probs`` is the proposer's distribution at
-    each proposed position, after the request's sampling transforms, from which each token was
-    drawn; ``None`` marks a deterministic proposal, verified as a one-hot draft distribution.
+    ``token_ids`` is the committed context (prompt then generated tokens), shared with the
+    engine without copying: read it, never modify it. ``max_num_drafts`` is how many drafts the
+    engine asks for this round (the request's K, shrunk near the context limit and by adaptive
+    speculation); a proposer may return fewer. ``generator`` is the request's random generator,
+    for proposers that sample their drafts.
     """
 
+    seq_id: int
     token_ids: Sequence[int]
-    probs: torch.Tensor | None = None  # [num_draft_tokens, vocab_size] float32, rows sum to 1
+    max_num_drafts: int
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
 
-    def __post_init__(self) -> None:
-        if self.probs is not None:
-            check(
-                self.probs.dim() == 2 and self.probs.shape[0] == len(self.token_ids),
-                "probs",
-                f"expected shape [{len(self.token_ids)}, vocab_size], "
-                f"got {tuple(self.probs.shape)}",
-            )
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """What a proposer guesses for one sequence in one round: ``num_drafts`` draft tokens.
+
+    ``probs`` is the proposer's distribution q at each draft position, after the request's
+    sampling transforms, from which each draft was drawn; ``None`` marks deterministic drafts,
+    verified as one-hot draft distributions. The engine validates a proposal once, where it
+    enters (``verifier.check_proposal``).
+    """
+
+    token_ids: Sequence[int]  # [num_drafts]
+    probs: torch.Tensor | None = None  # [num_drafts, vocab_size] float, rows sum to 1
 
     @property
-    def num_tokens(self) -> int:
+    def num_drafts(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def is_sampled(self) -> bool:
+        """True when the drafts were sampled from ``probs`` (verified by rejection sampling)."""
+        return self.probs is not None
 
 
 EMPTY_PROPOSAL = Proposal(token_ids=())
 
 
-@dataclass(slots=True)
-class ProposeRequest:
-    """One sequence's request to a proposer for one round.
+@dataclass(frozen=True, slots=True)
+class CommitInfo:
+    """What one round committed to a sequence, handed to its proposer's ``commit``.
 
-    ``token_ids`` is the committed context (prompt then generated tokens), shared with the
-    engine without copying: read it, never modify it. ``num_tokens`` is the K to propose for
-    this round (already shrunk near the context limit); a proposer may return fewer.
-    ``generator`` is the request's random generator for proposers that sample.
+    ``token_ids`` are exactly the tokens appended after verification: the first
+    ``num_accepted`` are accepted drafts, the last one the target's bonus or correction token
+    (unless a stop condition cut the round short, when there may be fewer). A proposer rolls its
+    own state back past the rejected drafts from these two fields alone.
+    ``hidden_states`` is reserved for proposers that read the target's features: the target's
+    hidden states at the committed tokens' positions, when the proposer asked for them, else
+    ``None`` (no built-in proposer asks yet).
     """
 
     seq_id: int
-    token_ids: Sequence[int]
-    num_tokens: int
-    sampling: SamplingParams
-    generator: torch.Generator | None = None
+    token_ids: Sequence[int]  # [num_committed]
+    num_accepted: int
+    hidden_states: torch.Tensor | None = None  # [num_committed, hidden_size] or None
 
 
 @dataclass(slots=True)
@@ -161,16 +179,16 @@ class GenerationStats:
             return 0.0
         return self.generated_tokens / self.elapsed_s
 
-    def record_round(self, num_proposed: int, num_accepted: int) -> None:
-        """Count one verification round with ``num_proposed`` drafts, ``num_accepted`` kept."""
+    def record_round(self, num_drafts: int, num_accepted: int) -> None:
+        """Count one verification round with ``num_drafts`` drafts, ``num_accepted`` kept."""
         self.target_forwards += 1
-        self.draft_tokens_proposed += num_proposed
+        self.draft_tokens_proposed += num_drafts
         self.draft_tokens_accepted += num_accepted
-        grow = num_proposed - len(self.proposed_per_position)
+        grow = num_drafts - len(self.proposed_per_position)
         if grow > 0:
             self.proposed_per_position.extend([0] * grow)
             self.accepted_per_position.extend([0] * grow)
-        for i in range(num_proposed):
+        for i in range(num_drafts):
             self.proposed_per_position[i] += 1
             if i < num_accepted:
                 self.accepted_per_position[i] += 1

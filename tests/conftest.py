@@ -8,7 +8,6 @@ every logit nearly equal and comparisons weak), and norms are perturbed around 1
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +27,6 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from hybridspec.config import ModelConfig
 from hybridspec.model.loader import EMBEDDED_DISTRIBUTION, LoadedModel, load_model
-from hybridspec.proposers import Proposer, ProposerContext, ProposerRegistry, default_registry
-from hybridspec.proposers.draft import DraftModelProposer
 
 TINY_SPECIAL_TOKENS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258, 259
 TINY_VOCAB_SIZE = 256 + len(TINY_SPECIAL_TOKENS)
@@ -145,15 +142,3 @@ def embedded_float32() -> LoadedModel:
             f"{EMBEDDED_DISTRIBUTION}==0.1.2"
         )
     return load_model(ModelConfig(dtype="float32", max_seq_len=512, max_num_seqs=4))
-
-
-def registry_with_draft(draft: LoadedModel) -> ProposerRegistry:
-    """The built-in proposers, with ``draft`` drafting from an already loaded model."""
-    registry = default_registry()
-
-    def draft_factory(context: ProposerContext) -> Proposer:
-        options = {**context.options, "loaded": draft}
-        return DraftModelProposer(dataclasses.replace(context, options=options))
-
-    registry.register("draft", draft_factory, replace=True)
-    return registry

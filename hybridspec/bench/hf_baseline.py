@@ -123,7 +123,7 @@ class HFMethod:
             token_ids=tuple(_strip_eos(generated, self._eos)),
             num_generated=len(generated),
             target_forwards=len(fed),
-            num_draft_tokens=num_drafted,
+            num_drafts=num_drafted,
             num_accepted_tokens=len(generated) - len(fed),
         )
         return Measurement((speculation,), elapsed, self._timer.seconds)

@@ -149,7 +149,7 @@ def _speculation(result: GenerationResult) -> Speculation:
         token_ids=tuple(result.token_ids),
         num_generated=stats.generated_tokens,
         target_forwards=stats.target_forwards,
-        num_draft_tokens=stats.draft_tokens_proposed,
+        num_drafts=stats.draft_tokens_proposed,
         num_accepted_tokens=stats.draft_tokens_accepted,
         accepted_per_position=tuple(stats.accepted_per_position),
         proposed_per_position=tuple(stats.proposed_per_position),

@@ -19,7 +19,7 @@ class Speculation:
     token_ids: tuple[int, ...]  # generated ids, EOS excluded
     num_generated: int  # generated tokens, EOS included
     target_forwards: int  # target forwards that committed tokens (prefill-only chunks excluded)
-    num_draft_tokens: int  # proposed over all rounds
+    num_drafts: int  # proposed over all rounds
     num_accepted_tokens: int  # accepted drafts (bonus/correction tokens excluded)
     accepted_per_position: tuple[int, ...] | None = None  # [K]; None: not observable
     proposed_per_position: tuple[int, ...] | None = None  # [K]

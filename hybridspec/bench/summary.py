@@ -162,7 +162,7 @@ class Summary:
             speedup_vs_hf_plain=self.speedup(method, HF_BASELINE, group, temperature),
             acceptance_rate=_ratio(
                 sum(s.num_accepted_tokens for s in requests),
-                sum(s.num_draft_tokens for s in requests),
+                sum(s.num_drafts for s in requests),
             ),
             mean_accepted_length=_ratio(
                 sum(s.num_generated for s in requests), sum(s.target_forwards for s in requests)

@@ -27,6 +27,8 @@ import torch
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
+from hybridspec.engine.prompts import Messages, check_prompt, encode
+from hybridspec.engine.proposer_pool import ProposerPool
 from hybridspec.engine.request import (
     FinishReason,
     GenerationParams,
@@ -37,17 +39,27 @@ from hybridspec.engine.request import (
 )
 from hybridspec.engine.scheduler import Scheduler
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
-from hybridspec.errors import HybridSpecError, InvalidRequestError, check
-from hybridspec.model import ForwardBatch, LoadedModel, load_model
-from hybridspec.proposers import Proposer, ProposerContext, ProposerRegistry, default_registry
-from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest
+from hybridspec.errors import HybridSpecError, check
+from hybridspec.model import (
+    TIMING_CONTEXT,
+    ForwardBatch,
+    LoadedModel,
+    load_model,
+    median_forward_seconds,
+)
+from hybridspec.proposers import (
+    DraftModel,
+    Proposer,
+    ProposerContext,
+    ProposerFactory,
+    ProposerRegistry,
+    default_registry,
+)
+from hybridspec.types import CommitInfo, Proposal
 from hybridspec.verifier import VerifyInput, verify
 from hybridspec.verifier.uniforms import KeyedUniforms, key_of
 
 logger = logging.getLogger(__name__)
-
-Messages = Sequence[dict[str, str]]
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class Engine:
@@ -62,8 +74,11 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         target: LoadedModel | None = None,
+        draft: LoadedModel | None = None,
         registry: ProposerRegistry | None = None,
     ) -> None:
+        """Load the target (and the draft model, if configured) unless given, and build every
+        registered proposer (``registry``; default: ``proposers.default_registry()``)."""
         self.config = config if config is not None else EngineConfig()
         self.target = target if target is not None else load_model(self.config.target)
         self.tokenizer = self.target.tokenizer
@@ -74,12 +89,12 @@ class Engine:
         self.max_seq_len = self.runtime.max_seq_len
         self.vocab_size = self.runtime.vocab_size
         self.scheduler = Scheduler(self.config.max_queue_size, self.config.prefill_chunk_size)
-        self._registry = registry if registry is not None else default_registry()
-        self._proposers: dict[str, Proposer] = {}
-        self._unavailable: dict[str, str] = {}
-        for name in self._registry.names():
-            self._build_proposer(name)
-        self.resolve_proposer(self.config.default_proposer)
+        self._target_forward_s: float | None = None
+        self.proposers = ProposerPool(
+            registry if registry is not None else default_registry(),
+            self._proposer_context(draft),
+        )
+        self.proposers.resolve(self.config.default_proposer)
         self._seq_ids = itertools.count()
         self.speculation: SpeculationPolicy | None = None
         if self.config.adaptive_speculation:
@@ -91,96 +106,64 @@ class Engine:
 
     # ----------------------------------------------------------------- proposers
 
-    def _build_proposer(self, name: str) -> None:
-        context = ProposerContext(
+    def _proposer_context(self, draft: LoadedModel | None) -> ProposerContext:
+        """What the proposers may use: the target's facts, the config, the draft model."""
+        draft_error = None
+        if draft is None and self.config.draft.model is not None:
+            try:
+                draft = load_model(self.config.draft.model)
+            except HybridSpecError as exc:
+                # ``draft`` then stays listed as unavailable, with this reason
+                draft_error = f"it failed to load: {exc}"
+                logger.warning("draft model failed to load: %s", exc)
+        shared = None
+        if draft is not None:
+            target = self.config.target
+            shared = DraftModel(
+                draft, draft.create_runtime(target.max_num_seqs, target.max_seq_len)
+            )
+        return ProposerContext(
             vocab_size=self.vocab_size,
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
             device=self.runtime.device,
             tokenizer=self.tokenizer,
-            options=self.config.proposer_options().get(name, {}),
+            config=self.config,
+            draft=shared,
+            draft_error=draft_error,
+            target_forward_s=self.target_forward_s,
         )
-        try:
-            self._proposers[name] = self._registry.factory(name)(context)
-            self._unavailable.pop(name, None)
-        except HybridSpecError as exc:
-            # A proposer that cannot be built (``draft`` with no draft model) stays listed:
-            # requests naming it get this reason as their error.
-            self._unavailable[name] = str(exc)
-            logger.info("proposer %r unavailable: %s", name, exc)
 
-    def register_proposer(self, name: str, factory: Any, *, replace: bool = False) -> None:
+    def target_forward_s(self) -> float:
+        """Seconds of a one-token target forward, timed in place on first use (0: no slot)."""
+        if self._target_forward_s is None:
+            timings = median_forward_seconds(self.runtime, (1,), TIMING_CONTEXT)
+            self._target_forward_s = timings[0] if timings is not None else 0.0
+        return self._target_forward_s
+
+    def register_proposer(
+        self, name: str, factory: ProposerFactory, *, replace: bool = False
+    ) -> None:
         """Register a custom proposer under ``name`` and build it; requests may then pick it."""
-        self._registry.register(name, factory, replace=replace)
-        old = self._proposers.pop(name, None)
-        if old is not None:
-            old.close()
-        self._build_proposer(name)
-        if name in self._unavailable:
-            raise InvalidRequestError(
-                f"proposer: {name!r} could not be built: {self._unavailable[name]}", "proposer"
-            )
+        self.proposers.register(name, factory, replace=replace)
 
     def available_proposers(self) -> list[str]:
-        return sorted(self._proposers)
+        return self.proposers.available()
 
     def unavailable_proposers(self) -> dict[str, str]:
         """Registered proposers that could not be built, with the reason."""
-        return dict(self._unavailable)
+        return self.proposers.unavailable()
 
     def resolve_proposer(self, name: str) -> Proposer:
-        if name in self._unavailable:
-            raise InvalidRequestError(
-                f"proposer: {name!r} is not available: {self._unavailable[name]}", "proposer"
-            )
-        if name not in self._proposers:
-            self._registry.factory(name)  # raises the error that lists the known names
-        return self._proposers[name]
+        return self.proposers.resolve(name)
 
     # ------------------------------------------------------------------ requests
 
     def encode(self, prompt: str | None = None, messages: Messages | None = None) -> list[int]:
         """Token ids of a plain prompt, or of chat messages with the chat template applied."""
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            raise InvalidRequestError(
-                "prompt: this model has no tokenizer; pass token ids", "prompt"
-            )
-        check(
-            (prompt is None) != (messages is None),
-            "prompt",
-            "expected exactly one of a prompt or chat messages",
-        )
-        if prompt is not None:
-            check(
-                isinstance(prompt, str), "prompt", f"expected a string, got {type(prompt).__name__}"
-            )
-            return list(tokenizer.encode(prompt))
-        check_messages(messages)
-        try:
-            text = tokenizer.apply_chat_template(
-                list(messages or ()), tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:  # errors raised by the template itself, e.g. on roles
-            raise InvalidRequestError(
-                f"messages: the chat template rejected them: {exc}", "messages"
-            ) from exc
-        return list(tokenizer.encode(str(text), add_special_tokens=False))
+        return encode(self.tokenizer, prompt, messages)
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
-        n = len(prompt_token_ids)
-        check(n >= 1, "prompt", "the prompt is empty")
-        check(
-            n < self.max_seq_len,
-            "prompt",
-            f"the prompt has {n} tokens; the context holds {self.max_seq_len}, "
-            "so at most {} fit with room to generate".format(self.max_seq_len - 1),
-        )
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        check(
-            not bad,
-            "prompt",
-            f"token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}",
-        )
+        check_prompt(prompt_token_ids, self.max_seq_len, self.vocab_size)
 
     def add_request(
         self,
@@ -194,7 +177,7 @@ class Engine:
         prompt = list(prompt_token_ids)
         self.check_prompt(prompt)
         name = params.proposer or self.config.default_proposer
-        self.resolve_proposer(name)
+        self.proposers.resolve(name)
         check(
             not params.stop or self.tokenizer is not None,
             "stop",
@@ -244,7 +227,10 @@ class Engine:
             return outputs
         assert all(r.slot is not None for r in running)
         plan = self.scheduler.plan([self.runtime.seq_len(r.slot) for r in running])  # type: ignore[arg-type]
-        drafts = self._propose(plan.decode, outputs)
+        proposed = self.proposers.propose(plan.decode, self._num_drafts)
+        for request, error in proposed.failed:
+            outputs.append(self._finish(request, FinishReason.ERROR, error))
+        drafts = proposed.drafts
         if not drafts and not plan.prefill:
             return outputs
         batch = self._build_batch(drafts, plan.prefill)
@@ -257,6 +243,7 @@ class Engine:
                     [r.params.sampling for r, _ in drafts],
                     [r.generator for r, _ in drafts],
                     [KeyedUniforms(r.uniform_key, len(r.token_ids)) for r, _ in drafts],
+                    checked=True,  # by the proposer pool, where they entered
                 )
             )
             committed = 0
@@ -264,9 +251,9 @@ class Engine:
                 drafts, verified.output_token_ids, verified.num_accepted.tolist(), strict=True
             ):
                 committed += len(tokens)
-                outputs.append(self._commit(request, tokens, num_accepted, proposal.num_tokens))
+                outputs.append(self._commit(request, tokens, num_accepted, proposal.num_drafts))
             if self.speculation is not None:
-                verified_tokens = sum(p.num_tokens + 1 for _, p in drafts)
+                verified_tokens = sum(p.num_drafts + 1 for _, p in drafts)
                 self.speculation.record_step(committed, verified_tokens)
         return outputs
 
@@ -275,7 +262,7 @@ class Engine:
             request.slot = self.runtime.allocate()
             request.start_time = time.perf_counter()
             try:
-                self._proposers[request.proposer_name].start(
+                self.proposers[request.proposer_name].start(
                     request.seq_id, request.prompt_token_ids
                 )
             except Exception as exc:  # a proposer's failure harms its own request only
@@ -297,65 +284,6 @@ class Engine:
             proposer_cost_per_token=proposer.cost_per_token,
         )
 
-    def _propose(
-        self, decode: list[Request], outputs: list[RequestOutput]
-    ) -> list[tuple[Request, Proposal]]:
-        """Ask each proposer for its requests' drafts; a failing proposer fails its requests."""
-        groups: dict[str, list[Request]] = {}
-        for request in decode:
-            groups.setdefault(request.proposer_name, []).append(request)
-        proposals: dict[int, Proposal] = {}
-        for name, requests in groups.items():
-            proposer = self._proposers[name]
-            asks = [
-                ProposeRequest(
-                    r.seq_id,
-                    r.token_ids,
-                    self._num_drafts(r, proposer),
-                    r.params.sampling,
-                    r.generator,
-                )
-                for r in requests
-            ]
-            try:
-                got = proposer.propose(asks)
-                check(
-                    len(got) == len(asks),
-                    "proposer",
-                    f"{name!r} returned {len(got)} proposals for {len(asks)} requests",
-                )
-                for ask, proposal in zip(asks, got, strict=True):
-                    self._check_proposal(proposal, ask.num_tokens)
-                    proposals[ask.seq_id] = proposal
-            except Exception as exc:
-                logger.exception("proposer %r failed", name)
-                for request in requests:
-                    outputs.append(self._finish(request, FinishReason.ERROR, f"proposer: {exc}"))
-        return [(r, proposals.get(r.seq_id, EMPTY_PROPOSAL)) for r in decode if not r.finished]
-
-    def _check_proposal(self, proposal: Proposal, num_tokens: int) -> None:
-        check(
-            isinstance(proposal, Proposal),
-            "proposer",
-            f"expected a Proposal, got {type(proposal).__name__}",
-        )
-        check(
-            proposal.num_tokens <= num_tokens,
-            "proposer",
-            f"proposed {proposal.num_tokens} tokens where at most {num_tokens} were asked",
-        )
-        check(
-            all(isinstance(t, int) and 0 <= t < self.vocab_size for t in proposal.token_ids),
-            "proposer",
-            f"proposed token ids outside [0, {self.vocab_size})",
-        )
-        if proposal.probs is not None:
-            check(
-                proposal.probs.shape[-1] == self.vocab_size,
-                "proposer",
-                f"probs have {proposal.probs.shape[-1]} columns, the vocabulary {self.vocab_size}",
-            )
-
     def _build_batch(
         self, drafts: list[tuple[Request, Proposal]], prefill: list[tuple[Request, int]]
     ) -> ForwardBatch:
@@ -369,7 +297,7 @@ class Engine:
             cached = self.runtime.seq_len(request.slot)
             token_ids.extend(request.token_ids[cached:])
             token_ids.extend(proposal.token_ids)
-            logits_indices.extend(range(len(token_ids) - proposal.num_tokens - 1, len(token_ids)))
+            logits_indices.extend(range(len(token_ids) - proposal.num_drafts - 1, len(token_ids)))
             slots.append(request.slot)
             cu.append(len(token_ids))
         for request, num_tokens in prefill:
@@ -386,11 +314,11 @@ class Engine:
         )
 
     def _commit(
-        self, request: Request, tokens: list[int], num_accepted: int, num_proposed: int
+        self, request: Request, tokens: list[int], num_accepted: int, num_drafts: int
     ) -> RequestOutput:
         """Append verified tokens, stopping at the first stop condition; roll caches back."""
-        request.stats.record_round(num_proposed, num_accepted)
-        request.speculation.update(num_proposed, num_accepted, len(tokens))
+        request.stats.record_round(num_drafts, num_accepted)
+        request.speculation.update(num_drafts, num_accepted, len(tokens))
         detokenizer = request.detokenizer
         assert detokenizer is not None and request.slot is not None
         new_token_ids: list[int] = []
@@ -417,7 +345,9 @@ class Engine:
             return self._finish(request, reason, new_token_ids=new_token_ids)
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
         try:
-            self._proposers[request.proposer_name].commit(request.seq_id, tokens, num_accepted)
+            self.proposers[request.proposer_name].commit(
+                CommitInfo(request.seq_id, tokens, num_accepted)
+            )
         except Exception as exc:
             logger.exception("proposer %r failed to commit", request.proposer_name)
             return self._finish(request, FinishReason.ERROR, f"proposer: {exc}", new_token_ids)
@@ -437,7 +367,7 @@ class Engine:
             self.runtime.free(request.slot)
             request.slot = None
             try:
-                self._proposers[request.proposer_name].finish(request.seq_id)
+                self.proposers[request.proposer_name].finish(request.seq_id)
             except Exception:
                 logger.exception("proposer %r failed to finish", request.proposer_name)
         self.scheduler.remove(request)
@@ -538,25 +468,4 @@ class Engine:
         ]
 
     def close(self) -> None:
-        for proposer in self._proposers.values():
-            proposer.close()
-        self._proposers.clear()
-
-
-def check_messages(messages: Messages | None) -> None:
-    """Validate OpenAI-style chat messages: a non-empty list of {role, content} strings."""
-    check(
-        isinstance(messages, (list, tuple)) and len(messages) > 0,
-        "messages",
-        "expected a non-empty list of messages",
-    )
-    for i, message in enumerate(messages or ()):
-        check(isinstance(message, dict), f"messages[{i}]", "expected an object")
-        check(
-            message.get("role") in CHAT_ROLES,
-            f"messages[{i}].role",
-            f"expected one of {CHAT_ROLES}, got {message.get('role')!r}",
-        )
-        check(
-            isinstance(message.get("content"), str), f"messages[{i}].content", "expected a string"
-        )
+        self.proposers.close()

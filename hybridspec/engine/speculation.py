@@ -45,19 +45,14 @@ alpha = 0.3 gives 1 draft, alpha = 0.2 none.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
-import torch
-
-from hybridspec.model import ForwardBatch, ModelRuntime
+from hybridspec.model import TIMING_CONTEXT, ModelRuntime, median_forward_seconds
 
 DECAY = 0.8  # weight of a round's evidence after each later round
 PRIOR_ACCEPTED = 1.0
 PRIOR_REJECTED = 1.0
 CALIBRATION_TOKENS = 16  # extra tokens of the calibration forward
-CALIBRATION_CONTEXT = 128  # tokens cached before the timed forwards
-CALIBRATION_REPEATS = 3
 # A measured cost above this is timing noise (a loaded machine); real ones are ~0.03 on CPU.
 MAX_VERIFY_TOKEN_COST = 0.1
 
@@ -79,15 +74,15 @@ class SpeculationState:
             self.accepted + self.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED
         )
 
-    def update(self, num_proposed: int, num_accepted: int, num_committed: int) -> None:
+    def update(self, num_drafts: int, num_accepted: int, num_committed: int) -> None:
         """Learn from a round that proposed, accepted and committed so many tokens."""
         self.accepted *= DECAY
         self.rejected *= DECAY
-        if num_proposed > 0:
+        if num_drafts > 0:
             self.accepted += num_accepted
-            self.rejected += 1.0 if num_accepted < num_proposed else 0.0
+            self.rejected += 1.0 if num_accepted < num_drafts else 0.0
         if num_committed > 0:
-            self.last_committed, self.last_verified = num_committed, num_proposed + 1
+            self.last_committed, self.last_verified = num_committed, num_drafts + 1
 
 
 def drafts_worth_asking(rate: float, threshold: float, max_drafts: int) -> int:
@@ -151,35 +146,13 @@ def measure_verify_token_cost(runtime: ModelRuntime, max_drafts: int) -> float:
     context, a forward of 1 token against one of ``1 + m`` (``m = min(16, max_drafts)``).
 
     Takes a free cache slot for the duration (none free: returns 0, i.e. drafts cost nothing
-    to verify). Medians of ``CALIBRATION_REPEATS`` timings after one warm-up each; the result
-    is clamped to ``[0, MAX_VERIFY_TOKEN_COST]``.
+    to verify). Medians of a few timings after a warm-up (``model.median_forward_seconds``);
+    the result is clamped to ``[0, MAX_VERIFY_TOKEN_COST]``.
     """
     extra = min(CALIBRATION_TOKENS, max(1, max_drafts))
-    context = min(CALIBRATION_CONTEXT, runtime.max_seq_len - 1 - extra)
-    if runtime.num_free_slots() == 0 or context < 0:
+    context = min(TIMING_CONTEXT, runtime.max_seq_len - 1 - extra)
+    timings = median_forward_seconds(runtime, (1, 1 + extra), context)
+    if timings is None or timings[0] <= 0:
         return 0.0
-    slot = runtime.allocate()
-    try:
-        if context > 0:
-            runtime.forward(ForwardBatch.from_lists([slot], [[0] * context], logits_indices=[]))
-        one = _median_forward_s(runtime, slot, context, 1)
-        many = _median_forward_s(runtime, slot, context, 1 + extra)
-    finally:
-        runtime.free(slot)
-    if one <= 0:
-        return 0.0
+    one, many = timings
     return min(MAX_VERIFY_TOKEN_COST, max(0.0, (many - one) / (extra * one)))
-
-
-def _median_forward_s(runtime: ModelRuntime, slot: int, context: int, num_tokens: int) -> float:
-    batch = ForwardBatch.from_lists([slot], [[0] * num_tokens], logits_indices=[num_tokens - 1])
-    timings = []
-    for i in range(CALIBRATION_REPEATS + 1):
-        start = time.perf_counter()
-        logits = runtime.forward(batch)
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)
-        if i > 0:  # the first is a warm-up
-            timings.append(time.perf_counter() - start)
-        runtime.truncate(slot, context)
-    return sorted(timings)[len(timings) // 2]

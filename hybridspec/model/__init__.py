@@ -7,5 +7,14 @@
 from hybridspec.model.llama import LlamaWeights
 from hybridspec.model.loader import LoadedModel, load_model
 from hybridspec.model.runtime import ForwardBatch, ModelRuntime
+from hybridspec.model.timing import TIMING_CONTEXT, median_forward_seconds
 
-__all__ = ["ForwardBatch", "LlamaWeights", "LoadedModel", "ModelRuntime", "load_model"]
+__all__ = [
+    "TIMING_CONTEXT",
+    "ForwardBatch",
+    "LlamaWeights",
+    "LoadedModel",
+    "ModelRuntime",
+    "load_model",
+    "median_forward_seconds",
+]

@@ -5,18 +5,25 @@ all in one forward. Its lifecycle per sequence:
 
 1. ``start(seq_id, prompt_token_ids)`` when the sequence is admitted;
 2. each round, ``propose(requests)`` for every sequence of the batch that uses this proposer,
-   returning one ``Proposal`` per request, in order;
-3. after verification, ``commit(seq_id, token_ids, num_accepted)`` with exactly the tokens that
-   were appended to the sequence (accepted drafts then the bonus or correction token), so that
-   the proposer can roll its own state back past what was rejected;
+   returning one ``Proposal`` of at most ``request.max_num_drafts`` drafts per request, in
+   order;
+3. after verification, ``commit(info)`` with a ``CommitInfo``: exactly the tokens that were
+   appended to the sequence (accepted drafts then the bonus or correction token) and how many
+   drafts were accepted, so that the proposer can roll its own state back past what was
+   rejected;
 4. ``finish(seq_id)`` when the sequence ends, for whatever reason.
 
 Only ``propose`` is required: the other three default to doing nothing, which suits a proposer
 that reads the whole committed context from ``ProposeRequest.token_ids`` each round.
 
-A deterministic proposer returns ``Proposal(token_ids)``; one that samples its guesses returns
-``Proposal(token_ids, probs)`` with the distribution each token was drawn from. Either keeps
-verification exactly lossless.
+A deterministic proposer returns ``Proposal(token_ids)``; one that samples its drafts declares
+``samples_drafts = True`` and returns ``Proposal(token_ids, probs)`` with the distribution each
+draft was drawn from. Either keeps verification exactly lossless. The engine validates every
+proposal once, where it enters (``verifier.check_proposal``).
+
+A proposer is built from a ``ProposerContext``: what it may use from the engine (the target's
+vocabulary, EOS ids and tokenizer, the engine's configuration, the draft model the engine
+loaded) and nothing else.
 """
 
 from __future__ import annotations
@@ -24,23 +31,45 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from hybridspec.errors import InvalidRequestError
-from hybridspec.types import Proposal, ProposeRequest
+from hybridspec.config import EngineConfig
+from hybridspec.model import LoadedModel, ModelRuntime
+from hybridspec.types import CommitInfo, Proposal, ProposeRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
+class DraftModel:
+    """The draft model the engine loaded once (``DraftConfig.model``) and one runtime over it.
+
+    Every proposer that drafts with it shares both: each allocates the runtime's slots for its
+    own sequences (one per sequence, and the engine runs at most ``max_num_seqs`` at once).
+    """
+
+    model: LoadedModel
+    runtime: ModelRuntime
+
+
+@dataclass(frozen=True, slots=True)
 class ProposerContext:
-    """What a proposer is built with: facts about the target and its own options."""
+    """What a proposer may use from the engine; read-only."""
 
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    tokenizer: Any = None  # the target's transformers tokenizer, when one is loaded
-    options: dict[str, Any] = field(default_factory=dict)  # this proposer's own configuration
+    tokenizer: PreTrainedTokenizerBase | None = None  # the target's, when one is loaded
+    config: EngineConfig = field(default_factory=EngineConfig)  # each reads its own part
+    draft: DraftModel | None = None  # None: no draft model is configured
+    # Why ``draft`` is None although one was configured (its loading failed), for errors.
+    draft_error: str | None = None
+    # Seconds of a one-token forward of the target (measured once, on the first call), so that
+    # a proposer can price its own drafts relative to it (``Proposer.cost_per_token``).
+    target_forward_s: Callable[[], float] | None = None
 
 
 class Proposer(ABC):
@@ -48,13 +77,15 @@ class Proposer(ABC):
 
     # The time of proposing one draft token, relative to the fixed cost of one target forward;
     # adaptive speculation (engine.speculation) asks for fewer drafts from costlier proposers.
-    # 0 for proposers whose cost is negligible next to a forward (none, ngram).
+    # 0 for proposers whose cost is negligible next to a forward (none, ngram); a model-based
+    # proposer measures it when it is built.
     cost_per_token: float = 0.0
-    # True for a proposer that samples its drafts and returns their distributions
-    # (``Proposal.probs``). Such a request's sampled text depends on how many drafts it asks
-    # for, so adaptive speculation decides them from its own rounds alone, keeping a seeded
-    # output independent of its batch neighbours. A deterministic proposer's sampled text does
-    # not depend on its drafts (``verifier.uniforms``).
+    # True for a proposer that may sample its drafts and return their distributions
+    # (``Proposal.probs``); one that declares False must return deterministic proposals. Such
+    # a request's sampled text depends on how many drafts it asks for, so adaptive speculation
+    # decides them from its own rounds alone, keeping a seeded output independent of its batch
+    # neighbours. A deterministic proposer's sampled text does not depend on its drafts
+    # (``verifier.uniforms``).
     samples_drafts: bool = False
 
     def __init__(self, context: ProposerContext) -> None:
@@ -65,14 +96,10 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        """Return one proposal of at most ``request.num_tokens`` tokens per request, in order."""
+        """Return one proposal of at most ``request.max_num_drafts`` drafts per request."""
 
-    def commit(self, seq_id: int, token_ids: Sequence[int], num_accepted: int) -> None:  # noqa: B027
-        """Learn that ``token_ids`` were appended to the sequence after verification.
-
-        The first ``num_accepted`` of them are this proposer's accepted drafts; the last one is
-        the target's bonus or correction token (unless a stop condition cut the round short).
-        """
+    def commit(self, info: CommitInfo) -> None:  # noqa: B027
+        """Learn what one round appended to the sequence ``info.seq_id`` (see ``CommitInfo``)."""
 
     def finish(self, seq_id: int) -> None:  # noqa: B027
         """Forget a sequence: it finished, failed or was cancelled."""
@@ -89,55 +116,3 @@ class NoProposer(Proposer):
 
 
 ProposerFactory = Callable[[ProposerContext], Proposer]
-
-
-class ProposerRegistry:
-    """Maps a proposer name to the factory that builds it. The only place names are compared."""
-
-    def __init__(self) -> None:
-        self._factories: dict[str, ProposerFactory] = {}
-
-    def register(self, name: str, factory: ProposerFactory, *, replace: bool = False) -> None:
-        if (
-            not isinstance(name, str)
-            or not name
-            or not name.replace("-", "").replace("_", "").isalnum()
-        ):
-            raise InvalidRequestError(
-                f"proposer: expected a non-empty name of letters, digits, '-' or '_', got {name!r}",
-                param="proposer",
-            )
-        if not callable(factory):
-            raise InvalidRequestError(
-                f"proposer: factory for {name!r} must be callable, got {factory!r}",
-                param="proposer",
-            )
-        if name in self._factories and not replace:
-            raise InvalidRequestError(
-                f"proposer: {name!r} is already registered (pass replace=True to override)",
-                param="proposer",
-            )
-        self._factories[name] = factory
-
-    def unregister(self, name: str) -> None:
-        self._factories.pop(name, None)
-
-    def factory(self, name: str) -> ProposerFactory:
-        try:
-            return self._factories[name]
-        except KeyError:
-            known = ", ".join(sorted(self._factories))
-            raise InvalidRequestError(
-                f"proposer: unknown proposer {name!r}; registered: {known}", param="proposer"
-            ) from None
-
-    def names(self) -> list[str]:
-        return sorted(self._factories)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._factories
-
-    def copy(self) -> ProposerRegistry:
-        other = ProposerRegistry()
-        other._factories = dict(self._factories)
-        return other

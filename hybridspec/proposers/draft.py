@@ -1,6 +1,7 @@
 """The ``draft`` proposer: a small causal LM of the target's family guesses K tokens.
 
-The draft model has its own runtime and KV cache (one slot per sequence). Its cache lags the
+The draft model is the one the engine loaded (``ProposerContext.draft``); its runtime's KV cache
+holds one slot per sequence. Its cache lags the
 committed context: a round first feeds every committed token it has not cached (the whole
 prompt on the first round: lazy prefill), then drafts K tokens autoregressively, all sequences
 of the batch together. Tokens are drawn from the draft's distribution q under the request's own
@@ -24,11 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridspec.config import DraftConfig
 from hybridspec.errors import InvalidRequestError, ModelLoadError
-from hybridspec.model import ForwardBatch, LoadedModel, ModelRuntime, load_model
+from hybridspec.model import (
+    TIMING_CONTEXT,
+    ForwardBatch,
+    LoadedModel,
+    ModelRuntime,
+    median_forward_seconds,
+)
 from hybridspec.proposers.base import Proposer, ProposerContext
-from hybridspec.types import Proposal, ProposeRequest, SamplingParams
+from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.sampling import logits_to_probs
 
 logger = logging.getLogger(__name__)
@@ -67,34 +73,47 @@ def check_tokenizer_compatible(target: ProposerContext, draft: LoadedModel) -> N
 
 
 class DraftModelProposer(Proposer):
-    """Drafts with a small model sharing the target's tokenizer.
+    """Drafts with a small model sharing the target's tokenizer: the engine's ``DraftModel``
+    (``context.draft``), whose runtime it shares with any other proposer drafting with it.
 
-    Options (``context.options``): ``config`` (DraftConfig, whose ``model`` names the draft),
-    ``max_num_seqs`` and ``max_seq_len`` (sized like the target's cache), or ``loaded`` (an
-    already loaded LoadedModel, for tests and embedding).
+    ``cost_per_token`` is ``DraftConfig.cost_per_token`` or, when that is None, measured when
+    the proposer is built: a one-token forward of the draft over one of the target
+    (``context.target_forward_s``), both timed in place.
     """
 
     samples_drafts = True  # sampled requests get drafts drawn from q, returned as probs
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
-        options = context.options
-        loaded: LoadedModel | None = options.get("loaded")
-        if loaded is None:
-            config: DraftConfig = options.get("config", DraftConfig())
-            if config.model is None:
-                raise InvalidRequestError(
-                    "proposer: 'draft' needs a draft model, and none is configured "
-                    "(pass --draft MODEL on the command line, or DraftConfig(model=...))",
-                    "proposer",
-                )
-            loaded = load_model(config.model)
-        check_tokenizer_compatible(context, loaded)
-        self.model = loaded
-        self.runtime: ModelRuntime = loaded.create_runtime(
-            options.get("max_num_seqs", 8), options.get("max_seq_len")
-        )
+        if context.draft is None:
+            reason = context.draft_error or (
+                "none is configured (pass --draft MODEL on the command line, or "
+                "DraftConfig(model=...))"
+            )
+            raise InvalidRequestError(
+                f"proposer: 'draft' needs a draft model: {reason}", "proposer"
+            )
+        check_tokenizer_compatible(context, context.draft.model)
+        self.model = context.draft.model
+        self.runtime: ModelRuntime = context.draft.runtime
         self._seqs: dict[int, _DraftSeq] = {}
+        configured = context.config.draft.cost_per_token
+        self.cost_per_token = (
+            configured if configured is not None else self._measure_cost_per_token()
+        )
+
+    def _measure_cost_per_token(self) -> float:
+        """One draft forward of one token relative to one of the target (0 if not timeable)."""
+        target_forward_s = self.context.target_forward_s
+        if target_forward_s is None:
+            return 0.0
+        timings = median_forward_seconds(self.runtime, (1,), TIMING_CONTEXT)
+        target_s = target_forward_s()
+        if timings is None or target_s <= 0:
+            return 0.0
+        cost = timings[0] / target_s
+        logger.info("draft model: %.3f of a target forward per draft token", cost)
+        return cost
 
     def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
         if seq_id in self._seqs:
@@ -120,7 +139,7 @@ class DraftModelProposer(Proposer):
                 )
         # The draft's cache ends at len(context) + k - 1 (the last draft is never fed).
         room = self.runtime.max_seq_len + 1
-        wanted = [max(0, min(r.num_tokens, room - len(r.token_ids))) for r in requests]
+        wanted = [max(0, min(r.max_num_drafts, room - len(r.token_ids))) for r in requests]
         drafted: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i, k in enumerate(wanted) if k > 0]
@@ -149,12 +168,12 @@ class DraftModelProposer(Proposer):
             for tokens, p in zip(drafted, probs, strict=True)
         ]
 
-    def commit(self, seq_id: int, token_ids: Sequence[int], num_accepted: int) -> None:
-        seq = self._seq(seq_id)
+    def commit(self, info: CommitInfo) -> None:
+        seq = self._seq(info.seq_id)
         # The cache keeps the committed prefix plus the accepted drafts that were fed.
-        keep = seq.committed_len + min(num_accepted, seq.num_drafted_fed)
+        keep = seq.committed_len + min(info.num_accepted, seq.num_drafted_fed)
         self.runtime.truncate(seq.slot, min(keep, self.runtime.seq_len(seq.slot)))
-        seq.committed_len += len(token_ids)
+        seq.committed_len += len(info.token_ids)
         seq.num_drafted_fed = 0
 
     def finish(self, seq_id: int) -> None:

@@ -65,7 +65,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from hybridspec.config import MAX_SPECULATIVE_TOKENS, NgramConfig
+from hybridspec.config import MAX_SPECULATIVE_TOKENS
 from hybridspec.errors import InvalidRequestError, check
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.proposers.ngram_kernels import (
@@ -76,7 +76,7 @@ from hybridspec.proposers.ngram_kernels import (
     seed_slot,
     warmup,
 )
-from hybridspec.types import Proposal, ProposeRequest
+from hybridspec.types import CommitInfo, Proposal, ProposeRequest
 
 __all__ = ["NgramProposer", "warmup"]
 
@@ -98,19 +98,14 @@ def _invalid(param: str, message: str) -> InvalidRequestError:
 class NgramProposer(Proposer):
     """Deterministic proposer over per-sequence n-gram tables (see the module docstring).
 
-    ``context.options["config"]`` may hold an ``NgramConfig``; the default is ``NgramConfig()``.
+    Its options are the engine configuration's ``ngram`` part (``context.config.ngram``).
     Each started sequence holds one slot of a pool of preallocated tables; ``propose`` serves a
     whole batch with one compiled call.
     """
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
-        config = context.options.get("config", NgramConfig())
-        check(
-            isinstance(config, NgramConfig),
-            "config",
-            f"expected an NgramConfig, got {type(config).__name__}",
-        )
+        config = context.config.ngram
         check(
             _is_int(context.vocab_size) and 1 <= context.vocab_size <= MAX_VOCAB_SIZE,
             "vocab_size",
@@ -152,13 +147,14 @@ class NgramProposer(Proposer):
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
         if not requests:
             return []
-        slots, num_draft_tokens = [], []
+        slots, num_drafts = [], []
         for request in requests:
             slot = self._slot(request.seq_id, "propose")
-            k = request.num_tokens
+            k = request.max_num_drafts
             if not (_is_int(k) and 0 <= k <= MAX_SPECULATIVE_TOKENS):
                 raise _invalid(
-                    "num_tokens", f"expected an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+                    "max_num_drafts",
+                    f"expected an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}",
                 )
             seen = int(self._tables.num_tokens[slot])
             if len(request.token_ids) != seen:
@@ -168,29 +164,30 @@ class NgramProposer(Proposer):
                     f"but the proposer has seen {seen}; was a commit() missed?",
                 )
             slots.append(slot)
-            num_draft_tokens.append(k)
-        out_token_ids = np.empty((len(requests), max(num_draft_tokens)), np.int64)
-        out_num_tokens = np.empty(len(requests), np.int64)
+            num_drafts.append(k)
+        out_token_ids = np.empty((len(requests), max(num_drafts)), np.int64)
+        out_num_drafts = np.empty(len(requests), np.int64)
         propose_batch(
             self._tables,
             self.config.min_order,
             self.config.continuation == "copy",
             np.array(slots, np.int64),
-            np.array(num_draft_tokens, np.int64),
+            np.array(num_drafts, np.int64),
             out_token_ids,
-            out_num_tokens,
+            out_num_drafts,
         )
         rows = out_token_ids.tolist()
         return [
             Proposal(token_ids=row[:n])
-            for row, n in zip(rows, out_num_tokens.tolist(), strict=True)
+            for row, n in zip(rows, out_num_drafts.tolist(), strict=True)
         ]
 
-    def commit(self, seq_id: int, token_ids: Sequence[int], num_accepted: int) -> None:
+    def commit(self, info: CommitInfo) -> None:
         """Learn the appended tokens. Proposals are never counted, so nothing is rolled back
         and ``num_accepted`` is only checked."""
-        slot = self._slot(seq_id, "commit")
-        tokens = self._token_array(token_ids, "token_ids")
+        slot = self._slot(info.seq_id, "commit")
+        tokens = self._token_array(info.token_ids, "token_ids")
+        num_accepted = info.num_accepted
         if not (_is_int(num_accepted) and 0 <= num_accepted <= len(tokens)):
             raise _invalid(
                 "num_accepted", f"expected an integer in [0, {len(tokens)}], got {num_accepted!r}"

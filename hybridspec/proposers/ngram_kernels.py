@@ -299,11 +299,11 @@ def _load_context(tables, min_order, slot, context):
 
 
 @njit(cache=True)
-def _copy_one(tables, min_order, slot, num_draft_tokens, context, out):
+def _copy_one(tables, min_order, slot, num_drafts, context, out):
     """Copy what followed the latest occurrence of the longest matching context into ``out``."""
     window = tables.history.shape[1]
     length, num_context = _load_context(tables, min_order, slot, context)
-    if num_draft_tokens == 0:
+    if num_drafts == 0:
         return 0
     for order in range(num_context, min_order - 1, -1):
         found, _, pos = _best_next_token(
@@ -312,7 +312,7 @@ def _copy_one(tables, min_order, slot, num_draft_tokens, context, out):
         if found:
             # Positions pos .. length - 1 are committed and inside the window: the occurrence's
             # context, which starts before pos, is.
-            num = min(num_draft_tokens, length - pos)
+            num = min(num_drafts, length - pos)
             for j in range(num):
                 out[j] = tables.history[slot, (pos + j) % window]
             return num
@@ -320,12 +320,12 @@ def _copy_one(tables, min_order, slot, num_draft_tokens, context, out):
 
 
 @njit(cache=True)
-def _propose_one(tables, min_order, slot, num_draft_tokens, context, out):
-    """Chain up to ``num_draft_tokens`` predictions into ``out``; returns how many were made."""
+def _propose_one(tables, min_order, slot, num_drafts, context, out):
+    """Chain up to ``num_drafts`` predictions into ``out``; returns how many were made."""
     max_order = min_order + tables.keys.shape[1] - 1
     # context[:num_context] = the last max_order committed tokens, then the predictions so far.
     _, num_context = _load_context(tables, min_order, slot, context)
-    for k in range(num_draft_tokens):
+    for k in range(num_drafts):
         found, token = False, 0
         for order in range(min(max_order, num_context), min_order - 1, -1):
             found, token, _ = _best_next_token(
@@ -338,28 +338,28 @@ def _propose_one(tables, min_order, slot, num_draft_tokens, context, out):
         out[k] = token
         context[num_context] = token
         num_context += 1
-    return num_draft_tokens
+    return num_drafts
 
 
 @njit(cache=True)
-def propose_batch(tables, min_order, copy, slots, num_draft_tokens, out_token_ids, out_num_tokens):
+def propose_batch(tables, min_order, copy, slots, num_drafts, out_token_ids, out_num_drafts):
     """Propose for every sequence of a batch in one call.
 
     copy: True for the "copy" continuation, False for "frequency";
-    slots: [num_seqs] int64; num_draft_tokens: [num_seqs] int64, each <= max_k;
-    out_token_ids: [num_seqs, max_k] int64 (row i valid up to out_num_tokens[i]);
-    out_num_tokens: [num_seqs] int64.
+    slots: [num_seqs] int64; num_drafts: [num_seqs] int64, each <= max_k;
+    out_token_ids: [num_seqs, max_k] int64 (row i valid up to out_num_drafts[i]);
+    out_num_drafts: [num_seqs] int64.
     """
     max_order = min_order + tables.keys.shape[1] - 1
     context = np.empty(max_order + out_token_ids.shape[1], np.int64)
     for i in range(len(slots)):
         if copy:
-            out_num_tokens[i] = _copy_one(
-                tables, min_order, slots[i], num_draft_tokens[i], context, out_token_ids[i]
+            out_num_drafts[i] = _copy_one(
+                tables, min_order, slots[i], num_drafts[i], context, out_token_ids[i]
             )
         else:
-            out_num_tokens[i] = _propose_one(
-                tables, min_order, slots[i], num_draft_tokens[i], context, out_token_ids[i]
+            out_num_drafts[i] = _propose_one(
+                tables, min_order, slots[i], num_drafts[i], context, out_token_ids[i]
             )
 
 
@@ -373,7 +373,7 @@ def warmup() -> None:
     seed_slot(tables, 1, 0, np.array([1, 2, 1, 2], np.int64))
     append_tokens(tables, 1, 0, np.array([1], np.int64))
     out_token_ids = np.empty((1, 2), np.int64)
-    out_num_tokens = np.empty(1, np.int64)
+    out_num_drafts = np.empty(1, np.int64)
     for copy in (True, False):
         propose_batch(
             tables,
@@ -382,5 +382,5 @@ def warmup() -> None:
             np.zeros(1, np.int64),
             np.full(1, 2, np.int64),
             out_token_ids,
-            out_num_tokens,
+            out_num_drafts,
         )

@@ -21,8 +21,8 @@ norm(max(0, p - q))(x) = p(x)``. Greedy decoding is the case of a one-hot p at t
 argmax: drafts are accepted while they equal the argmax, the first mismatch is replaced by the
 argmax (the recovered token), and the argmax after d_k is the bonus token.
 
-Dimensions: ``num_seqs`` sequences, ``total_draft_tokens`` drafts over all of them (flat,
-ragged), ``num_rows = total_draft_tokens + num_seqs`` target positions, ``vocab_size``.
+Dimensions: ``num_seqs`` sequences, ``total_num_drafts`` drafts over all of them (flat,
+ragged), ``num_rows = total_num_drafts + num_seqs`` target positions, ``vocab_size``.
 """
 
 from __future__ import annotations
@@ -40,28 +40,28 @@ class DraftLayout:
     Sequence i with k_i drafts owns target rows ``cu[i] + i .. cu[i + 1] + i`` (k_i + 1 rows,
     ``cu`` = cumulative draft counts); draft t is checked by target row ``t + seq_ids[t]``.
 
-    Worked example: num_draft_tokens [2, 0, 3], so cu = [0, 2, 2, 5] and 8 target rows: seq 0
+    Worked example: num_drafts [2, 0, 3], so cu = [0, 2, 2, 5] and 8 target rows: seq 0
     owns rows 0..2, seq 1 row 3, seq 2 rows 4..7. Then seq_ids = [0, 0, 2, 2, 2], positions =
     [0, 1, 0, 1, 2], draft_rows = [0, 1, 4, 5, 6], first_rows = [0, 3, 4] and bonus_rows =
-    first_rows + num_draft_tokens = [2, 3, 7].
+    first_rows + num_drafts = [2, 3, 7].
     """
 
-    num_draft_tokens: torch.Tensor  # [num_seqs] int64, k_i
-    seq_ids: torch.Tensor  # [total_draft_tokens] int64, the sequence of each draft
-    positions: torch.Tensor  # [total_draft_tokens] int64, each draft's index in its sequence
-    draft_rows: torch.Tensor  # [total_draft_tokens] int64, the target row that checks each draft
+    num_drafts: torch.Tensor  # [num_seqs] int64, k_i
+    seq_ids: torch.Tensor  # [total_num_drafts] int64, the sequence of each draft
+    positions: torch.Tensor  # [total_num_drafts] int64, each draft's index in its sequence
+    draft_rows: torch.Tensor  # [total_num_drafts] int64, the target row that checks each draft
     first_rows: torch.Tensor  # [num_seqs] int64, each sequence's first target row
 
     @staticmethod
-    def from_counts(num_draft_tokens: Sequence[int], device: torch.device) -> DraftLayout:
-        num_seqs, total = len(num_draft_tokens), sum(num_draft_tokens)
-        counts = torch.tensor(num_draft_tokens, dtype=torch.long, device=device)
+    def from_counts(num_drafts: Sequence[int], device: torch.device) -> DraftLayout:
+        num_seqs, total = len(num_drafts), sum(num_drafts)
+        counts = torch.tensor(num_drafts, dtype=torch.long, device=device)
         seq_index = torch.arange(num_seqs, device=device)
         seq_ids = torch.repeat_interleave(seq_index, counts, output_size=total)
         first_drafts = torch.cumsum(counts, dim=0) - counts  # [num_seqs], cu[:-1]
         draft_index = torch.arange(total, device=device)
         return DraftLayout(
-            num_draft_tokens=counts,
+            num_drafts=counts,
             seq_ids=seq_ids,
             positions=draft_index - first_drafts[seq_ids],
             draft_rows=draft_index + seq_ids,
@@ -71,20 +71,20 @@ class DraftLayout:
     @property
     def bonus_rows(self) -> torch.Tensor:
         """[num_seqs] int64: each sequence's last target row, after all its drafts."""
-        return self.first_rows + self.num_draft_tokens
+        return self.first_rows + self.num_drafts
 
 
 def count_accepted(accepted: torch.Tensor, layout: DraftLayout) -> torch.Tensor:
     """Length of each sequence's leading run of accepted drafts.
 
-    ``accepted`` [total_draft_tokens] bool -> num_accepted [num_seqs] int64. A draft after a
+    ``accepted`` [total_num_drafts] bool -> num_accepted [num_seqs] int64. A draft after a
     rejected one is discarded even if it would pass: [T, F, T | T, T] gives [1, 2].
     """
     if accepted.numel() == 0:
-        return layout.num_draft_tokens.clone()
+        return layout.num_drafts.clone()
     # A rejected draft at position j caps its sequence at j; an accepted one caps nothing.
-    cap = torch.where(accepted, layout.num_draft_tokens[layout.seq_ids], layout.positions)
-    return layout.num_draft_tokens.scatter_reduce(0, layout.seq_ids, cap, reduce="amin")
+    cap = torch.where(accepted, layout.num_drafts[layout.seq_ids], layout.positions)
+    return layout.num_drafts.scatter_reduce(0, layout.seq_ids, cap, reduce="amin")
 
 
 def greedy_accept(
@@ -93,7 +93,7 @@ def greedy_accept(
     """Greedy verification: accept while the target's argmax equals the draft.
 
     ``target_token_ids`` [num_rows] int64 (argmax of each target row), ``draft_token_ids``
-    [total_draft_tokens] -> (num_accepted [num_seqs], final_token_ids [num_seqs]): the final
+    [total_num_drafts] -> (num_accepted [num_seqs], final_token_ids [num_seqs]): the final
     token is the argmax at the first mismatch (recovered) or after the last draft (bonus).
     """
     accepted = target_token_ids[layout.draft_rows] == draft_token_ids
@@ -104,7 +104,7 @@ def greedy_accept(
 def accept_probability(
     target_probs_at_draft: torch.Tensor, draft_probs_at_draft: torch.Tensor | None
 ) -> torch.Tensor:
-    """``min(1, p(d) / q(d))`` for each draft d; [total_draft_tokens] -> same.
+    """``min(1, p(d) / q(d))`` for each draft d; [total_num_drafts] -> same.
 
     ``draft_probs_at_draft`` None means deterministic drafts (one-hot q, q(d) = 1): the
     probability is then p(d). Where q(d) = 0 (the draft could not have proposed d) it is 1,
@@ -124,7 +124,7 @@ def rejection_accept(
 ) -> torch.Tensor:
     """Accept each draft iff ``u < min(1, p(d) / q(d))``; return num_accepted [num_seqs].
 
-    ``uniforms`` [total_draft_tokens] float64 in [0, 1), one per draft, drawn whether or not
+    ``uniforms`` [total_num_drafts] float64 in [0, 1), one per draft, drawn whether or not
     an earlier draft of the sequence was rejected (so the draw count never depends on luck).
     """
     accepted = uniforms < accept_probability(target_probs_at_draft, draft_probs_at_draft)

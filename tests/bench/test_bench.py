@@ -136,7 +136,7 @@ def record(
         token_ids=tuple(range(tokens)),
         num_generated=tokens,
         target_forwards=forwards if forwards is not None else tokens,
-        num_draft_tokens=sum(proposed),
+        num_drafts=sum(proposed),
         num_accepted_tokens=sum(accepted),
         accepted_per_position=accepted,
         proposed_per_position=proposed,
@@ -307,7 +307,7 @@ def test_bench_smoke_on_tiny_llama(
         assert len(r["measurement"]["requests"]) == 2
     for r in report["records"]:
         for request in r["measurement"]["requests"]:
-            assert request["num_accepted_tokens"] <= request["num_draft_tokens"]
+            assert request["num_accepted_tokens"] <= request["num_drafts"]
             assert request["num_generated"] <= (
                 request["target_forwards"] + request["num_accepted_tokens"]
             )

@@ -13,13 +13,12 @@ import sys
 
 import pytest
 
-from hybridspec import Engine, EngineConfig, ModelConfig
+from hybridspec import DraftConfig, Engine, EngineConfig, ModelConfig
 from hybridspec.errors import ModelLoadError
 from hybridspec.model.llama import LlamaWeights
 from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
-from hybridspec.proposers import ProposerContext
+from hybridspec.proposers import DraftModel, ProposerContext
 from hybridspec.proposers.draft import DraftModelProposer
-from tests.conftest import registry_with_draft
 
 MAX_NEW_TOKENS = 24
 CODE = """def area(width, height):
@@ -61,9 +60,11 @@ def first_layers(model: LoadedModel, num_layers: int) -> LoadedModel:
 @pytest.fixture(scope="module")
 def engine(target: LoadedModel) -> Engine:
     draft = first_layers(target, 10)
-    registry = registry_with_draft(draft)
-    config = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=1024, max_num_seqs=4))
-    return Engine(config, target=target, registry=registry)
+    config = EngineConfig(
+        target=ModelConfig(dtype="float32", max_seq_len=1024, max_num_seqs=4),
+        draft=DraftConfig(cost_per_token=0.0),  # a draft of 10 of its 30 layers: drafts anyway
+    )
+    return Engine(config, target=target, draft=draft)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def test_tokenizer_mismatch_is_rejected(target: LoadedModel) -> None:
         target.vocab_size,
         target.eos_token_ids,
         tokenizer=target.tokenizer,
-        options={"loaded": other_eos},
+        draft=DraftModel(other_eos, other_eos.create_runtime(1, 64)),
     )
     with pytest.raises(ModelLoadError, match="EOS"):
         DraftModelProposer(context)

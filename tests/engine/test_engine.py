@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridspec import (
+    DraftConfig,
     Engine,
     EngineConfig,
     FinishReason,
@@ -28,9 +29,7 @@ from hybridspec import (
 from hybridspec.model.llama import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
-from hybridspec.proposers import default_registry
 from hybridspec.proposers.draft import DraftModelProposer
-from tests.conftest import registry_with_draft
 
 VOCAB = 64
 EOS = VOCAB - 1
@@ -87,13 +86,18 @@ def draft(target: LoadedModel) -> LoadedModel:
 
 
 def make_engine(target: LoadedModel, draft: LoadedModel | None = None, **config: object) -> Engine:
-    registry = default_registry() if draft is None else registry_with_draft(draft)
     target_config = ModelConfig(
         dtype="float32",
         max_seq_len=config.pop("max_seq_len", 256),  # type: ignore[arg-type]
         max_num_seqs=config.pop("max_num_seqs", 8),
     )  # type: ignore[arg-type]
-    return Engine(EngineConfig(target=target_config, **config), target=target, registry=registry)  # type: ignore[arg-type]
+    # The tiny draft costs what the target does: priced as free, so that it drafts at all.
+    draft_config = DraftConfig(cost_per_token=0.0)
+    return Engine(
+        EngineConfig(target=target_config, draft=draft_config, **config),  # type: ignore[arg-type]
+        target=target,
+        draft=draft,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +279,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(
 
 class RepeatLast(Proposer):
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        return [Proposal([r.token_ids[-1]] * r.num_tokens) for r in requests]
+        return [Proposal([r.token_ids[-1]] * r.max_num_drafts) for r in requests]
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
@@ -306,7 +310,7 @@ def test_seeded_sampled_text_is_the_same_with_any_deterministic_proposer(
 
 class TooMany(Proposer):
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        return [Proposal([1] * (r.num_tokens + 1)) for r in requests]
+        return [Proposal([1] * (r.max_num_drafts + 1)) for r in requests]
 
 
 def test_broken_custom_proposer_fails_only_its_own_request(engine: Engine) -> None:
@@ -368,3 +372,31 @@ def test_draft_without_a_draft_model_is_a_clear_error(target: LoadedModel) -> No
     assert "draft" not in engine.available_proposers()
     with pytest.raises(ValueError, match="needs a draft model"):
         engine.generate(prompt_token_ids=[1, 2], proposer="draft")
+
+
+def test_draft_cost_per_token_is_measured_unless_configured(
+    target: LoadedModel, draft: LoadedModel
+) -> None:
+    config = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=256, max_num_seqs=2))
+    measured = Engine(config, target=target, draft=draft).resolve_proposer("draft")
+    # the tiny draft has the target's shape: about one target forward per draft token
+    assert 0.1 < measured.cost_per_token < 10
+    assert make_engine(target, draft).resolve_proposer("draft").cost_per_token == 0.0
+
+
+class UndeclaredSampler(Proposer):
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        probs = torch.full((1, VOCAB), 1 / VOCAB)
+        return [Proposal([1], probs) if r.max_num_drafts else Proposal([]) for r in requests]
+
+
+def test_sampled_drafts_from_a_proposer_that_does_not_declare_them_fail_its_request(
+    engine: Engine,
+) -> None:
+    engine.register_proposer("undeclared", UndeclaredSampler, replace=True)
+    params = GenerationParams.create(
+        max_new_tokens=8, temperature=1.0, seed=0, proposer="undeclared"
+    )
+    with pytest.raises(HybridSpecError, match="declares samples_drafts = False"):
+        engine.generate(prompt_token_ids=PROMPTS[0], params=params)
+    assert not engine.has_unfinished()

@@ -14,12 +14,18 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig, SamplingParams
+from hybridspec import (
+    DraftConfig,
+    Engine,
+    EngineConfig,
+    GenerationParams,
+    ModelConfig,
+    SamplingParams,
+)
 from hybridspec.model.llama import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
 from hybridspec.verifier import logits_to_probs
-from tests.conftest import registry_with_draft
 
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -122,9 +128,11 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]
 
 
 def build_engine(target: LoadedModel, draft: LoadedModel) -> Engine:
-    registry = registry_with_draft(draft)
-    config = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=64, max_num_seqs=16))
-    return Engine(config, target=target, registry=registry)
+    config = EngineConfig(
+        target=ModelConfig(dtype="float32", max_seq_len=64, max_num_seqs=16),
+        draft=DraftConfig(cost_per_token=0.0),  # the tiny draft costs what the target does
+    )
+    return Engine(config, target=target, draft=draft)
 
 
 @pytest.mark.parametrize(

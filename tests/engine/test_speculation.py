@@ -60,22 +60,22 @@ def test_drafts_worth_asking_is_the_largest_paying_k(
 def test_state_learns_and_decays_back_to_the_prior() -> None:
     state = SpeculationState()
     assert state.rate == 0.5
-    state.update(num_proposed=8, num_accepted=8, num_committed=9)  # all kept
+    state.update(num_drafts=8, num_accepted=8, num_committed=9)  # all kept
     high = state.rate
     assert high == pytest.approx(9 / 10)
     assert (state.last_committed, state.last_verified) == (9, 9)
-    state.update(num_proposed=8, num_accepted=0, num_committed=1)  # first draft rejected
+    state.update(num_drafts=8, num_accepted=0, num_committed=1)  # first draft rejected
     assert state.rate < high
     assert (state.last_committed, state.last_verified) == (1, 9)
     for _ in range(60):  # rounds that proposed nothing carry no evidence: back to 0.5
-        state.update(num_proposed=0, num_accepted=0, num_committed=1)
+        state.update(num_drafts=0, num_accepted=0, num_committed=1)
     assert state.rate == pytest.approx(0.5, abs=1e-4)
 
 
 def test_drafts_priced_by_the_step_or_by_the_request_own_round() -> None:
     policy = SpeculationPolicy(0.03)
     state = SpeculationState(accepted=3.0, rejected=3.0)  # rate 0.5
-    state.update(num_proposed=2, num_accepted=0, num_committed=1)
+    state.update(num_drafts=2, num_accepted=0, num_committed=1)
     policy.record_step(committed=16, verified=40)  # eight busy neighbours
     assert draft_threshold(0.03, 16, 40, 0.0) == pytest.approx(0.218, abs=1e-3)
     by_step = policy.num_drafts(state, 8, by_step=True)
@@ -113,8 +113,8 @@ class Wrong(Proposer):
     asked: ClassVar[list[int]] = []
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        Wrong.asked.extend(r.num_tokens for r in requests)
-        return [Proposal(token_ids=(VOCAB - 1,) * r.num_tokens) for r in requests]
+        Wrong.asked.extend(r.max_num_drafts for r in requests)
+        return [Proposal(token_ids=(VOCAB - 1,) * r.max_num_drafts) for r in requests]
 
 
 @pytest.mark.parametrize("adaptive", [True, False])

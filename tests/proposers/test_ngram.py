@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridspec.config import NgramConfig
+from hybridspec.config import EngineConfig, NgramConfig
 from hybridspec.errors import InvalidRequestError
 from hybridspec.proposers import ngram_kernels as kernels
 from hybridspec.proposers.base import ProposerContext
 from hybridspec.proposers.ngram import NgramProposer
 from hybridspec.proposers.ngram_reference import NgramCounts, ngram_counts, reference_proposal
-from hybridspec.types import ProposeRequest, SamplingParams
+from hybridspec.types import CommitInfo, ProposeRequest, SamplingParams
 
 VOCAB_SIZE = 1000
 FREQUENCY = NgramConfig(min_order=2, max_order=4, continuation="frequency")
@@ -28,15 +28,21 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_proposer(config: NgramConfig | None = None) -> NgramProposer:
-    options = {} if config is None else {"config": config}
+    engine_config = EngineConfig() if config is None else EngineConfig(ngram=config)
     return NgramProposer(
-        ProposerContext(vocab_size=VOCAB_SIZE, eos_token_ids=(0,), options=options)
+        ProposerContext(vocab_size=VOCAB_SIZE, eos_token_ids=(0,), config=engine_config)
     )
+
+
+def commit(
+    proposer: NgramProposer, seq_id: int, token_ids: Sequence[int], num_accepted: int
+) -> None:
+    proposer.commit(CommitInfo(seq_id, token_ids, num_accepted))
 
 
 def request(seq_id: int, token_ids: Sequence[int], k: int) -> ProposeRequest:
     return ProposeRequest(
-        seq_id=seq_id, token_ids=token_ids, num_tokens=k, sampling=SamplingParams()
+        seq_id=seq_id, token_ids=token_ids, max_num_drafts=k, sampling=SamplingParams()
     )
 
 
@@ -229,7 +235,7 @@ def test_proposals_equal_the_reference(scenario):
         for history, (k, _), proposal in zip(histories, steps, proposals, strict=True):
             assert list(proposal.token_ids) == reference_proposal(history, k, config)
         for seq_id, (_, committed) in enumerate(steps):
-            proposer.commit(seq_id, committed, num_accepted=0)
+            commit(proposer, seq_id, committed, num_accepted=0)
             histories[seq_id] += committed
 
 
@@ -242,7 +248,7 @@ def test_full_tables_still_give_sound_proposals(stream, k, continuation):
     proposer.start(7, prompt)
     history = list(prompt)
     for chunk in [[], *chunks]:
-        proposer.commit(7, chunk, num_accepted=len(chunk))
+        commit(proposer, 7, chunk, num_accepted=len(chunk))
         history += chunk
         proposal = propose_one(proposer, 7, history, k)
         assert len(proposal) <= k
@@ -327,14 +333,14 @@ def test_no_match_proposes_nothing():
     proposer = make_proposer()
     proposer.start(0, [])
     assert propose_one(proposer, 0, [], 8) == []
-    proposer.commit(0, [1, 2, 3], num_accepted=0)
+    commit(proposer, 0, [1, 2, 3], num_accepted=0)
     assert propose_one(proposer, 0, [1, 2, 3], 8) == []
 
 
 def test_commit_teaches_new_ngrams():
     proposer = make_proposer()
     proposer.start(0, [1, 2, 3])
-    proposer.commit(0, [7, 1, 2], num_accepted=2)
+    commit(proposer, 0, [7, 1, 2], num_accepted=2)
     assert propose_one(proposer, 0, [1, 2, 3, 7, 1, 2], 2) == [3, 7]
 
 
@@ -342,7 +348,7 @@ def test_commit_teaches_new_ngrams():
 def test_window_forgets_old_ngrams(window, expected):
     proposer = make_proposer(NgramConfig(min_order=2, max_order=3, window=window))
     proposer.start(0, [1, 2, 3, 20, 21, 22, 23])
-    proposer.commit(0, [1, 2], num_accepted=1)  # with window 8, "1 2 -> 3" has slid out
+    commit(proposer, 0, [1, 2], num_accepted=1)  # with window 8, "1 2 -> 3" has slid out
     assert propose_one(proposer, 0, [1, 2, 3, 20, 21, 22, 23, 1, 2], 1) == expected
 
 
@@ -366,7 +372,7 @@ def test_full_table_does_not_crash(caplog):
         proposal = propose_one(proposer, 0, history, 8)
         assert is_sound(history, proposal, config)
         committed = rng.integers(0, 40, int(rng.integers(1, 10))).tolist()
-        proposer.commit(0, committed, num_accepted=0)
+        commit(proposer, 0, committed, num_accepted=0)
         history += committed
     tables = proposer._tables
     assert (tables.num_used[0] == 16 // 2).all(), "every table is at its limit"
@@ -404,7 +410,7 @@ def test_many_sequences_batched_equals_one_by_one(num_seqs):
             assert list(batch[i].token_ids) == propose_one(proposer, 100 + i, history, k)
             assert list(batch[i].token_ids) == reference_proposal(history, k, config)
             committed = rng.integers(0, 6, int(rng.integers(1, 9))).tolist()
-            proposer.commit(100 + i, committed, num_accepted=0)
+            commit(proposer, 100 + i, committed, num_accepted=0)
             history += committed
 
 
@@ -445,17 +451,17 @@ def started() -> NgramProposer:
     "call, param, message",
     [
         (lambda p: p.propose([request(9, [], 1)]), "seq_id", "unknown sequence 9 in propose"),
-        (lambda p: p.commit(9, [1], 0), "seq_id", "unknown sequence 9 in commit"),
+        (lambda p: commit(p, 9, [1], 0), "seq_id", "unknown sequence 9 in commit"),
         (lambda p: p.start(1, [4]), "seq_id", "sequence 1 is already started"),
         (lambda p: p.start(True, [4]), "seq_id", "expected an integer"),
-        (lambda p: p.propose([request(1, [1, 2, 3], -1)]), "num_tokens", "got -1"),
-        (lambda p: p.propose([request(1, [1, 2, 3], 17)]), "num_tokens", r"\[0, 16\], got 17"),
+        (lambda p: p.propose([request(1, [1, 2, 3], -1)]), "max_num_drafts", "got -1"),
+        (lambda p: p.propose([request(1, [1, 2, 3], 17)]), "max_num_drafts", r"\[0, 16\], got 17"),
         (lambda p: p.propose([request(1, [1, 2], 1)]), "token_ids", "2 committed tokens but"),
-        (lambda p: p.commit(1, [4, VOCAB_SIZE], 0), "token_ids", "got 1000"),
-        (lambda p: p.commit(1, [4, -3], 0), "token_ids", "got -3"),
-        (lambda p: p.commit(1, [4.0], 0), "token_ids", "integer token ids"),
-        (lambda p: p.commit(1, [4, 5], 3), "num_accepted", r"\[0, 2\], got 3"),
-        (lambda p: p.commit(1, [4, 5], -1), "num_accepted", "got -1"),
+        (lambda p: commit(p, 1, [4, VOCAB_SIZE], 0), "token_ids", "got 1000"),
+        (lambda p: commit(p, 1, [4, -3], 0), "token_ids", "got -3"),
+        (lambda p: commit(p, 1, [4.0], 0), "token_ids", "integer token ids"),
+        (lambda p: commit(p, 1, [4, 5], 3), "num_accepted", r"\[0, 2\], got 3"),
+        (lambda p: commit(p, 1, [4, 5], -1), "num_accepted", "got -1"),
         (lambda p: p.start(2, [[1, 2]]), "prompt_token_ids", "flat sequence"),
         (lambda p: p.start(2, [1, VOCAB_SIZE + 5]), "prompt_token_ids", "got 1005"),
     ],
@@ -469,7 +475,7 @@ def test_bad_arguments_raise_invalid_request(started, call, param, message):
 
 def test_failed_call_leaves_state_untouched(started):
     with pytest.raises(InvalidRequestError):
-        started.commit(1, [1, 2, VOCAB_SIZE], 0)
+        commit(started, 1, [1, 2, VOCAB_SIZE], 0)
     with pytest.raises(InvalidRequestError):
         started.start(2, [-1])
     assert started.num_active == 1
@@ -479,7 +485,6 @@ def test_failed_call_leaves_state_untouched(started):
 @pytest.mark.parametrize(
     "context, param",
     [
-        (ProposerContext(vocab_size=10, eos_token_ids=(), options={"config": {}}), "config"),
         (ProposerContext(vocab_size=0, eos_token_ids=()), "vocab_size"),
     ],
 )

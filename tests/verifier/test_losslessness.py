@@ -102,7 +102,7 @@ def speculative_sequences(
         out = verify(
             VerifyInput(
                 draft_token_ids=draft_ids.flatten(),
-                cu_num_draft_tokens=torch.arange(len(active) + 1) * num_drafts,
+                cu_num_drafts=torch.arange(len(active) + 1) * num_drafts,
                 draft_probs=list(torch.stack(probs, dim=1))
                 if probabilistic
                 else [None] * len(active),

@@ -81,7 +81,7 @@ def test_a_draft_is_accepted_with_exactly_its_target_probability() -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_keyed_greedy_and_generator_sequences_batched_equal_each_alone(seed: int) -> None:
     inp = VerifyInput.dummy(
-        num_draft_tokens=(3, 0, 5, 2, 4),
+        num_drafts=(3, 0, 5, 2, 4),
         vocab_size=VOCAB_SIZE,
         sampling=[SAMPLED, SAMPLED, SamplingParams(), SAMPLED, SAMPLED],
         probabilistic=[False, False, False, True, False],
@@ -121,5 +121,5 @@ def test_keyed_greedy_and_generator_sequences_batched_equal_each_alone(seed: int
 
 
 def _bounds(inp: VerifyInput) -> tuple[list[int], list[int]]:
-    cu = inp.cu_num_draft_tokens.tolist()
+    cu = inp.cu_num_drafts.tolist()
     return cu[:-1], cu[1:]

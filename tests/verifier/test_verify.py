@@ -114,7 +114,7 @@ def test_top_k_1_sampling_matches_greedy(probabilistic: bool) -> None:
             q = [logits_to_probs(torch.zeros(k, VOCAB_SIZE), SamplingParams(temperature=1.0))] * 3
         sampled = VerifyInput(
             greedy_inp.draft_token_ids,
-            greedy_inp.cu_num_draft_tokens,
+            greedy_inp.cu_num_drafts,
             q,
             greedy_inp.target_logits,
             [params] * 3,
@@ -142,7 +142,7 @@ def test_draft_equal_to_target_is_always_accepted() -> None:
 def mixed_inputs(seed: int) -> VerifyInput:
     """Greedy and sampled sequences, one-hot and probabilistic drafts, k from 0 to 6."""
     return VerifyInput.dummy(
-        num_draft_tokens=[3, 0, 5, 2, 6, 1],
+        num_drafts=[3, 0, 5, 2, 6, 1],
         vocab_size=VOCAB_SIZE,
         sampling=[GREEDY, SAMPLED, SAMPLED, GREEDY, SamplingParams(temperature=1.3), SAMPLED],
         probabilistic=[False, False, True, True, False, True],
@@ -152,7 +152,7 @@ def mixed_inputs(seed: int) -> VerifyInput:
 
 def alone(inp: VerifyInput, i: int, seed: int) -> VerifyOutput:
     """Sequence i of ``inp`` verified in a batch of its own, with a fresh generator."""
-    offsets = inp.cu_num_draft_tokens.tolist()
+    offsets = inp.cu_num_drafts.tolist()
     return verify(
         VerifyInput(
             inp.draft_token_ids[offsets[i] : offsets[i + 1]],
@@ -169,7 +169,7 @@ def alone(inp: VerifyInput, i: int, seed: int) -> VerifyOutput:
 def test_mixed_batch_equals_each_sequence_alone(seed: int) -> None:
     inp = mixed_inputs(seed)
     out = verify(inp)
-    offsets = inp.cu_num_draft_tokens.tolist()
+    offsets = inp.cu_num_drafts.tolist()
     for i in range(inp.num_seqs):
         single = alone(inp, i, seed + i)  # dummy seeds sequence i's generator with seed + i
         assert out.output_token_ids[i] == single.output_token_ids[0]
@@ -186,7 +186,7 @@ def test_same_seed_same_output_and_a_fixed_draw_count() -> None:
     assert torch.equal(first.num_accepted, second.num_accepted)
     inp = mixed_inputs(8)
     verify(inp)
-    for i, (k, params) in enumerate(zip(inp.num_draft_tokens, inp.sampling, strict=True)):
+    for i, (k, params) in enumerate(zip(inp.num_drafts, inp.sampling, strict=True)):
         reference = torch.Generator().manual_seed(8 + i)
         if not params.is_greedy:  # k + 1 uniforms, whatever was accepted; greedy draws none
             torch.rand(k + 1, generator=reference, dtype=torch.float64)
@@ -213,8 +213,8 @@ def test_from_proposals_flattens_in_order() -> None:
         [Proposal([1, 2], q), Proposal(()), Proposal([3])], logits, [SAMPLED] * 3
     )
     assert inp.draft_token_ids.tolist() == [1, 2, 3]
-    assert inp.cu_num_draft_tokens.tolist() == [0, 2, 2, 3]
-    assert inp.num_draft_tokens == (2, 0, 1)
+    assert inp.cu_num_drafts.tolist() == [0, 2, 2, 3]
+    assert inp.num_drafts == (2, 0, 1)
     assert inp.draft_probs[0] is q and inp.draft_probs[2] is None
     assert list(inp.generators) == [None, None, None]
 
@@ -243,13 +243,13 @@ def make(
 @pytest.mark.parametrize(
     ("kwargs", "param", "message"),
     [
-        ({"cu": torch.tensor([0, 2], dtype=torch.int32)}, "cu_num_draft_tokens", "expected int64"),
-        ({"cu": [1, 2]}, "cu_num_draft_tokens", "starting at 0"),
-        ({"cu": [0, 2, 1], "rows": 4}, "cu_num_draft_tokens", "non-decreasing"),
+        ({"cu": torch.tensor([0, 2], dtype=torch.int32)}, "cu_num_drafts", "expected int64"),
+        ({"cu": [1, 2]}, "cu_num_drafts", "starting at 0"),
+        ({"cu": [0, 2, 1], "rows": 4}, "cu_num_drafts", "non-decreasing"),
         (
             {"cu": [0, 3], "rows": 4},
             "draft_token_ids",
-            r"cu_num_draft_tokens\[-1\] = 3 tokens, got 2",
+            r"cu_num_drafts\[-1\] = 3 tokens, got 2",
         ),
         ({"rows": 4}, "target_logits", "2 \\+ 1 rows, got 4"),
         (

@@ -1,0 +1,136 @@
+"""The engine's proposers: one instance per registered name, built once and shared by every
+request that names it, and the round's proposing step for all of them.
+
+A proposal enters the engine here, and is validated here once (``verifier.check_proposal``);
+a proposer that fails (raises, or returns something invalid) fails its own requests only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hybridspec.engine.request import Request
+from hybridspec.errors import HybridSpecError, InvalidRequestError, check
+from hybridspec.proposers import Proposer, ProposerContext, ProposerFactory, ProposerRegistry
+from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest
+from hybridspec.verifier import check_proposal
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Proposed:
+    """A round's proposals: one per request that still decodes, and those whose proposer failed."""
+
+    drafts: list[tuple[Request, Proposal]]
+    failed: list[tuple[Request, str]]  # (request, error message)
+
+
+class ProposerPool:
+    """Builds every registered proposer from one ``ProposerContext``; resolves names."""
+
+    def __init__(self, registry: ProposerRegistry, context: ProposerContext) -> None:
+        self._registry = registry
+        self._context = context
+        self._proposers: dict[str, Proposer] = {}
+        self._unavailable: dict[str, str] = {}
+        for name in registry.names():
+            self._build(name)
+
+    def _build(self, name: str) -> None:
+        try:
+            self._proposers[name] = self._registry.factory(name)(self._context)
+            self._unavailable.pop(name, None)
+        except HybridSpecError as exc:
+            # A proposer that cannot be built (``draft`` with no draft model) stays listed:
+            # requests naming it get this reason as their error.
+            self._unavailable[name] = str(exc)
+            logger.info("proposer %r unavailable: %s", name, exc)
+
+    def register(self, name: str, factory: ProposerFactory, *, replace: bool = False) -> None:
+        """Register ``factory`` under ``name`` and build it; raise if it cannot be built."""
+        self._registry.register(name, factory, replace=replace)
+        old = self._proposers.pop(name, None)
+        if old is not None:
+            old.close()
+        self._build(name)
+        if name in self._unavailable:
+            raise InvalidRequestError(
+                f"proposer: {name!r} could not be built: {self._unavailable[name]}", "proposer"
+            )
+
+    def available(self) -> list[str]:
+        return sorted(self._proposers)
+
+    def unavailable(self) -> dict[str, str]:
+        """Registered proposers that could not be built, with the reason."""
+        return dict(self._unavailable)
+
+    def resolve(self, name: str) -> Proposer:
+        """The proposer ``name``; InvalidRequestError when it is unknown or unavailable."""
+        if name in self._unavailable:
+            raise InvalidRequestError(
+                f"proposer: {name!r} is not available: {self._unavailable[name]}", "proposer"
+            )
+        if name not in self._proposers:
+            self._registry.factory(name)  # raises the error that lists the known names
+        return self._proposers[name]
+
+    def __getitem__(self, name: str) -> Proposer:
+        return self._proposers[name]
+
+    def propose(
+        self, decode: Sequence[Request], num_drafts: Callable[[Request, Proposer], int]
+    ) -> Proposed:
+        """Ask each proposer, once, for the drafts of all its requests in ``decode``.
+
+        ``num_drafts(request, proposer)`` is how many drafts the request asks for this round.
+        """
+        groups: dict[str, list[Request]] = {}
+        for request in decode:
+            groups.setdefault(request.proposer_name, []).append(request)
+        proposals: dict[int, Proposal] = {}
+        failed: list[tuple[Request, str]] = []
+        for name, requests in groups.items():
+            proposer = self._proposers[name]
+            asks = [
+                ProposeRequest(
+                    r.seq_id, r.token_ids, num_drafts(r, proposer), r.params.sampling, r.generator
+                )
+                for r in requests
+            ]
+            try:
+                got = proposer.propose(asks)
+                check(
+                    len(got) == len(asks),
+                    "proposer",
+                    f"{name!r} returned {len(got)} proposals for {len(asks)} requests",
+                )
+                for ask, proposal in zip(asks, got, strict=True):
+                    self._check(proposer, proposal, ask.max_num_drafts)
+                    proposals[ask.seq_id] = proposal
+            except Exception as exc:
+                logger.exception("proposer %r failed", name)
+                failed += [(request, f"proposer: {exc}") for request in requests]
+        failed_ids = {request.seq_id for request, _ in failed}
+        drafts = [
+            (r, proposals.get(r.seq_id, EMPTY_PROPOSAL))
+            for r in decode
+            if r.seq_id not in failed_ids
+        ]
+        return Proposed(drafts, failed)
+
+    def _check(self, proposer: Proposer, proposal: Proposal, max_num_drafts: int) -> None:
+        check_proposal(proposal, max_num_drafts, self._context.vocab_size)
+        check(
+            proposer.samples_drafts or not proposal.is_sampled,
+            "proposer",
+            "returned sampled drafts (probs) but declares samples_drafts = False",
+        )
+
+    def close(self) -> None:
+        for proposer in self._proposers.values():
+            proposer.close()
+        self._proposers.clear()

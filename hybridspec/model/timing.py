@@ -1,0 +1,54 @@
+"""Timing a runtime's forwards in place, for the cost models that price drafts.
+
+Adaptive speculation prices verifying one more token (``engine.speculation``) and a model-based
+proposer prices its own drafts (``Proposer.cost_per_token``) relative to a one-token forward of
+the target; both time the runtime they will run on, on a scratch cache slot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from hybridspec.model.runtime import ForwardBatch, ModelRuntime
+
+REPEATS = 3  # timings per size, after one warm-up; the median is kept
+TIMING_CONTEXT = 128  # cached tokens before the timed forwards: a short chat turn
+
+
+def median_forward_seconds(
+    runtime: ModelRuntime, num_tokens: Sequence[int], context: int
+) -> list[float] | None:
+    """Median seconds of a one-sequence forward of each of ``num_tokens`` new tokens, after
+    ``context`` cached tokens (token id 0 throughout).
+
+    Takes a free cache slot for the duration and leaves the cache as it was; None when no slot
+    is free or the sizes do not fit the context length.
+    """
+    if runtime.num_free_slots() == 0 or context < 0:
+        return None
+    if context + max(num_tokens) > runtime.max_seq_len:
+        return None
+    slot = runtime.allocate()
+    try:
+        if context > 0:
+            runtime.forward(ForwardBatch.from_lists([slot], [[0] * context], logits_indices=[]))
+        return [_median(runtime, slot, context, n) for n in num_tokens]
+    finally:
+        runtime.free(slot)
+
+
+def _median(runtime: ModelRuntime, slot: int, context: int, num_tokens: int) -> float:
+    batch = ForwardBatch.from_lists([slot], [[0] * num_tokens], logits_indices=[num_tokens - 1])
+    timings = []
+    for i in range(REPEATS + 1):
+        start = time.perf_counter()
+        logits = runtime.forward(batch)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        if i > 0:  # the first is a warm-up
+            timings.append(time.perf_counter() - start)
+        runtime.truncate(slot, context)
+    return sorted(timings)[len(timings) // 2]

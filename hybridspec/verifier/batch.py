@@ -1,0 +1,194 @@
+"""The verifier's hand-offs: ``VerifyInput`` (a batch's drafts and the target's logits, flat
+and ragged), ``VerifyOutput`` (what each sequence commits) and ``VerifyKind``.
+
+Layout of ``target_logits`` (as in vLLM): sequence i with k_i drafts owns the k_i + 1 rows
+``cu[i] + i .. cu[i + 1] + i``; row j of them holds the target's logits after the last committed
+token and d_1 .. d_j. Example: k = [2, 0, 3] gives cu = [0, 2, 2, 5] and 8 rows: seq 0 rows 0..2,
+seq 1 row 3, seq 2 rows 4..7 (see ``acceptance.DraftLayout``).
+
+Dimensions: ``num_seqs``, ``total_num_drafts`` (sum of k_i), ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridspec.errors import check
+from hybridspec.types import Proposal, SamplingParams
+from hybridspec.verifier.checks import check_drafts, check_probs_shape
+from hybridspec.verifier.sampling import logits_to_probs
+from hybridspec.verifier.uniforms import KeyedUniforms
+
+GREEDY = SamplingParams()  # frozen, so safe to share as a default
+
+
+class VerifyKind(enum.IntEnum):
+    """How one sequence's drafts are decided (the module docstring has the details)."""
+
+    GREEDY = 0  # the target's argmax
+    KEYED = 1  # sampled, deterministic drafts, position-keyed uniforms
+    SAMPLED = 2  # rejection sampling with the sequence's own generator
+
+    @staticmethod
+    def of(
+        params: SamplingParams, keyed: KeyedUniforms | None, probs: torch.Tensor | None
+    ) -> VerifyKind:
+        if params.is_greedy:
+            return VerifyKind.GREEDY
+        return VerifyKind.KEYED if keyed is not None and probs is None else VerifyKind.SAMPLED
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyInput:
+    """One batch to verify: flat ragged drafts and the target's logits at every position."""
+
+    draft_token_ids: torch.Tensor  # [total_num_drafts] int64
+    cu_num_drafts: torch.Tensor  # [num_seqs + 1] int64, cumulative, cu[0] = 0
+    draft_probs: Sequence[torch.Tensor | None]  # per seq: q [k_i, vocab_size], None = deterministic
+    target_logits: torch.Tensor  # [total_num_drafts + num_seqs, vocab_size] float
+    sampling: Sequence[SamplingParams]  # per seq
+    generators: Sequence[torch.Generator | None]  # per seq, on target_logits' device
+    # per seq: position-keyed randomness, used when its drafts are deterministic; () = all None
+    keyed: Sequence[KeyedUniforms | None] = ()
+    # True when each sequence's drafts and q were validated where they entered
+    # (``check_proposal``, as the engine does): the per-sequence checks are not repeated.
+    checked: bool = False
+    num_drafts: tuple[int, ...] = field(init=False)  # per seq k_i, read from cu once
+
+    def __post_init__(self) -> None:
+        cu = self.cu_num_drafts
+        check(
+            cu.dim() == 1 and cu.numel() >= 2 and cu.dtype == torch.long,
+            "cu_num_drafts",
+            f"expected int64 [num_seqs + 1] with num_seqs >= 1, got {cu.dtype} {tuple(cu.shape)}",
+        )
+        offsets = cu.tolist()
+        counts = tuple(b - a for a, b in itertools.pairwise(offsets))
+        check(
+            offsets[0] == 0 and min(counts) >= 0,
+            "cu_num_drafts",
+            f"expected non-decreasing offsets starting at 0, got {offsets}",
+        )
+        object.__setattr__(self, "num_drafts", counts)
+        num_seqs = len(counts)
+        if not self.keyed:
+            object.__setattr__(self, "keyed", (None,) * num_seqs)
+        check_drafts(self.draft_token_ids, offsets[-1], num_seqs, self.target_logits, self.checked)
+        for name, values in (
+            ("draft_probs", self.draft_probs),
+            ("sampling", self.sampling),
+            ("generators", self.generators),
+            ("keyed", self.keyed),
+        ):
+            check(
+                len(values) == num_seqs,
+                name,
+                f"expected one entry per sequence ({num_seqs}), got {len(values)}",
+            )
+        if self.checked:
+            return
+        # Per-sequence checks test first and format a message only on failure: batches can
+        # hold thousands of sequences.
+        shape = (0, self.target_logits.shape[1])
+        device = self.target_logits.device
+        per_seq = zip(self.sampling, self.generators, self.draft_probs, strict=True)
+        for i, (params, gen, probs) in enumerate(per_seq):
+            if not isinstance(params, SamplingParams):
+                check(False, "sampling", f"sequence {i}: expected SamplingParams, got {params!r}")
+            if gen is not None and not isinstance(gen, torch.Generator):
+                check(False, "generators", f"sequence {i}: expected a Generator, got {gen!r}")
+            if self.keyed[i] is not None and not isinstance(self.keyed[i], KeyedUniforms):
+                check(
+                    False, "keyed", f"sequence {i}: expected KeyedUniforms, got {self.keyed[i]!r}"
+                )
+            if probs is None:
+                continue
+            shape = (counts[i], shape[1])
+            if not (probs.shape == shape and probs.is_floating_point() and probs.device == device):
+                check_probs_shape(probs, i, shape, device)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_drafts)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target_logits.shape[1]
+
+    @staticmethod
+    def from_proposals(
+        proposals: Sequence[Proposal],
+        target_logits: torch.Tensor,
+        sampling: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+        keyed: Sequence[KeyedUniforms | None] = (),
+        checked: bool = False,
+    ) -> VerifyInput:
+        """Flatten one ``Proposal`` per sequence; ``generators`` None means all None.
+
+        ``checked``: every proposal already passed ``check_proposal``.
+        """
+        device = target_logits.device
+        flat = [int(t) for proposal in proposals for t in proposal.token_ids]
+        cu = list(itertools.accumulate((p.num_drafts for p in proposals), initial=0))
+        return VerifyInput(
+            draft_token_ids=torch.tensor(flat, dtype=torch.long, device=device),
+            cu_num_drafts=torch.tensor(cu, dtype=torch.long),
+            draft_probs=[p.probs for p in proposals],
+            target_logits=target_logits,
+            sampling=list(sampling),
+            generators=[None] * len(proposals) if generators is None else list(generators),
+            keyed=list(keyed),
+            checked=checked,
+        )
+
+    @staticmethod
+    def dummy(
+        num_drafts: Sequence[int] = (3,),
+        vocab_size: int = 32,
+        sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+        probabilistic: bool | Sequence[bool] = False,
+        seed: int = 0,
+    ) -> VerifyInput:
+        """A random valid batch for tests; sequence i's generator is seeded ``seed + i``.
+
+        The draft's logits are the target's plus noise, so that drafts are often accepted:
+        a deterministic draft is their argmax, a probabilistic one a sample of q, their softmax
+        under the sequence's transforms (temperature 1 for a greedy sequence).
+        """
+        num_seqs = len(num_drafts)
+        params = [sampling] * num_seqs if isinstance(sampling, SamplingParams) else list(sampling)
+        kinds = [probabilistic] * num_seqs if isinstance(probabilistic, bool) else probabilistic
+        rng = torch.Generator().manual_seed(seed)
+        logits = torch.randn(sum(num_drafts) + num_seqs, vocab_size, generator=rng) * 2
+        proposals, row = [], 0
+        for k, sp, kind in zip(num_drafts, params, kinds, strict=True):
+            draft_logits = logits[row : row + k] + torch.randn(k, vocab_size, generator=rng)
+            row += k + 1
+            if not kind:
+                proposals.append(Proposal(draft_logits.argmax(dim=-1).tolist()))
+                continue
+            q = logits_to_probs(
+                draft_logits, SamplingParams(temperature=1.0) if sp.is_greedy else sp
+            )
+            tokens = torch.multinomial(q, 1, generator=rng).squeeze(1).tolist() if k else []
+            proposals.append(Proposal(tokens, q))
+        gens = [torch.Generator().manual_seed(seed + i) for i in range(num_seqs)]
+        return VerifyInput.from_proposals(proposals, logits, params, gens)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyOutput:
+    """What each sequence commits: its accepted drafts, then one recovered or bonus token."""
+
+    num_accepted: torch.Tensor  # [num_seqs] int64, accepted drafts per sequence, 0..k_i
+    output_token_ids: list[list[int]]  # per seq: num_accepted[i] + 1 token ids
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.output_token_ids)
