@@ -23,12 +23,10 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.prompts import Messages, check_prompt, encode
-from hybridspec.engine.proposer_pool import ProposerPool
+from hybridspec.engine.proposer_pool import ProposerPool, proposer_context
 from hybridspec.engine.request import (
     FinishReason,
     GenerationParams,
@@ -37,25 +35,22 @@ from hybridspec.engine.request import (
     RequestOutput,
     new_generator,
 )
-from hybridspec.engine.scheduler import Scheduler
+from hybridspec.engine.scheduler import Scheduler, forward_batch
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import (
     TIMING_CONTEXT,
-    ForwardBatch,
     LoadedModel,
     load_model,
     median_forward_seconds,
 )
 from hybridspec.proposers import (
-    DraftModel,
     Proposer,
-    ProposerContext,
     ProposerFactory,
     ProposerRegistry,
     default_registry,
 )
-from hybridspec.types import CommitInfo, Proposal
+from hybridspec.types import CommitInfo
 from hybridspec.verifier import VerifyInput, verify
 from hybridspec.verifier.uniforms import KeyedUniforms, key_of
 
@@ -90,9 +85,11 @@ class Engine:
         self.vocab_size = self.runtime.vocab_size
         self.scheduler = Scheduler(self.config.max_queue_size, self.config.prefill_chunk_size)
         self._target_forward_s: float | None = None
+        context = proposer_context(
+            self.config, self.target, self.runtime, draft, self.target_forward_s
+        )
         self.proposers = ProposerPool(
-            registry if registry is not None else default_registry(),
-            self._proposer_context(draft),
+            registry if registry is not None else default_registry(), context
         )
         self.proposers.resolve(self.config.default_proposer)
         self._seq_ids = itertools.count()
@@ -105,33 +102,6 @@ class Engine:
             self.speculation = SpeculationPolicy(cost)
 
     # ----------------------------------------------------------------- proposers
-
-    def _proposer_context(self, draft: LoadedModel | None) -> ProposerContext:
-        """What the proposers may use: the target's facts, the config, the draft model."""
-        draft_error = None
-        if draft is None and self.config.draft.model is not None:
-            try:
-                draft = load_model(self.config.draft.model)
-            except HybridSpecError as exc:
-                # ``draft`` then stays listed as unavailable, with this reason
-                draft_error = f"it failed to load: {exc}"
-                logger.warning("draft model failed to load: %s", exc)
-        shared = None
-        if draft is not None:
-            target = self.config.target
-            shared = DraftModel(
-                draft, draft.create_runtime(target.max_num_seqs, target.max_seq_len)
-            )
-        return ProposerContext(
-            vocab_size=self.vocab_size,
-            eos_token_ids=tuple(sorted(self.eos_token_ids)),
-            device=self.runtime.device,
-            tokenizer=self.tokenizer,
-            config=self.config,
-            draft=shared,
-            draft_error=draft_error,
-            target_forward_s=self.target_forward_s,
-        )
 
     def target_forward_s(self) -> float:
         """Seconds of a one-token target forward, timed in place on first use (0: no slot)."""
@@ -233,7 +203,7 @@ class Engine:
         drafts = proposed.drafts
         if not drafts and not plan.prefill:
             return outputs
-        batch = self._build_batch(drafts, plan.prefill)
+        batch = forward_batch(drafts, plan.prefill, self.runtime.seq_len)
         logits = self.runtime.forward(batch)  # [sum(k_i + 1), vocab_size]
         if drafts:
             verified = verify(
@@ -284,63 +254,14 @@ class Engine:
             proposer_cost_per_token=proposer.cost_per_token,
         )
 
-    def _build_batch(
-        self, drafts: list[tuple[Request, Proposal]], prefill: list[tuple[Request, int]]
-    ) -> ForwardBatch:
-        """Flatten decoding spans (with logits for their last k + 1 positions) and chunks."""
-        slots: list[int] = []
-        token_ids: list[int] = []
-        cu = [0]
-        logits_indices: list[int] = []
-        for request, proposal in drafts:
-            assert request.slot is not None
-            cached = self.runtime.seq_len(request.slot)
-            token_ids.extend(request.token_ids[cached:])
-            token_ids.extend(proposal.token_ids)
-            logits_indices.extend(range(len(token_ids) - proposal.num_drafts - 1, len(token_ids)))
-            slots.append(request.slot)
-            cu.append(len(token_ids))
-        for request, num_tokens in prefill:
-            assert request.slot is not None
-            cached = self.runtime.seq_len(request.slot)
-            token_ids.extend(request.token_ids[cached : cached + num_tokens])
-            slots.append(request.slot)
-            cu.append(len(token_ids))
-        return ForwardBatch(
-            slots=torch.tensor(slots, dtype=torch.long),
-            token_ids=torch.tensor(token_ids, dtype=torch.long),
-            cu_num_tokens=torch.tensor(cu, dtype=torch.long),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
-        )
-
     def _commit(
         self, request: Request, tokens: list[int], num_accepted: int, num_drafts: int
     ) -> RequestOutput:
         """Append verified tokens, stopping at the first stop condition; roll caches back."""
         request.stats.record_round(num_drafts, num_accepted)
         request.speculation.update(num_drafts, num_accepted, len(tokens))
-        detokenizer = request.detokenizer
-        assert detokenizer is not None and request.slot is not None
-        new_token_ids: list[int] = []
-        reason: FinishReason | None = None
-        for token in tokens:
-            request.stats.generated_tokens += 1
-            if token in self.eos_token_ids and not request.params.ignore_eos:
-                reason = FinishReason.STOP
-                break
-            request.token_ids.append(token)
-            new_token_ids.append(token)
-            if detokenizer.append(token):
-                reason = FinishReason.STOP
-            elif (
-                request.num_generated >= request.params.max_new_tokens
-                or len(request.token_ids) >= self.max_seq_len
-            ):
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                break
-        if request.stats.time_to_first_token_s is None:
-            request.stats.time_to_first_token_s = time.perf_counter() - request.arrival_time
+        assert request.detokenizer is not None and request.slot is not None
+        new_token_ids, reason = request.append(tokens, self.eos_token_ids, self.max_seq_len)
         if reason is not None:
             return self._finish(request, reason, new_token_ids=new_token_ids)
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
@@ -351,7 +272,9 @@ class Engine:
         except Exception as exc:
             logger.exception("proposer %r failed to commit", request.proposer_name)
             return self._finish(request, FinishReason.ERROR, f"proposer: {exc}", new_token_ids)
-        return RequestOutput(request.request_id, new_token_ids, detokenizer.stream_text(), False)
+        return RequestOutput(
+            request.request_id, new_token_ids, request.detokenizer.stream_text(), False
+        )
 
     def _finish(
         self,
@@ -371,27 +294,7 @@ class Engine:
             except Exception:
                 logger.exception("proposer %r failed to finish", request.proposer_name)
         self.scheduler.remove(request)
-        stats = request.stats
-        if request.start_time is not None:
-            stats.elapsed_s = time.perf_counter() - request.start_time
-        detokenizer = request.detokenizer
-        text = detokenizer.text if detokenizer is not None else ""
-        result = GenerationResult(
-            request_id=request.request_id,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=reason,
-            stats=stats,
-            error=error,
-        )
-        return RequestOutput(
-            request.request_id,
-            new_token_ids or [],
-            detokenizer.stream_text(final=True) if detokenizer is not None else "",
-            True,
-            reason,
-            result,
-        )
+        return request.final_output(new_token_ids or [])
 
     # ------------------------------------------------------------- one request
 

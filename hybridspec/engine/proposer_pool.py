@@ -11,9 +11,17 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hybridspec.config import EngineConfig
 from hybridspec.engine.request import Request
 from hybridspec.errors import HybridSpecError, InvalidRequestError, check
-from hybridspec.proposers import Proposer, ProposerContext, ProposerFactory, ProposerRegistry
+from hybridspec.model import LoadedModel, ModelRuntime, load_model
+from hybridspec.proposers import (
+    DraftModel,
+    Proposer,
+    ProposerContext,
+    ProposerFactory,
+    ProposerRegistry,
+)
 from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest
 from hybridspec.verifier import check_proposal
 
@@ -26,6 +34,42 @@ class Proposed:
 
     drafts: list[tuple[Request, Proposal]]
     failed: list[tuple[Request, str]]  # (request, error message)
+
+
+def proposer_context(
+    config: EngineConfig,
+    target: LoadedModel,
+    runtime: ModelRuntime,
+    draft: LoadedModel | None,
+    target_forward_s: Callable[[], float],
+) -> ProposerContext:
+    """What the proposers may use: the target's facts, the config, the draft model.
+
+    The draft model is ``draft`` or, when that is None, ``config.draft.model`` loaded here (a
+    failure leaves ``draft`` None and says why in ``draft_error``); one runtime over it, sized
+    like the target's cache, is shared by every proposer that drafts with it.
+    """
+    draft_error = None
+    if draft is None and config.draft.model is not None:
+        try:
+            draft = load_model(config.draft.model)
+        except HybridSpecError as exc:
+            draft_error = f"it failed to load: {exc}"
+            logger.warning("draft model failed to load: %s", exc)
+    shared = None
+    if draft is not None:
+        sizes = config.target
+        shared = DraftModel(draft, draft.create_runtime(sizes.max_num_seqs, sizes.max_seq_len))
+    return ProposerContext(
+        vocab_size=runtime.vocab_size,
+        eos_token_ids=tuple(sorted(set(target.eos_token_ids))),
+        device=runtime.device,
+        tokenizer=target.tokenizer,
+        config=config,
+        draft=shared,
+        draft_error=draft_error,
+        target_forward_s=target_forward_s,
+    )
 
 
 class ProposerPool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -184,3 +184,55 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def append(
+        self, tokens: Sequence[int], eos_token_ids: Set[int], max_seq_len: int
+    ) -> tuple[list[int], FinishReason | None]:
+        """Commit verified ``tokens`` one by one, up to the first stop condition: EOS (not
+        appended), a stop string, ``max_new_tokens`` or the context length. Returns the tokens
+        appended and why the request finished, if it did."""
+        assert self.detokenizer is not None
+        new_token_ids: list[int] = []
+        reason: FinishReason | None = None
+        for token in tokens:
+            self.stats.generated_tokens += 1
+            if token in eos_token_ids and not self.params.ignore_eos:
+                reason = FinishReason.STOP
+                break
+            self.token_ids.append(token)
+            new_token_ids.append(token)
+            if self.detokenizer.append(token):
+                reason = FinishReason.STOP
+            elif (
+                self.num_generated >= self.params.max_new_tokens
+                or len(self.token_ids) >= max_seq_len
+            ):
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                break
+        if self.stats.time_to_first_token_s is None:
+            self.stats.time_to_first_token_s = time.perf_counter() - self.arrival_time
+        return new_token_ids, reason
+
+    def final_output(self, new_token_ids: list[int]) -> RequestOutput:
+        """The last output of a finished request, with its whole result."""
+        assert self.finish_reason is not None
+        if self.start_time is not None:
+            self.stats.elapsed_s = time.perf_counter() - self.start_time
+        detokenizer = self.detokenizer
+        result = GenerationResult(
+            request_id=self.request_id,
+            text=detokenizer.text if detokenizer is not None else "",
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            stats=self.stats,
+            error=self.error,
+        )
+        return RequestOutput(
+            self.request_id,
+            new_token_ids,
+            detokenizer.stream_text(final=True) if detokenizer is not None else "",
+            True,
+            self.finish_reason,
+            result,
+        )

@@ -14,10 +14,15 @@ remaining 276 tokens fit, so it decodes: it feeds them with its first drafts in 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from hybridspec.engine.request import Request
 from hybridspec.errors import CapacityError
+from hybridspec.model import ForwardBatch
+from hybridspec.types import Proposal
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +88,41 @@ class Scheduler:
 
     def __len__(self) -> int:
         return len(self.running) + len(self.waiting)
+
+
+def forward_batch(
+    drafts: list[tuple[Request, Proposal]],
+    prefill: list[tuple[Request, int]],
+    seq_len: Callable[[int], int],
+) -> ForwardBatch:
+    """Flatten the step's decoding spans and prefill chunks into one ragged batch.
+
+    A decoding request feeds its uncached committed tokens (``seq_len(slot)`` are cached) and
+    its drafts, with logits at its last ``num_drafts + 1`` positions; a chunk feeds the next
+    ``n`` tokens of its prompt and wants none. Example: a request with 1 uncached token and
+    drafts ``d1 d2`` then a chunk of 3 give ``token_ids [t, d1, d2, p0, p1, p2]``,
+    ``cu_num_tokens [0, 3, 6]`` and ``logits_indices [0, 1, 2]``.
+    """
+    slots: list[int] = []
+    token_ids: list[int] = []
+    cu = [0]
+    logits_indices: list[int] = []
+    for request, proposal in drafts:
+        assert request.slot is not None
+        token_ids.extend(request.token_ids[seq_len(request.slot) :])
+        token_ids.extend(proposal.token_ids)
+        logits_indices.extend(range(len(token_ids) - proposal.num_drafts - 1, len(token_ids)))
+        slots.append(request.slot)
+        cu.append(len(token_ids))
+    for request, num_tokens in prefill:
+        assert request.slot is not None
+        cached = seq_len(request.slot)
+        token_ids.extend(request.token_ids[cached : cached + num_tokens])
+        slots.append(request.slot)
+        cu.append(len(token_ids))
+    return ForwardBatch(
+        slots=torch.tensor(slots, dtype=torch.long),
+        token_ids=torch.tensor(token_ids, dtype=torch.long),
+        cu_num_tokens=torch.tensor(cu, dtype=torch.long),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+    )

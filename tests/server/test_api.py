@@ -248,7 +248,9 @@ def test_health(client: TestClient) -> None:
 def test_draft_proposer_is_served_when_a_draft_model_is_given(
     make_app: Any, tiny_model_dir: Path
 ) -> None:
-    draft = DraftConfig(model=ModelConfig(str(tiny_model_dir), dtype="float32", max_num_seqs=4))
+    # The draft is the target itself, so it costs a whole forward: priced as free to draft.
+    model = ModelConfig(str(tiny_model_dir), dtype="float32", max_num_seqs=4)
+    draft = DraftConfig(model=model, cost_per_token=0.0)
     with TestClient(make_app(draft=draft)) as client:
         (card,) = client.get("/v1/models").json()["data"]
         assert {p["name"] for p in card["hybridspec"]["proposers"]} == {"none", "ngram", "draft"}
