@@ -39,10 +39,11 @@ from hybridspec.engine.scheduler import Scheduler, forward_batch
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import (
+    COST_REPEATS,
     TIMING_CONTEXT,
     LoadedModel,
+    fastest_forward_seconds,
     load_model,
-    median_forward_seconds,
 )
 from hybridspec.proposers import (
     Proposer,
@@ -104,10 +105,11 @@ class Engine:
     # ----------------------------------------------------------------- proposers
 
     def target_forward_s(self) -> float:
-        """Seconds of a one-token target forward, timed in place on first use (0: no slot)."""
+        """Seconds of a one-token target forward, timed in place on first use (0: no slot);
+        the fastest of ``COST_REPEATS``, as proposers time their own (``DraftModelProposer``)."""
         if self._target_forward_s is None:
-            timings = median_forward_seconds(self.runtime, (1,), TIMING_CONTEXT)
-            self._target_forward_s = timings[0] if timings is not None else 0.0
+            seconds = fastest_forward_seconds(self.runtime, TIMING_CONTEXT, COST_REPEATS)
+            self._target_forward_s = seconds if seconds is not None else 0.0
         return self._target_forward_s
 
     def register_proposer(

@@ -7,14 +7,21 @@
 from hybridspec.model.llama import LlamaWeights
 from hybridspec.model.loader import LoadedModel, load_model
 from hybridspec.model.runtime import ForwardBatch, ModelRuntime
-from hybridspec.model.timing import TIMING_CONTEXT, median_forward_seconds
+from hybridspec.model.timing import (
+    COST_REPEATS,
+    TIMING_CONTEXT,
+    fastest_forward_seconds,
+    median_forward_seconds,
+)
 
 __all__ = [
+    "COST_REPEATS",
     "TIMING_CONTEXT",
     "ForwardBatch",
     "LlamaWeights",
     "LoadedModel",
     "ModelRuntime",
+    "fastest_forward_seconds",
     "load_model",
     "median_forward_seconds",
 ]

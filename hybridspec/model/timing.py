@@ -16,6 +16,7 @@ from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 
 REPEATS = 3  # timings per size, after one warm-up; the median is kept
 TIMING_CONTEXT = 128  # cached tokens before the timed forwards: a short chat turn
+COST_REPEATS = 7  # timings of each model when a proposer's cost is priced (the fastest is kept)
 
 
 def median_forward_seconds(
@@ -27,6 +28,25 @@ def median_forward_seconds(
     Takes a free cache slot for the duration and leaves the cache as it was; None when no slot
     is free or the sizes do not fit the context length.
     """
+    timings = forward_seconds(runtime, num_tokens, context, REPEATS)
+    if timings is None:
+        return None
+    return [sorted(ts)[len(ts) // 2] for ts in timings]
+
+
+def fastest_forward_seconds(runtime: ModelRuntime, context: int, repeats: int) -> float | None:
+    """The fastest of ``repeats`` one-token forwards after ``context`` cached tokens: the
+    forward's own cost, for ratios of two models' forwards taken on a machine that other work
+    interrupts (an interruption only ever adds time)."""
+    timings = forward_seconds(runtime, (1,), context, repeats)
+    return None if timings is None else min(timings[0])
+
+
+def forward_seconds(
+    runtime: ModelRuntime, num_tokens: Sequence[int], context: int, repeats: int
+) -> list[list[float]] | None:
+    """``repeats`` timings (after one warm-up) of a forward of each of ``num_tokens``; see
+    ``median_forward_seconds``."""
     if runtime.num_free_slots() == 0 or context < 0:
         return None
     if context + max(num_tokens) > runtime.max_seq_len:
@@ -35,15 +55,17 @@ def median_forward_seconds(
     try:
         if context > 0:
             runtime.forward(ForwardBatch.from_lists([slot], [[0] * context], logits_indices=[]))
-        return [_median(runtime, slot, context, n) for n in num_tokens]
+        return [_timings(runtime, slot, context, n, repeats) for n in num_tokens]
     finally:
         runtime.free(slot)
 
 
-def _median(runtime: ModelRuntime, slot: int, context: int, num_tokens: int) -> float:
+def _timings(
+    runtime: ModelRuntime, slot: int, context: int, num_tokens: int, repeats: int
+) -> list[float]:
     batch = ForwardBatch.from_lists([slot], [[0] * num_tokens], logits_indices=[num_tokens - 1])
     timings = []
-    for i in range(REPEATS + 1):
+    for i in range(repeats + 1):
         start = time.perf_counter()
         logits = runtime.forward(batch)
         if logits.device.type == "cuda":
@@ -51,4 +73,4 @@ def _median(runtime: ModelRuntime, slot: int, context: int, num_tokens: int) -> 
         if i > 0:  # the first is a warm-up
             timings.append(time.perf_counter() - start)
         runtime.truncate(slot, context)
-    return sorted(timings)[len(timings) // 2]
+    return timings

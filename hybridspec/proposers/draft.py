@@ -27,11 +27,12 @@ import torch
 
 from hybridspec.errors import InvalidRequestError, ModelLoadError
 from hybridspec.model import (
+    COST_REPEATS,
     TIMING_CONTEXT,
     ForwardBatch,
     LoadedModel,
     ModelRuntime,
-    median_forward_seconds,
+    fastest_forward_seconds,
 )
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
@@ -107,11 +108,11 @@ class DraftModelProposer(Proposer):
         target_forward_s = self.context.target_forward_s
         if target_forward_s is None:
             return 0.0
-        timings = median_forward_seconds(self.runtime, (1,), TIMING_CONTEXT)
+        draft_s = fastest_forward_seconds(self.runtime, TIMING_CONTEXT, COST_REPEATS)
         target_s = target_forward_s()
-        if timings is None or target_s <= 0:
+        if draft_s is None or target_s <= 0:
             return 0.0
-        cost = timings[0] / target_s
+        cost = draft_s / target_s
         logger.info("draft model: %.3f of a target forward per draft token", cost)
         return cost
 

@@ -380,8 +380,8 @@ def test_draft_cost_per_token_is_measured_unless_configured(
     config = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=256, max_num_seqs=2))
     measured = Engine(config, target=target, draft=draft).resolve_proposer("draft")
     # Measured (a configured cost is used as is): the tiny draft has the target's shape, so
-    # about one target forward per draft token, within a wide margin for a loaded machine.
-    assert 0.02 < measured.cost_per_token < 50
+    # about one target forward per draft token.
+    assert 0.25 < measured.cost_per_token < 4
     assert make_engine(target, draft).resolve_proposer("draft").cost_per_token == 0.0
 
 
