@@ -11,104 +11,20 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridspec import (
-    DraftConfig,
     Engine,
-    EngineConfig,
     FinishReason,
     GenerationParams,
-    HybridSpecError,
     InvalidRequestError,
-    ModelConfig,
     Proposal,
     Proposer,
     ProposeRequest,
 )
-from hybridspec.model.llama import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
 from hybridspec.proposers.draft import DraftModelProposer
-
-VOCAB = 64
-EOS = VOCAB - 1
-
-PROMPTS = [
-    [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2],
-    [7],
-    [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30],
-    [5, 9, 5, 9, 5, 9, 5, 9, 40, 41, 42, 5, 9],
-    [33, 34, 33, 35, 33, 36, 8, 8, 8, 8, 8],
-]
-
-
-def tiny_loaded(seed: int, noise_from: LoadedModel | None = None) -> LoadedModel:
-    """A tiny random Llama; with ``noise_from``, that model's weights plus small noise (a draft
-    that mostly agrees with it)."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=EOS,
-        bos_token_id=0,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    state = model.state_dict()
-    if noise_from is not None:
-        torch.manual_seed(seed)
-        state = {
-            k: v + 0.3 * v.std() * torch.randn_like(v) if v.dim() > 1 else v
-            for k, v in state.items()
-        }
-    else:  # sharpen the output so greedy text has structure worth speculating on, and keep
-        # EOS (logit 0, below the largest of 63 others) out of greedy output.
-        state["lm_head.weight"] = state["lm_head.weight"] * 8
-        state["lm_head.weight"][EOS] = 0
-    weights = LlamaWeights.from_hf_state_dict(state, config, dtype=torch.float32)
-    return LoadedModel(weights, None, config, torch.float32, (EOS,), f"tiny:{seed}")  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="module")
-def target() -> LoadedModel:
-    return tiny_loaded(0)
-
-
-@pytest.fixture(scope="module")
-def draft(target: LoadedModel) -> LoadedModel:
-    return tiny_loaded(1, noise_from=target)
-
-
-def make_engine(target: LoadedModel, draft: LoadedModel | None = None, **config: object) -> Engine:
-    target_config = ModelConfig(
-        dtype="float32",
-        max_seq_len=config.pop("max_seq_len", 256),  # type: ignore[arg-type]
-        max_num_seqs=config.pop("max_num_seqs", 8),
-    )  # type: ignore[arg-type]
-    # The tiny draft costs what the target does: priced as free, so that it drafts at all.
-    draft_config = DraftConfig(cost_per_token=0.0)
-    return Engine(
-        EngineConfig(target=target_config, draft=draft_config, **config),  # type: ignore[arg-type]
-        target=target,
-        draft=draft,
-    )
-
-
-@pytest.fixture(scope="module")
-def engine(target: LoadedModel, draft: LoadedModel) -> Engine:
-    return make_engine(target, draft)
-
-
-def plain(engine: Engine, prompt: Sequence[int], max_new_tokens: int = 40) -> list[int]:
-    return engine.generate(
-        prompt_token_ids=prompt, proposer="none", max_new_tokens=max_new_tokens
-    ).token_ids
+from tests.engine.tiny import PROMPTS, VOCAB, make_engine, plain, tiny_loaded
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -308,27 +224,6 @@ def test_seeded_sampled_text_is_the_same_with_any_deterministic_proposer(
         assert sample("ngram", 8).stats.draft_tokens_accepted > 0  # drafts were really verified
 
 
-class TooMany(Proposer):
-    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        return [Proposal([1] * (r.max_num_drafts + 1)) for r in requests]
-
-
-def test_broken_custom_proposer_fails_only_its_own_request(engine: Engine) -> None:
-    engine.register_proposer("too-many", TooMany, replace=True)
-    bad = engine.add_request(PROMPTS[0], GenerationParams(max_new_tokens=10, proposer="too-many"))
-    good = engine.add_request(PROMPTS[1], GenerationParams(max_new_tokens=10, proposer="draft"))
-    finished = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output.result
-    assert finished[bad].finish_reason is FinishReason.ERROR
-    assert "at most" in (finished[bad].error or "")
-    assert finished[good].token_ids == plain(engine, PROMPTS[1], 10)
-    with pytest.raises(HybridSpecError):
-        engine.generate(prompt_token_ids=PROMPTS[0], proposer="too-many", max_new_tokens=4)
-
-
 def test_abort_releases_the_slot(target: LoadedModel) -> None:
     engine = make_engine(target, max_num_seqs=1)
     request_id = engine.add_request(PROMPTS[0], GenerationParams(max_new_tokens=50))
@@ -364,40 +259,4 @@ def test_bad_arguments_raise_value_error_naming_the_field(
     with pytest.raises(ValueError, match=param) as info:
         engine.generate(prompt_token_ids=prompt, **options)
     assert isinstance(info.value, InvalidRequestError)
-    assert not engine.has_unfinished()
-
-
-def test_draft_without_a_draft_model_is_a_clear_error(target: LoadedModel) -> None:
-    engine = make_engine(target)
-    assert "draft" not in engine.available_proposers()
-    with pytest.raises(ValueError, match="needs a draft model"):
-        engine.generate(prompt_token_ids=[1, 2], proposer="draft")
-
-
-def test_draft_cost_per_token_is_measured_unless_configured(
-    target: LoadedModel, draft: LoadedModel
-) -> None:
-    config = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=256, max_num_seqs=2))
-    measured = Engine(config, target=target, draft=draft).resolve_proposer("draft")
-    # Measured (a configured cost is used as is): the tiny draft has the target's shape, so
-    # about one target forward per draft token.
-    assert 0.25 < measured.cost_per_token < 4
-    assert make_engine(target, draft).resolve_proposer("draft").cost_per_token == 0.0
-
-
-class UndeclaredSampler(Proposer):
-    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        probs = torch.full((1, VOCAB), 1 / VOCAB)
-        return [Proposal([1], probs) if r.max_num_drafts else Proposal([]) for r in requests]
-
-
-def test_sampled_drafts_from_a_proposer_that_does_not_declare_them_fail_its_request(
-    engine: Engine,
-) -> None:
-    engine.register_proposer("undeclared", UndeclaredSampler, replace=True)
-    params = GenerationParams.create(
-        max_new_tokens=8, temperature=1.0, seed=0, proposer="undeclared"
-    )
-    with pytest.raises(HybridSpecError, match="declares samples_drafts = False"):
-        engine.generate(prompt_token_ids=PROMPTS[0], params=params)
     assert not engine.has_unfinished()

@@ -1,0 +1,80 @@
+"""The engine's proposers: failures isolated to their own requests, the draft model's cost,
+and the validation of proposals where they enter."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from hybridspec import (
+    Engine,
+    EngineConfig,
+    FinishReason,
+    GenerationParams,
+    HybridSpecError,
+    ModelConfig,
+    Proposal,
+    Proposer,
+    ProposeRequest,
+)
+from hybridspec.model.loader import LoadedModel
+from tests.engine.tiny import PROMPTS, VOCAB, make_engine, plain
+
+
+class TooMany(Proposer):
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        return [Proposal([1] * (r.max_num_drafts + 1)) for r in requests]
+
+
+def test_broken_custom_proposer_fails_only_its_own_request(engine: Engine) -> None:
+    engine.register_proposer("too-many", TooMany, replace=True)
+    bad = engine.add_request(PROMPTS[0], GenerationParams(max_new_tokens=10, proposer="too-many"))
+    good = engine.add_request(PROMPTS[1], GenerationParams(max_new_tokens=10, proposer="draft"))
+    finished = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.result
+    assert finished[bad].finish_reason is FinishReason.ERROR
+    assert "at most" in (finished[bad].error or "")
+    assert finished[good].token_ids == plain(engine, PROMPTS[1], 10)
+    with pytest.raises(HybridSpecError):
+        engine.generate(prompt_token_ids=PROMPTS[0], proposer="too-many", max_new_tokens=4)
+
+
+def test_draft_without_a_draft_model_is_a_clear_error(target: LoadedModel) -> None:
+    engine = make_engine(target)
+    assert "draft" not in engine.available_proposers()
+    with pytest.raises(ValueError, match="needs a draft model"):
+        engine.generate(prompt_token_ids=[1, 2], proposer="draft")
+
+
+def test_draft_cost_per_token_is_measured_unless_configured(
+    target: LoadedModel, draft: LoadedModel
+) -> None:
+    config = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=256, max_num_seqs=2))
+    measured = Engine(config, target=target, draft=draft).resolve_proposer("draft")
+    # Measured (a configured cost is used as is): the tiny draft has the target's shape, so
+    # about one target forward per draft token.
+    assert 0.25 < measured.cost_per_token < 4
+    assert make_engine(target, draft).resolve_proposer("draft").cost_per_token == 0.0
+
+
+class UndeclaredSampler(Proposer):
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        probs = torch.full((1, VOCAB), 1 / VOCAB)
+        return [Proposal([1], probs) if r.max_num_drafts else Proposal([]) for r in requests]
+
+
+def test_sampled_drafts_from_a_proposer_that_does_not_declare_them_fail_its_request(
+    engine: Engine,
+) -> None:
+    engine.register_proposer("undeclared", UndeclaredSampler, replace=True)
+    params = GenerationParams.create(
+        max_new_tokens=8, temperature=1.0, seed=0, proposer="undeclared"
+    )
+    with pytest.raises(HybridSpecError, match="declares samples_drafts = False"):
+        engine.generate(prompt_token_ids=PROMPTS[0], params=params)
+    assert not engine.has_unfinished()
