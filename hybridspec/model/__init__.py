@@ -4,7 +4,7 @@
 ``ForwardBatch`` per call. Nothing here imports the verifier, the proposers or the engine.
 """
 
-from hybridspec.model.llama import LlamaWeights
+from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.loader import LoadedModel, load_model
 from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 

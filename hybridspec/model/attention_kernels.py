@@ -4,7 +4,7 @@ Why it exists: greedy speculative decoding is lossless only if the target comput
 the same way whether it is verified alone (plain decoding) or among K drafts. PyTorch's CPU
 ``scaled_dot_product_attention`` does not: its result for a query row depends on how many rows
 share the call (measured in bfloat16: differences up to 2.4e-4, enough to flip the argmax of a
-135M model within tens of tokens). The matmuls of the runtime (oneDNN, ``llama.PackedLinear``)
+135M model within tens of tokens). The matmuls of the runtime (oneDNN, ``linear.PackedLinear``)
 and its element-wise ops are row-invariant already, so this kernel is the missing piece.
 
 What it computes, for every query row: softmax attention over the keys at positions ``0 ..

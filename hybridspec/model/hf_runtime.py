@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from hybridspec.model.kv_cache import SlotTable, read_batch
-from hybridspec.model.runtime import ForwardBatch
+from hybridspec.model.kv_cache import SlotTable
+from hybridspec.model.runtime import ForwardBatch, read_batch
 
 
 @dataclass(slots=True)

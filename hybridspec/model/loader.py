@@ -33,7 +33,8 @@ from hybridspec.config import ModelConfig
 from hybridspec.errors import ModelLoadError
 from hybridspec.model.gguf import load_gguf_tokenizer, read_gguf
 from hybridspec.model.hf_runtime import HFRuntime
-from hybridspec.model.llama import LlamaRuntime, LlamaWeights, native_support_problem
+from hybridspec.model.llama import LlamaRuntime
+from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
 from hybridspec.model.runtime import ModelRuntime
 
 logger = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ the logits after c and after d, shape [2, vocab_size].
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,3 +93,56 @@ class ModelRuntime(Protocol):
         ``logits_indices`` is None). Raises CapacityError when a slot would overflow.
         """
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class HostBatch:
+    """A ``ForwardBatch`` after its checks, with its bookkeeping read to host ints."""
+
+    slots: list[int]  # [num_seqs]
+    num_new_tokens: list[int]  # [num_seqs], each >= 1
+    token_ids: torch.Tensor  # [num_tokens] int64, each in [0, vocab_size)
+    logits_indices: torch.Tensor | None  # [num_logits] int64 in [0, num_tokens); None = all
+
+
+def read_batch(batch: ForwardBatch, vocab_size: int) -> HostBatch:
+    """Check ``batch`` field by field (ValueError naming the field) and read it to host ints."""
+    for name in ("slots", "token_ids", "cu_num_tokens"):
+        _check_index_tensor(getattr(batch, name), name)
+    slots = batch.slots.tolist()
+    cu = batch.cu_num_tokens.tolist()
+    if not slots:
+        raise ValueError("slots: expected at least one sequence, got none")
+    if len(cu) != len(slots) + 1 or cu[0] != 0:
+        raise ValueError(
+            f"cu_num_tokens: expected {len(slots) + 1} cumulative offsets starting at 0, got {cu}"
+        )
+    num_new_tokens = [b - a for a, b in itertools.pairwise(cu)]
+    if min(num_new_tokens) < 1:
+        raise ValueError(f"cu_num_tokens: expected each sequence to add >= 1 token, got {cu}")
+    token_ids = batch.token_ids
+    if token_ids.numel() != cu[-1]:
+        raise ValueError(
+            f"token_ids: expected {cu[-1]} tokens (cu_num_tokens[-1]), got {token_ids.numel()}"
+        )
+    ids = token_ids.tolist()  # host ints: cheaper than a tensor reduction for a few tokens
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(
+            f"token_ids: expected ids in [0, {vocab_size}), got [{min(ids)}, {max(ids)}]"
+        )
+    indices = batch.logits_indices
+    if indices is not None:
+        _check_index_tensor(indices, "logits_indices")
+        rows = indices.tolist()
+        if rows and (min(rows) < 0 or max(rows) >= cu[-1]):
+            raise ValueError(f"logits_indices: expected indices in [0, {cu[-1]}), got {rows}")
+    return HostBatch(slots, num_new_tokens, token_ids, indices)
+
+
+def _check_index_tensor(tensor: object, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name}: expected a 1-D int64 tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 1 or tensor.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"{name}: expected a 1-D int64 tensor, got shape {tuple(tensor.shape)} {tensor.dtype}"
+        )

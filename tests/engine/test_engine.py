@@ -25,7 +25,7 @@ from hybridspec import (
     Proposer,
     ProposeRequest,
 )
-from hybridspec.model.llama import LlamaWeights
+from hybridspec.model import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
 from hybridspec.proposers import default_registry

@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig, SamplingParams
-from hybridspec.model.llama import LlamaWeights
+from hybridspec.model import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
 from hybridspec.verifier import logits_to_probs

@@ -2,7 +2,7 @@
 
 Greedy speculative decoding gives plain decoding's text only if verifying a token among drafts
 computes it exactly as decoding it alone. These tests check the pieces that make it so in
-bfloat16 (``attention_kernels.attend``, ``kv_cache.KernelAttention``, ``llama.PackedLinear``'s
+bfloat16 (``attention_kernels.attend``, ``attention.KernelAttention``, ``linear.PackedLinear``'s
 one-row padding) and the result through the engine.
 """
 
@@ -16,12 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig
 from hybridspec.model.attention_kernels import attend
 from hybridspec.model.kv_cache import numpy_view
-from hybridspec.model.llama import (
-    ONE_ROW_MAX_IN_FEATURES,
-    LlamaRuntime,
-    LlamaWeights,
-    PackedLinear,
-)
+from hybridspec.model.linear import ONE_ROW_MAX_IN_FEATURES, PackedLinear
+from hybridspec.model.llama import LlamaRuntime
+from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
 

@@ -15,15 +15,10 @@ from transformers import LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hybridspec.errors import CapacityError
+from hybridspec.model.attention import PaddedAttention, RaggedAttention
 from hybridspec.model.gguf import read_gguf
-from hybridspec.model.kv_cache import PaddedAttention, RaggedAttention
-from hybridspec.model.llama import (
-    LlamaRuntime,
-    LlamaWeights,
-    PackedLinear,
-    native_support_problem,
-    rope_inv_freq,
-)
+from hybridspec.model.llama import LlamaRuntime
+from hybridspec.model.llama_weights import LlamaWeights, native_support_problem, rope_inv_freq
 from hybridspec.model.loader import LoadedModel, embedded_model_path
 from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 from tests.conftest import LLAMA3_ROPE, TINY_VOCAB_SIZE, tiny_llama, tiny_llama_config
@@ -93,32 +88,6 @@ def test_prefill_logits_match_transformers(variant: str, length: int, prepack: b
     logits = runtime.forward(ForwardBatch.from_lists([runtime.allocate()], [ids]))
     assert logits.dtype == torch.float32 and logits.shape == (length, TINY_VOCAB_SIZE)
     torch.testing.assert_close(logits, reference_logits(model, ids), atol=ATOL, rtol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 9, 70])
-def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
-    generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 64, generator=generator).to(dtype)
-    x = torch.randn(rows, 64, generator=generator).to(dtype)
-    packed = PackedLinear(weight, prepack=True)
-    if torch.backends.mkldnn.is_available():
-        assert packed.packed is not None and packed.weight is None
-    expected = torch.nn.functional.linear(x.float(), weight.float())
-    tolerance = 1e-5 if dtype == torch.float32 else 0.05  # bfloat16 output rounding, |y| ~ 8
-    torch.testing.assert_close(packed(x).float(), expected, atol=tolerance, rtol=0.01)
-    plain = PackedLinear(weight, prepack=False)
-    assert plain.packed is None
-    torch.testing.assert_close(plain(x).float(), expected, atol=tolerance, rtol=0.01)
-
-
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
-def test_packed_linear_two_rows_padded_to_three_give_the_same_rows() -> None:
-    generator = torch.Generator().manual_seed(2)
-    weight = torch.randn(96, 64, generator=generator).bfloat16()
-    x = torch.randn(2, 64, generator=generator).bfloat16()
-    packed = PackedLinear(weight, prepack=True)
-    assert torch.equal(packed(x), packed._packed(x))
 
 
 @pytest.mark.parametrize("variant", ["gqa", "llama3-rope", "mqa-tied"])

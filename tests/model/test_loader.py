@@ -30,7 +30,8 @@ from hybridspec.model import gguf as gguf_module
 from hybridspec.model import loader as loader_module
 from hybridspec.model.gguf import load_gguf_tokenizer, permute_qk, unpermute_qk
 from hybridspec.model.hf_runtime import HFRuntime
-from hybridspec.model.llama import LlamaRuntime, LlamaWeights, default_inv_freq, llama3_inv_freq
+from hybridspec.model.llama import LlamaRuntime
+from hybridspec.model.llama_weights import LlamaWeights, default_inv_freq, llama3_inv_freq
 from hybridspec.model.loader import (
     CPU_AUTO_DTYPE,
     LoadedModel,
