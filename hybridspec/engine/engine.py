@@ -248,7 +248,7 @@ class Engine:
         if not drafts and not plan.prefill:
             return outputs
         batch = self._build_batch(drafts, plan.prefill)
-        logits = self.runtime.forward(batch)  # [sum(k_i + 1), vocab_size]
+        logits = self.runtime.forward(batch).logits  # [sum(k_i + 1), vocab_size]
         if drafts:
             verified = verify(
                 VerifyInput.from_proposals(

@@ -176,7 +176,7 @@ def _median_forward_s(runtime: ModelRuntime, slot: int, context: int, num_tokens
     timings = []
     for i in range(CALIBRATION_REPEATS + 1):
         start = time.perf_counter()
-        logits = runtime.forward(batch)
+        logits = runtime.forward(batch).logits
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         if i > 0:  # the first is a warm-up

@@ -1,11 +1,19 @@
 """The target's runtime: loading, the GGUF reader, the Llama forward, the KV cache, kernels.
 
 ``load_model(ModelConfig) -> LoadedModel`` is the entry point; a ``ModelRuntime`` runs one
-``ForwardBatch`` per call. Nothing here imports the verifier, the proposers or the engine.
+``ForwardBatch`` per call and returns a ``ForwardOutput``. Nothing here imports the verifier,
+the proposers or the engine.
 """
 
 from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.loader import LoadedModel, load_model
-from hybridspec.model.runtime import ForwardBatch, ModelRuntime
+from hybridspec.model.runtime import ForwardBatch, ForwardOutput, ModelRuntime
 
-__all__ = ["ForwardBatch", "LlamaWeights", "LoadedModel", "ModelRuntime", "load_model"]
+__all__ = [
+    "ForwardBatch",
+    "ForwardOutput",
+    "LlamaWeights",
+    "LoadedModel",
+    "ModelRuntime",
+    "load_model",
+]

@@ -30,7 +30,7 @@ from hybridspec.model.attention import (
 from hybridspec.model.kv_cache import KVCache
 from hybridspec.model.linear import PackedLinear
 from hybridspec.model.llama_weights import LlamaLayerWeights, LlamaWeights
-from hybridspec.model.runtime import ForwardBatch, read_batch
+from hybridspec.model.runtime import ForwardBatch, ForwardOutput, HostBatch, read_batch
 
 
 def rope_tables(inv_freq: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -148,28 +148,21 @@ class LlamaRuntime:
     def truncate(self, slot: int, length: int) -> None:
         self._slots.truncate(slot, length)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Append the batch's tokens to their slots; float32 logits ``[num_logits, V]``."""
-        host = read_batch(batch, self.vocab_size)
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Append the batch's tokens to their slots; logits ``[num_logits, V]`` float32 and the
+        outputs of ``batch.hidden_layers``, ``[T, len(hidden_layers), D]`` (``ForwardOutput``)."""
+        host = read_batch(batch, self.vocab_size, self.weights.dims.num_layers)
         starts = self._slots.reserve(host.slots, host.num_new_tokens)
         with torch.inference_mode():
-            logits = self._forward(
-                host.token_ids, host.slots, starts, host.num_new_tokens, host.logits_indices
-            )
+            output = self._forward(host, starts)
         self._cache.commit(
             host.slots, [s + n for s, n in zip(starts, host.num_new_tokens, strict=True)]
         )
-        return logits
+        return output
 
-    def _forward(
-        self,
-        token_ids: torch.Tensor,  # [T]
-        slots: list[int],
-        starts: list[int],
-        num_new: list[int],
-        logits_indices: torch.Tensor | None,  # [num_logits]
-    ) -> torch.Tensor:
+    def _forward(self, host: HostBatch, starts: list[int]) -> ForwardOutput:
         device = self.device
+        slots, num_new = host.slots, host.num_new_tokens
         attention: Attention
         if self.invariant_attention:
             attention = KernelAttention(self._cache, slots, starts, num_new, self._rep)
@@ -184,13 +177,19 @@ class LlamaRuntime:
         else:
             assert not isinstance(attention, OneSequenceAttention)
             cos, sin = self._rope[:, attention.positions]
-        x = F.embedding(token_ids.to(device, non_blocking=True), self.weights.embed)  # [T, D]
+        x = F.embedding(host.token_ids.to(device, non_blocking=True), self.weights.embed)  # [T, D]
+        kept: dict[int, torch.Tensor] = {}  # layer -> its output; each layer makes a new x
         for i, layer in enumerate(self._layers):
             x = self._decoder_layer(x, i, layer, cos, sin, attention)
-        if logits_indices is not None:
-            x = x[logits_indices.to(device, non_blocking=True)]
+            if i in host.hidden_layers:
+                kept[i] = x
+        hidden_states = None
+        if host.hidden_layers:
+            hidden_states = torch.stack([kept[i] for i in host.hidden_layers], dim=1)
+        if host.logits_indices is not None:
+            x = x[host.logits_indices.to(device, non_blocking=True)]
         x = F.rms_norm(x, self._norm_shape, self.weights.norm, self.weights.dims.rms_norm_eps)
-        return self._lm_head(x).float()  # [num_logits, V]
+        return ForwardOutput(self._lm_head(x).float(), hidden_states)  # [num_logits, V]
 
     def _decoder_layer(
         self,

@@ -55,7 +55,7 @@ def prompt(length: int, seed: int = 1) -> list[int]:
 
 
 def run_chunks(runtime: ModelRuntime, slot: int, chunks: list[list[int]]) -> torch.Tensor:
-    return torch.cat([runtime.forward(ForwardBatch.from_lists([slot], [c])) for c in chunks])
+    return torch.cat([runtime.forward(ForwardBatch.from_lists([slot], [c])).logits for c in chunks])
 
 
 @pytest.mark.parametrize("rope", ["default", "linear", "llama3"])
@@ -85,7 +85,7 @@ def test_prefill_logits_match_transformers(variant: str, length: int, prepack: b
     model = tiny_llama(seed=3, **VARIANTS[variant])
     ids = prompt(length)
     runtime = native(model, prepack=prepack)
-    logits = runtime.forward(ForwardBatch.from_lists([runtime.allocate()], [ids]))
+    logits = runtime.forward(ForwardBatch.from_lists([runtime.allocate()], [ids])).logits
     assert logits.dtype == torch.float32 and logits.shape == (length, TINY_VOCAB_SIZE)
     torch.testing.assert_close(logits, reference_logits(model, ids), atol=ATOL, rtol=0)
 
@@ -105,7 +105,7 @@ def test_logits_indices_select_rows() -> None:
     ids = prompt(12)
     runtime = native(model)
     batch = ForwardBatch.from_lists([runtime.allocate()], [ids], logits_indices=[11, 3, 3])
-    logits = runtime.forward(batch)
+    logits = runtime.forward(batch).logits
     torch.testing.assert_close(logits, reference_logits(model, ids)[[11, 3, 3]], atol=ATOL, rtol=0)
 
 
@@ -156,7 +156,7 @@ def test_ragged_batch_equals_each_sequence_alone(
     batch = ForwardBatch.from_lists(
         [slots[i] for i in order], [seqs[i][cached[i] : cached[i] + new[i]] for i in order]
     )
-    logits = runtime.forward(batch)
+    logits = runtime.forward(batch).logits
     torch.testing.assert_close(logits, torch.cat([alone[i] for i in order]), atol=ATOL, rtol=0)
     assert [runtime.seq_len(s) for s in slots] == [c + n for c, n in zip(cached, new, strict=True)]
 
@@ -316,7 +316,7 @@ def test_cuda_runtime_matches_cpu() -> None:
     runtime = LlamaRuntime(weights, 2, 64)
     slots = [runtime.allocate(), runtime.allocate()]
     runtime.forward(ForwardBatch.from_lists(slots[:1], [ids[:10]]))
-    logits = runtime.forward(ForwardBatch.from_lists(slots, [ids[10:], ids[:4]]))
+    logits = runtime.forward(ForwardBatch.from_lists(slots, [ids[10:], ids[:4]])).logits
     assert logits.device.type == "cuda"
     expected = reference_logits(model, ids)
     torch.testing.assert_close(
