@@ -7,13 +7,21 @@ the proposers or the engine.
 
 from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.loader import LoadedModel, load_model
-from hybridspec.model.runtime import ForwardBatch, ForwardOutput, ModelRuntime
+from hybridspec.model.runtime import (
+    ForwardBatch,
+    ForwardObserver,
+    ForwardOutput,
+    ModelRuntime,
+    ObserverHandle,
+)
 
 __all__ = [
     "ForwardBatch",
+    "ForwardObserver",
     "ForwardOutput",
     "LlamaWeights",
     "LoadedModel",
     "ModelRuntime",
+    "ObserverHandle",
     "load_model",
 ]

@@ -18,7 +18,14 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from hybridspec.model.kv_cache import SlotTable
-from hybridspec.model.runtime import ForwardBatch, ForwardOutput, read_batch
+from hybridspec.model.runtime import (
+    ForwardBatch,
+    ForwardObserver,
+    ForwardObservers,
+    ForwardOutput,
+    ObserverHandle,
+    read_batch,
+)
 
 
 @dataclass(slots=True)
@@ -35,6 +42,7 @@ class HFRuntime:
         self.model = model.eval()
         self._slots = SlotTable(max_num_seqs, max_seq_len)
         self._states = [_SlotState() for _ in range(max_num_seqs)]
+        self._observers = ForwardObservers(model.device)
         head = model.get_output_embeddings()
         vocab = (
             head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
@@ -92,6 +100,13 @@ class HFRuntime:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Append the batch's tokens to their slots; float32 logits ``[num_logits, V]`` and the
         outputs of ``batch.hidden_layers``, ``[num_tokens, h, D]`` (``ForwardOutput``)."""
+        return self._observers.call(self._run, batch)
+
+    def add_forward_observer(self, observer: ForwardObserver) -> ObserverHandle:
+        """Call ``observer(batch, seconds)`` after every forward until the handle is removed."""
+        return self._observers.add(observer)
+
+    def _run(self, batch: ForwardBatch) -> ForwardOutput:
         host = read_batch(batch, self.vocab_size, self._num_layers)
         starts = self._slots.reserve(host.slots, host.num_new_tokens)
         new_ids = host.token_ids.tolist()

@@ -30,7 +30,15 @@ from hybridspec.model.attention import (
 from hybridspec.model.kv_cache import KVCache
 from hybridspec.model.linear import PackedLinear
 from hybridspec.model.llama_weights import LlamaLayerWeights, LlamaWeights
-from hybridspec.model.runtime import ForwardBatch, ForwardOutput, HostBatch, read_batch
+from hybridspec.model.runtime import (
+    ForwardBatch,
+    ForwardObserver,
+    ForwardObservers,
+    ForwardOutput,
+    HostBatch,
+    ObserverHandle,
+    read_batch,
+)
 
 
 def rope_tables(inv_freq: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -112,6 +120,7 @@ class LlamaRuntime:
             transposed_keys=invariant_attention,
         )
         self._slots = self._cache.slots
+        self._observers = ForwardObservers(weights.device)
         self._rope = rope_tables(weights.inv_freq, max_seq_len, weights.dtype)  # [2, S, 1, hd]
         self._rep = dims.num_heads // dims.num_kv_heads
         self._qk_width = (dims.num_heads + dims.num_kv_heads) * dims.head_dim
@@ -151,6 +160,13 @@ class LlamaRuntime:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Append the batch's tokens to their slots; logits ``[num_logits, V]`` float32 and the
         outputs of ``batch.hidden_layers``, ``[T, len(hidden_layers), D]`` (``ForwardOutput``)."""
+        return self._observers.call(self._run, batch)
+
+    def add_forward_observer(self, observer: ForwardObserver) -> ObserverHandle:
+        """Call ``observer(batch, seconds)`` after every forward until the handle is removed."""
+        return self._observers.add(observer)
+
+    def _run(self, batch: ForwardBatch) -> ForwardOutput:
         host = read_batch(batch, self.vocab_size, self.weights.dims.num_layers)
         starts = self._slots.reserve(host.slots, host.num_new_tokens)
         with torch.inference_mode():

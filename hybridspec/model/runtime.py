@@ -4,7 +4,8 @@ Both the target and a draft model run behind this interface. A runtime owns a KV
 ``max_num_seqs`` slots; each live sequence holds one slot and a cached length. One ``forward``
 appends a ragged batch of new tokens to several slots at once and returns a ``ForwardOutput``:
 their logits and, where the batch asks, the outputs of chosen decoder layers (the features an
-EAGLE-style proposer reads); a sequence's cache is rolled back by ``truncate``.
+EAGLE-style proposer reads); a sequence's cache is rolled back by ``truncate``. Observers added
+by ``add_forward_observer`` learn each forward's batch and wall time (benchmarks, tests).
 
 Dimensions: ``num_seqs`` sequences in a batch, ``num_tokens`` new tokens over all of them
 (flat, ragged), ``num_logits`` positions whose logits are wanted, ``num_layers`` decoder layers
@@ -20,6 +21,8 @@ decoder layer's output for all four tokens, shape [4, 1, hidden_size]: row 2 is 
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,6 +78,62 @@ class ForwardOutput:
     hidden_states: torch.Tensor | None = None
 
 
+# Called after each forward with its batch and its wall time in seconds.
+ForwardObserver = Callable[[ForwardBatch, float], None]
+
+
+class ObserverHandle:
+    """Returned by ``add_forward_observer``; ``remove()`` stops the calls (again: no effect)."""
+
+    __slots__ = ("_key", "_observers")
+
+    def __init__(self, observers: dict[int, ForwardObserver], key: int) -> None:
+        self._observers, self._key = observers, key
+
+    def remove(self) -> None:
+        self._observers.pop(self._key, None)
+
+
+class ForwardObservers:
+    """A runtime's forward observers, and the clock around its forwards while it has any.
+
+    With none, ``call`` only calls the forward. With some, it synchronises a CUDA device before
+    reading the clock on each side, so that the forward's kernels count in its time rather than
+    in whatever runs next (a CPU forward is synchronous already).
+    """
+
+    __slots__ = ("_device", "_next_key", "_observers")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._observers: dict[int, ForwardObserver] = {}  # in the order they were added
+        self._next_key = 0
+
+    def add(self, observer: ForwardObserver) -> ObserverHandle:
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._observers[key] = observer
+        return ObserverHandle(self._observers, key)
+
+    def call(
+        self, forward: Callable[[ForwardBatch], ForwardOutput], batch: ForwardBatch
+    ) -> ForwardOutput:
+        """``forward(batch)``, timed and reported to every observer when there are any."""
+        if not self._observers:
+            return forward(batch)
+        self._sync()
+        start = time.perf_counter()
+        output = forward(batch)
+        self._sync()
+        seconds = time.perf_counter() - start
+        for observer in tuple(self._observers.values()):  # one may remove itself
+            observer(batch, seconds)
+        return output
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+
 class ModelRuntime(Protocol):
     """A causal LM with a slot-indexed, truncatable KV cache."""
 
@@ -116,6 +175,10 @@ class ModelRuntime(Protocol):
         ``logits`` is float32 ``[num_logits, vocab_size]`` (``[num_tokens, vocab_size]`` when
         ``logits_indices`` is None). Raises CapacityError when a slot would overflow.
         """
+        ...
+
+    def add_forward_observer(self, observer: ForwardObserver) -> ObserverHandle:
+        """Call ``observer(batch, seconds)`` after every forward until the handle is removed."""
         ...
 
 

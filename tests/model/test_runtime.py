@@ -1,4 +1,4 @@
-"""The ``ModelRuntime`` contract both runtimes keep: ``ForwardOutput``'s hidden states.
+"""The ``ModelRuntime`` contract both runtimes keep: ``ForwardOutput``'s hidden states, observers.
 
 A tiny random Llama of 4 layers in float32; transformers' ``output_hidden_states`` on each whole
 sequence is the reference (its entry ``i + 1`` is layer ``i``'s output, its last entry the
@@ -135,3 +135,29 @@ def test_bad_hidden_layers_raise_value_error(hidden_layers: tuple[int, ...]) -> 
         with pytest.raises(ValueError, match="hidden_layers"):
             runtime.forward(batch)
         assert runtime.seq_len(slot) == 0
+
+
+@pytest.mark.parametrize("runtime_kind", ["native", "transformers"])
+def test_forward_observers_see_each_batch_until_removed(runtime_kind: str) -> None:
+    runtime: ModelRuntime = native() if runtime_kind == "native" else HFRuntime(model(), 4, 128)
+    seen: list[tuple[str, int, float]] = []
+
+    def first(batch: ForwardBatch, seconds: float) -> None:
+        seen.append(("first", batch.token_ids.numel(), seconds))
+
+    def once(batch: ForwardBatch, seconds: float) -> None:
+        seen.append(("once", batch.token_ids.numel(), seconds))
+        once_handle.remove()  # an observer may remove itself while it is called
+
+    handle = runtime.add_forward_observer(first)
+    once_handle = runtime.add_forward_observer(once)
+    slot = runtime.allocate()
+    runtime.forward(ForwardBatch.from_lists([slot], [[1, 2, 3]]))
+    runtime.forward(ForwardBatch.from_lists([slot], [[4]]))
+    handle.remove()
+    handle.remove()  # a second remove does nothing
+    runtime.forward(ForwardBatch.from_lists([slot], [[5]]))
+    assert [(name, n) for name, n, _ in seen] == [("first", 3), ("once", 3), ("first", 1)]
+    assert all(seconds > 0 for _, _, seconds in seen)
+    assert seen[0][2] == seen[1][2]  # one clock per forward, shared by its observers
+    assert runtime.seq_len(slot) == 5
