@@ -27,7 +27,7 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as the additive one SDPA applies: 0 where visible, -inf elsewhere.
 
     Built once per forward: SDPA converts a boolean mask on every call (every layer), so
-    passing the additive form saves that work, about 0.5 ms per 30-layer forward on CPU.
+    passing the additive form saves that work.
     """
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
         ~visible, float("-inf")
@@ -173,8 +173,8 @@ class RaggedAttention:
     so that no row is padded far past its own length: padding a row costs as much as a real
     one. A sequence feeding more than ``MAX_PADDED_TOKENS`` tokens (a prompt) attends alone
     (``OneSequenceAttention``); the others share a ``PaddedAttention`` call per bucket of
-    lengths 1, 2, 3-4, 5-8, 9-16 and 17-32. One call costs about 50 us per layer on CPU, the
-    padding it saves (a 9-token row beside six 1-token rows) about 0.5 ms per layer.
+    lengths 1, 2, 3-4, 5-8, 9-16 and 17-32. An extra call costs far less than the padding it
+    saves.
 
     Worked example: spans of 1, 200, 3 and 1 tokens (tokens 0, 1..200, 201..203, 204): tokens
     1..200 attend alone; tokens [0, 204] in one padded call of 2 rows of 1; tokens 201..203 in
@@ -241,8 +241,7 @@ class KernelAttention:
     even as possible: at most ``SHORT_ITEM_TOKENS`` tokens for a span of up to
     ``LONG_SPAN_TOKENS`` (a decode or a verify span: 9 tokens give 9 items to share between
     threads), at most ``LONG_ITEM_TOKENS`` for a longer span (a prompt: fewer, larger items read
-    each key once for more rows). Measured on the development CPU, whole forwards against SDPA
-    for every row: 230-token prefill 5-9% faster, 1000 tokens level; 9 tokens after 300 level.
+    each key once for more rows).
 
     Worked example: spans of 30 tokens (a prompt chunk) and 1 token (a plain decode), 3
     key/value heads: the first span gives 2 items of 15 tokens per head, the second 1 item
@@ -272,8 +271,8 @@ class KernelAttention:
                     items.append((slot, head, token + b, start + b, count))
             token += n
         self.items = np.array(items, dtype=np.int32).reshape(-1, ITEM_COLUMNS)
-        # One sequence writes its rows as a slice (an index_put costs ~10 us per call) and takes
-        # its rope rows as a slice too; several scatter them by (slot, position).
+        # One sequence writes its rows as a slice (cheaper than an index_put) and takes its rope
+        # rows as a slice too; several scatter them by (slot, position).
         self.single: tuple[int, int] | None = None
         if len(slots) == 1:
             self.single = (slots[0], starts[0])
