@@ -112,7 +112,9 @@ def target_probs(
     slot = runtime.allocate()
     try:
         rows = list(range(prompt_len - 1, len(sequence)))
-        logits = runtime.forward(ForwardBatch.from_lists([slot], [sequence], logits_indices=rows))
+        logits = runtime.forward(
+            ForwardBatch.from_lists([slot], [sequence], logits_indices=rows)
+        ).logits
     finally:
         runtime.free(slot)
     return logits_to_probs(logits, GenerationParams.create(temperature=temperature).sampling)

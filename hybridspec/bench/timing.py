@@ -1,24 +1,23 @@
 """Timers the benchmark installs around the target's forward, to split a round's time.
 
-The engine exposes no hook for the time spent in the target forward, so the bench wraps
-``engine.runtime.forward`` (an instance attribute shadowing the method; ``Engine.step`` looks it
-up on every call) with ``EngineForwardTimer``. For transformers models, ``ModuleForwardTimer``
-uses forward pre/post hooks on the top-level model, which ``generate`` calls once per round.
+``EngineForwardTimer`` is a forward observer of the engine's target runtime
+(``ModelRuntime.add_forward_observer``), which times each forward itself. For transformers
+models, ``ModuleForwardTimer`` uses forward pre/post hooks on the top-level model, which
+``generate`` calls once per round.
 
-On CUDA both synchronise before reading the clock, so that the forward's kernels are counted
-in it rather than in whatever runs next; on CPU the forward is synchronous already.
+On CUDA both clocks synchronise the device first, so that the forward's kernels are counted in
+it rather than in whatever runs next; on CPU the forward is synchronous already.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from hybridspec.model import ForwardBatch
+from hybridspec.model import ForwardBatch, ModelRuntime, ObserverHandle
 
 
 def _sync(device: torch.device) -> None:
@@ -33,41 +32,32 @@ class EngineForwardTimer:
     prefill chunks included).
     """
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: ModelRuntime) -> None:
         self.seconds = 0.0
         self.input_tokens: list[int] = []
         self._runtime = runtime
-        self._device: torch.device = runtime.device
-        self._original: Callable[[ForwardBatch], torch.Tensor] | None = None
+        self._handle: ObserverHandle | None = None
 
     @property
     def calls(self) -> int:
         return len(self.input_tokens)
 
     def install(self) -> None:
-        assert self._original is None, "already installed"
-        original = self._runtime.forward
-        self._original = original
-
-        def timed_forward(batch: ForwardBatch) -> torch.Tensor:
-            _sync(self._device)
-            start = time.perf_counter()
-            logits = original(batch)
-            _sync(self._device)
-            self.seconds += time.perf_counter() - start
-            self.input_tokens.append(int(batch.token_ids.numel()))
-            return logits
-
-        self._runtime.forward = timed_forward
+        assert self._handle is None, "already installed"
+        self._handle = self._runtime.add_forward_observer(self._observe)
 
     def uninstall(self) -> None:
-        if self._original is not None:
-            del self._runtime.forward  # the instance attribute; the class method shows again
-            self._original = None
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
     def reset(self) -> None:
         self.seconds = 0.0
         self.input_tokens = []
+
+    def _observe(self, batch: ForwardBatch, seconds: float) -> None:
+        self.seconds += seconds
+        self.input_tokens.append(int(batch.token_ids.numel()))
 
 
 class ModuleForwardTimer:

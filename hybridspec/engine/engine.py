@@ -12,6 +12,10 @@ One step (see ARCHITECTURE.md for the full data flow):
    them, roll the target cache back to the committed length and tell the proposer.
 
 Dimensions: ``num_seqs`` decoding requests in the step; ``k_i`` drafts of request i.
+
+The module is about 370 lines because ``Engine`` is the one class callers use: proposers,
+prompts, scheduling and committing live in their own modules, and what stays is the step and
+the request API (``add_request``, ``abort``, ``stream``, ``generate``) over them.
 """
 
 from __future__ import annotations
@@ -206,7 +210,7 @@ class Engine:
         if not drafts and not plan.prefill:
             return outputs
         batch = forward_batch(drafts, plan.prefill, self.runtime.seq_len)
-        logits = self.runtime.forward(batch)  # [sum(k_i + 1), vocab_size]
+        logits = self.runtime.forward(batch).logits  # [sum(k_i + 1), vocab_size]
         if drafts:
             verified = verify(
                 VerifyInput.from_proposals(

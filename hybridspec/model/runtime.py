@@ -2,20 +2,27 @@
 
 Both the target and a draft model run behind this interface. A runtime owns a KV cache with
 ``max_num_seqs`` slots; each live sequence holds one slot and a cached length. One ``forward``
-appends a ragged batch of new tokens to several slots at once and returns their logits; a
-sequence's cache is rolled back by ``truncate``.
+appends a ragged batch of new tokens to several slots at once and returns a ``ForwardOutput``:
+their logits and, where the batch asks, the outputs of chosen decoder layers (the features an
+EAGLE-style proposer reads); a sequence's cache is rolled back by ``truncate``. Observers added
+by ``add_forward_observer`` learn each forward's batch and wall time (benchmarks, tests).
 
 Dimensions: ``num_seqs`` sequences in a batch, ``num_tokens`` new tokens over all of them
-(flat, ragged), ``num_logits`` positions whose logits are wanted.
+(flat, ragged), ``num_logits`` positions whose logits are wanted, ``num_layers`` decoder layers
+of the model, ``hidden_size`` its width.
 
 Worked example: slots [3, 0] with cached lengths [10, 4] and new tokens [a b c | d]
 (``cu_num_tokens = [0, 3, 4]``) writes a, b, c at positions 10, 11, 12 of slot 3 and d at
 position 4 of slot 0; afterwards the lengths are [13, 5]. ``logits_indices = [2, 3]`` returns
-the logits after c and after d, shape [2, vocab_size].
+the logits after c and after d, shape [2, vocab_size]. ``hidden_layers = (-1,)`` adds the last
+decoder layer's output for all four tokens, shape [4, 1, hidden_size]: row 2 is c's.
 """
 
 from __future__ import annotations
 
+import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,10 +37,20 @@ class ForwardBatch:
     token_ids: torch.Tensor  # [num_tokens] int64
     cu_num_tokens: torch.Tensor  # [num_seqs + 1] int64, cumulative, cu[0] = 0
     logits_indices: torch.Tensor | None = None  # [num_logits] int64 into token_ids; None = all
+    # Decoder layers whose outputs are wanted for every token (``ForwardOutput.hidden_states``).
+    # Layer ``i`` (0-based; negative counts from the end) gives the residual stream after layer
+    # ``i``, before the final norm: ``(-1,)`` is the last layer's output as EAGLE reads it,
+    # ``(2, num_layers // 2, -3)`` a low, a middle and a high layer as EAGLE-3 fuses them. In
+    # transformers' ``output_hidden_states`` (index 0: the embeddings) layer ``i`` is entry
+    # ``i + 1``, except that transformers by default gives the last entry after the final norm.
+    hidden_layers: tuple[int, ...] = ()
 
     @staticmethod
     def from_lists(
-        slots: list[int], token_ids: list[list[int]], logits_indices: list[int] | None = None
+        slots: list[int],
+        token_ids: list[list[int]],
+        logits_indices: list[int] | None = None,
+        hidden_layers: tuple[int, ...] = (),
     ) -> ForwardBatch:
         """Build a batch from per-sequence token lists (tests and simple callers)."""
         cu = [0]
@@ -47,7 +64,74 @@ class ForwardBatch:
             logits_indices=None
             if logits_indices is None
             else torch.tensor(logits_indices, dtype=torch.long),
+            hidden_layers=hidden_layers,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    """What one forward returns. ``hidden_states`` is None unless the batch named layers."""
+
+    logits: torch.Tensor  # [num_logits, vocab_size] float32
+    # [num_tokens, len(hidden_layers), hidden_size] in the model's dtype, row t for token_ids[t]
+    # (every fed token, whatever logits_indices says); column j for batch.hidden_layers[j].
+    hidden_states: torch.Tensor | None = None
+
+
+# Called after each forward with its batch and its wall time in seconds.
+ForwardObserver = Callable[[ForwardBatch, float], None]
+
+
+class ObserverHandle:
+    """Returned by ``add_forward_observer``; ``remove()`` stops the calls (again: no effect)."""
+
+    __slots__ = ("_key", "_observers")
+
+    def __init__(self, observers: dict[int, ForwardObserver], key: int) -> None:
+        self._observers, self._key = observers, key
+
+    def remove(self) -> None:
+        self._observers.pop(self._key, None)
+
+
+class ForwardObservers:
+    """A runtime's forward observers, and the clock around its forwards while it has any.
+
+    With none, ``call`` only calls the forward. With some, it synchronises a CUDA device before
+    reading the clock on each side, so that the forward's kernels count in its time rather than
+    in whatever runs next (a CPU forward is synchronous already).
+    """
+
+    __slots__ = ("_device", "_next_key", "_observers")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._observers: dict[int, ForwardObserver] = {}  # in the order they were added
+        self._next_key = 0
+
+    def add(self, observer: ForwardObserver) -> ObserverHandle:
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._observers[key] = observer
+        return ObserverHandle(self._observers, key)
+
+    def call(
+        self, forward: Callable[[ForwardBatch], ForwardOutput], batch: ForwardBatch
+    ) -> ForwardOutput:
+        """``forward(batch)``, timed and reported to every observer when there are any."""
+        if not self._observers:
+            return forward(batch)
+        self._sync()
+        start = time.perf_counter()
+        output = forward(batch)
+        self._sync()
+        seconds = time.perf_counter() - start
+        for observer in tuple(self._observers.values()):  # one may remove itself
+            observer(batch, seconds)
+        return output
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
 
 
 class ModelRuntime(Protocol):
@@ -85,10 +169,79 @@ class ModelRuntime(Protocol):
         """Roll ``slot`` back to its first ``length`` tokens (``0 <= length <= seq_len``)."""
         ...
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Append the batch's tokens to their slots and return float32 logits.
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Append the batch's tokens to their slots; their logits and any hidden states asked.
 
-        Returns ``[num_logits, vocab_size]`` (``[num_tokens, vocab_size]`` when
+        ``logits`` is float32 ``[num_logits, vocab_size]`` (``[num_tokens, vocab_size]`` when
         ``logits_indices`` is None). Raises CapacityError when a slot would overflow.
         """
         ...
+
+    def add_forward_observer(self, observer: ForwardObserver) -> ObserverHandle:
+        """Call ``observer(batch, seconds)`` after every forward until the handle is removed."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class HostBatch:
+    """A ``ForwardBatch`` after its checks, with its bookkeeping read to host ints."""
+
+    slots: list[int]  # [num_seqs]
+    num_new_tokens: list[int]  # [num_seqs], each >= 1
+    token_ids: torch.Tensor  # [num_tokens] int64, each in [0, vocab_size)
+    logits_indices: torch.Tensor | None  # [num_logits] int64 in [0, num_tokens); None = all
+    hidden_layers: tuple[int, ...]  # each in [0, num_layers): negative indices resolved
+
+
+def read_batch(batch: ForwardBatch, vocab_size: int, num_layers: int) -> HostBatch:
+    """Check ``batch`` field by field (ValueError naming the field) and read it to host ints."""
+    for name in ("slots", "token_ids", "cu_num_tokens"):
+        _check_index_tensor(getattr(batch, name), name)
+    slots = batch.slots.tolist()
+    cu = batch.cu_num_tokens.tolist()
+    if not slots:
+        raise ValueError("slots: expected at least one sequence, got none")
+    if len(cu) != len(slots) + 1 or cu[0] != 0:
+        raise ValueError(
+            f"cu_num_tokens: expected {len(slots) + 1} cumulative offsets starting at 0, got {cu}"
+        )
+    num_new_tokens = [b - a for a, b in itertools.pairwise(cu)]
+    if min(num_new_tokens) < 1:
+        raise ValueError(f"cu_num_tokens: expected each sequence to add >= 1 token, got {cu}")
+    token_ids = batch.token_ids
+    if token_ids.numel() != cu[-1]:
+        raise ValueError(
+            f"token_ids: expected {cu[-1]} tokens (cu_num_tokens[-1]), got {token_ids.numel()}"
+        )
+    ids = token_ids.tolist()  # host ints: cheaper than a tensor reduction for a few tokens
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(
+            f"token_ids: expected ids in [0, {vocab_size}), got [{min(ids)}, {max(ids)}]"
+        )
+    indices = batch.logits_indices
+    if indices is not None:
+        _check_index_tensor(indices, "logits_indices")
+        rows = indices.tolist()
+        if rows and (min(rows) < 0 or max(rows) >= cu[-1]):
+            raise ValueError(f"logits_indices: expected indices in [0, {cu[-1]}), got {rows}")
+    layers = batch.hidden_layers
+    if not isinstance(layers, tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and -num_layers <= i < num_layers
+        for i in layers
+    ):
+        raise ValueError(
+            f"hidden_layers: expected a tuple of layer indices in [{-num_layers}, {num_layers}), "
+            f"got {layers!r}"
+        )
+    return HostBatch(
+        slots, num_new_tokens, token_ids, indices, tuple(i % num_layers for i in layers)
+    )
+
+
+def _check_index_tensor(tensor: object, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name}: expected a 1-D int64 tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 1 or tensor.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"{name}: expected a 1-D int64 tensor, got shape {tuple(tensor.shape)} {tensor.dtype}"
+        )

@@ -67,7 +67,7 @@ def _timings(
     timings = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        logits = runtime.forward(batch)
+        logits = runtime.forward(batch).logits
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         if i > 0:  # the first is a warm-up

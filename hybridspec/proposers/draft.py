@@ -154,7 +154,7 @@ class DraftModelProposer(Proposer):
                     [feed[i] for i in active],
                     _last_indices([len(feed[i]) for i in active]),
                 )
-            )  # [len(active), vocab_size]
+            ).logits  # [len(active), vocab_size]
             for row, i in enumerate(active):
                 token, q = _sample(logits[row], requests[i].sampling, requests[i].generator)
                 drafted[i].append(token)

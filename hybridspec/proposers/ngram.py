@@ -13,19 +13,8 @@ Two continuations (``NgramConfig.continuation``):
 - ``"frequency"``: each token is the continuation seen most often after the longest matching
   context, predictions chained; defined in the glossary below.
 
-Why the default, measured on the 16 input-grounded bench prompts (SmolLM2-135M in bfloat16, 256
-tokens, K = 8, adaptive speculation), with each run's forwards priced by one table of forward
-times (``benchmarks/ngram_variants.py``, so that machine drift cannot tip the comparison). On
-2026-11-21 (commit ``c093990``, the row-invariant kernel for every row), greedy: ``"copy"``
-1..8 ran 2.45x ``none`` against 2.26x for ``"frequency"`` 2..4 (2.92 and 2.65 tokens per
-forward, prefill included); at T = 0.8, over two seeds, 1.42x against 1.33x (1.49 and 1.38).
-When the default was chosen (before that kernel), the same comparison gave 2.38x against 2.30x
-greedy and 1.47x against 1.37x sampled; timed, 8 greedy requests at a time gave 202 against 190
-tokens/s (two interleaved repeats), while 8 sampled ones gave 133 against 145, and
-``"frequency"`` with orders 1..4 did best sampled (1.50x) but worst greedy (2.20x). In full
-``hybridspec bench`` runs of that time, the change took input-grounded greedy from 2.34x to
-2.30x (2.26x in a second run), T = 0.8 from 1.37x to 1.46x, and 8 greedy requests at a time
-from 4.50x to 4.95x one ``none`` request.
+``"copy"`` is the default because on input-grounded prompts it yields more tokens per forward
+than ``"frequency"``, greedy and sampled (``benchmarks/ngram_variants.py`` prices the variants).
 
 Glossary:
 

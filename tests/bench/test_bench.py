@@ -241,7 +241,7 @@ def test_hf_model_shares_and_matches_the_native_weights(
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     token_ids = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
     runtime = loaded.create_runtime(1, 64)
-    ours = runtime.forward(ForwardBatch.from_lists([runtime.allocate()], [token_ids]))
+    ours = runtime.forward(ForwardBatch.from_lists([runtime.allocate()], [token_ids])).logits
     with torch.inference_mode():
         theirs = model(input_ids=torch.tensor([token_ids])).logits[0].float()
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

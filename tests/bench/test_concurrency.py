@@ -10,7 +10,6 @@ import itertools
 from collections.abc import Sequence
 
 import pytest
-import torch
 
 from hybridspec.bench.harness import (
     BenchConfig,
@@ -105,9 +104,7 @@ def test_closed_loop_never_exceeds_n_in_flight(concurrency: int, steps: int) -> 
     assert [r.token_ids for r in results] == PROMPTS
 
 
-def test_engine_method_holds_at_most_n_sequences(
-    make_tiny_llama_dir: TinyLlamaFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_engine_method_holds_at_most_n_sequences(make_tiny_llama_dir: TinyLlamaFactory) -> None:
     path = str(make_tiny_llama_dir())
     loaded = load_model(ModelConfig(path, dtype="float32"))
     config = ModelConfig(path, dtype="float32", max_seq_len=64, max_num_seqs=4)
@@ -116,14 +113,12 @@ def test_engine_method_holds_at_most_n_sequences(
     timer.install()
     batch_sizes: list[int] = []
     batch_tokens: list[int] = []
-    forward = engine.runtime.forward
 
-    def counting_forward(batch: ForwardBatch) -> torch.Tensor:
+    def count(batch: ForwardBatch, seconds: float) -> None:
         batch_sizes.append(len(batch.slots))
         batch_tokens.append(len(batch.token_ids))
-        return forward(batch)
 
-    monkeypatch.setattr(engine.runtime, "forward", counting_forward)
+    engine.runtime.add_forward_observer(count)
     prompts = [[256, *range(72, 72 + n)] for n in (3, 9, 5, 12, 4)]
     method = EngineMethod(engine, timer, "ngram", 4)
     measurement = method.run_concurrent(prompts, [SamplingParams()] * 5, 6, 2)

@@ -15,7 +15,7 @@ import pytest
 
 from hybridspec import DraftConfig, Engine, EngineConfig, ModelConfig
 from hybridspec.errors import ModelLoadError
-from hybridspec.model.llama import LlamaWeights
+from hybridspec.model import LlamaWeights
 from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
 from hybridspec.proposers import DraftModel, ProposerContext
 from hybridspec.proposers.draft import DraftModelProposer

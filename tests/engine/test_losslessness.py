@@ -22,7 +22,7 @@ from hybridspec import (
     ModelConfig,
     SamplingParams,
 )
-from hybridspec.model.llama import LlamaWeights
+from hybridspec.model import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
 from hybridspec.verifier import logits_to_probs
@@ -71,12 +71,12 @@ def exact_two_token_distribution(target: LoadedModel, sampling: SamplingParams) 
     """p(x1, x2) for every pair, [VOCAB, VOCAB], from the target alone."""
     runtime = target.create_runtime(1, 64)
     slot = runtime.allocate()
-    first = runtime.forward(ForwardBatch.from_lists([slot], [PROMPT], [len(PROMPT) - 1]))
+    first = runtime.forward(ForwardBatch.from_lists([slot], [PROMPT], [len(PROMPT) - 1])).logits
     p1 = logits_to_probs(first, sampling)[0]
     joint = torch.zeros(VOCAB, VOCAB)
     for x1 in range(VOCAB):
         runtime.truncate(slot, len(PROMPT))
-        second = runtime.forward(ForwardBatch.from_lists([slot], [[x1]], [0]))
+        second = runtime.forward(ForwardBatch.from_lists([slot], [[x1]], [0])).logits
         joint[x1] = p1[x1] * logits_to_probs(second, sampling)[0]
     return joint
 

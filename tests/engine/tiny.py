@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridspec import DraftConfig, Engine, EngineConfig, ModelConfig
-from hybridspec.model.llama import LlamaWeights
+from hybridspec.model import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 
 VOCAB = 64

@@ -2,7 +2,7 @@
 
 Greedy speculative decoding gives plain decoding's text only if verifying a token among drafts
 computes it exactly as decoding it alone. These tests check the pieces that make it so in
-bfloat16 (``attention_kernels.attend``, ``kv_cache.KernelAttention``, ``llama.PackedLinear``'s
+bfloat16 (``attention_kernels.attend``, ``attention.KernelAttention``, ``linear.PackedLinear``'s
 one-row padding) and the result through the engine.
 """
 
@@ -16,12 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig
 from hybridspec.model.attention_kernels import attend
 from hybridspec.model.kv_cache import numpy_view
-from hybridspec.model.llama import (
-    ONE_ROW_MAX_IN_FEATURES,
-    LlamaRuntime,
-    LlamaWeights,
-    PackedLinear,
-)
+from hybridspec.model.linear import ONE_ROW_MAX_IN_FEATURES, PackedLinear
+from hybridspec.model.llama import LlamaRuntime
+from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
 
@@ -139,23 +136,25 @@ def test_bfloat16_logits_do_not_depend_on_drafts_or_batch() -> None:
     slot, other = runtime.allocate(), runtime.allocate()
     runtime.forward(ForwardBatch.from_lists([other], [ids[5:50]], logits_indices=[]))
     # plain decoding: the prompt (logits for its last row), then one token per forward
-    decoded = [runtime.forward(ForwardBatch.from_lists([slot], [ids[:40]], logits_indices=[39]))]
+    decoded = [
+        runtime.forward(ForwardBatch.from_lists([slot], [ids[:40]], logits_indices=[39])).logits
+    ]
     for i in range(40, 49):
-        decoded.append(runtime.forward(ForwardBatch.from_lists([slot], [[ids[i]]])))
+        decoded.append(runtime.forward(ForwardBatch.from_lists([slot], [[ids[i]]])).logits)
     plain = torch.cat(decoded)  # logits of positions 39..48
     runtime.truncate(slot, 40)
-    verified = runtime.forward(ForwardBatch.from_lists([slot], [ids[40:49]]))
+    verified = runtime.forward(ForwardBatch.from_lists([slot], [ids[40:49]])).logits
     assert torch.equal(verified, plain[1:])
     runtime.truncate(slot, 40)
     # the same 9 tokens beside a 3-token span of another sequence, in one forward
     batch = ForwardBatch.from_lists([other, slot], [ids[50:53], ids[40:49]])
-    assert torch.equal(runtime.forward(batch)[3:], plain[1:])
+    assert torch.equal(runtime.forward(batch).logits[3:], plain[1:])
     # a prompt fed with 9 drafts, as the engine's first round does
     fresh = bf16_runtime()
     fresh_slot = fresh.allocate()
     logits = fresh.forward(
         ForwardBatch.from_lists([fresh_slot], [ids[:49]], logits_indices=list(range(39, 49)))
-    )
+    ).logits
     assert torch.equal(logits, plain)
     # the prompt split into chunks (as a prefill budget splits it), the last chunk batched
     # beside another sequence's prompt
@@ -167,7 +166,7 @@ def test_bfloat16_logits_do_not_depend_on_drafts_or_batch() -> None:
         ForwardBatch.from_lists(
             [neighbour, fresh_slot], [ids[3:40], ids[30:40]], logits_indices=[36, 46]
         )
-    )
+    ).logits
     assert torch.equal(chunked[1:], plain[:1])
 
 

@@ -15,15 +15,10 @@ from transformers import LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hybridspec.errors import CapacityError
+from hybridspec.model.attention import PaddedAttention, RaggedAttention
 from hybridspec.model.gguf import read_gguf
-from hybridspec.model.kv_cache import PaddedAttention, RaggedAttention
-from hybridspec.model.llama import (
-    LlamaRuntime,
-    LlamaWeights,
-    PackedLinear,
-    native_support_problem,
-    rope_inv_freq,
-)
+from hybridspec.model.llama import LlamaRuntime
+from hybridspec.model.llama_weights import LlamaWeights, native_support_problem, rope_inv_freq
 from hybridspec.model.loader import LoadedModel, embedded_model_path
 from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 from tests.conftest import LLAMA3_ROPE, TINY_VOCAB_SIZE, tiny_llama, tiny_llama_config
@@ -60,7 +55,7 @@ def prompt(length: int, seed: int = 1) -> list[int]:
 
 
 def run_chunks(runtime: ModelRuntime, slot: int, chunks: list[list[int]]) -> torch.Tensor:
-    return torch.cat([runtime.forward(ForwardBatch.from_lists([slot], [c])) for c in chunks])
+    return torch.cat([runtime.forward(ForwardBatch.from_lists([slot], [c])).logits for c in chunks])
 
 
 @pytest.mark.parametrize("rope", ["default", "linear", "llama3"])
@@ -90,35 +85,9 @@ def test_prefill_logits_match_transformers(variant: str, length: int, prepack: b
     model = tiny_llama(seed=3, **VARIANTS[variant])
     ids = prompt(length)
     runtime = native(model, prepack=prepack)
-    logits = runtime.forward(ForwardBatch.from_lists([runtime.allocate()], [ids]))
+    logits = runtime.forward(ForwardBatch.from_lists([runtime.allocate()], [ids])).logits
     assert logits.dtype == torch.float32 and logits.shape == (length, TINY_VOCAB_SIZE)
     torch.testing.assert_close(logits, reference_logits(model, ids), atol=ATOL, rtol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 9, 70])
-def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
-    generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 64, generator=generator).to(dtype)
-    x = torch.randn(rows, 64, generator=generator).to(dtype)
-    packed = PackedLinear(weight, prepack=True)
-    if torch.backends.mkldnn.is_available():
-        assert packed.packed is not None and packed.weight is None
-    expected = torch.nn.functional.linear(x.float(), weight.float())
-    tolerance = 1e-5 if dtype == torch.float32 else 0.05  # bfloat16 output rounding, |y| ~ 8
-    torch.testing.assert_close(packed(x).float(), expected, atol=tolerance, rtol=0.01)
-    plain = PackedLinear(weight, prepack=False)
-    assert plain.packed is None
-    torch.testing.assert_close(plain(x).float(), expected, atol=tolerance, rtol=0.01)
-
-
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
-def test_packed_linear_two_rows_padded_to_three_give_the_same_rows() -> None:
-    generator = torch.Generator().manual_seed(2)
-    weight = torch.randn(96, 64, generator=generator).bfloat16()
-    x = torch.randn(2, 64, generator=generator).bfloat16()
-    packed = PackedLinear(weight, prepack=True)
-    assert torch.equal(packed(x), packed._packed(x))
 
 
 @pytest.mark.parametrize("variant", ["gqa", "llama3-rope", "mqa-tied"])
@@ -136,7 +105,7 @@ def test_logits_indices_select_rows() -> None:
     ids = prompt(12)
     runtime = native(model)
     batch = ForwardBatch.from_lists([runtime.allocate()], [ids], logits_indices=[11, 3, 3])
-    logits = runtime.forward(batch)
+    logits = runtime.forward(batch).logits
     torch.testing.assert_close(logits, reference_logits(model, ids)[[11, 3, 3]], atol=ATOL, rtol=0)
 
 
@@ -187,7 +156,7 @@ def test_ragged_batch_equals_each_sequence_alone(
     batch = ForwardBatch.from_lists(
         [slots[i] for i in order], [seqs[i][cached[i] : cached[i] + new[i]] for i in order]
     )
-    logits = runtime.forward(batch)
+    logits = runtime.forward(batch).logits
     torch.testing.assert_close(logits, torch.cat([alone[i] for i in order]), atol=ATOL, rtol=0)
     assert [runtime.seq_len(s) for s in slots] == [c + n for c, n in zip(cached, new, strict=True)]
 
@@ -347,7 +316,7 @@ def test_cuda_runtime_matches_cpu() -> None:
     runtime = LlamaRuntime(weights, 2, 64)
     slots = [runtime.allocate(), runtime.allocate()]
     runtime.forward(ForwardBatch.from_lists(slots[:1], [ids[:10]]))
-    logits = runtime.forward(ForwardBatch.from_lists(slots, [ids[10:], ids[:4]]))
+    logits = runtime.forward(ForwardBatch.from_lists(slots, [ids[10:], ids[:4]])).logits
     assert logits.device.type == "cuda"
     expected = reference_logits(model, ids)
     torch.testing.assert_close(

@@ -30,7 +30,8 @@ from hybridspec.model import gguf as gguf_module
 from hybridspec.model import loader as loader_module
 from hybridspec.model.gguf import load_gguf_tokenizer, permute_qk, unpermute_qk
 from hybridspec.model.hf_runtime import HFRuntime
-from hybridspec.model.llama import LlamaRuntime, LlamaWeights, default_inv_freq, llama3_inv_freq
+from hybridspec.model.llama import LlamaRuntime
+from hybridspec.model.llama_weights import LlamaWeights, default_inv_freq, llama3_inv_freq
 from hybridspec.model.loader import (
     CPU_AUTO_DTYPE,
     LoadedModel,
@@ -158,7 +159,7 @@ def round_trip_weights(model: LlamaForCausalLM, qtype: GGMLQuantizationType) -> 
 
 def first_logits(runtime: ModelRuntime, chunks: list[list[int]]) -> torch.Tensor:
     slot = runtime.allocate()
-    return torch.cat([runtime.forward(ForwardBatch.from_lists([slot], [c])) for c in chunks])
+    return torch.cat([runtime.forward(ForwardBatch.from_lists([slot], [c])).logits for c in chunks])
 
 
 def reference_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
@@ -216,11 +217,13 @@ def test_other_architectures_use_the_transformers_runtime(
     # A ragged batch, then a rollback and a different continuation.
     a, b = runtime.allocate(), runtime.allocate()
     runtime.forward(ForwardBatch.from_lists([a], [PROMPT[:5]]))
-    logits = runtime.forward(ForwardBatch.from_lists([b, a], [PROMPT[:3], PROMPT[5:12]]))
+    logits = runtime.forward(ForwardBatch.from_lists([b, a], [PROMPT[:3], PROMPT[5:12]])).logits
     torch.testing.assert_close(logits, torch.cat([expected[:3], expected[5:12]]), atol=ATOL, rtol=0)
     runtime.truncate(a, 9)
     assert runtime.seq_len(a) == 9
-    logits = runtime.forward(ForwardBatch.from_lists([a], [PROMPT[9:]], logits_indices=[0, 2]))
+    logits = runtime.forward(
+        ForwardBatch.from_lists([a], [PROMPT[9:]], logits_indices=[0, 2])
+    ).logits
     torch.testing.assert_close(logits, expected[[9, 11]], atol=ATOL, rtol=0)
 
 
@@ -377,6 +380,6 @@ def test_transformers_runtime_rebuilds_a_cache_that_cannot_crop(
 
     monkeypatch.setattr(DynamicCache, "crop", cannot_crop)
     runtime.truncate(slot, 5)
-    logits = runtime.forward(ForwardBatch.from_lists([slot], [PROMPT[5:10]]))
+    logits = runtime.forward(ForwardBatch.from_lists([slot], [PROMPT[5:10]])).logits
     torch.testing.assert_close(logits, expected[5:10], atol=ATOL, rtol=0)
     assert runtime.seq_len(slot) == 10

@@ -1,0 +1,226 @@
+"""The weights of a Llama model as the native forward uses them, and its rope frequencies.
+
+``LlamaWeights.from_hf_state_dict`` fuses a transformers ``LlamaForCausalLM`` state dict (q/k/v
+into one matrix, gate/up into another); ``hf_state_dict`` gives the transformers layout back as
+views. ``native_support_problem`` says which configurations the native forward covers: any
+``LlamaForCausalLM`` without biases, with grouped-query attention, tied or untied embeddings,
+explicit ``head_dim``, and rope of type default, linear or llama3 (Llama 3.x).
+
+Dimensions: ``H`` query heads, ``KV`` key/value heads, ``hd`` head_dim, ``D`` hidden_size, ``I``
+intermediate_size, ``V`` vocab_size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+NATIVE_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaDims:
+    """The shape of a Llama model, read from its transformers config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+
+    @staticmethod
+    def from_hf_config(config: PretrainedConfig) -> LlamaDims:
+        num_heads = config.num_attention_heads
+        return LlamaDims(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            rms_norm_eps=float(config.rms_norm_eps),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+def native_support_problem(config: PretrainedConfig) -> str | None:
+    """Why the native forward cannot run ``config``, or None when it can."""
+    if getattr(config, "model_type", None) != "llama":
+        return f"model_type is {getattr(config, 'model_type', None)!r}, not 'llama'"
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(config, flag, False):
+            return f"{flag} is set"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act is {config.hidden_act!r}, not 'silu'"
+    rope_type = _rope_parameters(config).get("rope_type", "default")
+    if rope_type not in NATIVE_ROPE_TYPES:
+        return f"rope_type {rope_type!r} is not one of {NATIVE_ROPE_TYPES}"
+    if config.num_attention_heads % (getattr(config, "num_key_value_heads", None) or 1):
+        return "num_attention_heads is not a multiple of num_key_value_heads"
+    return None
+
+
+def _rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = dict(params or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(config: PretrainedConfig) -> torch.Tensor:
+    """Rope inverse frequencies ``[hd // 2]`` float32, as transformers' rope init computes them."""
+    params = _rope_parameters(config)
+    inv_freq = default_inv_freq(
+        float(params["rope_theta"]), LlamaDims.from_hf_config(config).head_dim
+    )
+    rope_type = params["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return llama3_inv_freq(inv_freq, params)
+    if rope_type != "default":
+        raise ValueError(f"rope_type: expected one of {NATIVE_ROPE_TYPES}, got {rope_type!r}")
+    return inv_freq
+
+
+def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    """Unscaled rope inverse frequencies ``theta ** (-2i / hd)``, ``[hd // 2]`` float32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: keep short wavelengths, divide long ones by ``factor``, and
+    blend in between (transformers' ``_compute_llama3_parameters``)."""
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context_len / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context_len / high_freq_factor) & (
+        wavelen <= old_context_len / low_freq_factor
+    )
+    return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaLayerWeights:
+    attn_norm: torch.Tensor  # [D]
+    wqkv: torch.Tensor  # [(H + 2 KV) hd, D]: q rows, then k rows, then v rows
+    wo: torch.Tensor  # [D, H hd]
+    mlp_norm: torch.Tensor  # [D]
+    w_gate_up: torch.Tensor  # [2 I, D]: gate rows, then up rows
+    w_down: torch.Tensor  # [D, I]
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaWeights:
+    """Every tensor of a Llama model, fused for the native forward; all of one dtype and device."""
+
+    dims: LlamaDims
+    embed: torch.Tensor  # [V, D]
+    layers: tuple[LlamaLayerWeights, ...]
+    norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D]; the very tensor ``embed`` when embeddings are tied
+    inv_freq: torch.Tensor  # [hd // 2] float32
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @staticmethod
+    def from_hf_state_dict(
+        state_dict: Mapping[str, torch.Tensor],
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> LlamaWeights:
+        """Fuse a ``LlamaForCausalLM`` state dict (transformers names and layout)."""
+        problem = native_support_problem(config)
+        if problem is not None:
+            raise ValueError(f"config: the native Llama forward cannot run it: {problem}")
+        dims = LlamaDims.from_hf_config(config)
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in state_dict:
+                raise ValueError(f"state_dict: missing tensor {name!r}")
+            tensor = state_dict[name]
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"state_dict: {name} has shape {tuple(tensor.shape)}, expected {shape}"
+                )
+            return tensor.to(device=device, dtype=dtype).contiguous()
+
+        d, hd, inter = dims.hidden_size, dims.head_dim, dims.intermediate_size
+        q_rows, kv_rows = dims.num_heads * hd, dims.num_kv_heads * hd
+        layers = []
+        for i in range(dims.num_layers):
+            p = f"model.layers.{i}."
+            wqkv = [get(p + "self_attn.q_proj.weight", (q_rows, d))] + [
+                get(p + f"self_attn.{n}_proj.weight", (kv_rows, d)) for n in "kv"
+            ]
+            gate_up = [get(p + f"mlp.{n}_proj.weight", (inter, d)) for n in ("gate", "up")]
+            layers.append(
+                LlamaLayerWeights(
+                    attn_norm=get(p + "input_layernorm.weight", (d,)),
+                    wqkv=torch.cat(wqkv),
+                    wo=get(p + "self_attn.o_proj.weight", (d, q_rows)),
+                    mlp_norm=get(p + "post_attention_layernorm.weight", (d,)),
+                    w_gate_up=torch.cat(gate_up),
+                    w_down=get(p + "mlp.down_proj.weight", (d, inter)),
+                )
+            )
+        embed = get("model.embed_tokens.weight", (dims.vocab_size, d))
+        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
+        return LlamaWeights(
+            dims=dims,
+            embed=embed,
+            layers=tuple(layers),
+            norm=get("model.norm.weight", (d,)),
+            lm_head=embed if tied else get("lm_head.weight", (dims.vocab_size, d)),
+            inv_freq=rope_inv_freq(config).to(device),
+        )
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Transformers' ``LlamaForCausalLM`` state dict as views of the fused tensors (no copy)."""
+        dims = self.dims
+        q_rows = dims.num_heads * dims.head_dim
+        kv_rows = dims.num_kv_heads * dims.head_dim
+        state = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q, k, v = layer.wqkv.split([q_rows, kv_rows, kv_rows])
+            gate, up = layer.w_gate_up.split([dims.intermediate_size, dims.intermediate_size])
+            state |= {
+                p + "input_layernorm.weight": layer.attn_norm,
+                p + "self_attn.q_proj.weight": q,
+                p + "self_attn.k_proj.weight": k,
+                p + "self_attn.v_proj.weight": v,
+                p + "self_attn.o_proj.weight": layer.wo,
+                p + "post_attention_layernorm.weight": layer.mlp_norm,
+                p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": layer.w_down,
+            }
+        if self.lm_head is not self.embed:
+            state["lm_head.weight"] = self.lm_head
+        return state
