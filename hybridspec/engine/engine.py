@@ -537,6 +537,16 @@ class Engine:
             for request in list(self.scheduler.running)
         ]
 
+    def reset(self) -> None:
+        """Forget what earlier requests taught the engine: adaptive speculation's last step and
+        the request counter, so that it runs as if just built (after ``engine.warmup``). Only
+        between requests: every slot must be free."""
+        check(not self.has_unfinished(), "engine", "reset with requests still in the engine")
+        assert self.runtime.num_free_slots() == self.runtime.max_num_seqs
+        self._seq_ids = itertools.count()
+        if self.speculation is not None:
+            self.speculation = SpeculationPolicy(self.speculation.verify_token_cost)
+
     def close(self) -> None:
         for proposer in self._proposers.values():
             proposer.close()

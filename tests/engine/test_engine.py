@@ -76,16 +76,6 @@ def tiny_loaded(seed: int, noise_from: LoadedModel | None = None) -> LoadedModel
     return LoadedModel(weights, None, config, torch.float32, (EOS,), f"tiny:{seed}")  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def target() -> LoadedModel:
-    return tiny_loaded(0)
-
-
-@pytest.fixture(scope="module")
-def draft(target: LoadedModel) -> LoadedModel:
-    return tiny_loaded(1, noise_from=target)
-
-
 def make_engine(target: LoadedModel, draft: LoadedModel | None = None, **config: object) -> Engine:
     registry = default_registry() if draft is None else registry_with_draft(draft)
     target_config = ModelConfig(
