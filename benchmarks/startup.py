@@ -22,6 +22,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -85,25 +86,30 @@ def post_chat(base: str) -> float:
     return time.perf_counter() - start
 
 
-def serve_and_chat(num_chats: int, timeout_s: float) -> tuple[float, list[float]]:
-    """Seconds from launching ``hybridspec serve`` to /health 200, and each chat's latency."""
+def serve_and_chat(num_chats: int, timeout_s: float) -> tuple[float, list[float], str]:
+    """Seconds from launching ``hybridspec serve`` to /health 200, each chat's latency, and the
+    server's ``ready:`` line (empty if it logged none)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     command = [str(Path(sys.executable).parent / "hybridspec"), "serve", "--port", str(port)]
-    start = time.perf_counter()
-    server = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        while get_status(f"{base}/health") != 200:
-            if server.poll() is not None or time.perf_counter() - start > timeout_s:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(0.05)
-        ready_s = time.perf_counter() - start
-        return ready_s, [post_chat(base) for _ in range(num_chats)]
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+    with tempfile.TemporaryFile() as log:
+        start = time.perf_counter()
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            while get_status(f"{base}/health") != 200:
+                if server.poll() is not None or time.perf_counter() - start > timeout_s:
+                    raise RuntimeError("the server did not become ready")
+                time.sleep(0.05)
+            ready_s = time.perf_counter() - start
+            chats = [post_chat(base) for _ in range(num_chats)]
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
+        log.seek(0)
+        lines = log.read().decode(errors="replace").splitlines()
+    return ready_s, chats, next((line for line in lines if "ready:" in line), "")
 
 
 def main() -> None:
@@ -123,8 +129,8 @@ def main() -> None:
         print(f"Engine():          median {statistics.median(loads):.2f} s of {_listed(loads)}")
     if args.fresh_numba:
         delete_numba_cache()  # Engine() above may have compiled some kernels
-    ready_s, chats = serve_and_chat(args.chats, args.timeout)
-    print(f"serve -> /health 200: {ready_s:.2f} s")
+    ready_s, chats, ready_line = serve_and_chat(args.chats, args.timeout)
+    print(f"serve -> /health 200: {ready_s:.2f} s ({ready_line or 'no ready: line'})")
     print("chat requests: " + ", ".join(f"{s:.2f} s" for s in chats))
 
 

@@ -53,3 +53,19 @@ def test_invariance_ab_keeps_greedy_texts_identical_through_the_kernel() -> None
         "invariance_ab.py", "--prompts", "1", "--max-new-tokens", "16", "--repeats", "2"
     )
     assert "kernel   greedy ngram text == none text: 1 of 1 prompts" in out, out
+
+
+def test_startup_times_the_server_to_ready_and_its_chat_requests() -> None:
+    options = ["--repeats", "1", "--chats", "2", "--skip-engine"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "startup.py"), *options],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^import hybridspec: median \d+\.\d\d s", result.stdout, re.MULTILINE)
+    assert re.search(r"serve -> /health 200: \d+\.\d\d s \(.*ready: ", result.stdout), result.stdout
+    assert re.search(r"^chat requests: \d+\.\d\d s, \d+\.\d\d s$", result.stdout, re.MULTILINE)
