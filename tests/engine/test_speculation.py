@@ -20,7 +20,7 @@ from hybridspec.engine.speculation import (
     drafts_worth_asking,
     measure_verify_token_cost,
 )
-from tests.engine.test_engine import PROMPTS, VOCAB, make_engine, plain, target  # noqa: F401
+from tests.engine.test_engine import PROMPTS, VOCAB, make_engine, plain
 
 
 @pytest.mark.parametrize(
@@ -95,7 +95,7 @@ def test_policy_rejects_a_bad_cost() -> None:
         EngineConfig(adaptive_speculation="yes")  # type: ignore[arg-type]
 
 
-def test_measured_cost_is_bounded_and_leaves_the_cache_as_it_was(target) -> None:  # noqa: F811
+def test_measured_cost_is_bounded_and_leaves_the_cache_as_it_was(target) -> None:
     engine = make_engine(target, verify_token_cost=None)
     assert engine.speculation is not None
     assert 0.0 <= engine.speculation.verify_token_cost <= MAX_VERIFY_TOKEN_COST
@@ -118,7 +118,7 @@ class Wrong(Proposer):
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
-def test_rejected_drafts_shrink_what_a_request_asks_for(target, adaptive: bool) -> None:  # noqa: F811
+def test_rejected_drafts_shrink_what_a_request_asks_for(target, adaptive: bool) -> None:
     engine = make_engine(target, adaptive_speculation=adaptive)
     engine.register_proposer("wrong", Wrong)
     Wrong.asked = []
