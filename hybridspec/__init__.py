@@ -3,19 +3,29 @@
 >>> from hybridspec import Engine
 >>> engine = Engine()  # the embedded SmolLM2-135M-Instruct
 >>> engine.generate("Say hi", proposer="ngram", max_new_tokens=16).text  # doctest: +SKIP
+
+Importing the package loads nothing heavy: each public name is imported on first use (torch,
+transformers and numba come with ``Engine``, not with ``import hybridspec``).
 """
 
-from hybridspec.config import DraftConfig, EngineConfig, ModelConfig, NgramConfig
-from hybridspec.engine import Engine, FinishReason, GenerationParams, GenerationResult
-from hybridspec.errors import (
-    CapacityError,
-    HybridSpecError,
-    InvalidRequestError,
-    ModelLoadError,
-    UnknownModelError,
-)
-from hybridspec.proposers import Proposer, ProposerContext, register_proposer
-from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridspec.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from hybridspec.config import DraftConfig, EngineConfig, ModelConfig, NgramConfig
+    from hybridspec.engine import Engine, FinishReason, GenerationParams, GenerationResult
+    from hybridspec.errors import (
+        CapacityError,
+        HybridSpecError,
+        InvalidRequestError,
+        ModelLoadError,
+        UnknownModelError,
+    )
+    from hybridspec.proposers import Proposer, ProposerContext, register_proposer
+    from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 
 __all__ = [
     "CapacityError",
@@ -39,3 +49,21 @@ __all__ = [
     "UnknownModelError",
     "register_proposer",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    globals(),
+    {
+        "hybridspec.config": ("DraftConfig", "EngineConfig", "ModelConfig", "NgramConfig"),
+        "hybridspec.engine": ("Engine", "FinishReason", "GenerationParams", "GenerationResult"),
+        "hybridspec.errors": (
+            "CapacityError",
+            "HybridSpecError",
+            "InvalidRequestError",
+            "ModelLoadError",
+            "UnknownModelError",
+        ),
+        "hybridspec.proposers": ("Proposer", "ProposerContext", "register_proposer"),
+        "hybridspec.types": ("CommitInfo", "Proposal", "ProposeRequest", "SamplingParams"),
+    },
+)

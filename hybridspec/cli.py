@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 from hybridspec.bench.cli import add_bench_command
@@ -24,6 +25,14 @@ from hybridspec.config import (
 )
 from hybridspec.errors import HybridSpecError
 from hybridspec.server.config import ServerConfig
+
+_LOG_LEVELS = {
+    "critical": logging.CRITICAL,
+    "error": logging.ERROR,
+    "warning": logging.WARNING,
+    "info": logging.INFO,
+    "debug": logging.DEBUG,
+}
 
 # The defaults every option below takes: one instance of each configuration class.
 ENGINE_DEFAULTS = EngineConfig()
@@ -170,8 +179,8 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     serve.add_argument(
         "--log-level",
         default="info",
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="uvicorn's log level",
+        choices=tuple(_LOG_LEVELS),
+        help="uvicorn's log level, and the server's (its 'ready:' line at start is INFO)",
     )
     add_engine_options(serve)
     serve.set_defaults(run=_serve)
@@ -190,14 +199,20 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
     import uvicorn
 
     from hybridspec.server.app import create_app
 
+    import_s = time.perf_counter() - start
+    # The server's own lines (the one ``ready:`` line at start) at uvicorn's level; the
+    # engine's and the loader's stay at the command's (WARNING, or INFO with -v).
+    server_logger = logging.getLogger("hybridspec.server")
+    server_logger.setLevel(min(server_logger.getEffectiveLevel(), _LOG_LEVELS[args.log_level]))
     config = server_config(args)
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(config),
+            create_app(config, import_s=import_s),
             host=config.host,
             port=config.port,
             log_level=args.log_level,

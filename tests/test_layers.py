@@ -22,6 +22,7 @@ PACKAGE_DIR = Path(hybridspec.__file__).parent
 
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "lazy": 0,  # the package __init__s' lazy re-exports
     "types": 1,
     "config": 1,
     "model": 2,

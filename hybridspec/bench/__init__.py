@@ -17,10 +17,30 @@ Glossary: a *trial* runs one method on one prompt (or, for ``--concurrency N``, 
 with N in the engine at a time); a *group* is a category or a union of categories (or the
 concurrent trials); *outside-forward share* is the part of a request's wall time not spent in
 the target model's forward.
+
+Names are imported on first use (``hybridspec.lazy``), so that ``hybridspec serve`` does not pay
+for the bench's transformers baselines when the command line registers ``bench``.
 """
 
-from hybridspec.bench.harness import BenchConfig
-from hybridspec.bench.session import ModelOptions, execute, open_session
-from hybridspec.bench.workload import load_workload
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridspec.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from hybridspec.bench.harness import BenchConfig
+    from hybridspec.bench.session import ModelOptions, execute, open_session
+    from hybridspec.bench.workload import load_workload
 
 __all__ = ["BenchConfig", "ModelOptions", "execute", "load_workload", "open_session"]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    globals(),
+    {
+        "hybridspec.bench.harness": ("BenchConfig",),
+        "hybridspec.bench.session": ("ModelOptions", "execute", "open_session"),
+        "hybridspec.bench.workload": ("load_workload",),
+    },
+)

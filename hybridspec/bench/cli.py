@@ -13,17 +13,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from hybridspec.bench.harness import BenchConfig, plan
-from hybridspec.bench.methods import DEFAULT_METHODS
-from hybridspec.bench.records import Record
-from hybridspec.bench.session import ModelOptions, execute, open_session
-from hybridspec.bench.summary import concurrent_group
-from hybridspec.bench.workload import DEFAULT_WORKLOAD, Workload, load_workload
+from hybridspec.bench.names import DEFAULT_METHODS
+from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
 from hybridspec.config import DTYPES, MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS, EngineConfig
+
+if TYPE_CHECKING:
+    from hybridspec.bench.harness import BenchConfig
+    from hybridspec.bench.session import ModelOptions
+    from hybridspec.bench.workload import Workload
 
 DEFAULT_PROMPTS_PER_CATEGORY = 2
 DEFAULT_MAX_NEW_TOKENS = 128  # the 256 doubles the run; pass it for the full one
@@ -101,6 +100,12 @@ def add_bench_command(commands: Any) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    # Imported here so that registering the command costs nothing to the other commands.
+    import torch
+
+    from hybridspec.bench.harness import BenchConfig
+    from hybridspec.bench.session import ModelOptions
+
     workload = load_workload(args.workload).select(args.categories, args.prompts_per_category)
     methods = args.methods or [*DEFAULT_METHODS, *(["draft"] if args.draft else [])]
     config = BenchConfig(
@@ -128,10 +133,13 @@ def _run(
     config: BenchConfig,
     models: ModelOptions,
 ) -> None:
-    # Imported here so that other commands do not pay for matplotlib and tqdm.
     from tqdm import tqdm
 
+    from hybridspec.bench.harness import plan
+    from hybridspec.bench.records import Record
     from hybridspec.bench.report import format_outcome, plot_speedups, write_json
+    from hybridspec.bench.session import execute, open_session
+    from hybridspec.bench.summary import concurrent_group
 
     session = open_session(workload, models, methods, args.num_speculative_tokens, config)
     try:

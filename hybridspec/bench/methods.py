@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 from transformers import LlamaForCausalLM
 
 from hybridspec.bench.hf_baseline import HFMethod
+from hybridspec.bench.names import HF_METHODS, HF_PROMPT_LOOKUP
 from hybridspec.bench.records import Measurement, Speculation
 from hybridspec.bench.timing import EngineForwardTimer
 from hybridspec.engine import (
@@ -30,12 +31,6 @@ from hybridspec.engine import (
 )
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.types import SamplingParams
-
-BASELINE = "none"  # our plain decoding: every speedup "vs none" divides by it
-HF_BASELINE = "hf-plain"  # transformers' plain greedy/sampled generate()
-HF_PROMPT_LOOKUP = "hf-prompt-lookup"
-HF_METHODS = (HF_BASELINE, HF_PROMPT_LOOKUP)
-DEFAULT_METHODS = (BASELINE, "ngram", HF_BASELINE, HF_PROMPT_LOOKUP)
 
 
 class BenchMethod(Protocol):

@@ -16,7 +16,7 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from hybridspec.bench.hf_baseline import ParityResult
-from hybridspec.bench.methods import BASELINE, HF_BASELINE
+from hybridspec.bench.names import BASELINE, HF_BASELINE
 from hybridspec.bench.session import BenchOutcome
 from hybridspec.bench.summary import GROUNDED, OPEN_ENDED, Agreement, Cell, Summary
 from hybridspec.bench.targets import TargetResult

@@ -27,7 +27,8 @@ from hybridspec.bench.hf_baseline import (
     check_parity,
     hf_model_from_weights,
 )
-from hybridspec.bench.methods import BASELINE, BenchMethod, EngineMethod, build_methods
+from hybridspec.bench.methods import BenchMethod, EngineMethod, build_methods
+from hybridspec.bench.names import BASELINE
 from hybridspec.bench.records import Record
 from hybridspec.bench.summary import Agreement, Summary, greedy_agreement
 from hybridspec.bench.targets import TargetResult, evaluate_targets

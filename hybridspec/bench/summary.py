@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from hybridspec.bench.methods import BASELINE, HF_BASELINE
+from hybridspec.bench.names import BASELINE, HF_BASELINE
 from hybridspec.bench.records import Record, Speculation, first_difference
 from hybridspec.bench.workload import Category
 

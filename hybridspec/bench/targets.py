@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridspec.bench.methods import BASELINE, HF_BASELINE, HF_PROMPT_LOOKUP
+from hybridspec.bench.names import BASELINE, HF_BASELINE, HF_PROMPT_LOOKUP
 from hybridspec.bench.summary import ALL, GROUNDED, OPEN_ENDED, Summary
 
 NGRAM = "ngram"

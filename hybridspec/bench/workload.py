@@ -25,11 +25,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from hybridspec.errors import InvalidRequestError, check
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SOURCE_PLACEHOLDER = "{source}"
 MIN_SOURCE_CHARS = 100  # a guard against a grounded prompt that has nothing to copy from

@@ -1,13 +1,25 @@
-"""The engine: scheduling, requests, adaptive speculation and the speculative round."""
+"""The engine: scheduling, requests, adaptive speculation and the speculative round.
 
-from hybridspec.engine.engine import Engine
-from hybridspec.engine.loop import EngineLoop
-from hybridspec.engine.request import (
-    FinishReason,
-    GenerationParams,
-    GenerationResult,
-    RequestOutput,
-)
+Names are imported on first use (``hybridspec.lazy``), so that importing a light module of this
+package (``hybridspec.engine.scheduler``) does not load the model runtime.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridspec.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from hybridspec.engine.engine import Engine
+    from hybridspec.engine.loop import EngineLoop
+    from hybridspec.engine.request import (
+        FinishReason,
+        GenerationParams,
+        GenerationResult,
+        RequestOutput,
+    )
+    from hybridspec.engine.warmup import warm_up
 
 __all__ = [
     "Engine",
@@ -16,4 +28,21 @@ __all__ = [
     "GenerationParams",
     "GenerationResult",
     "RequestOutput",
+    "warm_up",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    globals(),
+    {
+        "hybridspec.engine.engine": ("Engine",),
+        "hybridspec.engine.loop": ("EngineLoop",),
+        "hybridspec.engine.request": (
+            "FinishReason",
+            "GenerationParams",
+            "GenerationResult",
+            "RequestOutput",
+        ),
+        "hybridspec.engine.warmup": ("warm_up",),
+    },
+)

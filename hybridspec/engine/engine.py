@@ -43,8 +43,6 @@ from hybridspec.engine.scheduler import Scheduler, forward_batch
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import (
-    COST_REPEATS,
-    TIMING_CONTEXT,
     LoadedModel,
     fastest_forward_seconds,
     load_model,
@@ -110,9 +108,9 @@ class Engine:
 
     def target_forward_s(self) -> float:
         """Seconds of a one-token target forward, timed in place on first use (0: no slot);
-        the fastest of ``COST_REPEATS``, as proposers time their own (``DraftModelProposer``)."""
+        the fastest of several, as proposers time their own (``DraftModelProposer``)."""
         if self._target_forward_s is None:
-            seconds = fastest_forward_seconds(self.runtime, TIMING_CONTEXT, COST_REPEATS)
+            seconds = fastest_forward_seconds(self.runtime)
             self._target_forward_s = seconds if seconds is not None else 0.0
         return self._target_forward_s
 
@@ -375,6 +373,16 @@ class Engine:
             self._finish(request, FinishReason.ERROR, message)
             for request in list(self.scheduler.running)
         ]
+
+    def reset(self) -> None:
+        """Forget what earlier requests taught the engine: adaptive speculation's last step and
+        the request counter, so that it runs as if just built (after ``engine.warmup``). Only
+        between requests: every slot must be free."""
+        check(not self.has_unfinished(), "engine", "reset with requests still in the engine")
+        assert self.runtime.num_free_slots() == self.runtime.max_num_seqs
+        self._seq_ids = itertools.count()
+        if self.speculation is not None:
+            self.speculation = SpeculationPolicy(self.speculation.verify_token_cost)
 
     def close(self) -> None:
         self.proposers.close()

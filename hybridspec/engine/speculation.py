@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridspec.model import TIMING_CONTEXT, ModelRuntime, median_forward_seconds
+from hybridspec.model import ModelRuntime, median_forward_seconds
 
 DECAY = 0.8  # weight of a round's evidence after each later round
 PRIOR_ACCEPTED = 1.0
@@ -150,8 +150,7 @@ def measure_verify_token_cost(runtime: ModelRuntime, max_drafts: int) -> float:
     the result is clamped to ``[0, MAX_VERIFY_TOKEN_COST]``.
     """
     extra = min(CALIBRATION_TOKENS, max(1, max_drafts))
-    context = min(TIMING_CONTEXT, runtime.max_seq_len - 1 - extra)
-    timings = median_forward_seconds(runtime, (1, 1 + extra), context)
+    timings = median_forward_seconds(runtime, (1, 1 + extra))
     if timings is None or timings[0] <= 0:
         return 0.0
     one, many = timings

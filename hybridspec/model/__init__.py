@@ -2,30 +2,31 @@
 
 ``load_model(ModelConfig) -> LoadedModel`` is the entry point; a ``ModelRuntime`` runs one
 ``ForwardBatch`` per call and returns a ``ForwardOutput``. Nothing here imports the verifier,
-the proposers or the engine.
+the proposers or the engine. Names are imported on first use (``hybridspec.lazy``).
 """
 
-from hybridspec.model.llama_weights import LlamaWeights
-from hybridspec.model.loader import LoadedModel, load_model
-from hybridspec.model.runtime import (
-    ForwardBatch,
-    ForwardObserver,
-    ForwardOutput,
-    ModelRuntime,
-    ObserverHandle,
-)
-from hybridspec.model.timing import (
-    COST_REPEATS,
-    TIMING_CONTEXT,
-    fastest_forward_seconds,
-    median_forward_seconds,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridspec.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from hybridspec.model.llama_weights import LlamaWeights
+    from hybridspec.model.loader import LoadedModel, load_model
+    from hybridspec.model.runtime import (
+        ForwardBatch,
+        ForwardOutput,
+        ModelRuntime,
+        ObserverHandle,
+    )
+    from hybridspec.model.timing import (
+        fastest_forward_seconds,
+        median_forward_seconds,
+    )
 
 __all__ = [
-    "COST_REPEATS",
-    "TIMING_CONTEXT",
     "ForwardBatch",
-    "ForwardObserver",
     "ForwardOutput",
     "LlamaWeights",
     "LoadedModel",
@@ -35,3 +36,22 @@ __all__ = [
     "load_model",
     "median_forward_seconds",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    globals(),
+    {
+        "hybridspec.model.llama_weights": ("LlamaWeights",),
+        "hybridspec.model.loader": ("LoadedModel", "load_model"),
+        "hybridspec.model.runtime": (
+            "ForwardBatch",
+            "ForwardOutput",
+            "ModelRuntime",
+            "ObserverHandle",
+        ),
+        "hybridspec.model.timing": (
+            "fastest_forward_seconds",
+            "median_forward_seconds",
+        ),
+    },
+)

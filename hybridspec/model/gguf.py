@@ -21,17 +21,18 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import transformers
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
 
 from hybridspec.errors import ModelLoadError
 from hybridspec.model.llama_weights import default_inv_freq, llama3_inv_freq
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,8 @@ class _Metadata:
 
 
 def _llama_config(meta: _Metadata, tensors: dict[str, Any]) -> LlamaConfig:
+    from transformers import LlamaConfig
+
     arch = meta.require("general.architecture")
     num_heads = int(meta.require(f"{arch}.attention.head_count"))
     hidden = int(meta.require(f"{arch}.embedding_length"))
@@ -234,6 +237,9 @@ def load_gguf_tokenizer(
     The cache entry is keyed by the file's name, size and modification time and by the
     transformers version (its converter's output may change between versions).
     """
+    import transformers
+    from transformers import AutoTokenizer
+
     path = Path(path).resolve()
     stat = path.stat()
     key = f"{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
@@ -251,6 +257,8 @@ def load_gguf_tokenizer(
 
 def convert_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     """Convert the file's vocabulary with transformers (slow: no cache)."""
+    from transformers import AutoTokenizer
+
     path = Path(path)
     try:
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -13,29 +13,28 @@ generic transformers runtime (``model.hf_runtime``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
 
 from hybridspec.config import ModelConfig
 from hybridspec.errors import ModelLoadError
+from hybridspec.model import weight_cache
 from hybridspec.model.gguf import load_gguf_tokenizer, read_gguf
-from hybridspec.model.hf_runtime import HFRuntime
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
 from hybridspec.model.runtime import ModelRuntime
+from hybridspec.model.weight_cache import ConvertedGGUF
+
+if TYPE_CHECKING:
+    # transformers' model classes cost about a second to import: the GGUF path needs none.
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +62,24 @@ class LoadedModel:
 
     weights: LlamaWeights | PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
-    hf_config: PretrainedConfig  # the transformers config (a LlamaConfig for Llama models)
+    # The transformers config (a LlamaConfig for Llama models), or what builds it on first use
+    # of ``hf_config``: importing transformers' config classes costs about 0.8 s, which a
+    # native model loaded from the weight cache does not need to serve.
+    config_source: PretrainedConfig | Callable[[], PretrainedConfig]
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]  # every token id that ends generation
     source: str  # where the model came from, for logs and /v1/models
     max_seq_len: int | None = None  # create_runtime's default; None: the model's context length
+    _built_config: list[PretrainedConfig] = field(  # hf_config once built (at most one)
+        default_factory=list, init=False, repr=False, compare=False
+    )
+
+    @property
+    def hf_config(self) -> PretrainedConfig:
+        if not self._built_config:
+            source = self.config_source
+            self._built_config.append(source() if callable(source) else source)
+        return self._built_config[0]
 
     @property
     def is_native(self) -> bool:
@@ -86,6 +98,8 @@ class LoadedModel:
     @property
     def context_length(self) -> int:
         """The model's own context length (``max_position_embeddings`` or the like)."""
+        if isinstance(self.weights, LlamaWeights):
+            return self.weights.dims.max_position_embeddings
         text = self.hf_config.get_text_config()
         for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
             value = getattr(text, name, None)
@@ -109,13 +123,35 @@ class LoadedModel:
                     max_seq_len,
                     self.context_length,
                 )
-            return LlamaRuntime(self.weights, max_num_seqs, max_seq_len)
+            with _one_thread():
+                return LlamaRuntime(self.weights, max_num_seqs, max_seq_len)
+        from hybridspec.model.hf_runtime import HFRuntime
+
         if max_seq_len > self.context_length:  # e.g. learned position embeddings end there
             raise ValueError(
                 f"max_seq_len: expected at most the model's context length "
                 f"{self.context_length}, got {max_seq_len}"
             )
         return HFRuntime(self.weights, max_num_seqs, max_seq_len)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run torch on one thread inside the block (the runtime's construction).
+
+    Building the runtime reorders every matmul weight into oneDNN's layout, one call per
+    weight. A reorder is a permutation of the weight's values (the same result on any number
+    of threads), and a short one: measured on the development CPU (2 cores, busy), SmolLM2's
+    120 layer weights took 0.01 s on one thread and 1.3 s on two, whose OpenMP barriers spin
+    for a descheduled peer. The number of threads is the process's: this runs before the
+    engine exists, so nothing else is computing.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -189,26 +225,38 @@ def _resolve_device(name: str) -> torch.device:
 def _load_gguf(
     path: Path, dtype: torch.dtype, device: torch.device, max_seq_len: int | None
 ) -> LoadedModel:
-    model = read_gguf(path)
-    try:
-        weights = LlamaWeights.from_hf_state_dict(
-            model.state_dict, model.config, dtype=dtype, device=device
-        )
-    except ValueError as exc:  # tensors that disagree with the metadata
-        raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc
+    def convert() -> ConvertedGGUF:
+        model = read_gguf(path)
+        try:
+            weights = LlamaWeights.from_hf_state_dict(
+                model.state_dict, model.config, dtype=dtype, device=device
+            )
+        except ValueError as exc:  # tensors that disagree with the metadata
+            raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc
+        return ConvertedGGUF(weights, model.config, model.eos_token_ids)
+
+    converted = weight_cache.load_or_convert(path, dtype, device, convert)
     tokenizer = load_gguf_tokenizer(path)
-    eos = set(model.eos_token_ids)
+    eos = set(converted.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     logger.info("loaded %s natively (%s, %s)", path, dtype, device)
     return LoadedModel(
-        weights, tokenizer, model.config, dtype, tuple(sorted(eos)), f"gguf:{path}", max_seq_len
+        converted.weights,
+        tokenizer,
+        converted.config,
+        dtype,
+        tuple(sorted(eos)),
+        f"gguf:{path}",
+        max_seq_len,
     )
 
 
 def _load_transformers(
     name: str, dtype: torch.dtype, device: torch.device, max_seq_len: int | None
 ) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     try:
         hf_config = AutoConfig.from_pretrained(name)
         tokenizer = AutoTokenizer.from_pretrained(name)
@@ -236,6 +284,8 @@ def _hf_eos_token_ids(
     name: str, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[int, ...]:
     """The generation config's EOS ids (else the model config's), plus the tokenizer's."""
+    from transformers import GenerationConfig
+
     try:
         eos = GenerationConfig.from_pretrained(name).eos_token_id
     except (OSError, ValueError):

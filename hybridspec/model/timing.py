@@ -20,10 +20,11 @@ COST_REPEATS = 7  # timings of each model when a proposer's cost is priced (the 
 
 
 def median_forward_seconds(
-    runtime: ModelRuntime, num_tokens: Sequence[int], context: int
+    runtime: ModelRuntime, num_tokens: Sequence[int], context: int = TIMING_CONTEXT
 ) -> list[float] | None:
     """Median seconds of a one-sequence forward of each of ``num_tokens`` new tokens, after
-    ``context`` cached tokens (token id 0 throughout).
+    ``context`` cached tokens (token id 0 throughout; fewer where the context length leaves
+    less room).
 
     Takes a free cache slot for the duration and leaves the cache as it was; None when no slot
     is free or the sizes do not fit the context length.
@@ -34,7 +35,9 @@ def median_forward_seconds(
     return [sorted(ts)[len(ts) // 2] for ts in timings]
 
 
-def fastest_forward_seconds(runtime: ModelRuntime, context: int, repeats: int) -> float | None:
+def fastest_forward_seconds(
+    runtime: ModelRuntime, context: int = TIMING_CONTEXT, repeats: int = COST_REPEATS
+) -> float | None:
     """The fastest of ``repeats`` one-token forwards after ``context`` cached tokens: the
     forward's own cost, for ratios of two models' forwards taken on a machine that other work
     interrupts (an interruption only ever adds time)."""
@@ -47,9 +50,8 @@ def forward_seconds(
 ) -> list[list[float]] | None:
     """``repeats`` timings (after one warm-up) of a forward of each of ``num_tokens``; see
     ``median_forward_seconds``."""
+    context = min(context, runtime.max_seq_len - max(num_tokens))
     if runtime.num_free_slots() == 0 or context < 0:
-        return None
-    if context + max(num_tokens) > runtime.max_seq_len:
         return None
     slot = runtime.allocate()
     try:

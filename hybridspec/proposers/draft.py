@@ -27,8 +27,6 @@ import torch
 
 from hybridspec.errors import InvalidRequestError, ModelLoadError
 from hybridspec.model import (
-    COST_REPEATS,
-    TIMING_CONTEXT,
     ForwardBatch,
     LoadedModel,
     ModelRuntime,
@@ -108,7 +106,7 @@ class DraftModelProposer(Proposer):
         target_forward_s = self.context.target_forward_s
         if target_forward_s is None:
             return 0.0
-        draft_s = fastest_forward_seconds(self.runtime, TIMING_CONTEXT, COST_REPEATS)
+        draft_s = fastest_forward_seconds(self.runtime)
         target_s = target_forward_s()
         if draft_s is None or target_s <= 0:
             return 0.0

@@ -1,26 +1,32 @@
 """The app factory. Importing or creating the app loads no model: ``lifespan`` does.
 
-On startup the lifespan builds the Engine (``engine_factory``, by default ``Engine``), hands it
-to an EngineLoop (the one thread that steps it) and keeps a ServerState on ``app.state.server``.
-On shutdown it aborts whatever the engine still holds, stops the loop and closes the engine.
+On startup the lifespan builds the Engine (``engine_factory``, by default ``Engine``), warms it
+up (``hybridspec.engine.warmup``: every kernel compiled or loaded from its disk cache before
+the first request), hands it to an EngineLoop (the one thread that steps it), keeps a
+ServerState on ``app.state.server`` and logs one ``ready:`` line. Until then the server accepts
+no connection, so ``/health`` answers 200 only once the engine is warm. On shutdown it aborts
+whatever the engine still holds, stops the loop and closes the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import torch
 from fastapi import FastAPI
 
 from hybridspec.config import EngineConfig
-from hybridspec.engine import Engine, EngineLoop
-from hybridspec.server import completions, models, ops
+from hybridspec.engine import Engine, EngineLoop, warm_up
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.errors import install_error_handlers
 from hybridspec.server.metrics import ServerMetrics
-from hybridspec.server.ops import RequestCountingMiddleware
+from hybridspec.server.middleware import RequestCountingMiddleware
+from hybridspec.server.routes import ROUTERS
 from hybridspec.server.state import ModelInfo, ServerState
 
 logger = logging.getLogger(__name__)
@@ -33,16 +39,29 @@ def _abort_all(engine: Engine) -> int:
     return len(engine.abort_all())
 
 
+def ready_line(engine: Engine, model: ModelInfo, steps: dict[str, float]) -> str:
+    """``ready: NAME (SOURCE -> DTYPE), N threads, proposers A,B; STEP S s, ...``."""
+    kind, _, where = engine.target.source.partition(":")
+    dtype = str(engine.target.dtype).removeprefix("torch.")
+    timings = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in steps.items())
+    return (
+        f"ready: {model.name} ({kind} {Path(where).name} -> {dtype}), "
+        f"{torch.get_num_threads()} threads, proposers {','.join(model.proposers)}; {timings}"
+    )
+
+
 def create_app(
     config: ServerConfig | EngineConfig | None = None,
     *,
     engine_factory: EngineFactory | None = None,
+    import_s: float | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible app.
 
     ``config`` is a ServerConfig, or an EngineConfig (served with default server options).
     ``engine_factory`` builds the engine from ``config.engine`` at startup; tests pass one that
     returns an engine over a prebuilt model. The app closes the engine when it shuts down.
+    ``import_s``: the seconds the caller spent importing the server, for the ``ready:`` line.
     """
     if config is None or isinstance(config, EngineConfig):
         server_config = ServerConfig(engine=config if config is not None else EngineConfig())
@@ -53,27 +72,37 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        steps = {} if import_s is None else {"import": import_s}
+        start = time.perf_counter()
         engine = factory(server_config.engine)
-        loop = EngineLoop(engine)
+        steps["load"] = time.perf_counter() - start
+        loop: EngineLoop | None = None
         try:
-            model = await loop.call(lambda e: ModelInfo.from_engine(e, server_config))
+            steps["warm-up"] = warm_up(engine)
+            model = ModelInfo.from_engine(engine, server_config)  # before the loop's thread runs
+            loop = EngineLoop(engine)
             app.state.server = ServerState(server_config, loop, model, metrics)
-            logger.info("serving %s with proposers %s", model.name, ", ".join(model.proposers))
+            logger.info("%s", ready_line(engine, model, steps))
             yield
         finally:
-            try:
-                aborted = await asyncio.wait_for(loop.call(_abort_all), SHUTDOWN_ABORT_TIMEOUT_S)
-                if aborted:
-                    logger.info("aborted %d unfinished requests at shutdown", aborted)
-            except asyncio.TimeoutError:
-                logger.warning("the engine loop did not answer at shutdown")
-            loop.close()
+            if loop is not None:
+                await _stop(loop)
             engine.close()
 
     app = FastAPI(title="hybridspec", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app, server_config.retry_after_s)
     app.add_middleware(RequestCountingMiddleware, metrics=metrics)
-    app.include_router(completions.router)
-    app.include_router(models.router)
-    app.include_router(ops.router)
+    for router in ROUTERS:
+        app.include_router(router)
     return app
+
+
+async def _stop(loop: EngineLoop) -> None:
+    """Abort what the engine still holds, then stop its thread."""
+    try:
+        aborted = await asyncio.wait_for(loop.call(_abort_all), SHUTDOWN_ABORT_TIMEOUT_S)
+        if aborted:
+            logger.info("aborted %d unfinished requests at shutdown", aborted)
+    except asyncio.TimeoutError:
+        logger.warning("the engine loop did not answer at shutdown")
+    loop.close()

@@ -31,7 +31,7 @@ from hybridspec.errors import (
     InvalidRequestError,
     UnknownModelError,
 )
-from hybridspec.server.schemas import ErrorDetail, ErrorResponse
+from hybridspec.server.protocol import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

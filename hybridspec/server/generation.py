@@ -1,38 +1,42 @@
-"""From an OpenAI request body to engine outputs: validation, tokenizing, running, metrics.
+"""From an OpenAI request body to engine outputs and back: validation, tokenizing, running,
+metrics, the response body.
 
-Both endpoints share this path. ``prepare`` turns a body into a ``PreparedRequest`` (prompt
-token ids, GenerationParams) or raises InvalidRequestError / UnknownModelError naming the
-field. ``observe`` runs it through the engine loop, yielding its outputs and recording metrics;
-closing it early (client gone) aborts the request in the engine. ``until_disconnected`` awaits
-something while watching for the client to hang up.
+Both endpoints share this path, and nothing here depends on the web framework (a deployment
+other than the FastAPI app can hold a ``ServerState`` and call the same functions). ``prepare``
+turns a body into a ``PreparedRequest`` (prompt token ids, GenerationParams) or raises
+InvalidRequestError / UnknownModelError naming the field. ``observe`` runs it through the engine
+loop, yielding its outputs and recording metrics; closing it early (client gone) aborts the
+request in the engine. ``response_body`` is a finished request's non-streamed response
+(``hybridspec.server.streaming`` writes the streamed one).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar, cast
-
-from starlette.requests import Request
+from typing import cast
 
 from hybridspec.engine import Engine, FinishReason, GenerationParams, RequestOutput
 from hybridspec.errors import HybridSpecError, check
-from hybridspec.server.errors import ClientDisconnected
-from hybridspec.server.schemas import (
+from hybridspec.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     ChatMessage,
+    CompletionChoice,
     CompletionRequest,
+    CompletionResponse,
+    FinishReasonName,
     SpeculationStats,
+    Usage,
 )
 from hybridspec.server.state import ServerState
 from hybridspec.types import GenerationStats
-
-T = TypeVar("T")
 
 COMPLETION_MAX_TOKENS = 16  # as in the OpenAI legacy completions API
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -50,6 +54,7 @@ class PreparedRequest:
     num_speculative_tokens: int  # resolved likewise
     stream: bool
     include_usage: bool
+    chat: bool  # a chat completion (else a text completion)
 
 
 def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -199,6 +204,7 @@ async def prepare(
         num_speculative_tokens=k,
         stream=body.stream,
         include_usage=body.stream_options is not None and body.stream_options.include_usage,
+        chat=isinstance(body, ChatCompletionRequest),
     )
 
 
@@ -261,32 +267,6 @@ def check_not_failed(output: RequestOutput) -> None:
         raise HybridSpecError(f"generation failed: {error or 'unknown error'}")
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        # Once the body is read, servers answer receive() only at disconnect; never spin.
-        await asyncio.sleep(0.05)
-
-
-async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable``; if the client hangs up first, cancel it and raise ClientDisconnected.
-
-    Cancelling it cancels the generator it drives, whose ``finally`` aborts the engine request.
-    """
-    task = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
-
-
 async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     """Drain ``outputs`` and return the final one."""
     async for output in outputs:
@@ -297,3 +277,41 @@ async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 async def next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     return await outputs.__anext__()
+
+
+def finish_reason(output: RequestOutput) -> FinishReasonName:
+    return "length" if output.finish_reason is FinishReason.LENGTH else "stop"
+
+
+def usage(prepared: PreparedRequest, output: RequestOutput) -> Usage:
+    assert output.result is not None
+    completion = len(output.result.token_ids)
+    prompt = len(prepared.prompt_token_ids)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def response_body(
+    prepared: PreparedRequest, response_id: str, created: int, output: RequestOutput
+) -> ChatCompletionResponse | CompletionResponse:
+    """The non-streamed response of a finished request; raises for a failed one (a 500)."""
+    check_not_failed(output)
+    assert output.result is not None
+    text = output.result.text
+    reason = finish_reason(output)
+    fields = {
+        "id": response_id,
+        "created": created,
+        "model": prepared.model,
+        "usage": usage(prepared, output),
+        "hybridspec": speculation_stats(prepared, output.result.stats),
+    }
+    if prepared.chat:
+        message = AssistantMessage(content=text)
+        return ChatCompletionResponse.model_validate(
+            {**fields, "choices": [ChatChoice(message=message, finish_reason=reason)]}
+        )
+    return CompletionResponse.model_validate(
+        {**fields, "choices": [CompletionChoice(text=text, finish_reason=reason)]}
+    )

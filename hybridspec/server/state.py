@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """Facts about the served engine, read once on the engine thread at startup."""
+    """Facts about the served engine, read once at startup before the engine loop runs."""
 
     names: tuple[str, ...]  # names[0] is listed; every one is accepted in requests
     max_seq_len: int

@@ -19,9 +19,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def run_script(name: str, *args: str) -> str:
+def run_script(name: str, *args: str, threads: bool = True) -> str:
+    """The script's standard output; ``threads``: pass ``--threads 1`` (the benchmarks of the
+    generation itself take it)."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / name), "--threads", "1", *args],
+        [sys.executable, str(ROOT / "benchmarks" / name), *(["--threads", "1"] * threads), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -53,3 +55,10 @@ def test_invariance_ab_keeps_greedy_texts_identical_through_the_kernel() -> None
         "invariance_ab.py", "--prompts", "1", "--max-new-tokens", "16", "--repeats", "2"
     )
     assert "kernel   greedy ngram text == none text: 1 of 1 prompts" in out, out
+
+
+def test_startup_times_the_server_to_ready_and_its_chat_requests() -> None:
+    out = run_script("startup.py", "--repeats", "1", "--chats", "2", "--skip-engine", threads=False)
+    assert re.search(r"^import hybridspec: median \d+\.\d\d s", out, re.MULTILINE), out
+    assert re.search(r"serve -> /health 200: \d+\.\d\d s \(.*ready: ", out), out
+    assert re.search(r"^chat requests: \d+\.\d\d s, \d+\.\d\d s$", out, re.MULTILINE), out

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from starlette.types import Message
 
-from hybridspec.server.completions import EventStreamResponse
+from hybridspec.server.streaming import EventStreamResponse
 
 
 async def _leave_during_send() -> tuple[bool, list[Message]]:

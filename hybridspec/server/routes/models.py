@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
-from hybridspec.server.schemas import ModelCard, ModelList
+from hybridspec.server.protocol import ModelCard, ModelList
 from hybridspec.server.state import ModelInfo, State
 
 router = APIRouter(tags=["models"])

@@ -1,53 +1,42 @@
-"""Routes ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+"""Server-sent events: the framing of a streamed completion and the generator that writes it.
 
 A streamed response is a sequence of server-sent events, ``data: <chunk JSON>``, ending with
 ``data: [DONE]``. A chat stream's first chunk carries the role; the last chunk before
 ``[DONE]`` carries the finish reason and the ``hybridspec`` statistics (then, when
 ``stream_options.include_usage`` is set, one chunk with empty choices and the usage).
+
+``stream_events`` is independent of the web framework: it turns a request's engine outputs
+into the event strings; ``EventStreamResponse`` is the Starlette response that sends them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from hybridspec.engine import FinishReason, RequestOutput
+from hybridspec.engine import RequestOutput
 from hybridspec.server.errors import exception_response
 from hybridspec.server.generation import (
     PreparedRequest,
     check_not_failed,
-    final_output,
+    finish_reason,
     next_output,
-    observe,
-    prepare,
     speculation_stats,
-    until_disconnected,
+    usage,
 )
-from hybridspec.server.schemas import (
-    AssistantMessage,
-    ChatChoice,
+from hybridspec.server.protocol import (
     ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     Delta,
     FinishReasonName,
     SpeculationStats,
     Usage,
 )
-from hybridspec.server.state import ServerState, State
-
-router = APIRouter(tags=["completions"])
 
 DONE = "data: [DONE]\n\n"
 
@@ -69,19 +58,6 @@ class EventStreamResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-
-def _finish_reason(output: RequestOutput) -> FinishReasonName:
-    return "length" if output.finish_reason is FinishReason.LENGTH else "stop"
-
-
-def _usage(prepared: PreparedRequest, output: RequestOutput) -> Usage:
-    assert output.result is not None
-    completion = len(output.result.token_ids)
-    prompt = len(prepared.prompt_token_ids)
-    return Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,17 +103,19 @@ class ChunkRenderer:
         return self._event([], usage=usage)
 
 
-def _error_event(exc: Exception) -> str:
+def error_event(exc: Exception) -> str:
+    """An error body (as the HTTP error would carry it) framed as one event."""
     return f"data: {bytes(exception_response(exc).body).decode()}\n\n"
 
 
-async def _events(
+async def stream_events(
     prepared: PreparedRequest,
     render: ChunkRenderer,
     first: RequestOutput,
     outputs: AsyncGenerator[RequestOutput, None],
 ) -> AsyncIterator[str]:
-    """The SSE body: ``first`` was awaited already (refusals became an HTTP error before)."""
+    """The event stream of one request whose ``first`` output was awaited already (so that a
+    refusal became an HTTP error before the stream began). Closes ``outputs`` when it ends."""
     async with contextlib.aclosing(outputs):
         head = render.head()
         if head is not None:
@@ -150,76 +128,13 @@ async def _events(
         try:
             check_not_failed(output)
         except Exception as exc:
-            yield _error_event(exc)
+            yield error_event(exc)
             yield DONE
             return
         assert output.result is not None
         if output.new_text:
             yield render.text(output.new_text)
-        yield render.final(_finish_reason(output), speculation_stats(prepared, output.result.stats))
+        yield render.final(finish_reason(output), speculation_stats(prepared, output.result.stats))
         if prepared.include_usage:
-            yield render.usage(_usage(prepared, output))
+            yield render.usage(usage(prepared, output))
         yield DONE
-
-
-async def _respond(
-    request: Request, state: ServerState, prepared: PreparedRequest, chat: bool
-) -> Response:
-    kind = "chatcmpl" if chat else "cmpl"
-    render = ChunkRenderer(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prepared.model, chat)
-    outputs = observe(state, prepared)
-    if prepared.stream:
-        try:
-            # Wait for the first output before answering, so that a refusal is an HTTP error.
-            first = await until_disconnected(request, next_output(outputs))
-            check_not_failed(first)  # failed before its first token: still an HTTP error
-        except BaseException:
-            await outputs.aclose()
-            raise
-        return EventStreamResponse(
-            _events(prepared, render, first, outputs),
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    async with contextlib.aclosing(outputs):
-        output = await until_disconnected(request, final_output(outputs))
-    return _whole_response(prepared, render, output)
-
-
-def _whole_response(
-    prepared: PreparedRequest, render: ChunkRenderer, output: RequestOutput
-) -> Response:
-    """The non-streamed response of a finished request."""
-    check_not_failed(output)
-    assert output.result is not None
-    text = output.result.text
-    reason = _finish_reason(output)
-    fields = {
-        "id": render.id,
-        "created": render.created,
-        "model": render.model,
-        "usage": _usage(prepared, output),
-        "hybridspec": speculation_stats(prepared, output.result.stats),
-    }
-    body: ChatCompletionResponse | CompletionResponse
-    if render.chat:
-        message = AssistantMessage(content=text)
-        body = ChatCompletionResponse.model_validate(
-            {**fields, "choices": [ChatChoice(message=message, finish_reason=reason)]}
-        )
-    else:
-        body = CompletionResponse.model_validate(
-            {**fields, "choices": [CompletionChoice(text=text, finish_reason=reason)]}
-        )
-    return Response(body.model_dump_json(), media_type="application/json")
-
-
-@router.post("/v1/completions", response_model=None)
-async def create_completion(body: CompletionRequest, request: Request, state: State) -> Response:
-    return await _respond(request, state, await prepare(state, body), chat=False)
-
-
-@router.post("/v1/chat/completions", response_model=None)
-async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, state: State
-) -> Response:
-    return await _respond(request, state, await prepare(state, body), chat=True)

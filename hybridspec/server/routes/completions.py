@@ -1,0 +1,98 @@
+"""Routes ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+
+The HTTP side only: the request's path through the engine is ``server.generation`` and the
+event stream ``server.streaming``. What is HTTP's own is here: a client that hangs up before
+its response begins cancels its request (``until_disconnected``), and a streamed request's
+refusal is an HTTP error, not an event (its first output is awaited before the stream begins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from hybridspec.server.errors import ClientDisconnected
+from hybridspec.server.generation import (
+    PreparedRequest,
+    check_not_failed,
+    final_output,
+    next_output,
+    observe,
+    prepare,
+    response_body,
+)
+from hybridspec.server.protocol import ChatCompletionRequest, CompletionRequest
+from hybridspec.server.state import ServerState, State
+from hybridspec.server.streaming import ChunkRenderer, EventStreamResponse, stream_events
+
+T = TypeVar("T")
+
+router = APIRouter(tags=["completions"])
+
+
+async def _respond(request: Request, state: ServerState, prepared: PreparedRequest) -> Response:
+    response_id = f"{'chatcmpl' if prepared.chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    outputs = observe(state, prepared)
+    if prepared.stream:
+        try:
+            # Wait for the first output before answering, so that a refusal is an HTTP error.
+            first = await until_disconnected(request, next_output(outputs))
+            check_not_failed(first)  # failed before its first token: still an HTTP error
+        except BaseException:
+            await outputs.aclose()
+            raise
+        render = ChunkRenderer(response_id, created, prepared.model, prepared.chat)
+        return EventStreamResponse(
+            stream_events(prepared, render, first, outputs),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    async with contextlib.aclosing(outputs):
+        output = await until_disconnected(request, final_output(outputs))
+    body = response_body(prepared, response_id, created, output)
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        # Once the body is read, servers answer receive() only at disconnect; never spin.
+        await asyncio.sleep(0.05)
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable``; if the client hangs up first, cancel it and raise ClientDisconnected.
+
+    Cancelling it cancels the generator it drives, whose ``finally`` aborts the engine request.
+    """
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request, state: State) -> Response:
+    return await _respond(request, state, await prepare(state, body))
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, state: State
+) -> Response:
+    return await _respond(request, state, await prepare(state, body))

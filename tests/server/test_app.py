@@ -1,0 +1,116 @@
+"""Start-up of the app (``server.app``): the engine is warm before the app serves, warmed
+without a trace (free slots, no request in the metrics), and the start logs one ``ready:``
+line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.server.conftest import AppFactory
+from tests.server.helpers import metric, parse_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Run in a fresh interpreter, so that numba has compiled (or loaded) nothing before the app
+# starts: prints how many signatures every kernel of the runtime and of ngram has after the
+# app started, then after requests of every kind.
+NO_COMPILE_AFTER_START = """
+import json, sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+from numba.core.registry import CPUDispatcher
+
+from hybridspec.config import EngineConfig, ModelConfig
+from hybridspec.model import attention_kernels
+from hybridspec.proposers import ngram_kernels
+from hybridspec.server import ServerConfig, create_app
+from tests.conftest import save_tiny_llama
+
+
+def signatures():
+    modules = (attention_kernels, ngram_kernels)
+    return {
+        f"{module.__name__}.{name}": len(value.signatures)
+        for module in modules
+        for name, value in vars(module).items()
+        if isinstance(value, CPUDispatcher)
+    }
+
+
+model_dir = save_tiny_llama(Path(sys.argv[1]))
+target = ModelConfig(str(model_dir), dtype=sys.argv[2], max_num_seqs=4)
+config = EngineConfig(target=target, default_num_speculative_tokens=4)
+chat = [{"role": "user", "content": "abc abc abc abc"}]
+bodies = [
+    {"messages": chat, "max_tokens": 8, "temperature": 0, "proposer": "ngram"},
+    {"messages": chat, "max_tokens": 8, "temperature": 0.8, "seed": 1, "proposer": "none"},
+    {"messages": chat, "max_tokens": 8, "temperature": 0.8, "seed": 2, "proposer": "ngram"},
+    {"messages": chat, "max_tokens": 8, "temperature": 0, "stream": True},
+]
+with TestClient(create_app(ServerConfig(engine=config))) as client:
+    started = signatures()
+    for body in bodies:
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        codes = pool.map(lambda b: client.post("/v1/chat/completions", json=b).status_code, bodies)
+        assert set(codes) == {200}
+    print(json.dumps([started, signatures()]))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_requests_after_start_compile_nothing(tmp_path: Path, dtype: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", NO_COMPILE_AFTER_START, str(tmp_path / "tiny"), dtype],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    started, after_requests = json.loads(result.stdout.splitlines()[-1])
+    assert started["hybridspec.model.attention_kernels.attend"] >= 1
+    assert started["hybridspec.proposers.ngram_kernels.propose_batch"] >= 1
+    assert after_requests == started
+
+
+def test_startup_leaves_free_slots_and_empty_metrics(make_app: AppFactory) -> None:
+    with TestClient(make_app()) as client:
+        engine = client.app.state.server.loop.engine  # type: ignore[attr-defined]
+        assert engine.runtime.num_free_slots() == engine.runtime.max_num_seqs
+        assert not engine.has_unfinished()
+        samples = parse_metrics(client.get("/metrics").text)
+        for name in (
+            "hybridspec_requests_finished_total",
+            "hybridspec_prompt_tokens_total",
+            "hybridspec_generated_tokens_total",
+            "hybridspec_target_forwards_total",
+            "hybridspec_request_latency_seconds_count",
+            "hybridspec_time_to_first_token_seconds_count",
+        ):
+            assert metric(samples, name) == 0, name
+
+
+def test_startup_logs_one_ready_line(
+    make_app: AppFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="hybridspec.server"), TestClient(make_app()):
+        pass
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]
+    assert len(ready) == 1, caplog.text
+    pattern = (
+        r"ready: tiny-llama \(transformers \S+ -> float32\), \d+ threads, proposers ngram,none; "
+        r"load \d+\.\d s, warm-up \d+\.\d s"
+    )
+    assert re.fullmatch(pattern, ready[0]), ready[0]
