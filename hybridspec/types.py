@@ -134,15 +134,19 @@ class CommitInfo:
     ``num_accepted`` are accepted drafts, the last one the target's bonus or correction token
     (unless a stop condition cut the round short, when there may be fewer). A proposer rolls its
     own state back past the rejected drafts from these two fields alone.
-    ``hidden_states`` is reserved for proposers that read the target's features: the target's
-    hidden states at the committed tokens' positions, when the proposer asked for them, else
-    ``None`` (no built-in proposer asks yet).
+    ``hidden_states`` is for proposers that read the target's features
+    (``Proposer.hidden_layers``): the target's hidden states at the committed positions
+    ``hidden_position, hidden_position + 1, ...`` that it fed since the last commit (see
+    ``engine.features``: the prompt's chunks, the last committed token, accepted drafts; never a
+    rejected draft). ``None`` for a proposer that asks for no layer.
     """
 
     seq_id: int
     token_ids: Sequence[int]  # [num_committed]
     num_accepted: int
-    hidden_states: torch.Tensor | None = None  # [num_committed, hidden_size] or None
+    # [num_rows, len(Proposer.hidden_layers), hidden_size] in the target's dtype, or None
+    hidden_states: torch.Tensor | None = None
+    hidden_position: int = 0  # the position of hidden_states' first row
 
 
 @dataclass(slots=True)

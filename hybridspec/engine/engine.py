@@ -13,7 +13,7 @@ One step (see ARCHITECTURE.md for the full data flow):
 
 Dimensions: ``num_seqs`` decoding requests in the step; ``k_i`` drafts of request i.
 
-The module is about 370 lines because ``Engine`` is the one class callers use: proposers,
+The module is about 400 lines because ``Engine`` is the one class callers use: proposers,
 prompts, scheduling and committing live in their own modules, and what stays is the step and
 the request API (``add_request``, ``abort``, ``stream``, ``generate``) over them.
 """
@@ -27,8 +27,11 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
+from hybridspec.engine.features import forward_layers, keep_committed_rows, take_rows
 from hybridspec.engine.prompts import Messages, check_prompt, encode
 from hybridspec.engine.proposer_pool import ProposerPool, proposer_context
 from hybridspec.engine.request import (
@@ -53,8 +56,8 @@ from hybridspec.proposers import (
     ProposerRegistry,
     default_registry,
 )
-from hybridspec.types import CommitInfo
-from hybridspec.verifier import VerifyInput, verify
+from hybridspec.types import CommitInfo, Proposal
+from hybridspec.verifier import VerifyInput, VerifyOutput, verify
 from hybridspec.verifier.uniforms import KeyedUniforms, key_of
 
 logger = logging.getLogger(__name__)
@@ -207,22 +210,20 @@ class Engine:
         drafts = proposed.drafts
         if not drafts and not plan.prefill:
             return outputs
-        batch = forward_batch(drafts, plan.prefill, self.runtime.seq_len)
-        logits = self.runtime.forward(batch).logits  # [sum(k_i + 1), vocab_size]
-        if drafts:
-            verified = verify(
-                VerifyInput.from_proposals(
-                    [p for _, p in drafts],
-                    logits,
-                    [r.params.sampling for r, _ in drafts],
-                    [r.generator for r, _ in drafts],
-                    [KeyedUniforms(r.uniform_key, len(r.token_ids)) for r, _ in drafts],
-                    checked=True,  # by the proposer pool, where they entered
-                )
-            )
+        fed = [self.proposers[r.proposer_name] for r, _ in (*drafts, *plan.prefill)]
+        batch = forward_batch(drafts, plan.prefill, self.runtime.seq_len, forward_layers(fed))
+        output = self.runtime.forward(batch)
+        verified = self._verify(drafts, output.logits) if drafts else None
+        accepted = verified.num_accepted.tolist() if verified is not None else []
+        if output.hidden_states is not None:
+            rejected = [p.num_drafts - n for (_, p), n in zip(drafts, accepted, strict=True)]
+            requests = [r for r, _ in (*drafts, *plan.prefill)]
+            rejected += [0] * len(plan.prefill)
+            keep_committed_rows(batch, output.hidden_states, requests, fed, rejected)
+        if verified is not None:
             committed = 0
             for (request, proposal), tokens, num_accepted in zip(
-                drafts, verified.output_token_ids, verified.num_accepted.tolist(), strict=True
+                drafts, verified.output_token_ids, accepted, strict=True
             ):
                 committed += len(tokens)
                 outputs.append(self._commit(request, tokens, num_accepted, proposal.num_drafts))
@@ -230,6 +231,19 @@ class Engine:
                 verified_tokens = sum(p.num_drafts + 1 for _, p in drafts)
                 self.speculation.record_step(committed, verified_tokens)
         return outputs
+
+    def _verify(self, drafts: list[tuple[Request, Proposal]], logits: torch.Tensor) -> VerifyOutput:
+        """Verify every decoding request's drafts against ``logits`` [sum(k_i + 1), vocab_size]."""
+        return verify(
+            VerifyInput.from_proposals(
+                [p for _, p in drafts],
+                logits,
+                [r.params.sampling for r, _ in drafts],
+                [r.generator for r, _ in drafts],
+                [KeyedUniforms(r.uniform_key, len(r.token_ids)) for r, _ in drafts],
+                checked=True,  # by the proposer pool, where they entered
+            )
+        )
 
     def _admit(self, outputs: list[RequestOutput]) -> None:
         for request in self.scheduler.admit(self.runtime.num_free_slots()):
@@ -269,9 +283,10 @@ class Engine:
         if reason is not None:
             return self._finish(request, reason, new_token_ids=new_token_ids)
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
+        hidden_states, hidden_position = take_rows(request)
         try:
             self.proposers[request.proposer_name].commit(
-                CommitInfo(request.seq_id, tokens, num_accepted)
+                CommitInfo(request.seq_id, tokens, num_accepted, hidden_states, hidden_position)
             )
         except Exception as exc:
             logger.exception("proposer %r failed to commit", request.proposer_name)

@@ -168,6 +168,10 @@ class Request:
     error: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
     speculation: SpeculationState = field(default_factory=SpeculationState)
+    # The target's hidden states at committed positions not yet handed to the proposer
+    # (``engine.features``), and how many positions were handed so far.
+    pending_hidden: list[torch.Tensor] = field(default_factory=list)
+    num_hidden_handed: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -94,6 +94,7 @@ def forward_batch(
     drafts: list[tuple[Request, Proposal]],
     prefill: list[tuple[Request, int]],
     seq_len: Callable[[int], int],
+    hidden_layers: tuple[int, ...] = (),
 ) -> ForwardBatch:
     """Flatten the step's decoding spans and prefill chunks into one ragged batch.
 
@@ -125,4 +126,5 @@ def forward_batch(
         token_ids=torch.tensor(token_ids, dtype=torch.long),
         cu_num_tokens=torch.tensor(cu, dtype=torch.long),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        hidden_layers=hidden_layers,
     )

@@ -24,6 +24,14 @@ proposal once, where it enters (``verifier.check_proposal``).
 A proposer is built from a ``ProposerContext``: what it may use from the engine (the target's
 vocabulary, EOS ids and tokenizer, the engine's configuration, the draft model the engine
 loaded) and nothing else.
+
+A proposer that reads the target's features (a feature-level draft head, as EAGLE does) names
+the target's layers in ``hidden_layers``; each ``commit`` then brings the layers' outputs at
+every committed position fed since the last one (``CommitInfo.hidden_states``, from
+``CommitInfo.hidden_position`` on), taken from the verifying forward itself. Example: a 10-token
+prompt, then a round that feeds ``[p9, d1, d2, d3]`` and keeps ``d1, d2``: the commit of
+``[d1, d2, c]`` brings positions 0-11 (the prompt and the accepted drafts, not ``d3``); the
+next one starts at position 12, ``c``. ``engine.features`` has the details.
 """
 
 from __future__ import annotations
@@ -87,6 +95,11 @@ class Proposer(ABC):
     # neighbours. A deterministic proposer's sampled text does not depend on its drafts
     # (``verifier.uniforms``).
     samples_drafts: bool = False
+    # The target's decoder layers whose outputs this proposer reads (``ForwardBatch``'s
+    # convention: ``(-1,)`` is the last layer's output before the final norm). The engine then
+    # hands it their rows at its sequences' committed positions in ``CommitInfo.hidden_states``
+    # (``engine.features``); () asks for none and costs nothing.
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, context: ProposerContext) -> None:
         self.context = context

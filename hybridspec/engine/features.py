@@ -1,0 +1,81 @@
+"""Target features for proposers: the target's hidden states at committed positions, handed to
+the proposers that ask for them (``Proposer.hidden_layers``) at no extra forward.
+
+A forward names the union of the layers that its sequences' proposers ask for
+(``ForwardBatch.hidden_layers``) and returns their outputs for every fed token. The rows of a
+sequence's committed tokens are kept, in position order, until its next ``commit``, which
+hands them over in ``CommitInfo.hidden_states`` (columns: the proposer's own layers, in its
+order) with ``CommitInfo.hidden_position``, the position of the first row. A row of a rejected
+draft is never kept. Over a sequence's life the commits cover positions ``0, 1, 2, ...`` without
+gap or overlap, up to the last committed token but one (the last is fed by the next forward).
+
+Worked example, one layer asked: a 10-token prompt fed as a prefill chunk of 6, then a decode
+forward of ``[p6 .. p9, d1, d2, d3]`` whose verification accepts ``d1, d2`` and corrects the
+third. The chunk's rows 0-5 wait; the decode forward keeps rows for positions 6-11 (``p6 ..
+p9, d1, d2``) and drops ``d3``'s; the commit of ``[d1, d2, c]`` hands over positions 0-11
+(12 rows, ``hidden_position = 0``). The next forward feeds ``c`` (position 12) with new drafts,
+and the next commit starts at ``hidden_position = 12``.
+
+Proposers that ask for no layer cost nothing: a forward none of whose sequences' proposers ask
+computes no hidden states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from hybridspec.engine.request import Request
+from hybridspec.model import ForwardBatch
+from hybridspec.proposers import Proposer
+
+
+def forward_layers(proposers: Iterable[Proposer]) -> tuple[int, ...]:
+    """The union, in order of first appearance, of the layers ``proposers`` ask for (one
+    entry per sequence of the forward)."""
+    layers: dict[int, None] = {}
+    for proposer in proposers:
+        layers.update(dict.fromkeys(proposer.hidden_layers))
+    return tuple(layers)
+
+
+def keep_committed_rows(
+    batch: ForwardBatch,
+    hidden_states: torch.Tensor,
+    requests: Sequence[Request],
+    proposers: Sequence[Proposer],
+    rejected: Sequence[int],
+) -> None:
+    """Keep, until its next commit, each request's rows of ``batch`` that hold committed tokens:
+    all it fed but its last ``rejected[i]`` (rejected drafts), in its proposer's columns.
+
+    ``requests``, ``proposers``, ``rejected``: per sequence of the batch, in its order.
+    ``hidden_states``: [num_tokens, len(batch.hidden_layers), hidden_size].
+    """
+    cu = batch.cu_num_tokens.tolist()
+    for i, (request, proposer) in enumerate(zip(requests, proposers, strict=True)):
+        end = cu[i + 1] - rejected[i]
+        if not proposer.hidden_layers or end <= cu[i]:
+            continue
+        rows = hidden_states[cu[i] : end]
+        if proposer.hidden_layers != batch.hidden_layers:
+            columns = [batch.hidden_layers.index(layer) for layer in proposer.hidden_layers]
+            rows = rows[:, columns]
+        request.pending_hidden.append(rows)
+
+
+def take_rows(request: Request) -> tuple[torch.Tensor | None, int]:
+    """The rows kept since the request's last commit and the position of the first; forgets
+    them. (None, position) when none were kept."""
+    position = request.num_hidden_handed
+    if not request.pending_hidden:
+        return None, position
+    rows = (
+        request.pending_hidden[0]
+        if len(request.pending_hidden) == 1
+        else torch.cat(request.pending_hidden)
+    )
+    request.pending_hidden.clear()
+    request.num_hidden_handed += rows.shape[0]
+    return rows, position
