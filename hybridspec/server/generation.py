@@ -54,6 +54,7 @@ class PreparedRequest:
     num_speculative_tokens: int  # resolved likewise
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage so far on every chunk (needs include_usage, as in vLLM)
     chat: bool  # a chat completion (else a text completion)
 
 
@@ -194,6 +195,7 @@ async def prepare(
     _reject_unsupported(body)
     prompt = _prompt(body)
     params = _params(body)
+    options = body.stream_options
     ids, proposer, k = await state.engine_call(functools.partial(_tokenize, prompt, params))
     max_tokens = _completion_budget(state.model.max_seq_len, len(ids), prompt.max_tokens)
     return PreparedRequest(
@@ -203,7 +205,10 @@ async def prepare(
         proposer=proposer,
         num_speculative_tokens=k,
         stream=body.stream,
-        include_usage=body.stream_options is not None and body.stream_options.include_usage,
+        include_usage=options is not None and options.include_usage,
+        continuous_usage=options is not None
+        and options.include_usage
+        and options.continuous_usage_stats,
         chat=isinstance(body, ChatCompletionRequest),
     )
 
@@ -285,7 +290,11 @@ def finish_reason(output: RequestOutput) -> FinishReasonName:
 
 def usage(prepared: PreparedRequest, output: RequestOutput) -> Usage:
     assert output.result is not None
-    completion = len(output.result.token_ids)
+    return usage_so_far(prepared, len(output.result.token_ids))
+
+
+def usage_so_far(prepared: PreparedRequest, completion: int) -> Usage:
+    """Usage after ``completion`` generated tokens."""
     prompt = len(prepared.prompt_token_ids)
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion

@@ -22,6 +22,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's extension, which load generators (guidellm) send: with include_usage, every chunk
+    # carries the usage so far, not only the last one.
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Body):

@@ -3,7 +3,8 @@
 A streamed response is a sequence of server-sent events, ``data: <chunk JSON>``, ending with
 ``data: [DONE]``. A chat stream's first chunk carries the role; the last chunk before
 ``[DONE]`` carries the finish reason and the ``hybridspec`` statistics (then, when
-``stream_options.include_usage`` is set, one chunk with empty choices and the usage).
+``stream_options.include_usage`` is set, one chunk with empty choices and the usage). With
+``continuous_usage_stats`` too (vLLM's extension), every chunk also carries the usage so far.
 
 ``stream_events`` is independent of the web framework: it turns a request's engine outputs
 into the event strings; ``EventStreamResponse`` is the Starlette response that sends them.
@@ -28,6 +29,7 @@ from hybridspec.server.generation import (
     next_output,
     speculation_stats,
     usage,
+    usage_so_far,
 )
 from hybridspec.server.protocol import (
     ChatCompletionChunk,
@@ -84,20 +86,22 @@ class ChunkRenderer:
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
         return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
-    def head(self) -> str | None:
+    def head(self, usage: Usage | None = None) -> str | None:
         if not self.chat:
             return None
-        return self._event([{"delta": Delta(role="assistant", content="")}])
+        return self._event([{"delta": Delta(role="assistant", content="")}], usage=usage)
 
-    def text(self, text: str) -> str:
+    def text(self, text: str, usage: Usage | None = None) -> str:
         if self.chat:
-            return self._event([{"delta": Delta(content=text)}])
-        return self._event([{"text": text, "finish_reason": None}])
+            return self._event([{"delta": Delta(content=text)}], usage=usage)
+        return self._event([{"text": text, "finish_reason": None}], usage=usage)
 
-    def final(self, reason: FinishReasonName, stats: SpeculationStats) -> str:
+    def final(
+        self, reason: FinishReasonName, stats: SpeculationStats, usage: Usage | None = None
+    ) -> str:
         choice: dict[str, object] = {"finish_reason": reason}
         choice.update({"delta": Delta()} if self.chat else {"text": ""})
-        return self._event([choice], hybridspec=stats)
+        return self._event([choice], hybridspec=stats, usage=usage)
 
     def usage(self, usage: Usage) -> str:
         return self._event([], usage=usage)
@@ -116,14 +120,20 @@ async def stream_events(
 ) -> AsyncIterator[str]:
     """The event stream of one request whose ``first`` output was awaited already (so that a
     refusal became an HTTP error before the stream began). Closes ``outputs`` when it ends."""
+    generated = 0
+
+    def so_far() -> Usage | None:
+        return usage_so_far(prepared, generated) if prepared.continuous_usage else None
+
     async with contextlib.aclosing(outputs):
-        head = render.head()
+        head = render.head(so_far())
         if head is not None:
             yield head
         output = first
         while not output.finished:
+            generated += len(output.new_token_ids)
             if output.new_text:
-                yield render.text(output.new_text)
+                yield render.text(output.new_text, so_far())
             output = await next_output(outputs)
         try:
             check_not_failed(output)
@@ -132,9 +142,11 @@ async def stream_events(
             yield DONE
             return
         assert output.result is not None
+        generated = len(output.result.token_ids)
         if output.new_text:
-            yield render.text(output.new_text)
-        yield render.final(finish_reason(output), speculation_stats(prepared, output.result.stats))
+            yield render.text(output.new_text, so_far())
+        stats = speculation_stats(prepared, output.result.stats)
+        yield render.final(finish_reason(output), stats, so_far())
         if prepared.include_usage:
             yield render.usage(usage(prepared, output))
         yield DONE

@@ -271,3 +271,37 @@ def test_draft_proposer_is_served_when_a_draft_model_is_given(
         assert texts["draft"] == texts["none"]
         assert stats["draft_tokens_proposed"] > 0
         assert stats["acceptance_rate"] == 1.0
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(
+    client: TestClient, route: str
+) -> None:
+    # The body guidellm sends by default (vLLM's stream_options extension included).
+    body = {
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "ignore_eos": True,
+        **({"messages": CHAT} if route.endswith("chat/completions") else {"prompt": "hello"}),
+    }
+    chunks = sse_chunks(client.post(route, json=body).text)
+    usages = [chunk["usage"] for chunk in chunks]
+    prompt = usages[0]["prompt_tokens"]
+    assert prompt > 0 and all(u["prompt_tokens"] == prompt for u in usages)
+    assert all(u["total_tokens"] == prompt + u["completion_tokens"] for u in usages)
+    completion = [u["completion_tokens"] for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 6
+    assert chunks[-1]["choices"] == []  # the usage chunk of include_usage still ends the stream
+
+
+def test_continuous_usage_stats_needs_include_usage(client: TestClient) -> None:
+    body = {
+        "messages": CHAT,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": True},
+    }
+    chunks = sse_chunks(client.post("/v1/chat/completions", json=body).text)
+    assert all("usage" not in chunk for chunk in chunks)
