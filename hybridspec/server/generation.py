@@ -59,7 +59,13 @@ class PreparedRequest:
 
 
 def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse OpenAI options this server does not implement, rather than ignore them."""
+    """Refuse OpenAI options this server does not implement, rather than ignore them, and
+    those that mean nothing here (as the OpenAI API does)."""
+    check(
+        body.stream or body.stream_options is None,
+        "stream_options",
+        "stream_options is only allowed when stream is true",
+    )
     check(body.n is None or body.n == 1, "n", f"only n = 1 is supported, got {body.n}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(body, name)

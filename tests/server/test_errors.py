@@ -57,6 +57,7 @@ def assert_error(response: Any, status: int, param: str | None) -> dict[str, Any
         ({"echo": True}, "echo"),
         ({"logprobs": 2}, "logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ],
 )
 def test_invalid_completion_values_are_400(
