@@ -141,10 +141,10 @@ def _one_thread() -> Iterator[None]:
 
     Building the runtime reorders every matmul weight into oneDNN's layout, one call per
     weight. A reorder is a permutation of the weight's values (the same result on any number
-    of threads), and a short one: measured on the development CPU (2 cores, busy), SmolLM2's
-    120 layer weights took 0.01 s on one thread and 1.3 s on two, whose OpenMP barriers spin
-    for a descheduled peer. The number of threads is the process's: this runs before the
-    engine exists, so nothing else is computing.
+    of threads), and a short one, so on a busy machine several threads mostly wait at OpenMP
+    barriers for a descheduled peer (benchmarks/RESULTS.md, "Start-up"). The number of
+    threads is the process's: this runs before the engine exists, so nothing else is
+    computing.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,11 +1,11 @@
 """A disk cache of the fused native weights read from a GGUF file, so that a restart skips the
 GGUF parse, the dequantisation and the fusing.
 
-Reading the embedded SmolLM2-135M (Q4_1, 98 MB) took about 3 s on the development CPU: the
-reader parses the 49k-entry vocabulary in the metadata, dequantises every tensor to float32 and
-``LlamaWeights.from_hf_state_dict`` fuses and converts them. Its result, saved once with
-``torch.save``, loads memory-mapped in tens of milliseconds; the tensors are the very ones
-that were saved, so every output is bit-identical to a fresh conversion.
+Reading a GGUF file is the slow part of loading: the reader parses the vocabulary in the
+metadata, dequantises every tensor to float32 and ``LlamaWeights.from_hf_state_dict`` fuses
+and converts them. Its result, saved once with ``torch.save``, loads memory-mapped; the tensors
+are the very ones that were saved, so every output is bit-identical to a fresh conversion
+(timings in benchmarks/RESULTS.md, "Start-up").
 
 An entry is keyed by the GGUF file (name, size, modification time), the dtype, the torch
 version and the source of the modules that do the conversion (``gguf.py``,
