@@ -172,7 +172,7 @@ class Engine:
             uniform_key=key_of(params.sampling.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
         )
-        self.scheduler.add(request)
+        self.scheduler.add(request, self.runtime.num_free_slots())
         return request.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -42,10 +42,17 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
-    def add(self, request: Request) -> None:
-        if len(self.waiting) >= self.max_queue_size:
+    def add(self, request: Request, num_free_slots: int) -> None:
+        """Queue ``request``; CapacityError when the queue is full.
+
+        Waiting requests that the next step admits into the ``num_free_slots`` free slots are
+        not queued for a slot, so a burst between two steps may hold that many more: with 4
+        free slots and ``max_queue_size = 64``, the 69th request waiting is refused.
+        """
+        if len(self.waiting) >= self.max_queue_size + max(0, num_free_slots):
             raise CapacityError(
-                f"the request queue is full ({self.max_queue_size} waiting); retry later"
+                f"the request queue is full ({self.max_queue_size} waiting for a batch slot); "
+                "retry later"
             )
         self.waiting.append(request)
 

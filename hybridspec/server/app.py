@@ -26,6 +26,7 @@ from hybridspec.server.config import ServerConfig
 from hybridspec.server.errors import install_error_handlers
 from hybridspec.server.metrics import ServerMetrics
 from hybridspec.server.middleware import RequestCountingMiddleware
+from hybridspec.server.prompts import PromptEncoder, longest_token_chars
 from hybridspec.server.routes import ROUTERS
 from hybridspec.server.state import ModelInfo, ServerState
 
@@ -77,14 +78,18 @@ def create_app(
         engine = factory(server_config.engine)
         steps["load"] = time.perf_counter() - start
         loop: EngineLoop | None = None
+        prompts: PromptEncoder | None = None
         try:
             steps["warm-up"] = warm_up(engine)
             model = ModelInfo.from_engine(engine, server_config)  # before the loop's thread runs
+            prompts = prompt_encoder(engine, server_config)
             loop = EngineLoop(engine)
-            app.state.server = ServerState(server_config, loop, model, metrics)
+            app.state.server = ServerState(server_config, loop, model, metrics, prompts)
             logger.info("%s", ready_line(engine, model, steps))
             yield
         finally:
+            if prompts is not None:
+                prompts.close()
             if loop is not None:
                 await _stop(loop)
             engine.close()
@@ -95,6 +100,16 @@ def create_app(
     for router in ROUTERS:
         app.include_router(router)
     return app
+
+
+def prompt_encoder(engine: Engine, config: ServerConfig) -> PromptEncoder:
+    """Tokenizes on worker threads; prompts hold at most ``config.max_prompt_tokens`` tokens
+    (None: the context but one, the least room to generate)."""
+    limit = engine.max_seq_len - 1
+    if config.max_prompt_tokens is not None:
+        limit = min(limit, config.max_prompt_tokens)
+    chars = longest_token_chars(engine.tokenizer, engine.vocab_size)
+    return PromptEncoder(engine.encode, engine.check_prompt, limit, chars)
 
 
 async def _stop(loop: EngineLoop) -> None:

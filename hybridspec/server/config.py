@@ -21,6 +21,7 @@ class ServerConfig:
     served_model_name: str | None = None  # None: derived from the target (see model_names)
     health_timeout_s: float = 5.0  # the engine thread must answer /health within this
     retry_after_s: int = 1  # Retry-After of a 503 when the request queue is full
+    max_prompt_tokens: int | None = None  # None: the context but one token
 
     def __post_init__(self) -> None:
         check(
@@ -52,6 +53,13 @@ class ServerConfig:
             isinstance(self.retry_after_s, int) and self.retry_after_s >= 1,
             "retry_after_s",
             f"expected an integer >= 1, got {self.retry_after_s!r}",
+        )
+
+        check(
+            self.max_prompt_tokens is None
+            or (isinstance(self.max_prompt_tokens, int) and self.max_prompt_tokens >= 1),
+            "max_prompt_tokens",
+            f"expected None or an integer >= 1, got {self.max_prompt_tokens!r}",
         )
 
     def model_names(self) -> tuple[str, ...]:

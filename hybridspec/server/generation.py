@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import cast
 
-from hybridspec.engine import Engine, FinishReason, GenerationParams, RequestOutput
+from hybridspec.engine import FinishReason, GenerationParams, RequestOutput
 from hybridspec.errors import HybridSpecError, check
+from hybridspec.server.prompts import prompt_of
 from hybridspec.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -38,9 +37,7 @@ from hybridspec.server.protocol import (
 from hybridspec.server.state import ServerState
 from hybridspec.types import GenerationStats
 
-COMPLETION_MAX_TOKENS = 16  # as in the OpenAI legacy completions API
 OPENAI_DEFAULT_TEMPERATURE = 1.0
-TORCH_SEED_LIMIT = 1 << 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,68 +87,9 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         )
 
 
-def _chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """OpenAI messages as the {role, content} strings that the chat template takes."""
-    out = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                check(
-                    part.type == "text" and part.text is not None,
-                    f"messages[{i}].content[{j}]",
-                    f"only text content parts are supported, got type {part.type!r}",
-                )
-            content = "".join(part.text or "" for part in content)
-        out.append({"role": message.role, "content": content or ""})
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class _Prompt:
-    """What to tokenize (exactly one of the three) and the requested completion budget."""
-
-    text: str | None
-    messages: list[dict[str, str]] | None
-    token_ids: list[int] | None
-    max_tokens: int | None  # None: the rest of the context
-
-
-def _prompt(body: CompletionRequest | ChatCompletionRequest) -> _Prompt:
-    """One text prompt, token ids or chat; several prompts are refused like n > 1."""
-    if isinstance(body, ChatCompletionRequest):
-        chosen = body.max_completion_tokens
-        max_tokens = chosen if chosen is not None else body.max_tokens
-        prompt = _Prompt(None, _chat_messages(body.messages), None, max_tokens)
-    else:
-        raw = body.prompt
-        if isinstance(raw, list) and raw and isinstance(raw[0], (str, list)):
-            check(
-                len(raw) == 1, "prompt", f"only one prompt per request is supported, got {len(raw)}"
-            )
-            raw = raw[0]
-        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_MAX_TOKENS
-        if isinstance(raw, str):
-            prompt = _Prompt(raw, None, None, max_tokens)
-        else:
-            prompt = _Prompt(None, None, list(raw), max_tokens)  # type: ignore[arg-type]
-    check(
-        prompt.max_tokens is None or prompt.max_tokens >= 1,
-        "max_tokens",
-        f"expected an integer >= 1, got {prompt.max_tokens}",
-    )
-    return prompt
-
-
 def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams:
     """The body's generation options; ``max_new_tokens`` is set once the prompt is tokenized."""
     temperature = body.temperature
-    # torch seeds are 64-bit; SamplingParams checks only seed >= 0 (reported to the engine).
-    check(
-        body.seed is None or body.seed < TORCH_SEED_LIMIT,
-        "seed",
-        f"expected an integer in [0, 2**64), got {body.seed}",
-    )
     return GenerationParams.create(
         max_new_tokens=1,
         temperature=temperature if temperature is not None else OPENAI_DEFAULT_TEMPERATURE,
@@ -163,20 +101,6 @@ def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams
         stop=body.stop,
         ignore_eos=body.ignore_eos,
     )
-
-
-def _tokenize(
-    prompt: _Prompt, params: GenerationParams, engine: Engine
-) -> tuple[list[int], str, int]:
-    """On the engine thread: the prompt's token ids, checked, and the resolved proposer and K."""
-    ids = prompt.token_ids
-    if ids is None:
-        ids = engine.encode(prompt.text, prompt.messages)
-    engine.check_prompt(ids)
-    proposer = params.proposer or engine.config.default_proposer
-    engine.resolve_proposer(proposer)
-    k = params.num_speculative_tokens or engine.config.default_num_speculative_tokens
-    return ids, proposer, k
 
 
 def _completion_budget(max_seq_len: int, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -196,13 +120,15 @@ def _completion_budget(max_seq_len: int, num_prompt_tokens: int, max_tokens: int
 async def prepare(
     state: ServerState, body: CompletionRequest | ChatCompletionRequest
 ) -> PreparedRequest:
-    """Validate ``body``; tokenize its prompt on the engine thread, which owns the tokenizer."""
+    """Validate ``body`` and tokenize its prompt on a worker thread (``server.prompts``)."""
     model = state.model.resolve(body.model)
     _reject_unsupported(body)
-    prompt = _prompt(body)
+    prompt = prompt_of(body)
     params = _params(body)
+    proposer = state.model.resolve_proposer(params.proposer)
+    k = params.num_speculative_tokens or state.model.default_num_speculative_tokens
     options = body.stream_options
-    ids, proposer, k = await state.engine_call(functools.partial(_tokenize, prompt, params))
+    ids = await state.prompts.encode(prompt)
     max_tokens = _completion_budget(state.model.max_seq_len, len(ids), prompt.max_tokens)
     return PreparedRequest(
         model=model,

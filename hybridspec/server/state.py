@@ -14,9 +14,10 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Request
 
 from hybridspec.engine import Engine, EngineLoop
-from hybridspec.errors import UnknownModelError
+from hybridspec.errors import InvalidRequestError, UnknownModelError
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.metrics import ServerMetrics
+from hybridspec.server.prompts import PromptEncoder
 
 T = TypeVar("T")
 
@@ -28,6 +29,7 @@ class ModelInfo:
     names: tuple[str, ...]  # names[0] is listed; every one is accepted in requests
     max_seq_len: int
     proposers: tuple[str, ...]  # those that requests may pick
+    unavailable_proposers: dict[str, str]  # registered but not built: name -> why
     default_proposer: str
     default_num_speculative_tokens: int
     created: int = field(default_factory=lambda: int(time.time()))
@@ -38,6 +40,7 @@ class ModelInfo:
             names=config.model_names(),
             max_seq_len=engine.max_seq_len,
             proposers=tuple(engine.available_proposers()),
+            unavailable_proposers=engine.unavailable_proposers(),
             default_proposer=engine.config.default_proposer,
             default_num_speculative_tokens=engine.config.default_num_speculative_tokens,
         )
@@ -55,18 +58,36 @@ class ModelInfo:
             param="model",
         )
 
+    def resolve_proposer(self, requested: str | None) -> str:
+        """The proposer a request runs with; InvalidRequestError (400) naming the choices when
+        it is unknown or unavailable, as ``Engine.add_request`` would say."""
+        name = requested or self.default_proposer
+        if name in self.unavailable_proposers:
+            raise InvalidRequestError(
+                f"proposer: {name!r} is not available: {self.unavailable_proposers[name]}",
+                "proposer",
+            )
+        if name not in self.proposers:
+            known = ", ".join(sorted({*self.proposers, *self.unavailable_proposers}))
+            raise InvalidRequestError(
+                f"proposer: unknown proposer {name!r}; registered: {known}", "proposer"
+            )
+        return name
+
 
 @dataclass(slots=True)
 class ServerState:
-    """The running server: its engine loop (sole owner of the engine), metrics and facts."""
+    """The running server: its engine loop (sole owner of the engine), the prompt encoder
+    (worker threads), metrics and facts."""
 
     config: ServerConfig
     loop: EngineLoop
     model: ModelInfo
     metrics: ServerMetrics
+    prompts: PromptEncoder
 
     async def engine_call(self, fn: Callable[[Engine], T], timeout_s: float | None = None) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps (tokenizing, snapshots)."""
+        """Run ``fn(engine)`` on the engine thread between steps (snapshots for /health)."""
         result: T = await asyncio.wait_for(self.loop.call(fn), timeout_s)
         return result
 
