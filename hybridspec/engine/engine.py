@@ -11,11 +11,15 @@ One step (see ARCHITECTURE.md for the full data flow):
 6. commit each request's accepted tokens and bonus/correction token, check stop conditions on
    them, roll the target cache back to the committed length and tell the proposer.
 
+A failure stays with the request it comes from (``step``): when the shared forward or
+verification raises, the round runs again one sequence at a time.
+
 Dimensions: ``num_seqs`` decoding requests in the step; ``k_i`` drafts of request i.
 
-The module is about 400 lines because ``Engine`` is the one class callers use: proposers,
-prompts, scheduling and committing live in their own modules, and what stays is the step and
-the request API (``add_request``, ``abort``, ``stream``, ``generate``) over them.
+The module is near 500 lines because ``Engine`` is the one class callers use: proposers,
+prompts, scheduling and features live in their own modules, and what stays is the step (with
+its fault containment) and the request API (``add_request``, ``abort``, ``stream``,
+``generate``) over them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +51,7 @@ from hybridspec.engine.scheduler import Scheduler, forward_batch
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import (
+    ForwardBatch,
     LoadedModel,
     fastest_forward_seconds,
     load_model,
@@ -61,6 +67,21 @@ from hybridspec.verifier import VerifyInput, VerifyOutput, verify
 from hybridspec.verifier.uniforms import KeyedUniforms, key_of
 
 logger = logging.getLogger(__name__)
+
+# What a request that failed inside the engine is told; the detail goes to the log.
+ROUND_FAILED = "engine: this request's round failed (details in the server log)"
+
+
+@dataclass(frozen=True, slots=True)
+class _Round:
+    """One forward's sequences and results, between verification and commit."""
+
+    drafts: list[tuple[Request, Proposal]]  # decoding requests, verified
+    prefill: list[tuple[Request, int]]  # (request, prompt tokens fed)
+    fed: list[Proposer]  # per sequence of the batch: drafts then prefill
+    batch: ForwardBatch
+    hidden_states: torch.Tensor | None  # [num_tokens, len(batch.hidden_layers), hidden_size]
+    verified: VerifyOutput | None  # None: no decoding request
 
 
 class Engine:
@@ -196,7 +217,13 @@ class Engine:
     # ---------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Advance every running request by one round; return what each one committed."""
+        """Advance every running request by one round; return what each one committed.
+
+        A failure is contained to its request: a proposer's (``ProposerPool.propose``), a
+        commit's (``_commit_all``), and one in the shared forward or verification, after which
+        every sequence of the round runs again alone (``_isolate``) and only those that fail
+        alone fail.
+        """
         outputs: list[RequestOutput] = []
         self._admit(outputs)
         running = self.scheduler.running
@@ -210,26 +237,85 @@ class Engine:
         drafts = proposed.drafts
         if not drafts and not plan.prefill:
             return outputs
-        fed = [self.proposers[r.proposer_name] for r, _ in (*drafts, *plan.prefill)]
-        batch = forward_batch(drafts, plan.prefill, self.runtime.seq_len, forward_layers(fed))
+        cached = {r.seq_id: self.runtime.seq_len(r.slot) for r, _ in (*drafts, *plan.prefill)}  # type: ignore[arg-type]
+        try:
+            verified = self._forward_and_verify(drafts, plan.prefill)
+        except Exception:
+            logger.exception("a round of %d sequences failed; running each alone", len(cached))
+            self._roll_back(cached)
+            return outputs + self._isolate(drafts, plan.prefill, cached)
+        return outputs + self._commit_all(verified)
+
+    def _forward_and_verify(
+        self, drafts: list[tuple[Request, Proposal]], prefill: list[tuple[Request, int]]
+    ) -> _Round:
+        """One target forward over the decoding spans and prefill chunks, and verification of
+        the drafts. Changes nothing but the fed sequences' target caches."""
+        fed = [self.proposers[r.proposer_name] for r, _ in (*drafts, *prefill)]
+        batch = forward_batch(drafts, prefill, self.runtime.seq_len, forward_layers(fed))
         output = self.runtime.forward(batch)
         verified = self._verify(drafts, output.logits) if drafts else None
+        return _Round(drafts, prefill, fed, batch, output.hidden_states, verified)
+
+    def _commit_all(self, round_: _Round) -> list[RequestOutput]:
+        """Commit each decoding request's verified tokens; a failure fails that request only."""
+        drafts, verified = round_.drafts, round_.verified
         accepted = verified.num_accepted.tolist() if verified is not None else []
-        if output.hidden_states is not None:
+        outputs: list[RequestOutput] = []
+        if round_.hidden_states is not None:
             rejected = [p.num_drafts - n for (_, p), n in zip(drafts, accepted, strict=True)]
-            requests = [r for r, _ in (*drafts, *plan.prefill)]
-            rejected += [0] * len(plan.prefill)
-            keep_committed_rows(batch, output.hidden_states, requests, fed, rejected)
-        if verified is not None:
-            committed = 0
-            for (request, proposal), tokens, num_accepted in zip(
-                drafts, verified.output_token_ids, accepted, strict=True
-            ):
-                committed += len(tokens)
+            requests = [r for r, _ in (*drafts, *round_.prefill)]
+            rejected += [0] * len(round_.prefill)
+            keep_committed_rows(round_.batch, round_.hidden_states, requests, round_.fed, rejected)
+        if verified is None:
+            return outputs
+        committed = 0
+        for (request, proposal), tokens, num_accepted in zip(
+            drafts, verified.output_token_ids, accepted, strict=True
+        ):
+            committed += len(tokens)
+            try:
                 outputs.append(self._commit(request, tokens, num_accepted, proposal.num_drafts))
-            if self.speculation is not None:
-                verified_tokens = sum(p.num_drafts + 1 for _, p in drafts)
-                self.speculation.record_step(committed, verified_tokens)
+            except Exception:
+                logger.exception("committing request %s failed", request.request_id)
+                outputs.append(self._finish(request, FinishReason.ERROR, ROUND_FAILED))
+        if self.speculation is not None:
+            verified_tokens = sum(p.num_drafts + 1 for _, p in drafts)
+            self.speculation.record_step(committed, verified_tokens)
+        return outputs
+
+    def _roll_back(self, cached: dict[int, int]) -> None:
+        """Return the target cache of every sequence in ``cached`` (seq_id -> length) to its
+        length before a failed round."""
+        for request in self.scheduler.running:
+            length = cached.get(request.seq_id)
+            slot = request.slot
+            if length is not None and slot is not None and self.runtime.seq_len(slot) > length:
+                self.runtime.truncate(slot, length)
+
+    def _isolate(
+        self,
+        drafts: list[tuple[Request, Proposal]],
+        prefill: list[tuple[Request, int]],
+        cached: dict[int, int],
+    ) -> list[RequestOutput]:
+        """Run a failed round again one sequence at a time, with the same drafts: those that
+        succeed commit as they would have; those that fail alone end with an error."""
+        outputs: list[RequestOutput] = []
+        alone: list[tuple[list[tuple[Request, Proposal]], list[tuple[Request, int]]]] = [
+            *(([entry], []) for entry in drafts),
+            *(([], [entry]) for entry in prefill),
+        ]
+        for one_draft, one_prefill in alone:
+            request = (one_draft or one_prefill)[0][0]
+            try:
+                verified = self._forward_and_verify(one_draft, one_prefill)
+            except Exception:
+                logger.exception("request %s failed alone", request.request_id)
+                self._roll_back({request.seq_id: cached[request.seq_id]})
+                outputs.append(self._finish(request, FinishReason.ERROR, ROUND_FAILED))
+                continue
+            outputs += self._commit_all(verified)
         return outputs
 
     def _verify(self, drafts: list[tuple[Request, Proposal]], logits: torch.Tensor) -> VerifyOutput:

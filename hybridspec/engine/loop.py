@@ -110,9 +110,10 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:
+            except Exception:
+                # Engine.step contains failures to their requests; this is the last resort.
                 logger.exception("engine step failed; failing the running requests")
-                outputs = self.engine.fail_running(f"engine: {exc}")
+                outputs = self.engine.fail_running("engine: the step failed (see the log)")
             self._deliver(outputs)
             if self._on_step is not None:
                 self._on_step(outputs)

@@ -11,13 +11,18 @@ RequestValidationError (pydantic)   400     invalid_request_error    invalid_typ
 CapacityError                       503     server_error             overloaded (Retry-After)
 ClientDisconnected                  499     invalid_request_error    client_disconnected
 HTTPException (404 route, 405...)   as is   invalid_request_error    None
-other HybridSpecError, any other    500     server_error             internal_error
+GenerationFailed, any other         500     server_error             internal_error
 ==================================  ======  =======================  =====================
+
+A 500 says what failed in general terms and carries a request id (in the message and the
+``x-request-id`` header); the detail (the exception, the engine's error) goes to the log under
+that id, never to the client.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,6 +47,18 @@ CLIENT_CLOSED_REQUEST = 499
 
 class ClientDisconnected(Exception):
     """The client went away before its response began; its request was cancelled."""
+
+
+class GenerationFailed(HybridSpecError):
+    """The engine ended a request with an error (a proposer's, or its round's).
+
+    ``str(exc)`` is the engine's detail, for the log; ``request_id`` names the request in the
+    500 body and in the log line.
+    """
+
+    def __init__(self, detail: str, request_id: str) -> None:
+        super().__init__(detail)
+        self.request_id = request_id
 
 
 def error_response(
@@ -125,15 +142,23 @@ def exception_response(exc: Exception, retry_after_s: int = 1) -> JSONResponse:
         return validation_error_response(exc)
     if isinstance(exc, HTTPException):
         return error_response(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
-    if isinstance(exc, HybridSpecError):
-        logger.warning("request failed: %s", exc)
+    return internal_error_response(exc)
+
+
+def internal_error_response(exc: Exception) -> JSONResponse:
+    """A 500 naming the request, with the detail logged under its id (module docstring)."""
+    if isinstance(exc, GenerationFailed):
+        request_id, what = exc.request_id, "generation failed inside the engine"
+        logger.warning("request %s failed: %s", request_id, exc)
     else:
-        logger.error("unhandled error", exc_info=exc)
+        request_id, what = f"req-{uuid.uuid4().hex}", "the server failed while handling it"
+        logger.error("request %s: unhandled error", request_id, exc_info=exc)
     return error_response(
         500,
-        f"internal error: {type(exc).__name__}: {exc}",
+        f"{what} (request id {request_id}; the server's log has the details)",
         type_="server_error",
         code="internal_error",
+        headers={"x-request-id": request_id},
     )
 
 

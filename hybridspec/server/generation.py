@@ -21,6 +21,7 @@ from typing import cast
 
 from hybridspec.engine import FinishReason, GenerationParams, RequestOutput
 from hybridspec.errors import HybridSpecError, check
+from hybridspec.server.errors import GenerationFailed
 from hybridspec.server.prompts import prompt_of
 from hybridspec.server.protocol import (
     AssistantMessage,
@@ -197,11 +198,12 @@ def speculation_stats(prepared: PreparedRequest, stats: GenerationStats) -> Spec
     )
 
 
-def check_not_failed(output: RequestOutput) -> None:
-    """Raise for a request that the engine failed (a proposer or step error): a 500."""
+def check_not_failed(output: RequestOutput, response_id: str) -> None:
+    """Raise GenerationFailed for a request that the engine failed (a proposer's or its
+    round's error): a 500 naming ``response_id``, the engine's detail logged."""
     if output.finish_reason is FinishReason.ERROR:
         error = output.result.error if output.result is not None else None
-        raise HybridSpecError(f"generation failed: {error or 'unknown error'}")
+        raise GenerationFailed(error or "unknown error", response_id)
 
 
 async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -237,7 +239,7 @@ def response_body(
     prepared: PreparedRequest, response_id: str, created: int, output: RequestOutput
 ) -> ChatCompletionResponse | CompletionResponse:
     """The non-streamed response of a finished request; raises for a failed one (a 500)."""
-    check_not_failed(output)
+    check_not_failed(output, response_id)
     assert output.result is not None
     text = output.result.text
     reason = finish_reason(output)

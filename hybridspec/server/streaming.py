@@ -136,7 +136,7 @@ async def stream_events(
                 yield render.text(output.new_text, so_far())
             output = await next_output(outputs)
         try:
-            check_not_failed(output)
+            check_not_failed(output, render.id)
         except Exception as exc:
             yield error_event(exc)
             yield DONE

@@ -186,7 +186,11 @@ def test_failing_proposer_is_a_500_for_its_request_only(
                 "/v1/completions", json={**good, "proposer": "broken", "stream": stream}
             )
             error = assert_error(response, 500, None)
-            assert error["type"] == "server_error" and "broken on purpose" in error["message"]
+            assert error["type"] == "server_error" and error["code"] == "internal_error"
+            # The detail is logged, not sent; the request id is in the message and a header.
+            assert "broken on purpose" not in error["message"]
+            request_id = response.headers["x-request-id"]
+            assert request_id.startswith("cmpl-") and request_id in error["message"]
         assert client.post("/v1/completions", json=good).json()["choices"][0]["text"] == expected
         samples = parse_metrics(client.get("/metrics").text)
         assert (
@@ -198,3 +202,29 @@ def test_failing_proposer_is_a_500_for_its_request_only(
             )
             == 2
         )
+
+
+def test_unexpected_error_is_a_500_naming_the_request_not_the_detail(
+    tiny_model: LoadedModel, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def factory(config: EngineConfig) -> Engine:
+        engine = Engine(config, target=tiny_model)
+
+        def encode(*args: Any) -> list[int]:
+            raise RuntimeError("secret detail")
+
+        engine.encode = encode  # type: ignore[method-assign]
+        return engine
+
+    app = create_app(
+        ServerConfig(engine=tiny_engine_config(tiny_model_dir)), engine_factory=factory
+    )
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        error = assert_error(response, 500, None)
+        request_id = response.headers["x-request-id"]
+        assert request_id.startswith("req-") and request_id in error["message"]
+        assert "secret detail" not in response.text
+        assert any(request_id in r.getMessage() for r in caplog.records)
+        ids = {"prompt": [1, 2, 3], "max_tokens": 2}  # no tokenizing: served
+        assert client.post("/v1/completions", json=ids).status_code == 200

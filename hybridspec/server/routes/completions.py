@@ -45,7 +45,7 @@ async def _respond(request: Request, state: ServerState, prepared: PreparedReque
         try:
             # Wait for the first output before answering, so that a refusal is an HTTP error.
             first = await until_disconnected(request, next_output(outputs))
-            check_not_failed(first)  # failed before its first token: still an HTTP error
+            check_not_failed(first, response_id)  # failed before its first token: an HTTP error
         except BaseException:
             await outputs.aclose()
             raise
