@@ -105,6 +105,12 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
             param=param,
             code="unknown_parameter",
         )
+    if kind == "missing" and param is None:
+        return error_response(
+            400,
+            "the request body is missing: expected a JSON object",
+            code="missing_required_parameter",
+        )
     if kind == "missing":
         return error_response(
             400,

@@ -122,7 +122,14 @@ def test_malformed_body_is_400(client: TestClient, raw: bytes) -> None:
     response = client.post(
         "/v1/completions", content=raw, headers={"content-type": "application/json"}
     )
-    assert_error(response, 400, response.json()["error"]["param"])
+    error = assert_error(response, 400, response.json()["error"]["param"])
+    assert not error["message"].startswith("None")
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_empty_body_says_the_body_is_missing(client: TestClient, route: str) -> None:
+    error = assert_error(client.post(route), 400, None)
+    assert error["message"] == "the request body is missing: expected a JSON object"
 
 
 def test_unknown_model_is_404(client: TestClient) -> None:
