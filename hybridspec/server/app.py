@@ -26,6 +26,7 @@ from hybridspec.server.config import ServerConfig
 from hybridspec.server.errors import install_error_handlers
 from hybridspec.server.metrics import ServerMetrics
 from hybridspec.server.middleware import RequestCountingMiddleware
+from hybridspec.server.openapi import install_openapi
 from hybridspec.server.prompts import PromptEncoder, longest_token_chars
 from hybridspec.server.routes import ROUTERS
 from hybridspec.server.state import ModelInfo, ServerState
@@ -99,6 +100,7 @@ def create_app(
     app.add_middleware(RequestCountingMiddleware, metrics=metrics)
     for router in ROUTERS:
         app.include_router(router)
+    install_openapi(app, api_key_required=False)
     return app
 
 

@@ -91,6 +91,9 @@ def _pydantic_location(loc: tuple[Any, ...]) -> str | None:
 
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
+    # The most specific error first: for a value matching no member of a union (a content part
+    # of the wrong type), the member it came closest to has the longest location.
+    errors = sorted(errors, key=lambda e: -len(e.get("loc", ())))
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "invalid"}
     kind = str(first.get("type", "invalid"))
     if kind == "json_invalid":

@@ -73,18 +73,11 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         check(not body.echo, "echo", "echo is not supported")
         check(body.logprobs is None, "logprobs", "logprobs are not supported")
         check(body.best_of is None or body.best_of == 1, "best_of", "only best_of = 1 is supported")
-        check(body.suffix is None, "suffix", "suffix is not supported")
     else:
         check(
             not body.logprobs and body.top_logprobs is None,
             "logprobs",
             "logprobs are not supported",
-        )
-        check(not body.tools, "tools", "tools are not supported")
-        check(
-            body.response_format is None or body.response_format.get("type") == "text",
-            "response_format",
-            "only the 'text' response format is supported",
         )
 
 
@@ -105,17 +98,11 @@ def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams
 
 
 def _completion_budget(max_seq_len: int, num_prompt_tokens: int, max_tokens: int | None) -> int:
-    """``max_tokens``, or the rest of the context when None; refused beyond the context."""
+    """``max_tokens``, at most the rest of the context (None: all of it). A larger
+    ``max_tokens`` is a bound, not an error: generation ends when the context is full, with
+    finish_reason ``length`` (as llama.cpp's server does; clients often send a large default)."""
     room = max_seq_len - num_prompt_tokens
-    if max_tokens is None:
-        return room
-    check(
-        max_tokens <= room,
-        "max_tokens",
-        f"this model's context holds {max_seq_len} tokens; the prompt has "
-        f"{num_prompt_tokens}, so max_tokens can be at most {room}, got {max_tokens}",
-    )
-    return max_tokens
+    return room if max_tokens is None else min(max_tokens, room)
 
 
 async def prepare(

@@ -51,19 +51,15 @@ class Prompt:
 
 
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """OpenAI messages as the {role, content} strings that the chat template takes."""
+    """OpenAI messages as the {role, content} strings that the chat template takes; a
+    ``developer`` message (OpenAI's newer name for instructions) becomes a ``system`` one."""
     out = []
-    for i, message in enumerate(messages):
+    for message in messages:
         content = message.content
         if isinstance(content, list):
-            for j, part in enumerate(content):
-                check(
-                    part.type == "text" and part.text is not None,
-                    f"messages[{i}].content[{j}]",
-                    f"only text content parts are supported, got type {part.type!r}",
-                )
-            content = "".join(part.text or "" for part in content)
-        out.append({"role": message.role, "content": content or ""})
+            content = "".join(part.text for part in content)
+        role = "system" if message.role == "developer" else message.role
+        out.append({"role": role, "content": content or ""})
     return out
 
 

@@ -13,11 +13,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hybridspec.config import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
+from hybridspec.engine.request import MAX_STOP_STRINGS
+from hybridspec.types import MAX_SEED
+
 FinishReasonName = Literal["stop", "length"]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def documented(**bounds: Any) -> Any:
+    """A field whose bounds the schema states and the engine's parameter classes enforce (with
+    messages naming the field): ``documented(minimum=1)``. Field(ge=...) would enforce them a
+    second time, with pydantic's wording."""
+    return Field(default=None, json_schema_extra=bounds)
 
 
 class StreamOptions(_Body):
@@ -27,66 +38,132 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+# ``stream_options`` only with ``stream: true``, as in the OpenAI API.
+STREAM_OPTIONS_NEED_STREAM: dict[str, Any] = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
+
+
 class _SamplingFields(_Body):
     """Fields shared by completion and chat completion requests."""
 
+    model_config = ConfigDict(json_schema_extra=STREAM_OPTIONS_NEED_STREAM)
+
     model: str | None = None  # None: the served model
-    max_tokens: int | None = None
-    temperature: float | None = None  # None: 1.0, as in the OpenAI API
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = None
+    max_tokens: int | None = documented(
+        minimum=1,
+        description="At most this many tokens; generation also ends when the context is full "
+        "(finish_reason 'length').",
+    )
+    temperature: float | None = documented(minimum=0, description="0: greedy. Default 1.")
+    top_p: float | None = documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = documented(minimum=1)
+    stop: str | list[str] | None = documented(
+        anyOf=[
+            {"type": "string", "minLength": 1},
+            {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1},
+                "maxItems": MAX_STOP_STRINGS,
+            },
+            {"type": "null"},
+        ]
+    )
+    seed: int | None = documented(minimum=0, maximum=MAX_SEED - 1)
+    n: int | None = documented(minimum=1, maximum=1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = documented(
+        minimum=0, maximum=0, description="Only 0 is supported."
+    )
+    frequency_penalty: float | None = documented(
+        minimum=0, maximum=0, description="Only 0 is supported."
+    )
+    logit_bias: dict[str, float] | None = documented(
+        maxProperties=0, description="Not supported: only an empty object."
+    )
     user: str | None = None
     # hybridspec extensions
-    proposer: str | None = None
-    num_speculative_tokens: int | None = None
-    ignore_eos: bool = False
+    proposer: str | None = Field(
+        default=None, description="The proposer (hybridspec extension); default: the server's."
+    )
+    num_speculative_tokens: int | None = documented(
+        minimum=MIN_SPECULATIVE_TOKENS,
+        maximum=MAX_SPECULATIVE_TOKENS,
+        description="K, the most drafts per round (hybridspec extension).",
+    )
+    ignore_eos: bool = Field(default=False, description="Generate past EOS (extension).")
+
+
+TokenIds = list[int]
 
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``; ``prompt`` may be text or token ids (one prompt only)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "minItems": 1,
+                    "maxItems": 1,
+                },
+                {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "array",
+                        "items": {"type": "integer", "minimum": 0},
+                        "minItems": 1,
+                    },
+                    "minItems": 1,
+                    "maxItems": 1,
+                },
+            ]
+        }
+    )
     echo: bool = False
     logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = documented(minimum=1, maximum=1, description="Only 1 is supported.")
 
 
 class TextContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
+
+
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class ChatMessage(BaseModel):
-    """An input message; extra keys that clients echo back (``refusal``...) are ignored."""
+    """An input message; extra keys that clients echo back (``refusal``...) are ignored. A
+    ``developer`` message is a ``system`` one."""
 
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    role: ChatRole
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
 
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: int | None = documented(minimum=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 # ---------------------------------------------------------------------------- responses
@@ -198,3 +275,7 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"

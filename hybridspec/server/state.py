@@ -28,6 +28,7 @@ class ModelInfo:
 
     names: tuple[str, ...]  # names[0] is listed; every one is accepted in requests
     max_seq_len: int
+    vocab_size: int  # prompt token ids are below it
     proposers: tuple[str, ...]  # those that requests may pick
     unavailable_proposers: dict[str, str]  # registered but not built: name -> why
     default_proposer: str
@@ -39,6 +40,7 @@ class ModelInfo:
         return ModelInfo(
             names=config.model_names(),
             max_seq_len=engine.max_seq_len,
+            vocab_size=engine.vocab_size,
             proposers=tuple(engine.available_proposers()),
             unavailable_proposers=engine.unavailable_proposers(),
             default_proposer=engine.config.default_proposer,

@@ -48,7 +48,6 @@ def assert_error(response: Any, status: int, param: str | None) -> dict[str, Any
         ({"seed": 2**70}, "seed"),
         ({"n": 2}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"max_tokens": 1000}, "max_tokens"),  # prompt + max_tokens beyond the context
         ({"prompt": LONG_PROMPT}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
@@ -76,7 +75,7 @@ def test_invalid_completion_values_are_400(
         ({"max_tokens": 4.5}, "max_tokens"),
         ({"temperature": "hot"}, "temperature"),
         ({"stream": "yes"}, "stream"),
-        ({"stop": [1, 2]}, "stop"),
+        ({"stop": [1, 2]}, "stop[0]"),
         ({"proposer": 3}, "proposer"),
         ({"num_speculative_tokens": True}, "num_speculative_tokens"),
         ({"frobnicate": 1}, "frobnicate"),
@@ -96,7 +95,7 @@ def test_wrong_types_are_400_not_422(client: TestClient, body: dict[str, Any], p
         ({"messages": [{"content": "hi"}]}, "messages[0].role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            "messages[0].content[0]",
+            "messages[0].content[0].type",
         ),
         ({"messages": None}, "messages"),
         ({"max_completion_tokens": -1}, "max_tokens"),

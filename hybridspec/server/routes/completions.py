@@ -28,7 +28,13 @@ from hybridspec.server.generation import (
     prepare,
     response_body,
 )
-from hybridspec.server.protocol import ChatCompletionRequest, CompletionRequest
+from hybridspec.server.openapi import GENERATION_ERRORS
+from hybridspec.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
 from hybridspec.server.state import ServerState, State
 from hybridspec.server.streaming import ChunkRenderer, EventStreamResponse, stream_events
 
@@ -86,12 +92,20 @@ async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     return task.result()
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses=GENERATION_ERRORS,
+)
 async def create_completion(body: CompletionRequest, request: Request, state: State) -> Response:
     return await _respond(request, state, await prepare(state, body))
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses=GENERATION_ERRORS,
+)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, state: State
 ) -> Response:

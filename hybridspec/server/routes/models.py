@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
+from hybridspec.server.openapi import error_responses
 from hybridspec.server.protocol import ModelCard, ModelList
 from hybridspec.server.state import ModelInfo, State
 
@@ -38,7 +39,7 @@ async def list_models(state: State) -> ModelList:
     return ModelList(data=[model_card(state.model)])
 
 
-@router.get("/v1/models/{model:path}")
+@router.get("/v1/models/{model:path}", responses=error_responses(404))
 async def retrieve_model(model: str, state: State) -> ModelCard:
     state.model.resolve(model)
     return model_card(state.model)

@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from hybridspec.engine import Engine
 from hybridspec.server.errors import error_response
 from hybridspec.server.metrics import CONTENT_TYPE
+from hybridspec.server.openapi import error_responses
+from hybridspec.server.protocol import Health
 from hybridspec.server.state import State
 
 logger = logging.getLogger(__name__)
@@ -24,7 +26,7 @@ def _engine_state(engine: Engine) -> tuple[int, int]:
     return engine.num_running, engine.num_waiting
 
 
-@router.get("/health", response_model=None)
+@router.get("/health", response_model=Health, responses=error_responses(503))
 async def health(state: State) -> JSONResponse:
     """200 while the engine thread answers between steps; 503 when it does not in time."""
     try:
@@ -39,7 +41,16 @@ async def health(state: State) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus text exposition",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
+)
 async def metrics(state: State) -> Response:
     try:
         running, waiting = await state.engine_call(_engine_state, METRICS_SNAPSHOT_TIMEOUT_S)

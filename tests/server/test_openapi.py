@@ -1,0 +1,139 @@
+"""The OpenAPI document is the API: schemathesis, with every check, finds no failure.
+
+Schemathesis (its command line, as a user runs it) generates requests from ``/openapi.json``,
+schema-valid and schema-invalid, for every operation and checks each answer: no 5xx, only
+documented status codes and content types, bodies (and each server-sent event) matching their
+schemas, valid data accepted, invalid data rejected, undeclared methods answered 405. A fixed
+seed and a bounded number of examples keep the run reproducible and short.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.server.conftest import AppFactory, serve_in_thread
+
+SEED = 20261125
+MAX_EXAMPLES = 40
+
+
+def schemathesis_command() -> str:
+    found = shutil.which("st", path=str(Path(sys.executable).parent))
+    if found is None:
+        pytest.skip("schemathesis is not installed (pip install -e '.[test]')")
+    return found
+
+
+def run_schemathesis(url: str, *options: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            schemathesis_command(),
+            "run",
+            f"{url}/openapi.json",
+            "--checks",
+            "all",
+            "--seed",
+            str(SEED),
+            "--max-examples",
+            str(MAX_EXAMPLES),
+            "--no-color",
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_schemathesis_finds_no_failure(make_app: AppFactory) -> None:
+    with serve_in_thread(make_app()) as url:
+        result = run_schemathesis(url)
+    report = result.stdout[-6000:] + result.stderr[-2000:]
+    assert result.returncode == 0, report
+    assert "Selected: 6/6" in result.stdout, report  # every operation of the API was tested
+
+
+def schema(client: TestClient) -> dict[str, Any]:
+    response = client.get("/openapi.json")
+    assert response.status_code == 200
+    document: dict[str, Any] = response.json()
+    return document
+
+
+def test_document_states_every_status_and_content_type(client: TestClient) -> None:
+    document = schema(client)
+    chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert set(chat) == {"200", "400", "404", "413", "500", "503"}  # no 422: never returned
+    assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
+    metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert set(metrics) == {"text/plain"}
+    components = document["components"]["schemas"]
+    assert "HTTPValidationError" not in components
+    role = components["ChatMessage"]["properties"]["role"]
+    assert set(role["enum"]) == {"system", "developer", "user", "assistant", "tool"}
+
+
+def test_document_names_the_served_proposers_and_vocabulary(client: TestClient) -> None:
+    components = schema(client)["components"]["schemas"]
+    proposer = components["CompletionRequest"]["properties"]["proposer"]["anyOf"][0]
+    models = client.get("/v1/models").json()["data"][0]["hybridspec"]["proposers"]
+    assert proposer["enum"] == sorted(p["name"] for p in models)
+    prompt = components["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert {"type": "integer", "minimum": 0, "maximum": 259} in [
+        choice["items"] for choice in prompt if choice["type"] == "array"
+    ]
+
+
+def test_everything_the_document_advertises_is_accepted(client: TestClient) -> None:
+    """Fields that the document lists with their bounds' edge values are served, not 400."""
+    body = {
+        "prompt": "hello",
+        "max_tokens": 10_000,  # more than the context: a bound, not an error
+        "temperature": 0,
+        "top_p": 1,
+        "top_k": 1,
+        "stop": ["x"],
+        "seed": 2**63 - 1,
+        "n": 1,
+        "presence_penalty": 0,
+        "frequency_penalty": 0,
+        "logit_bias": {},
+        "user": "u",
+        "best_of": 1,
+        "ignore_eos": True,
+    }
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    chat = {
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+        "response_format": {"type": "text"},
+        "max_completion_tokens": 4,
+    }
+    response = client.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 200, response.text
+
+
+def test_generation_ends_when_the_context_is_full(client: TestClient) -> None:
+    body = {"prompt": [1, 2, 3], "max_tokens": 100_000, "ignore_eos": True, "temperature": 0}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["total_tokens"] == 256  # the tiny model's context
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_health_and_metrics_are_documented_as_served(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    assert httpx.Headers(client.get("/metrics").headers)["content-type"].startswith("text/plain")
