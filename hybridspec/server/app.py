@@ -25,7 +25,7 @@ from hybridspec.engine import Engine, EngineLoop, warm_up
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.errors import install_error_handlers
 from hybridspec.server.metrics import ServerMetrics
-from hybridspec.server.middleware import RequestCountingMiddleware
+from hybridspec.server.middleware import RequestCountingMiddleware, RouteTemplates
 from hybridspec.server.routes import ROUTERS
 from hybridspec.server.state import ModelInfo, ServerState
 
@@ -91,7 +91,7 @@ def create_app(
 
     app = FastAPI(title="hybridspec", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app, server_config.retry_after_s)
-    app.add_middleware(RequestCountingMiddleware, metrics=metrics)
+    app.add_middleware(RequestCountingMiddleware, metrics=metrics, templates=RouteTemplates(app))
     for router in ROUTERS:
         app.include_router(router)
     return app

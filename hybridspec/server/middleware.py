@@ -1,29 +1,87 @@
-"""The middleware that counts every HTTP response in the server's metrics."""
+"""The app's ASGI middleware: ``RequestCountingMiddleware`` counts every HTTP response in the
+metrics, by method, route template and status."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import fastapi.routing
+from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hybridspec.server.metrics import ServerMetrics
+from hybridspec.server.metrics import UNMATCHED_PATH, ServerMetrics
+
+
+def app_routes(app: Starlette) -> list[Any]:
+    """Every route of ``app``, with the routes of its included routers, in routing order.
+
+    Recent FastAPI keeps an included router whole in ``app.routes`` and flattens it with
+    ``fastapi.routing.iter_route_contexts``; older releases list its routes directly.
+    """
+    flatten = getattr(fastapi.routing, "iter_route_contexts", None)
+    return list(flatten(app.routes)) if flatten is not None else list(app.routes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    template: str  # "/v1/models/{model:path}"
+    regex: re.Pattern[str]  # what the router matches the path against
+    methods: frozenset[str] | None  # None: any
+
+
+class RouteTemplates:
+    """The route template the router picks for a request, known before the router runs.
+
+    The router's own rule: the first route that matches path and method, else the first that
+    matches the path (it answers 405), else ``UNMATCHED_PATH``. Built from the app at its
+    first request, when every route is registered.
+    """
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+        self._routes: tuple[_Route, ...] | None = None
+
+    def _table(self) -> tuple[_Route, ...]:
+        if self._routes is None:
+            self._routes = tuple(
+                _Route(route.path, route.path_regex, frozenset(route.methods or ()) or None)
+                for route in app_routes(self.app)
+                if isinstance(getattr(route, "path", None), str) and hasattr(route, "path_regex")
+            )
+        return self._routes
+
+    def __call__(self, scope: Scope) -> str:
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        partial = None
+        for route in self._table():
+            if route.regex.match(path):
+                if route.methods is None or scope["method"] in route.methods:
+                    return route.template
+                partial = partial or route.template
+        return partial or UNMATCHED_PATH
 
 
 class RequestCountingMiddleware:
-    """Counts every HTTP response by method, route template and status (ASGI, stream-safe).
+    """Counts every HTTP response by method, route template and status (stream-safe).
 
-    Route templates (``/v1/models/{model:path}``), not raw paths, keep the label set bounded;
-    requests matching no route count under ``unmatched``. An exception that escapes the app
-    counts as 500.
+    Route templates, not raw paths, and the standard methods (others count as ``other``) keep
+    the label set bounded. An exception that escapes the app counts as 500.
     """
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, templates: RouteTemplates) -> None:
         self.app = app
         self.metrics = metrics
+        self.templates = templates
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        path, status = self.templates(scope), 500  # before the app: a mount rewrites the path
 
         async def send_counting(message: Message) -> None:
             nonlocal status
@@ -34,5 +92,4 @@ class RequestCountingMiddleware:
         try:
             await self.app(scope, receive, send_counting)
         finally:
-            path = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.http_requests.inc(scope["method"], path, str(status))
+            self.metrics.observe_http(scope["method"], path, status)
