@@ -177,6 +177,13 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         f"(default {ENGINE_DEFAULTS.max_queue_size})",
     )
     serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=SERVER_DEFAULTS.max_body_bytes,
+        help="larger request bodies get a 413 before any work is queued "
+        f"(default {SERVER_DEFAULTS.max_body_bytes}: 4 MiB)",
+    )
+    serve.add_argument(
         "--log-level",
         default="info",
         choices=tuple(_LOG_LEVELS),
@@ -195,6 +202,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
     )
 
 

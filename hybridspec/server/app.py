@@ -25,7 +25,11 @@ from hybridspec.engine import Engine, EngineLoop, warm_up
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.errors import install_error_handlers
 from hybridspec.server.metrics import ServerMetrics
-from hybridspec.server.middleware import RequestCountingMiddleware, RouteTemplates
+from hybridspec.server.middleware import (
+    BodySizeLimitMiddleware,
+    RequestCountingMiddleware,
+    RouteTemplates,
+)
 from hybridspec.server.routes import ROUTERS
 from hybridspec.server.state import ModelInfo, ServerState
 
@@ -91,7 +95,10 @@ def create_app(
 
     app = FastAPI(title="hybridspec", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app, server_config.retry_after_s)
-    app.add_middleware(RequestCountingMiddleware, metrics=metrics, templates=RouteTemplates(app))
+    # Added innermost first: counting, then the body cap run before routing.
+    templates = RouteTemplates(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=server_config.max_body_bytes)
+    app.add_middleware(RequestCountingMiddleware, metrics=metrics, templates=templates)
     for router in ROUTERS:
         app.include_router(router)
     return app

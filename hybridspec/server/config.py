@@ -1,4 +1,5 @@
-"""The server's part of the configuration: where it listens and what it calls its model."""
+"""The server's part of the configuration: where it listens, what it calls its model, and how
+much one request may send."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hybridspec.config import EngineConfig
 from hybridspec.errors import check
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +23,10 @@ class ServerConfig:
     served_model_name: str | None = None  # None: derived from the target (see model_names)
     health_timeout_s: float = 5.0  # the engine thread must answer /health within this
     retry_after_s: int = 1  # Retry-After of a 503 when the request queue is full
+    # 4 MiB: a full 128k-token context is about 0.5 MB of text or 1 MB of token ids as JSON,
+    # so this fits the largest real prompt a few times over while bounding what one request
+    # makes the server hold.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         check(
@@ -52,6 +58,11 @@ class ServerConfig:
             isinstance(self.retry_after_s, int) and self.retry_after_s >= 1,
             "retry_after_s",
             f"expected an integer >= 1, got {self.retry_after_s!r}",
+        )
+        check(
+            isinstance(self.max_body_bytes, int) and self.max_body_bytes >= 1,
+            "max_body_bytes",
+            f"expected an integer >= 1, got {self.max_body_bytes!r}",
         )
 
     def model_names(self) -> tuple[str, ...]:

@@ -1,5 +1,11 @@
-"""The app's ASGI middleware: ``RequestCountingMiddleware`` counts every HTTP response in the
-metrics, by method, route template and status."""
+"""The app's ASGI middleware, outermost first: count, cap the body.
+
+Both run before routing, so a request they refuse reaches no route and queues no work:
+
+- ``RequestCountingMiddleware`` counts every HTTP response in the metrics, refusals included.
+- ``BodySizeLimitMiddleware`` answers 413 to a body over ``ServerConfig.max_body_bytes``: at once
+  from its ``Content-Length``, or, without one (chunked), as soon as the bytes received pass it.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import fastapi.routing
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hybridspec.server.errors import error_response
 from hybridspec.server.metrics import UNMATCHED_PATH, ServerMetrics
 
 
@@ -93,3 +100,77 @@ class RequestCountingMiddleware:
             await self.app(scope, receive, send_counting)
         finally:
             self.metrics.observe_http(scope["method"], path, status)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server refuses it before the app sees it
+    return None
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body over ``max_body_bytes``, before any route reads it.
+
+    With a ``Content-Length`` the check is immediate and the body is never read (the server
+    holds the client to the length it declared). Without one (a chunked upload) the body is
+    read here, at most ``max_body_bytes`` plus one message of it, and handed to the app whole
+    once it is known to fit; later ``receive`` calls (disconnects) go to the server.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None:
+            if length > self.max_body_bytes:
+                await self._refuse(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        first = await self._read_body(receive)
+        if first is None:
+            await self._refuse(scope, receive, send)
+            return
+        replayed = False
+
+        async def receive_replayed() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return first
+
+        await self.app(scope, receive_replayed, send)
+
+    async def _read_body(self, receive: Receive) -> Message | None:
+        """The whole body as one message (or the disconnect), or None once it passes the cap."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            413,
+            f"the request body is larger than this server's limit of {self.max_body_bytes} bytes",
+            code="request_too_large",
+        )
+        await response(scope, receive, send)

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -51,12 +52,14 @@ AppFactory = Callable[..., FastAPI]
 
 @pytest.fixture
 def make_app(tiny_model: LoadedModel, tiny_model_dir: Path) -> AppFactory:
-    """``make_app(**engine_overrides)``: an app serving a fresh engine on the tiny model."""
+    """``make_app(server_options=None, **engine_overrides)``: an app serving a fresh engine on
+    the tiny model; ``server_options`` are ServerConfig fields (``api_key``...)."""
 
-    def make(**overrides: object) -> FastAPI:
+    def make(server_options: dict[str, Any] | None = None, **overrides: object) -> FastAPI:
         config = ServerConfig(
             engine=tiny_engine_config(tiny_model_dir, **overrides),
             served_model_name=TINY_MODEL_NAME,
+            **(server_options or {}),
         )
         return create_app(config, engine_factory=lambda cfg: Engine(cfg, target=tiny_model))
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from hybridspec.cli import build_parser, server_config
+from hybridspec.errors import InvalidRequestError
 from tests.server.conftest import free_port
 
 openai = pytest.importorskip("openai")
@@ -54,6 +55,15 @@ def test_serve_options_build_the_server_config() -> None:
     assert config.engine.adaptive_speculation and config.engine.verify_token_cost == 0.03
     default = server_config(build_parser().parse_args(["serve"])).engine
     assert default.target.name_or_path is None
+
+
+def test_body_limit_option() -> None:
+    default = server_config(build_parser().parse_args(["serve"]))
+    assert (default.host, default.max_body_bytes) == ("127.0.0.1", 4 * 1024 * 1024)
+    options = ["serve", "--max-body-bytes", "1000"]
+    assert server_config(build_parser().parse_args(options)).max_body_bytes == 1000
+    with pytest.raises(InvalidRequestError, match="max_body_bytes"):
+        server_config(build_parser().parse_args(["serve", "--max-body-bytes", "0"]))
 
 
 @pytest.mark.parametrize(
