@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ from hybridspec.config import (
 )
 from hybridspec.errors import HybridSpecError
 from hybridspec.server.config import ServerConfig
+
+API_KEY_ENV = "HYBRIDSPEC_API_KEY"
 
 _LOG_LEVELS = {
     "critical": logging.CRITICAL,
@@ -177,6 +180,13 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         f"(default {ENGINE_DEFAULTS.max_queue_size})",
     )
     serve.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help="require 'Authorization: Bearer KEY' on every route but GET /health "
+        f"(default: ${API_KEY_ENV}, which keeps the key out of the process list; "
+        "neither set: no authentication)",
+    )
+    serve.add_argument(
         "--max-body-bytes",
         type=int,
         default=SERVER_DEFAULTS.max_body_bytes,
@@ -202,6 +212,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
+        api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
     )
 

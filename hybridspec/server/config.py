@@ -1,5 +1,5 @@
-"""The server's part of the configuration: where it listens, what it calls its model, and how
-much one request may send."""
+"""The server's part of the configuration: where it listens, what it calls its model, who may
+use it (the API key) and how much one request may send."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ class ServerConfig:
     served_model_name: str | None = None  # None: derived from the target (see model_names)
     health_timeout_s: float = 5.0  # the engine thread must answer /health within this
     retry_after_s: int = 1  # Retry-After of a 503 when the request queue is full
+    # None: no authentication. Else every route but GET|HEAD /health wants it as a bearer key.
+    api_key: str | None = field(default=None, repr=False)
     # 4 MiB: a full 128k-token context is about 0.5 MB of text or 1 MB of token ids as JSON,
     # so this fits the largest real prompt a few times over while bounding what one request
     # makes the server hold.
@@ -59,6 +61,12 @@ class ServerConfig:
             "retry_after_s",
             f"expected an integer >= 1, got {self.retry_after_s!r}",
         )
+        key = self.api_key
+        check(
+            key is None or (isinstance(key, str) and key.isprintable() and key.split() == [key]),
+            "api_key",
+            "expected None or a non-empty key of printable characters without spaces",
+        )  # the message never repeats the key
         check(
             isinstance(self.max_body_bytes, int) and self.max_body_bytes >= 1,
             "max_body_bytes",

@@ -1,14 +1,17 @@
-"""The app's ASGI middleware, outermost first: count, cap the body.
+"""The app's ASGI middleware, outermost first: count, authenticate, cap the body.
 
-Both run before routing, so a request they refuse reaches no route and queues no work:
+All three run before routing, so a request they refuse reaches no route and queues no work:
 
 - ``RequestCountingMiddleware`` counts every HTTP response in the metrics, refusals included.
+- ``ApiKeyMiddleware`` (only with ``ServerConfig.api_key``) answers 401 to every request without
+  ``Authorization: Bearer <key>``, except the liveness probe (``OPEN_ROUTES``).
 - ``BodySizeLimitMiddleware`` answers 413 to a body over ``ServerConfig.max_body_bytes``: at once
   from its ``Content-Length``, or, without one (chunked), as soon as the bytes received pass it.
 """
 
 from __future__ import annotations
 
+import hmac
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +22,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridspec.server.errors import error_response
 from hybridspec.server.metrics import UNMATCHED_PATH, ServerMetrics
+
+# (method, route template) pairs served without a key: the liveness probe.
+OPEN_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health")})
+MISSING_KEY_MESSAGE = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization "
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+WRONG_KEY_MESSAGE = "Incorrect API key provided."
 
 
 def app_routes(app: Starlette) -> list[Any]:
@@ -100,6 +111,46 @@ class RequestCountingMiddleware:
             await self.app(scope, receive, send_counting)
         finally:
             self.metrics.observe_http(scope["method"], path, status)
+
+
+def _bearer_token(scope: Scope) -> bytes | None:
+    """The credentials of the first ``Authorization: Bearer ...`` header, or None."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            token = token.strip()
+            return token if scheme.lower() == b"bearer" and token else None
+    return None
+
+
+class ApiKeyMiddleware:
+    """401 for an HTTP request without the right bearer key; OpenAI's bodies and codes.
+
+    A missing key is ``code: null``, a wrong one ``code: "invalid_api_key"``, as OpenAI
+    answers; neither message repeats what the client sent. The key is compared in constant
+    time.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str, templates: RouteTemplates) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+        self.templates = templates
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["method"], self.templates(scope)) in OPEN_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        token = _bearer_token(scope)
+        if token is not None and hmac.compare_digest(token, self.api_key):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(
+            401,
+            MISSING_KEY_MESSAGE if token is None else WRONG_KEY_MESSAGE,
+            code=None if token is None else "invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hybridspec.cli import build_parser, server_config
+from hybridspec.cli import API_KEY_ENV, build_parser, server_config
 from hybridspec.errors import InvalidRequestError
 from tests.server.conftest import free_port
 
@@ -57,11 +57,19 @@ def test_serve_options_build_the_server_config() -> None:
     assert default.target.name_or_path is None
 
 
-def test_body_limit_option() -> None:
+def test_api_key_and_body_limit_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
     default = server_config(build_parser().parse_args(["serve"]))
-    assert (default.host, default.max_body_bytes) == ("127.0.0.1", 4 * 1024 * 1024)
-    options = ["serve", "--max-body-bytes", "1000"]
-    assert server_config(build_parser().parse_args(options)).max_body_bytes == 1000
+    assert (default.host, default.api_key) == ("127.0.0.1", None)
+    assert default.max_body_bytes == 4 * 1024 * 1024
+    options = ["serve", "--api-key", "sk-1", "--max-body-bytes", "1000"]
+    config = server_config(build_parser().parse_args(options))
+    assert (config.api_key, config.max_body_bytes) == ("sk-1", 1000)
+    monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
+    assert server_config(build_parser().parse_args(["serve"])).api_key == "sk-from-env"
+    assert server_config(build_parser().parse_args(options)).api_key == "sk-1"  # option wins
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert server_config(build_parser().parse_args(["serve"])).api_key is None
     with pytest.raises(InvalidRequestError, match="max_body_bytes"):
         server_config(build_parser().parse_args(["serve", "--max-body-bytes", "0"]))
 
