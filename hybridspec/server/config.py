@@ -29,6 +29,11 @@ class ServerConfig:
     # so this fits the largest real prompt a few times over while bounding what one request
     # makes the server hold.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # TLS, passed to uvicorn: the certificate chain (PEM; may hold the key too), its key file
+    # and that key's password. Without a certificate the server speaks plain HTTP.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_keyfile_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check(
@@ -71,6 +76,22 @@ class ServerConfig:
             isinstance(self.max_body_bytes, int) and self.max_body_bytes >= 1,
             "max_body_bytes",
             f"expected an integer >= 1, got {self.max_body_bytes!r}",
+        )
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            check(
+                path is None or os.path.isfile(path),
+                name,
+                f"expected None or an existing file, got {path!r}",
+            )
+        check(
+            self.ssl_certfile is not None
+            or (self.ssl_keyfile is None and self.ssl_keyfile_password is None),
+            "ssl_certfile",
+            "a key file or its password needs the certificate file too",
         )
 
     def model_names(self) -> tuple[str, ...]:

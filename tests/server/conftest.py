@@ -82,7 +82,15 @@ def free_port() -> int:
 def serve_in_thread(app: FastAPI, timeout_s: float = 30.0) -> Iterator[str]:
     """Serve ``app`` with uvicorn on a free loopback port in this process; yield its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    with run_in_thread(config, timeout_s):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def run_in_thread(config: uvicorn.Config, timeout_s: float = 30.0) -> Iterator[None]:
+    """Run a uvicorn server of ``config`` in a thread of this process until the block ends."""
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
@@ -92,7 +100,7 @@ def serve_in_thread(app: FastAPI, timeout_s: float = 30.0) -> Iterator[str]:
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield
     finally:
         server.should_exit = True
         thread.join(timeout_s)

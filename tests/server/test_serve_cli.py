@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import ssl
 import subprocess
 import sys
 import time
@@ -12,9 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hybridspec.cli import API_KEY_ENV, build_parser, server_config
+from hybridspec.cli import API_KEY_ENV, build_parser, server_config, uvicorn_config
+from hybridspec.engine import Engine
 from hybridspec.errors import InvalidRequestError
-from tests.server.conftest import free_port
+from hybridspec.model.loader import LoadedModel
+from hybridspec.server import ServerConfig, create_app
+from tests.server.conftest import free_port, run_in_thread, tiny_engine_config
 
 openai = pytest.importorskip("openai")
 
@@ -72,6 +77,64 @@ def test_api_key_and_body_limit_options(monkeypatch: pytest.MonkeyPatch) -> None
     assert server_config(build_parser().parse_args(["serve"])).api_key is None
     with pytest.raises(InvalidRequestError, match="max_body_bytes"):
         server_config(build_parser().parse_args(["serve", "--max-body-bytes", "0"]))
+
+
+def self_signed_certificate(directory: Path, password: str) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, encrypted with ``password``, made by openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    command = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt"]
+    command += ["ec_paramgen_curve:prime256v1", "-keyout", str(key), "-out", str(cert)]
+    command += ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    command += ["-passout", f"pass:{password}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        pytest.skip(f"openssl could not make a certificate: {result.stderr[-500:]}")
+    return cert, key
+
+
+def test_tls_options_reach_uvicorn(tmp_path: Path) -> None:
+    cert, key = self_signed_certificate(tmp_path, "pw")
+    options = ["serve", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    config = server_config(build_parser().parse_args([*options, "--ssl-keyfile-password", "pw"]))
+    assert "pw" not in repr(config)
+    uvicorn_options = uvicorn_config(config, create_app(config), "warning")
+    assert uvicorn_options.ssl_certfile == str(cert) and uvicorn_options.ssl_keyfile == str(key)
+    assert uvicorn_options.ssl_keyfile_password == "pw" and uvicorn_options.is_ssl
+    plain = uvicorn_config(ServerConfig(), create_app(), "warning")
+    assert not plain.is_ssl and plain.host == "127.0.0.1"
+    with pytest.raises(InvalidRequestError, match="ssl_certfile"):
+        ServerConfig(ssl_keyfile=str(key))
+    with pytest.raises(InvalidRequestError, match="ssl_certfile"):
+        ServerConfig(ssl_certfile=str(tmp_path / "missing.pem"))
+
+
+def test_https_with_a_self_signed_certificate(
+    tmp_path: Path, tiny_model: LoadedModel, tiny_model_dir: Path
+) -> None:
+    cert, key = self_signed_certificate(tmp_path, "secret")
+    port = free_port()
+    config = ServerConfig(
+        engine=tiny_engine_config(tiny_model_dir),
+        port=port,
+        api_key="sk-tls",
+        ssl_certfile=str(cert),
+        ssl_keyfile=str(key),
+        ssl_keyfile_password="secret",
+    )
+    app = create_app(config, engine_factory=lambda cfg: Engine(cfg, target=tiny_model))
+    trust = ssl.create_default_context(cafile=str(cert))
+    with run_in_thread(uvicorn_config(config, app, "warning")):
+        url = f"https://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/health", verify=trust, timeout=10).status_code == 200
+        models = httpx.get(f"{url}/v1/models", verify=trust, timeout=10)
+        assert models.status_code == 401
+        headers = {"Authorization": "Bearer sk-tls"}
+        models = httpx.get(f"{url}/v1/models", verify=trust, headers=headers, timeout=10)
+        assert models.status_code == 200
+        with pytest.raises(httpx.ConnectError):  # not trusted without the certificate
+            httpx.get(f"{url}/health", timeout=10)
 
 
 @pytest.mark.parametrize(
