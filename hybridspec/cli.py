@@ -10,9 +10,11 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from hybridspec.bench.cli import add_bench_command
 from hybridspec.config import (
@@ -25,6 +27,12 @@ from hybridspec.config import (
 )
 from hybridspec.errors import HybridSpecError
 from hybridspec.server.config import ServerConfig
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
+API_KEY_ENV = "HYBRIDSPEC_API_KEY"
 
 _LOG_LEVELS = {
     "critical": logging.CRITICAL,
@@ -177,6 +185,31 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         f"(default {ENGINE_DEFAULTS.max_queue_size})",
     )
     serve.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help="require 'Authorization: Bearer KEY' on every route but GET /health "
+        f"(default: ${API_KEY_ENV}, which keeps the key out of the process list; "
+        "neither set: no authentication)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=SERVER_DEFAULTS.max_body_bytes,
+        help="larger request bodies get a 413 before any work is queued "
+        f"(default {SERVER_DEFAULTS.max_body_bytes}: 4 MiB)",
+    )
+    serve.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=SERVER_DEFAULTS.max_prompt_tokens,
+        help="longer prompts get a 400, far longer ones before they are tokenized "
+        "(default: the context but one token)",
+    )
+    tls = serve.add_argument_group("TLS (passed to uvicorn; without a certificate: plain HTTP)")
+    tls.add_argument("--ssl-certfile", default=None, help="certificate chain, PEM")
+    tls.add_argument("--ssl-keyfile", default=None, help="its private key, PEM")
+    tls.add_argument("--ssl-keyfile-password", default=None, help="the private key's password")
+    serve.add_argument(
         "--log-level",
         default="info",
         choices=tuple(_LOG_LEVELS),
@@ -195,6 +228,28 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_keyfile_password=args.ssl_keyfile_password,
+    )
+
+
+def uvicorn_config(config: ServerConfig, app: FastAPI, log_level: str) -> uvicorn.Config:
+    """uvicorn's configuration for serving ``app`` as ``config`` says (address, TLS)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        ssl_certfile=config.ssl_certfile,
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_keyfile_password=config.ssl_keyfile_password,
     )
 
 
@@ -211,13 +266,7 @@ def _serve(args: argparse.Namespace) -> int:
     server_logger.setLevel(min(server_logger.getEffectiveLevel(), _LOG_LEVELS[args.log_level]))
     config = server_config(args)
     server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config, import_s=import_s),
-            host=config.host,
-            port=config.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=5,
-        )
+        uvicorn_config(config, create_app(config, import_s=import_s), args.log_level)
     )
     server.run()
     return 0 if server.started else 1

@@ -25,7 +25,12 @@ from hybridspec.engine import Engine, EngineLoop, warm_up
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.errors import install_error_handlers
 from hybridspec.server.metrics import ServerMetrics
-from hybridspec.server.middleware import RequestCountingMiddleware
+from hybridspec.server.middleware import (
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    RequestCountingMiddleware,
+    RouteTemplates,
+)
 from hybridspec.server.openapi import install_openapi
 from hybridspec.server.prompts import PromptEncoder, longest_token_chars
 from hybridspec.server.routes import ROUTERS
@@ -97,10 +102,15 @@ def create_app(
 
     app = FastAPI(title="hybridspec", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app, server_config.retry_after_s)
-    app.add_middleware(RequestCountingMiddleware, metrics=metrics)
+    # Added innermost first: counting, then the key, then the body cap run before routing.
+    templates = RouteTemplates(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=server_config.max_body_bytes)
+    if server_config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=server_config.api_key, templates=templates)
+    app.add_middleware(RequestCountingMiddleware, metrics=metrics, templates=templates)
     for router in ROUTERS:
         app.include_router(router)
-    install_openapi(app, api_key_required=False)
+    install_openapi(app, api_key_required=server_config.api_key is not None)
     return app
 
 

@@ -1,4 +1,5 @@
-"""The server's part of the configuration: where it listens and what it calls its model."""
+"""The server's part of the configuration: where it listens, what it calls its model, who may
+use it (the API key) and how much one request may send."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hybridspec.config import EngineConfig
 from hybridspec.errors import check
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +24,17 @@ class ServerConfig:
     health_timeout_s: float = 5.0  # the engine thread must answer /health within this
     retry_after_s: int = 1  # Retry-After of a 503 when the request queue is full
     max_prompt_tokens: int | None = None  # None: the context but one token
+    # None: no authentication. Else every route but GET|HEAD /health wants it as a bearer key.
+    api_key: str | None = field(default=None, repr=False)
+    # 4 MiB: a full 128k-token context is about 0.5 MB of text or 1 MB of token ids as JSON,
+    # so this fits the largest real prompt a few times over while bounding what one request
+    # makes the server hold.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # TLS, passed to uvicorn: the certificate chain (PEM; may hold the key too), its key file
+    # and that key's password. Without a certificate the server speaks plain HTTP.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_keyfile_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check(
@@ -54,12 +67,38 @@ class ServerConfig:
             "retry_after_s",
             f"expected an integer >= 1, got {self.retry_after_s!r}",
         )
-
+        key = self.api_key
+        check(
+            key is None or (isinstance(key, str) and key.isprintable() and key.split() == [key]),
+            "api_key",
+            "expected None or a non-empty key of printable characters without spaces",
+        )  # the message never repeats the key
+        check(
+            isinstance(self.max_body_bytes, int) and self.max_body_bytes >= 1,
+            "max_body_bytes",
+            f"expected an integer >= 1, got {self.max_body_bytes!r}",
+        )
         check(
             self.max_prompt_tokens is None
             or (isinstance(self.max_prompt_tokens, int) and self.max_prompt_tokens >= 1),
             "max_prompt_tokens",
             f"expected None or an integer >= 1, got {self.max_prompt_tokens!r}",
+        )
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            check(
+                path is None or os.path.isfile(path),
+                name,
+                f"expected None or an existing file, got {path!r}",
+            )
+        check(
+            self.ssl_certfile is not None
+            or (self.ssl_keyfile is None and self.ssl_keyfile_password is None),
+            "ssl_certfile",
+            "a key file or its password needs the certificate file too",
         )
 
     def model_names(self) -> tuple[str, ...]:

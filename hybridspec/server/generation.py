@@ -154,13 +154,13 @@ async def observe(
             async for output in outputs:
                 if first:
                     first = False
-                    metrics.ttft.observe(time.perf_counter() - arrival, proposer)
-                    metrics.prompt_tokens.inc(proposer, amount=len(prepared.prompt_token_ids))
-                metrics.generated_tokens.inc(proposer, amount=len(output.new_token_ids))
+                    ttft_s = time.perf_counter() - arrival
+                    metrics.observe_first_token(proposer, ttft_s, len(prepared.prompt_token_ids))
+                metrics.observe_tokens(proposer, len(output.new_token_ids))
                 if output.finished:
                     finished = True
                     reason = output.finish_reason or FinishReason.ERROR
-                    metrics.finished.inc(proposer, reason.value)
+                    metrics.observe_finished(proposer, reason.value)
                     if output.result is not None and reason is not FinishReason.ERROR:
                         metrics.observe_result(
                             proposer, output.result.stats, time.perf_counter() - arrival
@@ -171,7 +171,7 @@ async def observe(
         raise
     finally:
         if not finished and not refused:
-            metrics.finished.inc(proposer, FinishReason.ABORT.value)
+            metrics.observe_finished(proposer, FinishReason.ABORT.value)
 
 
 def speculation_stats(prepared: PreparedRequest, stats: GenerationStats) -> SpeculationStats:

@@ -1,218 +1,176 @@
-"""Server metrics in the Prometheus text exposition format (version 0.0.4), written by hand.
+"""Server metrics, kept with ``prometheus_client`` in one registry per app.
 
-Three metric kinds cover what the server reports: counters (``*_total``), gauges and
-histograms (``*_bucket`` with cumulative ``le`` bounds, ``*_sum``, ``*_count``). Every metric
-is updated and rendered on the event loop thread only, so no lock is needed.
+Each app owns a ``CollectorRegistry`` (not the process-wide default), so that several apps in
+one process (the tests) count apart. Every label value is bounded by something the server
+defines, never by what a client sends:
 
-Worked example of a histogram with bounds (0.1, 1.0) after observing 0.05 and 0.5::
+==================  ================================================================
+label               values
+==================  ================================================================
+method              GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS, or ``other``
+path                a route template of the app (``/v1/models/{model:path}``), or
+                    ``unmatched``
+status              a status code the server sent
+proposer            a proposer name the engine resolved (refused names never count)
+finish_reason       a ``FinishReason`` value
+==================  ================================================================
 
-    x_bucket{le="0.1"} 1
-    x_bucket{le="1.0"} 2
-    x_bucket{le="+Inf"} 2
-    x_sum 0.55
-    x_count 2
+``GET /metrics`` answers the Prometheus text format 0.0.4. ``prometheus_client`` adds a
+``*_created`` series (the time each labelled child was first touched) to every counter and
+histogram; ``render`` leaves them out, as the hand-written exposition before it did: they
+double the series of every counter and Prometheus reads creation times only from OpenMetrics
+or protobuf scrapes. ``prometheus_client.disable_created_metrics()`` would do the same for the
+whole process, other libraries' registries included, so it is not called.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from hybridspec.types import GenerationStats
 
+# What ``generate_latest`` writes; prometheus_client>=0.22 names it CONTENT_TYPE_PLAIN_0_0_4
+# (its CONTENT_TYPE_LATEST became the 1.0.0 format then).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-Labels = tuple[str, ...]
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+OTHER_METHOD = "other"
+UNMATCHED_PATH = "unmatched"
 
 
-def _format_labels(names: Sequence[str], values: Sequence[str]) -> str:
-    if not names:
-        return ""
-    pairs = ",".join(f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True))
-    return "{" + pairs + "}"
+def method_label(method: str) -> str:
+    """``method`` if it is a standard one (methods are case-sensitive), else ``other``."""
+    return method if method in HTTP_METHODS else OTHER_METHOD
 
 
-def _format_value(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+class _WithoutCreated:
+    """A view of a registry that leaves out the ``*_created`` samples (see the module doc)."""
 
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
 
-@dataclass(slots=True)
-class _Metric:
-    name: str
-    help: str
-    label_names: tuple[str, ...] = ()
-
-    def _key(self, labels: Sequence[str]) -> Labels:
-        assert len(labels) == len(self.label_names), (self.name, labels)
-        return tuple(labels)
-
-    def header(self, kind: str) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {kind}"]
-
-
-@dataclass(slots=True)
-class Counter(_Metric):
-    values: dict[Labels, float] = field(default_factory=dict)
-
-    def inc(self, *labels: str, amount: float = 1.0) -> None:
-        assert amount >= 0, f"counter {self.name} cannot decrease"
-        key = self._key(labels)
-        self.values[key] = self.values.get(key, 0.0) + amount
-
-    def get(self, *labels: str) -> float:
-        return self.values.get(self._key(labels), 0.0)
-
-    def render(self) -> Iterator[str]:
-        yield from self.header("counter")
-        for key, value in sorted(self.values.items()):
-            yield f"{self.name}{_format_labels(self.label_names, key)} {_format_value(value)}"
-
-
-@dataclass(slots=True)
-class Gauge(_Metric):
-    values: dict[Labels, float] = field(default_factory=dict)
-
-    def set(self, value: float, *labels: str) -> None:
-        self.values[self._key(labels)] = value
-
-    def render(self) -> Iterator[str]:
-        yield from self.header("gauge")
-        for key, value in sorted(self.values.items()):
-            yield f"{self.name}{_format_labels(self.label_names, key)} {_format_value(value)}"
-
-
-@dataclass(slots=True)
-class Histogram(_Metric):
-    buckets: tuple[float, ...] = LATENCY_BUCKETS_S
-    counts: dict[Labels, list[int]] = field(default_factory=dict)  # per bucket, not cumulative
-    sums: dict[Labels, float] = field(default_factory=dict)
-
-    def observe(self, value: float, *labels: str) -> None:
-        key = self._key(labels)
-        counts = self.counts.setdefault(key, [0] * (len(self.buckets) + 1))
-        counts[bisect.bisect_left(self.buckets, value)] += 1  # le is inclusive
-        self.sums[key] = self.sums.get(key, 0.0) + value
-
-    def count(self, *labels: str) -> int:
-        return sum(self.counts.get(self._key(labels), ()))
-
-    def render(self) -> Iterator[str]:
-        yield from self.header("histogram")
-        names = (*self.label_names, "le")
-        for key, counts in sorted(self.counts.items()):
-            cumulative = 0
-            for bound, n in zip((*self.buckets, math.inf), counts, strict=True):
-                cumulative += n
-                labels = _format_labels(names, (*key, _format_value(bound)))
-                yield f"{self.name}_bucket{labels} {cumulative}"
-            plain = _format_labels(self.label_names, key)
-            yield f"{self.name}_sum{plain} {_format_value(self.sums[key])}"
-            yield f"{self.name}_count{plain} {cumulative}"
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            created = family.name + "_created"
+            kept.samples = [s for s in family.samples if s.name != created]
+            yield kept
 
 
 class ServerMetrics:
-    """What the server counts; ``render()`` gives the exposition text for ``GET /metrics``."""
+    """What the server counts; ``render()`` gives the exposition for ``GET /metrics``."""
 
     def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
         self.http_requests = Counter(
             "hybridspec_http_requests_total",
             "HTTP requests answered, by method, route and status code "
             "(499: the client went away before the response began).",
             ("method", "path", "status"),
+            registry=registry,
         )
         self.finished = Counter(
             "hybridspec_requests_finished_total",
             "Generation requests ended, by proposer and finish reason (abort: client gone).",
             ("proposer", "finish_reason"),
+            registry=registry,
         )
         self.prompt_tokens = Counter(
             "hybridspec_prompt_tokens_total",
             "Prompt tokens of requests that began generating.",
             ("proposer",),
+            registry=registry,
         )
         self.generated_tokens = Counter(
             "hybridspec_generated_tokens_total",
             "Completion tokens sent to clients (including those of cancelled requests).",
             ("proposer",),
+            registry=registry,
         )
         self.draft_proposed = Counter(
             "hybridspec_draft_tokens_proposed_total",
             "Draft tokens proposed, over requests that ran to completion.",
             ("proposer",),
+            registry=registry,
         )
         self.draft_accepted = Counter(
             "hybridspec_draft_tokens_accepted_total",
             "Draft tokens accepted by the target, over requests that ran to completion.",
             ("proposer",),
+            registry=registry,
         )
         self.target_forwards = Counter(
             "hybridspec_target_forwards_total",
             "Verification forwards of the target, over requests that ran to completion.",
             ("proposer",),
+            registry=registry,
         )
-        self._committed: dict[str, int] = {}  # stats.generated_tokens summed, per proposer
         self.mean_accepted_length = Gauge(
             "hybridspec_mean_accepted_length",
             "Tokens committed per target forward (accepted drafts plus the bonus token).",
             ("proposer",),
+            registry=registry,
         )
         self.latency = Histogram(
             "hybridspec_request_latency_seconds",
             "Time from a request's arrival to its last token.",
             ("proposer",),
-            LATENCY_BUCKETS_S,
+            registry=registry,
+            buckets=LATENCY_BUCKETS_S,
         )
         self.ttft = Histogram(
             "hybridspec_time_to_first_token_seconds",
             "Time from a request's arrival to its first token.",
             ("proposer",),
-            TTFT_BUCKETS_S,
+            registry=registry,
+            buckets=TTFT_BUCKETS_S,
         )
-        self.running = Gauge("hybridspec_num_running_requests", "Requests in the running batch.")
-        self.waiting = Gauge("hybridspec_num_waiting_requests", "Requests waiting for a slot.")
-        self.running.set(0)
-        self.waiting.set(0)
+        self.running = Gauge(
+            "hybridspec_num_running_requests", "Requests in the running batch.", registry=registry
+        )
+        self.waiting = Gauge(
+            "hybridspec_num_waiting_requests", "Requests waiting for a slot.", registry=registry
+        )
+        # Per proposer, over requests that ran to completion: the gauge's numerator and
+        # denominator (a counter's value is not part of prometheus_client's public API).
+        self._committed: dict[str, int] = {}
+        self._forwards: dict[str, int] = {}
+
+    def observe_http(self, method: str, path: str, status: int) -> None:
+        """Count one HTTP response; ``path`` is a route template or ``UNMATCHED_PATH``."""
+        self.http_requests.labels(method_label(method), path, str(status)).inc()
+
+    def observe_first_token(self, proposer: str, ttft_s: float, num_prompt_tokens: int) -> None:
+        self.ttft.labels(proposer).observe(ttft_s)
+        self.prompt_tokens.labels(proposer).inc(num_prompt_tokens)
+
+    def observe_tokens(self, proposer: str, num_tokens: int) -> None:
+        self.generated_tokens.labels(proposer).inc(num_tokens)
+
+    def observe_finished(self, proposer: str, finish_reason: str) -> None:
+        self.finished.labels(proposer, finish_reason).inc()
 
     def observe_result(self, proposer: str, stats: GenerationStats, latency_s: float) -> None:
         """Count the speculation statistics of a request that ran to completion."""
-        self.draft_proposed.inc(proposer, amount=stats.draft_tokens_proposed)
-        self.draft_accepted.inc(proposer, amount=stats.draft_tokens_accepted)
-        self.target_forwards.inc(proposer, amount=stats.target_forwards)
+        self.draft_proposed.labels(proposer).inc(stats.draft_tokens_proposed)
+        self.draft_accepted.labels(proposer).inc(stats.draft_tokens_accepted)
+        self.target_forwards.labels(proposer).inc(stats.target_forwards)
         self._committed[proposer] = self._committed.get(proposer, 0) + stats.generated_tokens
-        forwards = self.target_forwards.get(proposer)
-        if forwards > 0:
-            self.mean_accepted_length.set(self._committed[proposer] / forwards, proposer)
-        self.latency.observe(latency_s, proposer)
+        self._forwards[proposer] = self._forwards.get(proposer, 0) + stats.target_forwards
+        if self._forwards[proposer] > 0:
+            mean = self._committed[proposer] / self._forwards[proposer]
+            self.mean_accepted_length.labels(proposer).set(mean)
+        self.latency.labels(proposer).observe(latency_s)
 
     def set_engine_state(self, num_running: int, num_waiting: int) -> None:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
 
-    def render(self) -> str:
-        metrics: list[Counter | Gauge | Histogram] = [
-            self.http_requests,
-            self.finished,
-            self.prompt_tokens,
-            self.generated_tokens,
-            self.draft_proposed,
-            self.draft_accepted,
-            self.target_forwards,
-            self.mean_accepted_length,
-            self.latency,
-            self.ttft,
-            self.running,
-            self.waiting,
-        ]
-        return "\n".join(line for metric in metrics for line in metric.render()) + "\n"
+    def render(self) -> bytes:
+        """The exposition in the text format ``CONTENT_TYPE`` names."""
+        return generate_latest(_WithoutCreated(self.registry))

@@ -1,29 +1,105 @@
-"""The middleware that counts every HTTP response in the server's metrics."""
+"""The app's ASGI middleware, outermost first: count, authenticate, cap the body.
+
+All three run before routing, so a request they refuse reaches no route and queues no work:
+
+- ``RequestCountingMiddleware`` counts every HTTP response in the metrics, refusals included.
+- ``ApiKeyMiddleware`` (only with ``ServerConfig.api_key``) answers 401 to every request without
+  ``Authorization: Bearer <key>``, except the liveness probe (``OPEN_ROUTES``).
+- ``BodySizeLimitMiddleware`` answers 413 to a body over ``ServerConfig.max_body_bytes``: at once
+  from its ``Content-Length``, or, without one (chunked), as soon as the bytes received pass it.
+"""
 
 from __future__ import annotations
 
+import hmac
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import fastapi.routing
+from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hybridspec.server.metrics import ServerMetrics
+from hybridspec.server.errors import error_response
+from hybridspec.server.metrics import UNMATCHED_PATH, ServerMetrics
+
+# (method, route template) pairs served without a key: the liveness probe.
+OPEN_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health")})
+MISSING_KEY_MESSAGE = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization "
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+WRONG_KEY_MESSAGE = "Incorrect API key provided."
+
+
+def app_routes(app: Starlette) -> list[Any]:
+    """Every route of ``app``, with the routes of its included routers, in routing order.
+
+    Recent FastAPI keeps an included router whole in ``app.routes`` and flattens it with
+    ``fastapi.routing.iter_route_contexts``; older releases list its routes directly.
+    """
+    flatten = getattr(fastapi.routing, "iter_route_contexts", None)
+    return list(flatten(app.routes)) if flatten is not None else list(app.routes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    template: str  # "/v1/models/{model:path}"
+    regex: re.Pattern[str]  # what the router matches the path against
+    methods: frozenset[str] | None  # None: any
+
+
+class RouteTemplates:
+    """The route template the router picks for a request, known before the router runs.
+
+    The router's own rule: the first route that matches path and method, else the first that
+    matches the path (it answers 405), else ``UNMATCHED_PATH``. Built from the app at its
+    first request, when every route is registered.
+    """
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+        self._routes: tuple[_Route, ...] | None = None
+
+    def _table(self) -> tuple[_Route, ...]:
+        if self._routes is None:
+            self._routes = tuple(
+                _Route(route.path, route.path_regex, frozenset(route.methods or ()) or None)
+                for route in app_routes(self.app)
+                if isinstance(getattr(route, "path", None), str) and hasattr(route, "path_regex")
+            )
+        return self._routes
+
+    def __call__(self, scope: Scope) -> str:
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        partial = None
+        for route in self._table():
+            if route.regex.match(path):
+                if route.methods is None or scope["method"] in route.methods:
+                    return route.template
+                partial = partial or route.template
+        return partial or UNMATCHED_PATH
 
 
 class RequestCountingMiddleware:
-    """Counts every HTTP response by method, route template and status (ASGI, stream-safe).
+    """Counts every HTTP response by method, route template and status (stream-safe).
 
-    Route templates (``/v1/models/{model:path}``), not raw paths, keep the label set bounded;
-    requests matching no route count under ``unmatched``. An exception that escapes the app
-    counts as 500.
+    Route templates, not raw paths, and the standard methods (others count as ``other``) keep
+    the label set bounded. An exception that escapes the app counts as 500.
     """
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, templates: RouteTemplates) -> None:
         self.app = app
         self.metrics = metrics
+        self.templates = templates
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        path, status = self.templates(scope), 500  # before the app: a mount rewrites the path
 
         async def send_counting(message: Message) -> None:
             nonlocal status
@@ -34,5 +110,118 @@ class RequestCountingMiddleware:
         try:
             await self.app(scope, receive, send_counting)
         finally:
-            path = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.http_requests.inc(scope["method"], path, str(status))
+            self.metrics.observe_http(scope["method"], path, status)
+
+
+def _bearer_token(scope: Scope) -> bytes | None:
+    """The credentials of the first ``Authorization: Bearer ...`` header, or None."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            token = token.strip()
+            return token if scheme.lower() == b"bearer" and token else None
+    return None
+
+
+class ApiKeyMiddleware:
+    """401 for an HTTP request without the right bearer key; OpenAI's bodies and codes.
+
+    A missing key is ``code: null``, a wrong one ``code: "invalid_api_key"``, as OpenAI
+    answers; neither message repeats what the client sent. The key is compared in constant
+    time.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str, templates: RouteTemplates) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+        self.templates = templates
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["method"], self.templates(scope)) in OPEN_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        token = _bearer_token(scope)
+        if token is not None and hmac.compare_digest(token, self.api_key):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(
+            401,
+            MISSING_KEY_MESSAGE if token is None else WRONG_KEY_MESSAGE,
+            code=None if token is None else "invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server refuses it before the app sees it
+    return None
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body over ``max_body_bytes``, before any route reads it.
+
+    With a ``Content-Length`` the check is immediate and the body is never read (the server
+    holds the client to the length it declared). Without one (a chunked upload) the body is
+    read here, at most ``max_body_bytes`` plus one message of it, and handed to the app whole
+    once it is known to fit; later ``receive`` calls (disconnects) go to the server.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None:
+            if length > self.max_body_bytes:
+                await self._refuse(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        first = await self._read_body(receive)
+        if first is None:
+            await self._refuse(scope, receive, send)
+            return
+        replayed = False
+
+        async def receive_replayed() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return first
+
+        await self.app(scope, receive_replayed, send)
+
+    async def _read_body(self, receive: Receive) -> Message | None:
+        """The whole body as one message (or the disconnect), or None once it passes the cap."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            413,
+            f"the request body is larger than this server's limit of {self.max_body_bytes} bytes",
+            code="request_too_large",
+        )
+        await response(scope, receive, send)

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -51,12 +52,14 @@ AppFactory = Callable[..., FastAPI]
 
 @pytest.fixture
 def make_app(tiny_model: LoadedModel, tiny_model_dir: Path) -> AppFactory:
-    """``make_app(**engine_overrides)``: an app serving a fresh engine on the tiny model."""
+    """``make_app(server_options=None, **engine_overrides)``: an app serving a fresh engine on
+    the tiny model; ``server_options`` are ServerConfig fields (``api_key``...)."""
 
-    def make(**overrides: object) -> FastAPI:
+    def make(server_options: dict[str, Any] | None = None, **overrides: object) -> FastAPI:
         config = ServerConfig(
             engine=tiny_engine_config(tiny_model_dir, **overrides),
             served_model_name=TINY_MODEL_NAME,
+            **(server_options or {}),
         )
         return create_app(config, engine_factory=lambda cfg: Engine(cfg, target=tiny_model))
 
@@ -79,7 +82,15 @@ def free_port() -> int:
 def serve_in_thread(app: FastAPI, timeout_s: float = 30.0) -> Iterator[str]:
     """Serve ``app`` with uvicorn on a free loopback port in this process; yield its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    with run_in_thread(config, timeout_s):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def run_in_thread(config: uvicorn.Config, timeout_s: float = 30.0) -> Iterator[None]:
+    """Run a uvicorn server of ``config`` in a thread of this process until the block ends."""
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
@@ -89,7 +100,7 @@ def serve_in_thread(app: FastAPI, timeout_s: float = 30.0) -> Iterator[str]:
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield
     finally:
         server.should_exit = True
         thread.join(timeout_s)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 DONE = "[DONE]"
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def sse_data(text: str) -> list[str]:
@@ -43,26 +42,17 @@ def chunk_text(chunks: list[dict[str, Any]]) -> str:
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def parse_metrics(text: str) -> Samples:
-    """Prometheus text exposition -> {(name, labels): value}; asserts every line is well formed."""
+def parse_metrics(text: str | bytes) -> Samples:
+    """Prometheus text exposition -> {(name, labels): value}, read by prometheus_client's parser
+    (which raises on a malformed line); asserts no sample repeats."""
+    if isinstance(text, bytes):
+        text = text.decode()
     samples: Samples = {}
-    declared: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line:
-            continue
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ", 3)
-            declared[name] = kind
-            continue
-        if line.startswith("# HELP "):
-            continue
-        match = _SAMPLE.match(line)
-        assert match is not None, f"malformed sample line: {line!r}"
-        name, _, labels, value = match.groups()
-        base = re.sub(r"_(bucket|sum|count)$", "", name)
-        assert name in declared or base in declared, f"sample {name} has no # TYPE"
-        pairs = frozenset(_LABEL.findall(labels or ""))
-        samples[(name, pairs)] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, frozenset(sample.labels.items()))
+            assert key not in samples, f"duplicate sample {key}"
+            samples[key] = sample.value
     return samples
 
 

@@ -1,49 +1,60 @@
-"""The Prometheus text exposition, on hand-built values."""
+"""The metrics: their names, buckets and exposition on hand-built values, and their label values
+bounded however clients call the server."""
 
 from __future__ import annotations
 
 import math
+import random
+import re
+import string
+from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
-from hybridspec.server.metrics import Counter, Gauge, Histogram, ServerMetrics
+from hybridspec.server.metrics import (
+    HTTP_METHODS,
+    LATENCY_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    UNMATCHED_PATH,
+    ServerMetrics,
+    method_label,
+)
+from hybridspec.server.middleware import app_routes
 from hybridspec.types import GenerationStats
+from tests.server.conftest import AppFactory
 from tests.server.helpers import metric, parse_metrics
 
-
-def test_histogram_buckets_are_cumulative_with_inclusive_bounds() -> None:
-    histogram = Histogram("x", "help", (), (0.1, 1.0))
-    for value in (0.05, 0.1, 0.5, 7.0):
-        histogram.observe(value)
-    assert list(histogram.render()) == [
-        "# HELP x help",
-        "# TYPE x histogram",
-        'x_bucket{le="0.1"} 2',
-        'x_bucket{le="1"} 3',
-        'x_bucket{le="+Inf"} 4',
-        "x_sum 7.65",
-        "x_count 4",
-    ]
-
-
-def test_counter_labels_are_escaped_and_sorted() -> None:
-    counter = Counter("c_total", "help", ("path",))
-    counter.inc('/b"\\\n')
-    counter.inc("/a", amount=2.5)
-    lines = list(counter.render())
-    assert lines[2:] == ['c_total{path="/a"} 2.5', 'c_total{path="/b\\"\\\\\\n"} 1']
+README = Path(__file__).resolve().parents[2] / "README.md"
+METRICS = {  # name: type, as documented in README.md
+    "hybridspec_http_requests_total": "counter",
+    "hybridspec_requests_finished_total": "counter",
+    "hybridspec_prompt_tokens_total": "counter",
+    "hybridspec_generated_tokens_total": "counter",
+    "hybridspec_draft_tokens_proposed_total": "counter",
+    "hybridspec_draft_tokens_accepted_total": "counter",
+    "hybridspec_target_forwards_total": "counter",
+    "hybridspec_mean_accepted_length": "gauge",
+    "hybridspec_request_latency_seconds": "histogram",
+    "hybridspec_time_to_first_token_seconds": "histogram",
+    "hybridspec_num_running_requests": "gauge",
+    "hybridspec_num_waiting_requests": "gauge",
+}
 
 
-def test_counter_refuses_to_decrease() -> None:
-    with pytest.raises(AssertionError):
-        Counter("c_total", "help").inc(amount=-1)
+def exposed_types(text: str) -> dict[str, str]:
+    """``# TYPE`` lines of an exposition: {name: type}."""
+    return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.MULTILINE))
 
 
-def test_gauge_renders_special_values() -> None:
-    gauge = Gauge("g", "help", ("k",))
-    gauge.set(math.inf, "a")
-    gauge.set(math.nan, "b")
-    assert list(gauge.render())[2:] == ['g{k="a"} +Inf', 'g{k="b"} NaN']
+def test_metric_names_and_types_are_kept_and_documented() -> None:
+    text = ServerMetrics().render().decode()
+    assert exposed_types(text) == METRICS
+    readme = README.read_text()
+    for name in METRICS:
+        assert f"`{name}`" in readme, f"{name} is not documented in README.md"
 
 
 def test_mean_accepted_length_pools_tokens_over_forwards() -> None:
@@ -67,3 +78,119 @@ def test_mean_accepted_length_pools_tokens_over_forwards() -> None:
     assert metric(samples, "hybridspec_request_latency_seconds_count", proposer="ngram") == 2
     assert metric(samples, "hybridspec_request_latency_seconds_sum", proposer="ngram") == 0.5
     assert metric(samples, "hybridspec_num_running_requests") == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "bounds"),
+    [
+        ("hybridspec_request_latency_seconds", LATENCY_BUCKETS_S),
+        ("hybridspec_time_to_first_token_seconds", TTFT_BUCKETS_S),
+    ],
+)
+def test_histogram_buckets_are_cumulative_with_inclusive_bounds(
+    name: str, bounds: tuple[float, ...]
+) -> None:
+    metrics = ServerMetrics()
+    for value in (bounds[0], bounds[1] / 2 + bounds[0] / 2, 1e6):
+        metrics.observe_first_token("none", value, 1)
+        metrics.observe_result("none", GenerationStats(), value)
+    samples = parse_metrics(metrics.render())
+    buckets = {
+        float(dict(labels)["le"]): value
+        for (sample, labels), value in samples.items()
+        if sample == f"{name}_bucket"
+    }
+    assert list(buckets) == [*bounds, math.inf]
+    assert buckets[bounds[0]] == 1  # a value on a bound counts in it
+    assert buckets[bounds[1]] == 2
+    assert buckets[bounds[-1]] == 2 and buckets[math.inf] == 3
+    assert metric(samples, f"{name}_count") == 3
+
+
+def test_exposition_has_no_created_series_and_apps_count_apart() -> None:
+    first, second = ServerMetrics(), ServerMetrics()
+    first.observe_http("GET", "/health", 200)
+    first.observe_finished("none", "stop")
+    first.observe_result("none", GenerationStats(generated_tokens=1, target_forwards=1), 0.1)
+    text = first.render().decode()
+    assert "_created" not in text
+    samples = parse_metrics(text)
+    assert metric(samples, "hybridspec_http_requests_total", path="/health", status="200") == 1
+    assert metric(parse_metrics(second.render()), "hybridspec_http_requests_total") == 0
+
+
+def test_label_values_are_escaped() -> None:
+    metrics = ServerMetrics()
+    metrics.observe_finished('a"b\\c\nd', "stop")
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    (sample,) = families["hybridspec_requests_finished"].samples
+    assert sample.labels == {"proposer": 'a"b\\c\nd', "finish_reason": "stop"}
+
+
+def test_methods_outside_the_standard_set_count_as_other() -> None:
+    assert {method_label(m) for m in HTTP_METHODS} == HTTP_METHODS
+    for method in ("FOO", "PROPFIND", "get", "CONNECT", "TRACE", ""):
+        assert method_label(method) == "other"
+
+
+def random_path(rng: random.Random) -> str:
+    alphabet = string.ascii_letters + string.digits + "-._~%!$&'()*+,;=:@é"
+    parts = ["".join(rng.choices(alphabet, k=rng.randint(1, 12))) for _ in range(rng.randint(1, 4))]
+    return "/" + "/".join(parts)
+
+
+def route_templates(app: FastAPI) -> set[str]:
+    return {route.path for route in app_routes(app)}
+
+
+def test_label_values_stay_bounded_after_a_thousand_random_requests(make_app: AppFactory) -> None:
+    rng = random.Random(19)
+    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+    methods += ["FOO", "PROPFIND", "MKCOL", "TRACE", "get", "Post"]
+    known = ["/health", "/metrics", "/v1/models", "/v1/models/x", "/v1/completions", "/docs"]
+    app = make_app()
+    templates = route_templates(app)
+    expected_methods: set[str] = set()
+    expected_paths: set[str] = set()
+    with TestClient(app) as client:
+        for i in range(1000):
+            method = rng.choice(methods) if i % 3 else "".join(rng.choices("ABCXYZ", k=5))
+            path = rng.choice(known) if i % 4 == 0 else random_path(rng)
+            response = client.request(method, path, content=b"{}")
+            assert response.status_code < 500, (method, path, response.text)
+            expected_methods.add(method if method in HTTP_METHODS else "other")
+            if path in known:
+                expected_paths.add("/v1/models/{model:path}" if path == "/v1/models/x" else path)
+            else:
+                expected_paths.add(UNMATCHED_PATH)
+        samples = parse_metrics(client.get("/metrics").text)
+    requests = {
+        labels: value
+        for (name, labels), value in samples.items()
+        if name == "hybridspec_http_requests_total"
+    }
+    values: dict[str, set[str]] = {"method": set(), "path": set(), "status": set()}
+    for labels in requests:
+        for key, value in labels:
+            values[key].add(value)
+    assert sum(requests.values()) == 1000
+    # The exact sets: standard methods as sent, everything else one "other"; routes by their
+    # template, everything else one "unmatched"; statuses among the few the app sends.
+    assert values["method"] == expected_methods and len(values["method"]) == 8
+    assert values["path"] == expected_paths and values["path"] <= templates | {UNMATCHED_PATH}
+    assert values["status"] <= {"200", "400", "404", "405", "422"}
+    assert len(requests) <= 8 * len(values["path"]) * len(values["status"])
+
+
+def test_proposer_labels_hold_only_names_the_engine_resolved(client: TestClient) -> None:
+    rng = random.Random(7)
+    for _ in range(20):
+        name = "".join(rng.choices(string.ascii_lowercase, k=8))
+        body = {"prompt": "hi", "max_tokens": 2, "proposer": name}
+        assert client.post("/v1/completions", json=body).status_code == 400
+    for proposer in ("none", "ngram"):
+        body = {"prompt": "hi", "max_tokens": 2, "proposer": proposer}
+        assert client.post("/v1/completions", json=body).status_code == 200
+    samples = parse_metrics(client.get("/metrics").text)
+    proposers = {value for _, labels in samples for key, value in labels if key == "proposer"}
+    assert proposers == {"none", "ngram"}

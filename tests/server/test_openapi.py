@@ -53,12 +53,27 @@ def run_schemathesis(url: str, *options: str) -> subprocess.CompletedProcess[str
     )
 
 
-def test_schemathesis_finds_no_failure(make_app: AppFactory) -> None:
-    with serve_in_thread(make_app()) as url:
-        result = run_schemathesis(url)
+@pytest.mark.parametrize("api_key", [None, "sk-test-key"])
+def test_schemathesis_finds_no_failure(make_app: AppFactory, api_key: str | None) -> None:
+    """With a key, schemathesis sends it and also checks that requests without it (or with a
+    wrong one) are refused on every operation that the document says needs it."""
+    options = () if api_key is None else ("--header", f"Authorization: Bearer {api_key}")
+    with serve_in_thread(make_app({"api_key": api_key})) as url:
+        result = run_schemathesis(url, *options)
     report = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, report
     assert "Selected: 6/6" in result.stdout, report  # every operation of the API was tested
+
+
+def test_with_a_key_every_operation_but_health_declares_it(make_app: AppFactory) -> None:
+    with TestClient(make_app({"api_key": "k"})) as client:
+        document = client.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()
+    assert document["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    for path, methods in document["paths"].items():
+        for operation in methods.values():
+            declared = operation.get("security") == [{"bearer": []}]
+            assert declared == (path != "/health"), path
+            assert ("401" in operation["responses"]) == (path != "/health"), path
 
 
 def schema(client: TestClient) -> dict[str, Any]:

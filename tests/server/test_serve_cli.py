@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import ssl
 import subprocess
 import sys
 import time
@@ -12,8 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hybridspec.cli import build_parser, server_config
-from tests.server.conftest import free_port
+from hybridspec.cli import API_KEY_ENV, build_parser, server_config, uvicorn_config
+from hybridspec.engine import Engine
+from hybridspec.errors import InvalidRequestError
+from hybridspec.model.loader import LoadedModel
+from hybridspec.server import ServerConfig, create_app
+from tests.server.conftest import free_port, run_in_thread, tiny_engine_config
 
 openai = pytest.importorskip("openai")
 
@@ -54,6 +60,81 @@ def test_serve_options_build_the_server_config() -> None:
     assert config.engine.adaptive_speculation and config.engine.verify_token_cost == 0.03
     default = server_config(build_parser().parse_args(["serve"])).engine
     assert default.target.name_or_path is None
+
+
+def test_api_key_and_body_limit_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    default = server_config(build_parser().parse_args(["serve"]))
+    assert (default.host, default.api_key) == ("127.0.0.1", None)
+    assert default.max_body_bytes == 4 * 1024 * 1024
+    options = ["serve", "--api-key", "sk-1", "--max-body-bytes", "1000"]
+    config = server_config(build_parser().parse_args(options))
+    assert (config.api_key, config.max_body_bytes) == ("sk-1", 1000)
+    monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
+    assert server_config(build_parser().parse_args(["serve"])).api_key == "sk-from-env"
+    assert server_config(build_parser().parse_args(options)).api_key == "sk-1"  # option wins
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert server_config(build_parser().parse_args(["serve"])).api_key is None
+    with pytest.raises(InvalidRequestError, match="max_body_bytes"):
+        server_config(build_parser().parse_args(["serve", "--max-body-bytes", "0"]))
+
+
+def self_signed_certificate(directory: Path, password: str) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, encrypted with ``password``, made by openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    command = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt"]
+    command += ["ec_paramgen_curve:prime256v1", "-keyout", str(key), "-out", str(cert)]
+    command += ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    command += ["-passout", f"pass:{password}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        pytest.skip(f"openssl could not make a certificate: {result.stderr[-500:]}")
+    return cert, key
+
+
+def test_tls_options_reach_uvicorn(tmp_path: Path) -> None:
+    cert, key = self_signed_certificate(tmp_path, "pw")
+    options = ["serve", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    config = server_config(build_parser().parse_args([*options, "--ssl-keyfile-password", "pw"]))
+    assert "pw" not in repr(config)
+    uvicorn_options = uvicorn_config(config, create_app(config), "warning")
+    assert uvicorn_options.ssl_certfile == str(cert) and uvicorn_options.ssl_keyfile == str(key)
+    assert uvicorn_options.ssl_keyfile_password == "pw" and uvicorn_options.is_ssl
+    plain = uvicorn_config(ServerConfig(), create_app(), "warning")
+    assert not plain.is_ssl and plain.host == "127.0.0.1"
+    with pytest.raises(InvalidRequestError, match="ssl_certfile"):
+        ServerConfig(ssl_keyfile=str(key))
+    with pytest.raises(InvalidRequestError, match="ssl_certfile"):
+        ServerConfig(ssl_certfile=str(tmp_path / "missing.pem"))
+
+
+def test_https_with_a_self_signed_certificate(
+    tmp_path: Path, tiny_model: LoadedModel, tiny_model_dir: Path
+) -> None:
+    cert, key = self_signed_certificate(tmp_path, "secret")
+    port = free_port()
+    config = ServerConfig(
+        engine=tiny_engine_config(tiny_model_dir),
+        port=port,
+        api_key="sk-tls",
+        ssl_certfile=str(cert),
+        ssl_keyfile=str(key),
+        ssl_keyfile_password="secret",
+    )
+    app = create_app(config, engine_factory=lambda cfg: Engine(cfg, target=tiny_model))
+    trust = ssl.create_default_context(cafile=str(cert))
+    with run_in_thread(uvicorn_config(config, app, "warning")):
+        url = f"https://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/health", verify=trust, timeout=10).status_code == 200
+        models = httpx.get(f"{url}/v1/models", verify=trust, timeout=10)
+        assert models.status_code == 401
+        headers = {"Authorization": "Bearer sk-tls"}
+        models = httpx.get(f"{url}/v1/models", verify=trust, headers=headers, timeout=10)
+        assert models.status_code == 200
+        with pytest.raises(httpx.ConnectError):  # not trusted without the certificate
+            httpx.get(f"{url}/health", timeout=10)
 
 
 @pytest.mark.parametrize(
