@@ -16,7 +16,13 @@ from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from hybridspec.config import DraftConfig, EngineConfig, ModelConfig, NgramConfig
-    from hybridspec.engine import Engine, FinishReason, GenerationParams, GenerationResult
+    from hybridspec.engine import (
+        Engine,
+        FinishReason,
+        GenerationParams,
+        GenerationResult,
+        Logprobs,
+    )
     from hybridspec.errors import (
         CapacityError,
         HybridSpecError,
@@ -38,6 +44,7 @@ __all__ = [
     "GenerationResult",
     "HybridSpecError",
     "InvalidRequestError",
+    "Logprobs",
     "ModelConfig",
     "ModelLoadError",
     "NgramConfig",
@@ -55,7 +62,13 @@ __getattr__, __dir__ = lazy_exports(
     globals(),
     {
         "hybridspec.config": ("DraftConfig", "EngineConfig", "ModelConfig", "NgramConfig"),
-        "hybridspec.engine": ("Engine", "FinishReason", "GenerationParams", "GenerationResult"),
+        "hybridspec.engine": (
+            "Engine",
+            "FinishReason",
+            "GenerationParams",
+            "GenerationResult",
+            "Logprobs",
+        ),
         "hybridspec.errors": (
             "CapacityError",
             "HybridSpecError",

@@ -32,6 +32,7 @@ import torch
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.features import forward_layers, keep_committed_rows, take_rows
+from hybridspec.engine.logprobs import Logprobs
 from hybridspec.engine.prompts import Messages, check_prompt, encode
 from hybridspec.engine.proposer_pool import ProposerPool, proposer_context
 from hybridspec.engine.request import (
@@ -211,25 +212,27 @@ class Engine:
         if not drafts and not plan.prefill:
             return outputs
         fed = [self.proposers[r.proposer_name] for r, _ in (*drafts, *plan.prefill)]
-        batch = forward_batch(drafts, plan.prefill, self.runtime.seq_len, forward_layers(fed))
-        output = self.runtime.forward(batch)
-        verified = self._verify(drafts, output.logits) if drafts else None
+        step = forward_batch(drafts, plan.prefill, self.runtime.seq_len, forward_layers(fed))
+        output = self.runtime.forward(step.batch)
+        logits = step.score_prompts(output.logits)  # the verified rows
+        verified = self._verify(drafts, logits) if drafts else None
         accepted = verified.num_accepted.tolist() if verified is not None else []
         if output.hidden_states is not None:
             rejected = [p.num_drafts - n for (_, p), n in zip(drafts, accepted, strict=True)]
             requests = [r for r, _ in (*drafts, *plan.prefill)]
             rejected += [0] * len(plan.prefill)
-            keep_committed_rows(batch, output.hidden_states, requests, fed, rejected)
+            keep_committed_rows(step.batch, output.hidden_states, requests, fed, rejected)
         if verified is not None:
-            committed = 0
+            committed, row = 0, 0
             for (request, proposal), tokens, num_accepted in zip(
                 drafts, verified.output_token_ids, accepted, strict=True
             ):
                 committed += len(tokens)
-                outputs.append(self._commit(request, tokens, num_accepted, proposal.num_drafts))
+                rows = logits[row : row + len(tokens)]  # the rows that produced ``tokens``
+                row += proposal.num_drafts + 1
+                outputs.append(self._commit(request, tokens, num_accepted, proposal, rows))
             if self.speculation is not None:
-                verified_tokens = sum(p.num_drafts + 1 for _, p in drafts)
-                self.speculation.record_step(committed, verified_tokens)
+                self.speculation.record_step(committed, row)
         return outputs
 
     def _verify(self, drafts: list[tuple[Request, Proposal]], logits: torch.Tensor) -> VerifyOutput:
@@ -273,15 +276,24 @@ class Engine:
         )
 
     def _commit(
-        self, request: Request, tokens: list[int], num_accepted: int, num_drafts: int
+        self,
+        request: Request,
+        tokens: list[int],
+        num_accepted: int,
+        proposal: Proposal,
+        logits: torch.Tensor,
     ) -> RequestOutput:
-        """Append verified tokens, stopping at the first stop condition; roll caches back."""
-        request.stats.record_round(num_drafts, num_accepted)
-        request.speculation.update(num_drafts, num_accepted, len(tokens))
+        """Append verified tokens, stopping at the first stop condition; roll caches back.
+        ``logits`` [len(tokens), vocab_size]: the target's rows that produced ``tokens``."""
+        request.stats.record_round(proposal.num_drafts, num_accepted)
+        request.speculation.update(proposal.num_drafts, num_accepted, len(tokens))
         assert request.detokenizer is not None and request.slot is not None
-        new_token_ids, reason = request.append(tokens, self.eos_token_ids, self.max_seq_len)
+        new_token_ids, consumed, reason = request.append(
+            tokens, self.eos_token_ids, self.max_seq_len
+        )
+        logprobs = request.score_committed(logits[:consumed], tokens[:consumed])
         if reason is not None:
-            return self._finish(request, reason, new_token_ids=new_token_ids)
+            return self._finish(request, reason, new_token_ids=new_token_ids, logprobs=logprobs)
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
         hidden_states, hidden_position = take_rows(request)
         try:
@@ -290,9 +302,16 @@ class Engine:
             )
         except Exception as exc:
             logger.exception("proposer %r failed to commit", request.proposer_name)
-            return self._finish(request, FinishReason.ERROR, f"proposer: {exc}", new_token_ids)
+            return self._finish(
+                request, FinishReason.ERROR, f"proposer: {exc}", new_token_ids, logprobs
+            )
         return RequestOutput(
-            request.request_id, new_token_ids, request.detokenizer.stream_text(), False
+            request.request_id,
+            new_token_ids,
+            request.detokenizer.stream_text(),
+            False,
+            logprobs=logprobs,
+            prompt_logprobs=request.take_prompt_logprobs(),
         )
 
     def _finish(
@@ -301,6 +320,7 @@ class Engine:
         reason: FinishReason,
         error: str | None = None,
         new_token_ids: list[int] | None = None,
+        logprobs: Logprobs | None = None,
     ) -> RequestOutput:
         """End a request for ``reason`` and release its slot and its proposer's state."""
         request.finish_reason = reason
@@ -313,7 +333,7 @@ class Engine:
             except Exception:
                 logger.exception("proposer %r failed to finish", request.proposer_name)
         self.scheduler.remove(request)
-        return request.final_output(new_token_ids or [])
+        return request.final_output(new_token_ids or [], logprobs)
 
     # ------------------------------------------------------------- one request
 
