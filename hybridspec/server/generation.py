@@ -20,15 +20,23 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from hybridspec.engine import Engine, FinishReason, GenerationParams, RequestOutput
+from hybridspec.engine import Engine, FinishReason, GenerationParams, Logprobs, RequestOutput
+from hybridspec.engine.logprobs import MAX_LOGPROBS
 from hybridspec.errors import HybridSpecError, check
+from hybridspec.server.logprobs import (
+    MAX_COMPLETION_LOGPROBS,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    token_ids_of,
+)
 from hybridspec.server.protocol import (
     AssistantMessage,
-    ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessage,
-    CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     FinishReasonName,
@@ -56,6 +64,12 @@ class PreparedRequest:
     include_usage: bool
     continuous_usage: bool  # usage so far on every chunk (needs include_usage, as in vLLM)
     chat: bool  # a chat completion (else a text completion)
+    # A completion's echoed prompt (``echo``); its logprobs come when ``params.logprobs`` is set.
+    echo_text: str | None = None
+
+    @property
+    def echo_logprobs(self) -> bool:
+        return self.echo_text is not None and self.params.logprobs is not None
 
 
 def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -72,22 +86,41 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         check(value is None or value == 0, name, f"only 0 is supported, got {value}")
     check(not body.logit_bias, "logit_bias", "logit_bias is not supported")
     if isinstance(body, CompletionRequest):
-        check(not body.echo, "echo", "echo is not supported")
-        check(body.logprobs is None, "logprobs", "logprobs are not supported")
         check(body.best_of is None or body.best_of == 1, "best_of", "only best_of = 1 is supported")
         check(body.suffix is None, "suffix", "suffix is not supported")
     else:
-        check(
-            not body.logprobs and body.top_logprobs is None,
-            "logprobs",
-            "logprobs are not supported",
-        )
         check(not body.tools, "tools", "tools are not supported")
         check(
             body.response_format is None or body.response_format.get("type") == "text",
             "response_format",
             "only the 'text' response format is supported",
         )
+
+
+def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, int | None]:
+    """The engine's ``logprobs`` and ``prompt_logprobs`` for the body's logprobs options."""
+    if isinstance(body, ChatCompletionRequest):
+        top = body.top_logprobs
+        check(
+            top is None or 0 <= top <= MAX_LOGPROBS,
+            "top_logprobs",
+            f"expected an integer in [0, {MAX_LOGPROBS}], got {top}",
+        )
+        check(
+            top is None or body.logprobs is True,
+            "top_logprobs",
+            "top_logprobs needs logprobs set to true",
+        )
+        return (top or 0 if body.logprobs else None), None
+    n = body.logprobs
+    check(
+        n is None or 0 <= n <= MAX_COMPLETION_LOGPROBS,
+        "logprobs",
+        f"expected an integer in [0, {MAX_COMPLETION_LOGPROBS}], got {n}",
+    )
+    if body.echo and body.max_tokens == 0 and n is None:
+        return None, 0  # echo only: the engine scores the prompt, which nobody asked to see
+    return n, n if body.echo else None
 
 
 def _chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
@@ -135,10 +168,11 @@ def _prompt(body: CompletionRequest | ChatCompletionRequest) -> _Prompt:
             prompt = _Prompt(raw, None, None, max_tokens)
         else:
             prompt = _Prompt(None, None, list(raw), max_tokens)  # type: ignore[arg-type]
+    echoed = isinstance(body, CompletionRequest) and body.echo
     check(
-        prompt.max_tokens is None or prompt.max_tokens >= 1,
+        prompt.max_tokens is None or prompt.max_tokens >= (0 if echoed else 1),
         "max_tokens",
-        f"expected an integer >= 1, got {prompt.max_tokens}",
+        f"expected an integer >= 1 (or 0 with echo, to score the prompt), got {prompt.max_tokens}",
     )
     return prompt
 
@@ -152,8 +186,11 @@ def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams
         "seed",
         f"expected an integer in [0, 2**64), got {body.seed}",
     )
+    logprobs, prompt_logprobs = _logprobs(body)
     return GenerationParams.create(
         max_new_tokens=1,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         temperature=temperature if temperature is not None else OPENAI_DEFAULT_TEMPERATURE,
         top_k=body.top_k,
         top_p=body.top_p if body.top_p is not None else 1.0,
@@ -165,10 +202,17 @@ def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams
     )
 
 
-def _tokenize(
-    prompt: _Prompt, params: GenerationParams, engine: Engine
-) -> tuple[list[int], str, int]:
-    """On the engine thread: the prompt's token ids, checked, and the resolved proposer and K."""
+@dataclass(frozen=True, slots=True)
+class _Tokenized:
+    token_ids: list[int]
+    proposer: str  # resolved: the request's or the engine's default
+    num_speculative_tokens: int  # resolved likewise
+    echo_text: str | None  # the prompt's text, when echoed
+
+
+def _tokenize(prompt: _Prompt, params: GenerationParams, echo: bool, engine: Engine) -> _Tokenized:
+    """On the engine thread: the prompt's token ids, checked, the resolved proposer and K, and
+    the prompt's text when it is echoed (token ids decoded)."""
     ids = prompt.token_ids
     if ids is None:
         ids = engine.encode(prompt.text, prompt.messages)
@@ -176,7 +220,13 @@ def _tokenize(
     proposer = params.proposer or engine.config.default_proposer
     engine.resolve_proposer(proposer)
     k = params.num_speculative_tokens or engine.config.default_num_speculative_tokens
-    return ids, proposer, k
+    echo_text = None
+    if echo:
+        check(engine.tokenizer is not None, "echo", "echo needs a tokenizer; this model has none")
+        decoded = prompt.text if prompt.text is not None else engine.tokenizer.decode(ids)
+        assert isinstance(decoded, str)  # one sequence decodes to one string
+        echo_text = decoded
+    return _Tokenized(ids, proposer, k, echo_text)
 
 
 def _completion_budget(max_seq_len: int, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -202,20 +252,23 @@ async def prepare(
     prompt = _prompt(body)
     params = _params(body)
     options = body.stream_options
-    ids, proposer, k = await state.engine_call(functools.partial(_tokenize, prompt, params))
+    echo = isinstance(body, CompletionRequest) and body.echo
+    tokenized = await state.engine_call(functools.partial(_tokenize, prompt, params, echo))
+    ids = tokenized.token_ids
     max_tokens = _completion_budget(state.model.max_seq_len, len(ids), prompt.max_tokens)
     return PreparedRequest(
         model=model,
         prompt_token_ids=ids,
         params=dataclasses.replace(params, max_new_tokens=max_tokens),
-        proposer=proposer,
-        num_speculative_tokens=k,
+        proposer=tokenized.proposer,
+        num_speculative_tokens=tokenized.num_speculative_tokens,
         stream=body.stream,
         include_usage=options is not None and options.include_usage,
         continuous_usage=options is not None
         and options.include_usage
         and options.continuous_usage_stats,
         chat=isinstance(body, ChatCompletionRequest),
+        echo_text=tokenized.echo_text,
     )
 
 
@@ -307,14 +360,58 @@ def usage_so_far(prepared: PreparedRequest, completion: int) -> Usage:
     )
 
 
-def response_body(
-    prepared: PreparedRequest, response_id: str, created: int, output: RequestOutput
+async def load_token_texts(
+    state: ServerState, prepared: PreparedRequest, *scored: Logprobs | None
+) -> TokenTexts:
+    """The server's token texts, knowing every token that rendering ``scored`` names (and an
+    echoed prompt's first token)."""
+    ids = token_ids_of(*scored)
+    if prepared.echo_logprobs:
+        ids.add(prepared.prompt_token_ids[0])
+    await state.token_texts.load(state.engine_call, ids)
+    return state.token_texts
+
+
+def rendered_logprobs(
+    prepared: PreparedRequest,
+    texts: TokenTexts,
+    logprobs: Logprobs | None,
+    prompt_logprobs: Logprobs | None = None,
+    offset: int = 0,
+) -> ChatLogprobs | CompletionLogprobs | None:
+    """A choice's (or chunk's) ``logprobs``: of the prompt (when ``prompt_logprobs`` is given and
+    echoed) then of ``logprobs``; None when the request asked for none. ``offset``: the text
+    offset of the first token (completions)."""
+    if prepared.params.logprobs is None:
+        return None
+    num_top = prepared.params.logprobs
+    scored = logprobs if logprobs is not None else Logprobs.empty(num_top)
+    if prepared.chat:
+        return chat_logprobs(scored, texts)
+    if prompt_logprobs is None or not prepared.echo_logprobs:
+        return completion_logprobs([scored], texts, offset=offset)
+    first = prepared.prompt_token_ids[0]
+    return completion_logprobs([prompt_logprobs, scored], texts, first_token_id=first)
+
+
+async def response_body(
+    state: ServerState,
+    prepared: PreparedRequest,
+    response_id: str,
+    created: int,
+    output: RequestOutput,
 ) -> ChatCompletionResponse | CompletionResponse:
     """The non-streamed response of a finished request; raises for a failed one (a 500)."""
     check_not_failed(output)
     assert output.result is not None
+    texts = await load_token_texts(
+        state, prepared, output.result.logprobs, output.result.prompt_logprobs
+    )
     text = output.result.text
     reason = finish_reason(output)
+    logprobs = rendered_logprobs(
+        prepared, texts, output.result.logprobs, output.result.prompt_logprobs
+    )
     fields = {
         "id": response_id,
         "created": created,
@@ -322,11 +419,9 @@ def response_body(
         "usage": usage(prepared, output),
         "hybridspec": speculation_stats(prepared, output.result.stats),
     }
+    choice: dict[str, object] = {"finish_reason": reason, "logprobs": logprobs}
     if prepared.chat:
-        message = AssistantMessage(content=text)
-        return ChatCompletionResponse.model_validate(
-            {**fields, "choices": [ChatChoice(message=message, finish_reason=reason)]}
-        )
-    return CompletionResponse.model_validate(
-        {**fields, "choices": [CompletionChoice(text=text, finish_reason=reason)]}
-    )
+        choice["message"] = AssistantMessage(content=text)
+        return ChatCompletionResponse.model_validate({**fields, "choices": [choice]})
+    choice["text"] = (prepared.echo_text or "") + text
+    return CompletionResponse.model_validate({**fields, "choices": [choice]})

@@ -114,10 +114,42 @@ class SpeculationStats(BaseModel):
     tokens_per_second: float
 
 
+class TopLogprob(BaseModel):
+    """A token and its log-probability (chat format). ``bytes``: the token's text in UTF-8."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A returned token and the most likely tokens at its position (``top_logprobs`` many)."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's (or chunk's) ``logprobs``: one entry per token of its content."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's ``logprobs`` (the legacy format): per token, its text, its
+    log-probability (None for an echoed prompt's first token), a map of the most likely tokens
+    and the token itself to their log-probabilities, and its offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonName | None
 
 
@@ -139,7 +171,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName
 
 
@@ -161,7 +193,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName | None = None
 
 

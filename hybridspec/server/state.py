@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 from hybridspec.engine import Engine, EngineLoop
 from hybridspec.errors import UnknownModelError
 from hybridspec.server.config import ServerConfig
+from hybridspec.server.logprobs import TokenTexts
 from hybridspec.server.metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -64,6 +65,7 @@ class ServerState:
     loop: EngineLoop
     model: ModelInfo
     metrics: ServerMetrics
+    token_texts: TokenTexts = field(default_factory=TokenTexts)  # for logprobs
 
     async def engine_call(self, fn: Callable[[Engine], T], timeout_s: float | None = None) -> T:
         """Run ``fn(engine)`` on the engine thread between steps (tokenizing, snapshots)."""
