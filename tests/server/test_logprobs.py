@@ -185,3 +185,13 @@ def test_no_logprobs_asked_gives_none(client: TestClient) -> None:
     assert completion["choices"][0]["logprobs"] is None
     chunks = stream(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4})
     assert all(c["choices"][0].get("logprobs") is None for c in chunks if c["choices"])
+
+
+def test_alternatives_filtered_by_top_k_report_minus_9999(client: TestClient) -> None:
+    """JSON has no -inf: outside the request's top-k a token's log-probability is -9999.0."""
+    body = {"messages": CHAT, "max_tokens": 6, "logprobs": True, "top_logprobs": 4}
+    served = post(client, "/v1/chat/completions", {**body, **SAMPLED, "top_k": 2})
+    for entry in served["choices"][0]["logprobs"]["content"]:
+        values = [top["logprob"] for top in entry["top_logprobs"]]
+        assert values[2:] == [-9999.0, -9999.0] and all(v > -9999.0 for v in values[:2])
+        assert entry["logprob"] in values[:2]
