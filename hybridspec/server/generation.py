@@ -21,13 +21,12 @@ from dataclasses import dataclass
 from typing import cast
 
 from hybridspec.engine import Engine, FinishReason, GenerationParams, Logprobs, RequestOutput
-from hybridspec.engine.logprobs import MAX_LOGPROBS
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.server.logprobs import (
-    MAX_COMPLETION_LOGPROBS,
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
+    logprobs_options,
     token_ids_of,
 )
 from hybridspec.server.protocol import (
@@ -97,32 +96,6 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         )
 
 
-def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, int | None]:
-    """The engine's ``logprobs`` and ``prompt_logprobs`` for the body's logprobs options."""
-    if isinstance(body, ChatCompletionRequest):
-        top = body.top_logprobs
-        check(
-            top is None or 0 <= top <= MAX_LOGPROBS,
-            "top_logprobs",
-            f"expected an integer in [0, {MAX_LOGPROBS}], got {top}",
-        )
-        check(
-            top is None or body.logprobs is True,
-            "top_logprobs",
-            "top_logprobs needs logprobs set to true",
-        )
-        return (top or 0 if body.logprobs else None), None
-    n = body.logprobs
-    check(
-        n is None or 0 <= n <= MAX_COMPLETION_LOGPROBS,
-        "logprobs",
-        f"expected an integer in [0, {MAX_COMPLETION_LOGPROBS}], got {n}",
-    )
-    if body.echo and body.max_tokens == 0 and n is None:
-        return None, 0  # echo only: the engine scores the prompt, which nobody asked to see
-    return n, n if body.echo else None
-
-
 def _chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     """OpenAI messages as the {role, content} strings that the chat template takes."""
     out = []
@@ -186,7 +159,7 @@ def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams
         "seed",
         f"expected an integer in [0, 2**64), got {body.seed}",
     )
-    logprobs, prompt_logprobs = _logprobs(body)
+    logprobs, prompt_logprobs = logprobs_options(body)
     return GenerationParams.create(
         max_new_tokens=1,
         logprobs=logprobs,

@@ -1,5 +1,6 @@
-"""Log-probabilities in the OpenAI formats: chat's ``logprobs.content`` and the legacy
-completions' ``tokens``, ``token_logprobs``, ``top_logprobs`` and ``text_offset``.
+"""Log-probabilities in the OpenAI API: the requests' options (``logprobs_options``) and the
+answers' formats, chat's ``logprobs.content`` and the legacy completions' ``tokens``,
+``token_logprobs``, ``top_logprobs`` and ``text_offset``.
 
 The engine scores tokens (``engine.logprobs``: the target's distribution under the request's
 sampling transforms; for greedy requests the plain softmax); this module names them. A token's
@@ -20,10 +21,14 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import cast
 
 from hybridspec.engine import Engine, Logprobs
+from hybridspec.engine.logprobs import MAX_LOGPROBS
+from hybridspec.errors import check
 from hybridspec.server.protocol import (
+    ChatCompletionRequest,
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    CompletionRequest,
     TopLogprob,
 )
 
@@ -58,6 +63,36 @@ def _decode_each(token_ids: list[int], engine: Engine) -> list[str]:
     texts = [tokenizer.decode([i]) for i in token_ids]
     assert all(isinstance(text, str) for text in texts)  # one sequence decodes to one string
     return cast(list[str], texts)
+
+
+def logprobs_options(
+    body: CompletionRequest | ChatCompletionRequest,
+) -> tuple[int | None, int | None]:
+    """The engine's ``logprobs`` and ``prompt_logprobs`` for a body's options, checked: chat's
+    ``top_logprobs`` (0..20, only with ``logprobs: true``), completions' ``logprobs`` (0..5;
+    with ``echo``, for the prompt too)."""
+    if isinstance(body, ChatCompletionRequest):
+        top = body.top_logprobs
+        check(
+            top is None or 0 <= top <= MAX_LOGPROBS,
+            "top_logprobs",
+            f"expected an integer in [0, {MAX_LOGPROBS}], got {top}",
+        )
+        check(
+            top is None or body.logprobs is True,
+            "top_logprobs",
+            "top_logprobs needs logprobs set to true",
+        )
+        return ((top or 0) if body.logprobs else None), None
+    n = body.logprobs
+    check(
+        n is None or 0 <= n <= MAX_COMPLETION_LOGPROBS,
+        "logprobs",
+        f"expected an integer in [0, {MAX_COMPLETION_LOGPROBS}], got {n}",
+    )
+    if body.echo and body.max_tokens == 0 and n is None:
+        return None, 0  # echo only: the engine scores the prompt, which nobody asked to see
+    return n, n if body.echo else None
 
 
 def token_ids_of(*scored: Logprobs | None) -> set[int]:
