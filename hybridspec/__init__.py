@@ -16,9 +16,16 @@ from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from hybridspec.config import DraftConfig, EngineConfig, ModelConfig, NgramConfig
-    from hybridspec.engine import Engine, FinishReason, GenerationParams, GenerationResult
+    from hybridspec.engine import (
+        Engine,
+        FinishReason,
+        GenerationParams,
+        GenerationResult,
+        Logprobs,
+    )
     from hybridspec.errors import (
         CapacityError,
+        ContextLengthError,
         HybridSpecError,
         InvalidRequestError,
         ModelLoadError,
@@ -30,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CapacityError",
     "CommitInfo",
+    "ContextLengthError",
     "DraftConfig",
     "Engine",
     "EngineConfig",
@@ -38,6 +46,7 @@ __all__ = [
     "GenerationResult",
     "HybridSpecError",
     "InvalidRequestError",
+    "Logprobs",
     "ModelConfig",
     "ModelLoadError",
     "NgramConfig",
@@ -55,9 +64,16 @@ __getattr__, __dir__ = lazy_exports(
     globals(),
     {
         "hybridspec.config": ("DraftConfig", "EngineConfig", "ModelConfig", "NgramConfig"),
-        "hybridspec.engine": ("Engine", "FinishReason", "GenerationParams", "GenerationResult"),
+        "hybridspec.engine": (
+            "Engine",
+            "FinishReason",
+            "GenerationParams",
+            "GenerationResult",
+            "Logprobs",
+        ),
         "hybridspec.errors": (
             "CapacityError",
+            "ContextLengthError",
             "HybridSpecError",
             "InvalidRequestError",
             "ModelLoadError",

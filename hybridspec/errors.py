@@ -2,7 +2,8 @@
 
 The server maps each class to an OpenAI-style error body (see ``hybridspec.server``):
 
-- ``InvalidRequestError`` (a ``ValueError``): the caller's input is wrong, HTTP 400.
+- ``InvalidRequestError`` (a ``ValueError``): the caller's input is wrong, HTTP 400;
+  ``ContextLengthError``, its prompt is too long.
 - ``UnknownModelError``: a model name the engine does not serve, HTTP 404.
 - ``CapacityError``: no room for the request right now (queue or KV cache full), HTTP 503.
 - ``ModelLoadError``: a model or tokenizer could not be loaded or does not fit the target.
@@ -24,6 +25,14 @@ class InvalidRequestError(HybridSpecError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """A prompt longer than the model's context (or the configured prompt limit) allows.
+
+    Its own class because no request schema can state the limit (it depends on how the
+    prompt tokenizes); servers answer it with OpenAI's ``context_length_exceeded`` code.
+    """
 
 
 class UnknownModelError(InvalidRequestError):

@@ -12,6 +12,7 @@ from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from hybridspec.engine.engine import Engine
+    from hybridspec.engine.logprobs import Logprobs
     from hybridspec.engine.loop import EngineLoop
     from hybridspec.engine.request import (
         FinishReason,
@@ -27,6 +28,7 @@ __all__ = [
     "FinishReason",
     "GenerationParams",
     "GenerationResult",
+    "Logprobs",
     "RequestOutput",
     "warm_up",
 ]
@@ -36,6 +38,7 @@ __getattr__, __dir__ = lazy_exports(
     globals(),
     {
         "hybridspec.engine.engine": ("Engine",),
+        "hybridspec.engine.logprobs": ("Logprobs",),
         "hybridspec.engine.loop": ("EngineLoop",),
         "hybridspec.engine.request": (
             "FinishReason",

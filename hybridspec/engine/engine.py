@@ -37,6 +37,7 @@ import torch
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.features import forward_layers, keep_committed_rows, take_rows
+from hybridspec.engine.logprobs import Logprobs
 from hybridspec.engine.prompts import Messages, check_prompt, encode
 from hybridspec.engine.proposer_pool import ProposerPool, proposer_context
 from hybridspec.engine.request import (
@@ -47,11 +48,10 @@ from hybridspec.engine.request import (
     RequestOutput,
     new_generator,
 )
-from hybridspec.engine.scheduler import Scheduler, forward_batch
+from hybridspec.engine.scheduler import Scheduler, StepBatch, forward_batch
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import (
-    ForwardBatch,
     LoadedModel,
     fastest_forward_seconds,
     load_model,
@@ -79,7 +79,8 @@ class _Round:
     drafts: list[tuple[Request, Proposal]]  # decoding requests, verified
     prefill: list[tuple[Request, int]]  # (request, prompt tokens fed)
     fed: list[Proposer]  # per sequence of the batch: drafts then prefill
-    batch: ForwardBatch
+    step: StepBatch
+    logits: torch.Tensor  # [num_logits, vocab_size]: the verified rows, then prompt rows
     hidden_states: torch.Tensor | None  # [num_tokens, len(batch.hidden_layers), hidden_size]
     verified: VerifyOutput | None  # None: no decoding request
 
@@ -252,36 +253,42 @@ class Engine:
         """One target forward over the decoding spans and prefill chunks, and verification of
         the drafts. Changes nothing but the fed sequences' target caches."""
         fed = [self.proposers[r.proposer_name] for r, _ in (*drafts, *prefill)]
-        batch = forward_batch(drafts, prefill, self.runtime.seq_len, forward_layers(fed))
-        output = self.runtime.forward(batch)
-        verified = self._verify(drafts, output.logits) if drafts else None
-        return _Round(drafts, prefill, fed, batch, output.hidden_states, verified)
+        step = forward_batch(drafts, prefill, self.runtime.seq_len, forward_layers(fed))
+        output = self.runtime.forward(step.batch)
+        logits = output.logits[: step.num_verify_rows]  # the verified rows
+        verified = self._verify(drafts, logits) if drafts else None
+        return _Round(drafts, prefill, fed, step, output.logits, output.hidden_states, verified)
 
     def _commit_all(self, round_: _Round) -> list[RequestOutput]:
-        """Commit each decoding request's verified tokens; a failure fails that request only."""
+        """Score prompts that asked, then commit each decoding request's verified tokens; a
+        failure fails that request only."""
         drafts, verified = round_.drafts, round_.verified
+        logits = round_.step.score_prompts(round_.logits)  # the verified rows
         accepted = verified.num_accepted.tolist() if verified is not None else []
         outputs: list[RequestOutput] = []
         if round_.hidden_states is not None:
             rejected = [p.num_drafts - n for (_, p), n in zip(drafts, accepted, strict=True)]
             requests = [r for r, _ in (*drafts, *round_.prefill)]
             rejected += [0] * len(round_.prefill)
-            keep_committed_rows(round_.batch, round_.hidden_states, requests, round_.fed, rejected)
+            keep_committed_rows(
+                round_.step.batch, round_.hidden_states, requests, round_.fed, rejected
+            )
         if verified is None:
             return outputs
-        committed = 0
+        committed, row = 0, 0
         for (request, proposal), tokens, num_accepted in zip(
             drafts, verified.output_token_ids, accepted, strict=True
         ):
             committed += len(tokens)
+            rows = logits[row : row + len(tokens)]  # the rows that produced ``tokens``
+            row += proposal.num_drafts + 1
             try:
-                outputs.append(self._commit(request, tokens, num_accepted, proposal.num_drafts))
+                outputs.append(self._commit(request, tokens, num_accepted, proposal, rows))
             except Exception:
                 logger.exception("committing request %s failed", request.request_id)
                 outputs.append(self._finish(request, FinishReason.ERROR, ROUND_FAILED))
         if self.speculation is not None:
-            verified_tokens = sum(p.num_drafts + 1 for _, p in drafts)
-            self.speculation.record_step(committed, verified_tokens)
+            self.speculation.record_step(committed, row)
         return outputs
 
     def _roll_back(self, cached: dict[int, int]) -> None:
@@ -359,15 +366,24 @@ class Engine:
         )
 
     def _commit(
-        self, request: Request, tokens: list[int], num_accepted: int, num_drafts: int
+        self,
+        request: Request,
+        tokens: list[int],
+        num_accepted: int,
+        proposal: Proposal,
+        logits: torch.Tensor,
     ) -> RequestOutput:
-        """Append verified tokens, stopping at the first stop condition; roll caches back."""
-        request.stats.record_round(num_drafts, num_accepted)
-        request.speculation.update(num_drafts, num_accepted, len(tokens))
+        """Append verified tokens, stopping at the first stop condition; roll caches back.
+        ``logits`` [len(tokens), vocab_size]: the target's rows that produced ``tokens``."""
+        request.stats.record_round(proposal.num_drafts, num_accepted)
+        request.speculation.update(proposal.num_drafts, num_accepted, len(tokens))
         assert request.detokenizer is not None and request.slot is not None
-        new_token_ids, reason = request.append(tokens, self.eos_token_ids, self.max_seq_len)
+        new_token_ids, consumed, reason = request.append(
+            tokens, self.eos_token_ids, self.max_seq_len
+        )
+        logprobs = request.score_committed(logits[:consumed], tokens[:consumed])
         if reason is not None:
-            return self._finish(request, reason, new_token_ids=new_token_ids)
+            return self._finish(request, reason, new_token_ids=new_token_ids, logprobs=logprobs)
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
         hidden_states, hidden_position = take_rows(request)
         try:
@@ -376,9 +392,16 @@ class Engine:
             )
         except Exception as exc:
             logger.exception("proposer %r failed to commit", request.proposer_name)
-            return self._finish(request, FinishReason.ERROR, f"proposer: {exc}", new_token_ids)
+            return self._finish(
+                request, FinishReason.ERROR, f"proposer: {exc}", new_token_ids, logprobs
+            )
         return RequestOutput(
-            request.request_id, new_token_ids, request.detokenizer.stream_text(), False
+            request.request_id,
+            new_token_ids,
+            request.detokenizer.stream_text(),
+            False,
+            logprobs=logprobs,
+            prompt_logprobs=request.take_prompt_logprobs(),
         )
 
     def _finish(
@@ -387,6 +410,7 @@ class Engine:
         reason: FinishReason,
         error: str | None = None,
         new_token_ids: list[int] | None = None,
+        logprobs: Logprobs | None = None,
     ) -> RequestOutput:
         """End a request for ``reason`` and release its slot and its proposer's state."""
         request.finish_reason = reason
@@ -399,7 +423,7 @@ class Engine:
             except Exception:
                 logger.exception("proposer %r failed to finish", request.proposer_name)
         self.scheduler.remove(request)
-        return request.final_output(new_token_ids or [])
+        return request.final_output(new_token_ids or [], logprobs)
 
     # ------------------------------------------------------------- one request
 

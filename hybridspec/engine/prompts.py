@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hybridspec.errors import InvalidRequestError, check
+from hybridspec.errors import ContextLengthError, InvalidRequestError, check
 
 Messages = Sequence[dict[str, str]]
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -41,12 +41,12 @@ def check_prompt(prompt_token_ids: Sequence[int], max_seq_len: int, vocab_size: 
     """A prompt must be non-empty, leave room to generate and hold valid token ids."""
     n = len(prompt_token_ids)
     check(n >= 1, "prompt", "the prompt is empty")
-    check(
-        n < max_seq_len,
-        "prompt",
-        f"the prompt has {n} tokens; the context holds {max_seq_len}, "
-        f"so at most {max_seq_len - 1} fit with room to generate",
-    )
+    if n >= max_seq_len:
+        raise ContextLengthError(
+            f"prompt: the prompt has {n} tokens; the context holds {max_seq_len}, "
+            f"so at most {max_seq_len - 1} fit with room to generate",
+            "prompt",
+        )
     bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     check(not bad, "prompt", f"token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
 

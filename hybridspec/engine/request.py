@@ -17,6 +17,7 @@ import torch
 
 from hybridspec.config import check_num_speculative_tokens
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
+from hybridspec.engine.logprobs import MAX_LOGPROBS, Logprobs, score
 from hybridspec.engine.speculation import SpeculationState
 from hybridspec.errors import check
 from hybridspec.types import GenerationStats, SamplingParams
@@ -36,7 +37,14 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class GenerationParams:
-    """Per-request generation options. ``None`` proposer / K take the engine's defaults."""
+    """Per-request generation options. ``None`` proposer / K take the engine's defaults.
+
+    ``logprobs``: None for none, else each returned token's log-probability and that many most
+    likely alternatives (0..20); ``prompt_logprobs`` the same for the prompt's tokens (the first
+    has none). Both are under the request's sampling transforms (``engine.logprobs``).
+    ``max_new_tokens`` may be 0 when ``prompt_logprobs`` is asked: the prompt is scored, and
+    nothing generated.
+    """
 
     max_new_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -44,14 +52,30 @@ class GenerationParams:
     num_speculative_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(
+                value is None
+                or (
+                    isinstance(value, int)
+                    and not isinstance(value, bool)
+                    and 0 <= value <= MAX_LOGPROBS
+                ),
+                name,
+                f"expected None or an integer in [0, {MAX_LOGPROBS}], got {value!r}",
+            )
+        least = 0 if self.prompt_logprobs is not None else 1
         check(
             isinstance(self.max_new_tokens, int)
             and not isinstance(self.max_new_tokens, bool)
-            and self.max_new_tokens >= 1,
+            and self.max_new_tokens >= least,
             "max_new_tokens",
-            f"expected an integer >= 1, got {self.max_new_tokens!r}",
+            f"expected an integer >= {least}, got {self.max_new_tokens!r}"
+            + (" (0 needs prompt_logprobs: it only scores the prompt)" if least else ""),
         )
         check(
             isinstance(self.sampling, SamplingParams),
@@ -86,6 +110,8 @@ class GenerationParams:
         num_speculative_tokens: int | None = None,
         stop: str | Sequence[str] | None = None,
         ignore_eos: bool = False,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> GenerationParams:
         """Build parameters from flat keyword arguments; ``stop`` may be one string or several."""
         if stop is None:
@@ -102,12 +128,19 @@ class GenerationParams:
             num_speculative_tokens=num_speculative_tokens,
             stop=stops,
             ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationResult:
-    """The whole outcome of one request."""
+    """The whole outcome of one request.
+
+    ``logprobs`` (when asked) scores ``token_ids`` and then, when the request stopped at EOS,
+    that EOS token, which ``token_ids`` leaves out; ``prompt_logprobs`` (when asked) scores
+    the prompt's tokens from the second on.
+    """
 
     request_id: str
     text: str
@@ -115,19 +148,30 @@ class GenerationResult:
     finish_reason: FinishReason
     stats: GenerationStats
     error: str | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason.value,
             "stats": self.stats.to_dict(),
         }
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value.to_dict()
+        return out
 
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """What one engine step produced for one request: the newly committed tokens and text."""
+    """What one engine step produced for one request: the newly committed tokens and text.
+
+    ``logprobs`` scores ``new_token_ids`` (and the EOS that ended the request, if one did);
+    ``prompt_logprobs`` comes once, on the first output after the prompt was scored.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -135,6 +179,8 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     result: GenerationResult | None = None  # set on the final output
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
 
 def new_generator(seed: int | None) -> torch.Generator:
@@ -172,6 +218,10 @@ class Request:
     # (``engine.features``), and how many positions were handed so far.
     pending_hidden: list[torch.Tensor] = field(default_factory=list)
     num_hidden_handed: int = 0
+    # What ``params.logprobs`` and ``prompt_logprobs`` ask for, scored so far (engine.logprobs).
+    logprob_parts: list[Logprobs] = field(default_factory=list)
+    prompt_logprob_parts: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -191,14 +241,19 @@ class Request:
 
     def append(
         self, tokens: Sequence[int], eos_token_ids: Set[int], max_seq_len: int
-    ) -> tuple[list[int], FinishReason | None]:
+    ) -> tuple[list[int], int, FinishReason | None]:
         """Commit verified ``tokens`` one by one, up to the first stop condition: EOS (not
         appended), a stop string, ``max_new_tokens`` or the context length. Returns the tokens
-        appended and why the request finished, if it did."""
+        appended, how many of ``tokens`` were consumed (those appended, and the EOS that
+        stopped the request) and why the request finished, if it did."""
         assert self.detokenizer is not None
         new_token_ids: list[int] = []
         reason: FinishReason | None = None
+        if self.params.max_new_tokens == 0:  # scores its prompt only
+            return new_token_ids, 0, FinishReason.LENGTH
+        consumed = 0
         for token in tokens:
+            consumed += 1
             self.stats.generated_tokens += 1
             if token in eos_token_ids and not self.params.ignore_eos:
                 reason = FinishReason.STOP
@@ -216,14 +271,54 @@ class Request:
                 break
         if self.stats.time_to_first_token_s is None:
             self.stats.time_to_first_token_s = time.perf_counter() - self.arrival_time
-        return new_token_ids, reason
+        return new_token_ids, consumed, reason
 
-    def final_output(self, new_token_ids: list[int]) -> RequestOutput:
-        """The last output of a finished request, with its whole result."""
+    def score_prompt(self, logits: torch.Tensor, start: int) -> None:
+        """Score the prompt tokens after positions ``start, start + 1, ...`` against
+        ``logits`` [num_rows, vocab_size], the rows of the prompt tokens at those positions."""
+        assert self.params.prompt_logprobs is not None
+        ids = self.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+        scored = score(logits, ids, self.params.sampling, self.params.prompt_logprobs)
+        self.prompt_logprob_parts.append(scored)
+
+    def score_committed(self, logits: torch.Tensor, token_ids: Sequence[int]) -> Logprobs | None:
+        """Score the tokens a commit consumed against ``logits`` [len(token_ids), vocab_size],
+        the rows that produced them; None when the request asks for no logprobs."""
+        if self.params.logprobs is None:
+            return None
+        scored = score(logits, token_ids, self.params.sampling, self.params.logprobs)
+        self.logprob_parts.append(scored)
+        return scored
+
+    def prompt_logprobs(self) -> Logprobs | None:
+        """The prompt's log-probabilities once every token but the first is scored, else None."""
+        num_top = self.params.prompt_logprobs
+        scored = sum(len(part) for part in self.prompt_logprob_parts)
+        if num_top is None or scored < len(self.prompt_token_ids) - 1:
+            return None
+        joined = Logprobs.cat(self.prompt_logprob_parts, num_top)
+        self.prompt_logprob_parts[:] = [joined]
+        return joined
+
+    def take_prompt_logprobs(self) -> Logprobs | None:
+        """``prompt_logprobs()`` the first time they are complete, then None: an output
+        carries them once."""
+        if self.prompt_logprobs_sent:
+            return None
+        scored = self.prompt_logprobs()
+        self.prompt_logprobs_sent = scored is not None
+        return scored
+
+    def final_output(
+        self, new_token_ids: list[int], logprobs: Logprobs | None = None
+    ) -> RequestOutput:
+        """The last output of a finished request, with its whole result; ``logprobs`` scores
+        ``new_token_ids`` (and the EOS that stopped it) when asked."""
         assert self.finish_reason is not None
         if self.start_time is not None:
             self.stats.elapsed_s = time.perf_counter() - self.start_time
         detokenizer = self.detokenizer
+        num_top = self.params.logprobs
         result = GenerationResult(
             request_id=self.request_id,
             text=detokenizer.text if detokenizer is not None else "",
@@ -231,6 +326,8 @@ class Request:
             finish_reason=self.finish_reason,
             stats=self.stats,
             error=self.error,
+            logprobs=None if num_top is None else Logprobs.cat(self.logprob_parts, num_top),
+            prompt_logprobs=self.prompt_logprobs(),
         )
         return RequestOutput(
             self.request_id,
@@ -239,4 +336,6 @@ class Request:
             True,
             self.finish_reason,
             result,
+            logprobs,
+            self.take_prompt_logprobs(),
         )

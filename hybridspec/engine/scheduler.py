@@ -9,6 +9,10 @@ Worked example with ``prefill_chunk_size = 512``: a decoding request has 1 uncac
 (its last committed one), so it costs 0 of the budget and always decodes. A new request with a
 1300-token prompt feeds 512, then 512 prompt tokens in the next two steps; in the third its
 remaining 276 tokens fit, so it decodes: it feeds them with its first drafts in one forward.
+
+A request that asks for its prompt's log-probabilities (``GenerationParams.prompt_logprobs``)
+also wants the logits of every prompt token it feeds but the last (whose row predicts the first
+generated token, and is verified); ``forward_batch`` appends those rows after the verified ones.
 """
 
 from __future__ import annotations
@@ -23,6 +27,37 @@ from hybridspec.engine.request import Request
 from hybridspec.errors import CapacityError
 from hybridspec.model import ForwardBatch
 from hybridspec.types import Proposal
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """Logits rows of one request's prompt in a forward, for ``prompt_logprobs``: those of the
+    prompt tokens at positions ``start .. start + num_rows - 1``, which predict the tokens at
+    ``start + 1 .. start + num_rows``."""
+
+    request: Request
+    start: int
+    num_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """One step's forward and the meaning of its logits rows: first each decoding request's
+    ``num_drafts + 1`` verified rows, in order (``num_verify_rows`` in all), then the rows of
+    ``prompt_rows``, one request after another."""
+
+    batch: ForwardBatch
+    num_verify_rows: int
+    prompt_rows: list[PromptRows]
+
+    def score_prompts(self, logits: torch.Tensor) -> torch.Tensor:
+        """Hand each request of ``prompt_rows`` its rows of ``logits`` (the forward's, [num_logits,
+        vocab_size]) to score its prompt; return the verified rows."""
+        row = self.num_verify_rows
+        for prompt in self.prompt_rows:
+            prompt.request.score_prompt(logits[row : row + prompt.num_rows], prompt.start)
+            row += prompt.num_rows
+        return logits[: self.num_verify_rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,36 +137,65 @@ def forward_batch(
     prefill: list[tuple[Request, int]],
     seq_len: Callable[[int], int],
     hidden_layers: tuple[int, ...] = (),
-) -> ForwardBatch:
+) -> StepBatch:
     """Flatten the step's decoding spans and prefill chunks into one ragged batch.
 
     A decoding request feeds its uncached committed tokens (``seq_len(slot)`` are cached) and
     its drafts, with logits at its last ``num_drafts + 1`` positions; a chunk feeds the next
     ``n`` tokens of its prompt and wants none. Example: a request with 1 uncached token and
     drafts ``d1 d2`` then a chunk of 3 give ``token_ids [t, d1, d2, p0, p1, p2]``,
-    ``cu_num_tokens [0, 3, 6]`` and ``logits_indices [0, 1, 2]``.
+    ``cu_num_tokens [0, 3, 6]`` and ``logits_indices [0, 1, 2]``. Had the chunk's request asked
+    for prompt logprobs, ``logits_indices`` would be ``[0, 1, 2, 3, 4, 5]`` and its
+    ``PromptRows`` start at position 0 with 3 rows.
     """
     slots: list[int] = []
     token_ids: list[int] = []
     cu = [0]
     logits_indices: list[int] = []
+    fed: list[tuple[Request, int, int]] = []  # (request, first position fed, committed fed)
     for request, proposal in drafts:
         assert request.slot is not None
-        token_ids.extend(request.token_ids[seq_len(request.slot) :])
+        cached = seq_len(request.slot)
+        token_ids.extend(request.token_ids[cached:])
         token_ids.extend(proposal.token_ids)
         logits_indices.extend(range(len(token_ids) - proposal.num_drafts - 1, len(token_ids)))
+        fed.append((request, cached, len(request.token_ids) - cached))
         slots.append(request.slot)
         cu.append(len(token_ids))
     for request, num_tokens in prefill:
         assert request.slot is not None
         cached = seq_len(request.slot)
         token_ids.extend(request.token_ids[cached : cached + num_tokens])
+        fed.append((request, cached, num_tokens))
         slots.append(request.slot)
         cu.append(len(token_ids))
-    return ForwardBatch(
+    num_verify_rows = len(logits_indices)
+    prompt_rows = _add_prompt_rows(fed, cu, logits_indices)
+    batch = ForwardBatch(
         slots=torch.tensor(slots, dtype=torch.long),
         token_ids=torch.tensor(token_ids, dtype=torch.long),
         cu_num_tokens=torch.tensor(cu, dtype=torch.long),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
         hidden_layers=hidden_layers,
     )
+    return StepBatch(batch, num_verify_rows, prompt_rows)
+
+
+def _add_prompt_rows(
+    fed: list[tuple[Request, int, int]], cu: list[int], logits_indices: list[int]
+) -> list[PromptRows]:
+    """Append to ``logits_indices`` the rows of the prompt tokens that each request asking for
+    prompt logprobs feeds, but the prompt's last (it predicts no prompt token).
+
+    ``fed``: per sequence, (request, position of its first fed token, committed tokens fed);
+    ``cu``: the batch's cumulative offsets.
+    """
+    prompt_rows = []
+    for (request, start, num_fed), offset in zip(fed, cu, strict=False):
+        if request.params.prompt_logprobs is None:
+            continue
+        num_rows = min(start + num_fed, len(request.prompt_token_ids) - 1) - start
+        if num_rows > 0:
+            logits_indices.extend(range(offset, offset + num_rows))
+            prompt_rows.append(PromptRows(request, start, num_rows))
+    return prompt_rows

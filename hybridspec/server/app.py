@@ -121,7 +121,7 @@ def prompt_encoder(engine: Engine, config: ServerConfig) -> PromptEncoder:
     if config.max_prompt_tokens is not None:
         limit = min(limit, config.max_prompt_tokens)
     chars = longest_token_chars(engine.tokenizer, engine.vocab_size)
-    return PromptEncoder(engine.encode, engine.check_prompt, limit, chars)
+    return PromptEncoder(engine.encode, engine.check_prompt, limit, chars, engine.tokenizer)
 
 
 async def _stop(loop: EngineLoop) -> None:

@@ -19,16 +19,23 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import cast
 
-from hybridspec.engine import FinishReason, GenerationParams, RequestOutput
+from hybridspec.engine import FinishReason, GenerationParams, Logprobs, RequestOutput
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.server.errors import GenerationFailed
+from hybridspec.server.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    logprobs_options,
+    token_ids_of,
+)
 from hybridspec.server.prompts import prompt_of
 from hybridspec.server.protocol import (
     AssistantMessage,
-    ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionChoice,
+    ChatLogprobs,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     FinishReasonName,
@@ -54,6 +61,12 @@ class PreparedRequest:
     include_usage: bool
     continuous_usage: bool  # usage so far on every chunk (needs include_usage, as in vLLM)
     chat: bool  # a chat completion (else a text completion)
+    # A completion's echoed prompt (``echo``); its logprobs come when ``params.logprobs`` is set.
+    echo_text: str | None = None
+
+    @property
+    def echo_logprobs(self) -> bool:
+        return self.echo_text is not None and self.params.logprobs is not None
 
 
 def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -70,22 +83,17 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         check(value is None or value == 0, name, f"only 0 is supported, got {value}")
     check(not body.logit_bias, "logit_bias", "logit_bias is not supported")
     if isinstance(body, CompletionRequest):
-        check(not body.echo, "echo", "echo is not supported")
-        check(body.logprobs is None, "logprobs", "logprobs are not supported")
         check(body.best_of is None or body.best_of == 1, "best_of", "only best_of = 1 is supported")
-    else:
-        check(
-            not body.logprobs and body.top_logprobs is None,
-            "logprobs",
-            "logprobs are not supported",
-        )
 
 
 def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams:
     """The body's generation options; ``max_new_tokens`` is set once the prompt is tokenized."""
     temperature = body.temperature
+    logprobs, prompt_logprobs = logprobs_options(body)
     return GenerationParams.create(
         max_new_tokens=1,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         temperature=temperature if temperature is not None else OPENAI_DEFAULT_TEMPERATURE,
         top_k=body.top_k,
         top_p=body.top_p if body.top_p is not None else 1.0,
@@ -117,6 +125,9 @@ async def prepare(
     k = params.num_speculative_tokens or state.model.default_num_speculative_tokens
     options = body.stream_options
     ids = await state.prompts.encode(prompt)
+    echo_text = None
+    if isinstance(body, CompletionRequest) and body.echo:
+        echo_text = prompt.text if prompt.text is not None else await state.prompts.decode(ids)
     max_tokens = _completion_budget(state.model.max_seq_len, len(ids), prompt.max_tokens)
     return PreparedRequest(
         model=model,
@@ -130,6 +141,7 @@ async def prepare(
         and options.include_usage
         and options.continuous_usage_stats,
         chat=isinstance(body, ChatCompletionRequest),
+        echo_text=echo_text,
     )
 
 
@@ -222,14 +234,58 @@ def usage_so_far(prepared: PreparedRequest, completion: int) -> Usage:
     )
 
 
-def response_body(
-    prepared: PreparedRequest, response_id: str, created: int, output: RequestOutput
+async def load_token_texts(
+    state: ServerState, prepared: PreparedRequest, *scored: Logprobs | None
+) -> TokenTexts:
+    """The server's token texts, knowing every token that rendering ``scored`` names (and an
+    echoed prompt's first token)."""
+    ids = token_ids_of(*scored)
+    if prepared.echo_logprobs:
+        ids.add(prepared.prompt_token_ids[0])
+    await state.token_texts.load(state.prompts.decode_each, ids)
+    return state.token_texts
+
+
+def rendered_logprobs(
+    prepared: PreparedRequest,
+    texts: TokenTexts,
+    logprobs: Logprobs | None,
+    prompt_logprobs: Logprobs | None = None,
+    offset: int = 0,
+) -> ChatLogprobs | CompletionLogprobs | None:
+    """A choice's (or chunk's) ``logprobs``: of the prompt (when ``prompt_logprobs`` is given and
+    echoed) then of ``logprobs``; None when the request asked for none. ``offset``: the text
+    offset of the first token (completions)."""
+    if prepared.params.logprobs is None:
+        return None
+    num_top = prepared.params.logprobs
+    scored = logprobs if logprobs is not None else Logprobs.empty(num_top)
+    if prepared.chat:
+        return chat_logprobs(scored, texts)
+    if prompt_logprobs is None or not prepared.echo_logprobs:
+        return completion_logprobs([scored], texts, offset=offset)
+    first = prepared.prompt_token_ids[0]
+    return completion_logprobs([prompt_logprobs, scored], texts, first_token_id=first)
+
+
+async def response_body(
+    state: ServerState,
+    prepared: PreparedRequest,
+    response_id: str,
+    created: int,
+    output: RequestOutput,
 ) -> ChatCompletionResponse | CompletionResponse:
     """The non-streamed response of a finished request; raises for a failed one (a 500)."""
     check_not_failed(output, response_id)
     assert output.result is not None
+    texts = await load_token_texts(
+        state, prepared, output.result.logprobs, output.result.prompt_logprobs
+    )
     text = output.result.text
     reason = finish_reason(output)
+    logprobs = rendered_logprobs(
+        prepared, texts, output.result.logprobs, output.result.prompt_logprobs
+    )
     fields = {
         "id": response_id,
         "created": created,
@@ -237,11 +293,9 @@ def response_body(
         "usage": usage(prepared, output),
         "hybridspec": speculation_stats(prepared, output.result.stats),
     }
+    choice: dict[str, object] = {"finish_reason": reason, "logprobs": logprobs}
     if prepared.chat:
-        message = AssistantMessage(content=text)
-        return ChatCompletionResponse.model_validate(
-            {**fields, "choices": [ChatChoice(message=message, finish_reason=reason)]}
-        )
-    return CompletionResponse.model_validate(
-        {**fields, "choices": [CompletionChoice(text=text, finish_reason=reason)]}
-    )
+        choice["message"] = AssistantMessage(content=text)
+        return ChatCompletionResponse.model_validate({**fields, "choices": [choice]})
+    choice["text"] = (prepared.echo_text or "") + text
+    return CompletionResponse.model_validate({**fields, "choices": [choice]})

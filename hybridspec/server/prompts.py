@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from hybridspec.errors import InvalidRequestError, check
+from hybridspec.errors import ContextLengthError, check
 from hybridspec.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 COMPLETION_MAX_TOKENS = 16  # as in the OpenAI legacy completions API
@@ -66,6 +66,9 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
 def prompt_of(body: CompletionRequest | ChatCompletionRequest) -> Prompt:
     """One text prompt, token ids or chat; several prompts are refused like n > 1."""
     if isinstance(body, ChatCompletionRequest):
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(body, name)
+            check(value is None or value >= 1, name, f"expected an integer >= 1, got {value}")
         chosen = body.max_completion_tokens
         max_tokens = chosen if chosen is not None else body.max_tokens
         prompt = Prompt(None, chat_messages(body.messages), None, max_tokens)
@@ -81,10 +84,11 @@ def prompt_of(body: CompletionRequest | ChatCompletionRequest) -> Prompt:
             prompt = Prompt(raw, None, None, max_tokens)
         else:
             prompt = Prompt(None, None, list(raw), max_tokens)  # type: ignore[arg-type]
+    echoed = isinstance(body, CompletionRequest) and body.echo
     check(
-        prompt.max_tokens is None or prompt.max_tokens >= 1,
+        prompt.max_tokens is None or prompt.max_tokens >= (0 if echoed else 1),
         "max_tokens",
-        f"expected an integer >= 1, got {prompt.max_tokens}",
+        f"expected an integer >= 1 (or 0 with echo, to score the prompt), got {prompt.max_tokens}",
     )
     return prompt
 
@@ -98,7 +102,8 @@ class PromptEncoder:
 
     ``encode`` and ``check_prompt`` are the engine's (``Engine.encode``,
     ``Engine.check_prompt``): they read only the tokenizer and the model's fixed sizes, never
-    state that the engine thread changes, so they are safe on any thread. Hugging Face fast
+    state that the engine thread changes, so they are safe on any thread, as is decoding (an
+    echoed prompt, the token texts of logprobs) with the same tokenizer. Hugging Face fast
     tokenizers release the GIL while they encode, so the event loop keeps streaming meanwhile.
     """
 
@@ -108,7 +113,9 @@ class PromptEncoder:
         check_prompt: CheckPrompt,
         max_prompt_tokens: int,
         max_token_chars: int | None,
+        tokenizer: Any = None,
     ) -> None:
+        self._tokenizer = tokenizer  # for decoding (echo, logprobs' token texts); None: none
         self._encode = encode
         self._check_prompt = check_prompt
         self.max_prompt_tokens = max_prompt_tokens
@@ -120,15 +127,10 @@ class PromptEncoder:
     def check_size(self, prompt: Prompt) -> None:
         """Refuse at once a prompt too long for the context by its size alone (module doc)."""
         if prompt.token_ids is not None:
-            n = len(prompt.token_ids)
-            check(
-                n <= self.max_prompt_tokens,
-                "prompt",
-                f"the prompt has {n} tokens; at most {self.max_prompt_tokens} are allowed",
-            )
+            self._check_count(len(prompt.token_ids), "prompt")
         elif self.max_prompt_chars is not None and prompt.num_chars > self.max_prompt_chars:
             field = "prompt" if prompt.text is not None else "messages"
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"{field}: the prompt has {prompt.num_chars} characters, more than "
                 f"{self.max_prompt_tokens} tokens can hold (at most {self.max_prompt_chars})",
                 field,
@@ -144,13 +146,35 @@ class PromptEncoder:
         ids = prompt.token_ids
         if ids is None:
             ids = self._encode(prompt.text, prompt.messages)
-        check(
-            len(ids) <= self.max_prompt_tokens,
-            "prompt" if prompt.messages is None else "messages",
-            f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are allowed",
-        )
+        self._check_count(len(ids), "prompt" if prompt.messages is None else "messages")
         self._check_prompt(ids)
         return ids
+
+    def _check_count(self, num_tokens: int, field: str) -> None:
+        if num_tokens > self.max_prompt_tokens:
+            raise ContextLengthError(
+                f"{field}: the prompt has {num_tokens} tokens; at most "
+                f"{self.max_prompt_tokens} are allowed",
+                field,
+            )
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (an echoed prompt), decoded on a worker thread."""
+        check(self._tokenizer is not None, "echo", "echo needs a tokenizer; this model has none")
+        text = await self._run_on_worker(self._tokenizer.decode, token_ids)
+        assert isinstance(text, str)  # one sequence decodes to one string
+        return text
+
+    async def decode_each(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (``token_id:N`` without a tokenizer), on a worker thread."""
+        if self._tokenizer is None:
+            return [f"token_id:{i}" for i in token_ids]
+        texts = await self._run_on_worker(self._tokenizer.batch_decode, [[i] for i in token_ids])
+        return [str(text) for text in texts]
+
+    async def _run_on_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -9,15 +9,28 @@ request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos``. In
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
+from hybridspec.engine.logprobs import MAX_LOGPROBS
 from hybridspec.engine.request import MAX_STOP_STRINGS
 from hybridspec.types import MAX_SEED
 
 FinishReasonName = Literal["stop", "length"]
+MAX_COMPLETION_LOGPROBS = 5  # as in the OpenAI legacy completions API
+
+
+def _integral(value: Any) -> Any:
+    """1.0 and 1e3 are integers in JSON Schema (numbers without a fractional part): take them
+    as ints. Anything else goes on to strict validation (a string or 1.5 stays an error)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_integral)]
 
 
 class _Body(BaseModel):
@@ -45,20 +58,37 @@ STREAM_OPTIONS_NEED_STREAM: dict[str, Any] = {
 }
 
 
+def present(field: str) -> dict[str, Any]:
+    """JSON Schema: ``field`` is given and not null."""
+    return {"required": [field], "properties": {field: {"not": {"type": "null"}}}}
+
+
+# ``max_tokens: 0`` only with ``echo: true`` (scoring the prompt).
+ZERO_TOKENS_NEED_ECHO: dict[str, Any] = {
+    "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+    "then": {"required": ["echo"], "properties": {"echo": {"const": True}}},
+}
+# ``top_logprobs`` only with ``logprobs: true``, as in the OpenAI API.
+TOP_LOGPROBS_NEED_LOGPROBS: dict[str, Any] = {
+    "if": present("top_logprobs"),
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
+
+
 class _SamplingFields(_Body):
     """Fields shared by completion and chat completion requests."""
 
     model_config = ConfigDict(json_schema_extra=STREAM_OPTIONS_NEED_STREAM)
 
     model: str | None = None  # None: the served model
-    max_tokens: int | None = documented(
+    max_tokens: JsonInt | None = documented(
         minimum=1,
         description="At most this many tokens; generation also ends when the context is full "
         "(finish_reason 'length').",
     )
     temperature: float | None = documented(minimum=0, description="0: greedy. Default 1.")
     top_p: float | None = documented(exclusiveMinimum=0, maximum=1)
-    top_k: int | None = documented(minimum=1)
+    top_k: JsonInt | None = documented(minimum=1)
     stop: str | list[str] | None = documented(
         anyOf=[
             {"type": "string", "minLength": 1},
@@ -70,8 +100,8 @@ class _SamplingFields(_Body):
             {"type": "null"},
         ]
     )
-    seed: int | None = documented(minimum=0, maximum=MAX_SEED - 1)
-    n: int | None = documented(minimum=1, maximum=1, description="Only 1 is supported.")
+    seed: JsonInt | None = documented(minimum=0, maximum=MAX_SEED - 1)
+    n: JsonInt | None = documented(minimum=1, maximum=1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = documented(
@@ -88,7 +118,7 @@ class _SamplingFields(_Body):
     proposer: str | None = Field(
         default=None, description="The proposer (hybridspec extension); default: the server's."
     )
-    num_speculative_tokens: int | None = documented(
+    num_speculative_tokens: JsonInt | None = documented(
         minimum=MIN_SPECULATIVE_TOKENS,
         maximum=MAX_SPECULATIVE_TOKENS,
         description="K, the most drafts per round (hybridspec extension).",
@@ -96,13 +126,10 @@ class _SamplingFields(_Body):
     ignore_eos: bool = Field(default=False, description="Generate past EOS (extension).")
 
 
-TokenIds = list[int]
-
-
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``; ``prompt`` may be text or token ids (one prompt only)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[JsonInt] | list[list[JsonInt]] = Field(
         json_schema_extra={
             "anyOf": [
                 {"type": "string", "minLength": 1},
@@ -126,9 +153,22 @@ class CompletionRequest(_SamplingFields):
             ]
         }
     )
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, ZERO_TOKENS_NEED_ECHO]}
+    )
+
+    max_tokens: JsonInt | None = documented(
+        minimum=0,
+        description="At most this many tokens (default 16); 0 only with echo, to score the "
+        "prompt. Generation also ends when the context is full (finish_reason 'length').",
+    )
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = documented(minimum=1, maximum=1, description="Only 1 is supported.")
+    logprobs: JsonInt | None = documented(
+        minimum=0,
+        maximum=MAX_COMPLETION_LOGPROBS,
+        description="The chosen token's logprob and this many others.",
+    )
+    best_of: JsonInt | None = documented(minimum=1, maximum=1, description="Only 1 is supported.")
 
 
 class TextContentPart(BaseModel):
@@ -160,9 +200,13 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
-    max_completion_tokens: int | None = documented(minimum=1)
+    max_completion_tokens: JsonInt | None = documented(minimum=1)
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, TOP_LOGPROBS_NEED_LOGPROBS]}
+    )
+
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: JsonInt | None = documented(minimum=0, maximum=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
 
 
@@ -191,10 +235,42 @@ class SpeculationStats(BaseModel):
     tokens_per_second: float
 
 
+class TopLogprob(BaseModel):
+    """A token and its log-probability (chat format). ``bytes``: the token's text in UTF-8."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A returned token and the most likely tokens at its position (``top_logprobs`` many)."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's (or chunk's) ``logprobs``: one entry per token of its content."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's ``logprobs`` (the legacy format): per token, its text, its
+    log-probability (None for an echoed prompt's first token), a map of the most likely tokens
+    and the token itself to their log-probabilities, and its offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonName | None
 
 
@@ -216,7 +292,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName
 
 
@@ -238,7 +314,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName | None = None
 
 

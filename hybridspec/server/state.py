@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 from hybridspec.engine import Engine, EngineLoop
 from hybridspec.errors import InvalidRequestError, UnknownModelError
 from hybridspec.server.config import ServerConfig
+from hybridspec.server.logprobs import TokenTexts
 from hybridspec.server.metrics import ServerMetrics
 from hybridspec.server.prompts import PromptEncoder
 
@@ -87,6 +88,7 @@ class ServerState:
     model: ModelInfo
     metrics: ServerMetrics
     prompts: PromptEncoder
+    token_texts: TokenTexts = field(default_factory=TokenTexts)  # for logprobs
 
     async def engine_call(self, fn: Callable[[Engine], T], timeout_s: float | None = None) -> T:
         """Run ``fn(engine)`` on the engine thread between steps (snapshots for /health)."""

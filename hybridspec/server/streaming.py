@@ -5,6 +5,9 @@ A streamed response is a sequence of server-sent events, ``data: <chunk JSON>``,
 ``[DONE]`` carries the finish reason and the ``hybridspec`` statistics (then, when
 ``stream_options.include_usage`` is set, one chunk with empty choices and the usage). With
 ``continuous_usage_stats`` too (vLLM's extension), every chunk also carries the usage so far.
+A request that asks for logprobs gets those of each chunk's tokens on that chunk (a chunk may
+carry tokens whose text is held back, with empty text); an echoed prompt, with its logprobs,
+comes first, on the first text chunk.
 
 ``stream_events`` is independent of the web framework: it turns a request's engine outputs
 into the event strings; ``EventStreamResponse`` is the Starlette response that sends them.
@@ -26,19 +29,24 @@ from hybridspec.server.generation import (
     PreparedRequest,
     check_not_failed,
     finish_reason,
+    load_token_texts,
     next_output,
+    rendered_logprobs,
     speculation_stats,
     usage,
     usage_so_far,
 )
 from hybridspec.server.protocol import (
     ChatCompletionChunk,
+    ChatLogprobs,
+    CompletionLogprobs,
     CompletionResponse,
     Delta,
     FinishReasonName,
     SpeculationStats,
     Usage,
 )
+from hybridspec.server.state import ServerState
 
 DONE = "data: [DONE]\n\n"
 
@@ -91,10 +99,17 @@ class ChunkRenderer:
             return None
         return self._event([{"delta": Delta(role="assistant", content="")}], usage=usage)
 
-    def text(self, text: str, usage: Usage | None = None) -> str:
+    def text(
+        self,
+        text: str,
+        usage: Usage | None = None,
+        logprobs: ChatLogprobs | CompletionLogprobs | None = None,
+    ) -> str:
         if self.chat:
-            return self._event([{"delta": Delta(content=text)}], usage=usage)
-        return self._event([{"text": text, "finish_reason": None}], usage=usage)
+            return self._event([{"delta": Delta(content=text), "logprobs": logprobs}], usage=usage)
+        return self._event(
+            [{"text": text, "finish_reason": None, "logprobs": logprobs}], usage=usage
+        )
 
     def final(
         self, reason: FinishReasonName, stats: SpeculationStats, usage: Usage | None = None
@@ -112,7 +127,35 @@ def error_event(exc: Exception) -> str:
     return f"data: {bytes(exception_response(exc).body).decode()}\n\n"
 
 
+@dataclass(slots=True)
+class _Pieces:
+    """Turns one stream's outputs into its text chunks: the echoed prompt first, then each
+    output's text and logprobs (``text_offset`` counted on across chunks)."""
+
+    state: ServerState
+    prepared: PreparedRequest
+    render: ChunkRenderer
+    echo: str | None  # the prompt's text until it is sent
+    offset: int = 0  # completions: the text offset of the next token
+
+    async def chunk(self, output: RequestOutput, usage: Usage | None) -> str | None:
+        """The text chunk of ``output``; None when it carries neither text nor logprobs."""
+        text, prompt = output.new_text, output.prompt_logprobs
+        if self.echo is not None:
+            text, self.echo = self.echo + text, None
+        logprobs = None
+        if output.logprobs or (prompt is not None and self.prepared.echo_logprobs):
+            texts = await load_token_texts(self.state, self.prepared, output.logprobs, prompt)
+            logprobs = rendered_logprobs(self.prepared, texts, output.logprobs, prompt, self.offset)
+            if isinstance(logprobs, CompletionLogprobs) and logprobs.tokens:
+                self.offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        if not text and logprobs is None:
+            return None
+        return self.render.text(text, usage, logprobs)
+
+
 async def stream_events(
+    state: ServerState,
     prepared: PreparedRequest,
     render: ChunkRenderer,
     first: RequestOutput,
@@ -121,6 +164,7 @@ async def stream_events(
     """The event stream of one request whose ``first`` output was awaited already (so that a
     refusal became an HTTP error before the stream began). Closes ``outputs`` when it ends."""
     generated = 0
+    pieces = _Pieces(state, prepared, render, prepared.echo_text)
 
     def so_far() -> Usage | None:
         return usage_so_far(prepared, generated) if prepared.continuous_usage else None
@@ -132,8 +176,9 @@ async def stream_events(
         output = first
         while not output.finished:
             generated += len(output.new_token_ids)
-            if output.new_text:
-                yield render.text(output.new_text, so_far())
+            chunk = await pieces.chunk(output, so_far())
+            if chunk is not None:
+                yield chunk
             output = await next_output(outputs)
         try:
             check_not_failed(output, render.id)
@@ -143,8 +188,9 @@ async def stream_events(
             return
         assert output.result is not None
         generated = len(output.result.token_ids)
-        if output.new_text:
-            yield render.text(output.new_text, so_far())
+        chunk = await pieces.chunk(output, so_far())
+        if chunk is not None:
+            yield chunk
         stats = speculation_stats(prepared, output.result.stats)
         yield render.final(finish_reason(output), stats, so_far())
         if prepared.include_usage:

@@ -6,7 +6,12 @@ proposer uses to put its draft distribution q under the same transforms as the t
 
 from hybridspec.verifier.batch import VerifyInput, VerifyKind, VerifyOutput
 from hybridspec.verifier.checks import check_proposal
-from hybridspec.verifier.sampling import greedy_token_ids, logits_to_probs, logits_to_probs_by_row
+from hybridspec.verifier.sampling import (
+    greedy_token_ids,
+    logits_to_logprobs,
+    logits_to_probs,
+    logits_to_probs_by_row,
+)
 from hybridspec.verifier.verify import verify
 
 __all__ = [
@@ -15,6 +20,7 @@ __all__ = [
     "VerifyOutput",
     "check_proposal",
     "greedy_token_ids",
+    "logits_to_logprobs",
     "logits_to_probs",
     "logits_to_probs_by_row",
     "verify",

@@ -95,6 +95,23 @@ def logits_to_probs_by_row(
     )
 
 
+def logits_to_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities of the distribution one request's tokens are drawn from, every row.
+
+    ``logits`` [num_rows, vocab_size] float -> [num_rows, vocab_size], float32 (float64 stays
+    float64). Sampled (``temperature > 0``): the log of ``logits_to_probs``, so filtered tokens
+    get ``-inf``. Greedy: that distribution is one-hot, which tells a caller nothing, so this
+    is the plain log-softmax of the raw logits instead (temperature 1, nothing filtered), as
+    the OpenAI API and vLLM report for greedy requests.
+    """
+    _check_logits(logits)
+    if params.is_greedy:
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
+        return torch.log_softmax(logits, dim=-1)
+    return _transform(logits, [params.temperature], [params.top_k], [params.top_p]).log()
+
+
 def _check_logits(logits: torch.Tensor) -> None:
     check(
         logits.dim() == 2 and logits.is_floating_point(),

@@ -53,8 +53,10 @@ def assert_error(response: Any, status: int, param: str | None) -> dict[str, Any
         ({"prompt": [10**9]}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"stop": [""]}, "stop"),
-        ({"echo": True}, "echo"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 6}, "logprobs"),  # at most 5, as in the OpenAI API
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"max_tokens": 0, "logprobs": 1}, "max_tokens"),  # 0 only with echo
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ],
@@ -99,7 +101,13 @@ def test_wrong_types_are_400_not_422(client: TestClient, body: dict[str, Any], p
         ),
         ({"messages": None}, "messages"),
         ({"max_completion_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
         ({"tools": [{"type": "function"}]}, "tools"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),
     ],
 )
 def test_invalid_chat_requests_are_400(

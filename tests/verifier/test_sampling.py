@@ -13,7 +13,12 @@ from hypothesis import strategies as st
 from hybridspec.errors import InvalidRequestError
 from hybridspec.types import SamplingParams
 from hybridspec.verifier import sampling
-from hybridspec.verifier.sampling import greedy_token_ids, logits_to_probs, logits_to_probs_by_row
+from hybridspec.verifier.sampling import (
+    greedy_token_ids,
+    logits_to_logprobs,
+    logits_to_probs,
+    logits_to_probs_by_row,
+)
 
 VOCAB_SIZE = 49152
 
@@ -171,6 +176,19 @@ def test_half_precision_logits_give_float32_probs() -> None:
 def test_greedy_is_the_argmax_with_ties_to_the_lowest_id() -> None:
     logits = torch.tensor([[0.0, 2.0, 2.0], [5.0, 1.0, 5.0]])
     assert greedy_token_ids(logits).tolist() == [1, 0]
+
+
+def test_logprobs_are_the_sampled_distribution_or_for_greedy_the_plain_softmax() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0], [0.0, 0.0, 1.0, 2.0, -3.0]])
+    sampled = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
+    expected = torch.tensor([reference_probs(row, sampled) for row in logits.tolist()]).log()
+    torch.testing.assert_close(logits_to_logprobs(logits, sampled), expected.float())
+    assert logits_to_logprobs(logits, sampled)[0, 3].item() == -math.inf  # filtered by top-k
+    for greedy in (SamplingParams(), SamplingParams(temperature=0.0, top_k=1, top_p=0.1)):
+        torch.testing.assert_close(
+            logits_to_logprobs(logits, greedy), torch.log_softmax(logits, dim=-1)
+        )
+    assert logits_to_logprobs(logits.half(), SamplingParams()).dtype == torch.float32
 
 
 def test_bad_inputs_raise() -> None:

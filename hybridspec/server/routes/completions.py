@@ -57,12 +57,12 @@ async def _respond(request: Request, state: ServerState, prepared: PreparedReque
             raise
         render = ChunkRenderer(response_id, created, prepared.model, prepared.chat)
         return EventStreamResponse(
-            stream_events(prepared, render, first, outputs),
+            stream_events(state, prepared, render, first, outputs),
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     async with contextlib.aclosing(outputs):
         output = await until_disconnected(request, final_output(outputs))
-    body = response_body(prepared, response_id, created, output)
+    body = await response_body(state, prepared, response_id, created, output)
     return Response(body.model_dump_json(), media_type="application/json")
 
 

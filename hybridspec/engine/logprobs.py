@@ -1,0 +1,104 @@
+"""Log-probabilities of the tokens a request returns and of its prompt, from the target alone.
+
+A request that asks (``GenerationParams.logprobs``, ``prompt_logprobs``) gets, for each token,
+its log-probability and the ``num_top`` most likely tokens with theirs, under the distribution
+the request samples from at that position (``verifier.logits_to_logprobs``: the request's
+temperature, top-k and top-p; for a greedy request the plain log-softmax). Speculation does
+not change them: the logits row that produced a committed token is the target's row at that
+position, whatever was drafted, and the verifier already computed it.
+
+Each forward's rows are reduced at once to ``Logprobs`` (a few numbers per position), so a
+long prompt never holds ``[prompt_len, vocab_size]``. Requests that ask for nothing cost
+nothing: the forward computes no extra row for them and nothing here runs.
+
+Dimensions: ``num_tokens`` positions scored, ``num_top`` alternatives per position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridspec.types import SamplingParams
+from hybridspec.verifier import logits_to_logprobs
+
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for, as in the OpenAI chat API
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """Scored tokens: each one's log-probability and the most likely tokens at its position.
+
+    ``-inf`` marks a token that the request's top-k or top-p filter leaves out. Ties among the
+    alternatives are in no particular order.
+    """
+
+    token_ids: torch.Tensor  # [num_tokens] int64, the tokens scored
+    logprobs: torch.Tensor  # [num_tokens] float32, log p of each
+    top_token_ids: torch.Tensor  # [num_tokens, num_top] int64, most likely first
+    top_logprobs: torch.Tensor  # [num_tokens, num_top] float32
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_top(self) -> int:
+        return int(self.top_token_ids.shape[1])
+
+    def __getitem__(self, index: slice) -> Logprobs:
+        """The positions ``index`` (a slice) of these."""
+        return Logprobs(
+            self.token_ids[index],
+            self.logprobs[index],
+            self.top_token_ids[index],
+            self.top_logprobs[index],
+        )
+
+    def to_dict(self) -> dict[str, list[int] | list[float] | list[list[int]] | list[list[float]]]:
+        """Plain lists, for JSON."""
+        return {
+            "token_ids": self.token_ids.tolist(),
+            "logprobs": self.logprobs.tolist(),
+            "top_token_ids": self.top_token_ids.tolist(),
+            "top_logprobs": self.top_logprobs.tolist(),
+        }
+
+    @staticmethod
+    def empty(num_top: int) -> Logprobs:
+        return Logprobs(
+            torch.empty(0, dtype=torch.long),
+            torch.empty(0),
+            torch.empty(0, num_top, dtype=torch.long),
+            torch.empty(0, num_top),
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[Logprobs], num_top: int) -> Logprobs:
+        """``parts`` one after another (``empty(num_top)`` when there are none)."""
+        if not parts:
+            return Logprobs.empty(num_top)
+        if len(parts) == 1:
+            return parts[0]
+        return Logprobs(
+            torch.cat([p.token_ids for p in parts]),
+            torch.cat([p.logprobs for p in parts]),
+            torch.cat([p.top_token_ids for p in parts]),
+            torch.cat([p.top_logprobs for p in parts]),
+        )
+
+
+def score(
+    logits: torch.Tensor, token_ids: Sequence[int], params: SamplingParams, num_top: int
+) -> Logprobs:
+    """Score ``token_ids[i]`` against row ``i`` of ``logits`` [num_tokens, vocab_size]: the row
+    of the position before it, the one whose forward predicted it."""
+    assert logits.shape[0] == len(token_ids), (logits.shape, len(token_ids))
+    if not token_ids:
+        return Logprobs.empty(num_top)
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    logprobs = logits_to_logprobs(logits, params)
+    chosen = logprobs.gather(1, ids.to(logprobs.device).unsqueeze(1)).squeeze(1)
+    top = logprobs.topk(num_top, dim=-1)
+    return Logprobs(ids, chosen.float().cpu(), top.indices.cpu(), top.values.float().cpu())

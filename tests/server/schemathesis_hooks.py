@@ -1,0 +1,28 @@
+"""Schemathesis hooks for the OpenAPI test (loaded through ``SCHEMATHESIS_HOOKS``).
+
+``positive_data_acceptance_but_context`` is schemathesis' own ``positive_data_acceptance`` with
+one exemption: a schema-valid prompt that tokenizes to more tokens than the context holds. No
+JSON Schema can state that limit (it depends on how the text tokenizes, and on all messages
+together), so the server answers it with a 400 whose code, OpenAI's
+``context_length_exceeded``, says so; every other refusal of schema-valid data still fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import schemathesis
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+
+@schemathesis.check
+def positive_data_acceptance_but_context(ctx: Any, response: Any, case: Any) -> bool | None:
+    if response.status_code == 400:
+        try:
+            code = response.json()["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            code = None
+        if code == "context_length_exceeded":
+            return None
+    result: bool | None = positive_data_acceptance(ctx, response, case)
+    return result
