@@ -192,3 +192,37 @@ def test_greedy_ngram_text_equals_plain_decoding_in_bfloat16() -> None:
             assert result.stats.draft_tokens_accepted > 0
     assert texts[("ngram", 3)] == texts[("none", None)]
     assert texts[("ngram", 8)] == texts[("none", None)]
+
+
+def test_logprobs_are_bitwise_equal_across_proposers_in_bfloat16() -> None:
+    """With batch-invariant logits, a token's log-probabilities are the same bits whether it
+    was verified as a draft or decoded alone (float32 runs differ in the last bits instead)."""
+    runtime = bf16_runtime(max_num_seqs=2)
+    target = LoadedModel(runtime.weights, None, tiny_bf16_config(), torch.bfloat16, (), "tiny")  # type: ignore[arg-type]
+    engine = Engine(
+        EngineConfig(target=ModelConfig(dtype="bfloat16", max_seq_len=256, max_num_seqs=2)),
+        target=target,
+    )
+    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(4)).tolist() * 4
+    results = {}
+    for proposer, k in (("none", None), ("ngram", 3), ("ngram", 8)):
+        params = GenerationParams.create(
+            max_new_tokens=60,
+            temperature=0.0,
+            proposer=proposer,
+            num_speculative_tokens=k,
+            logprobs=5,
+            prompt_logprobs=2,
+        )
+        results[(proposer, k)] = engine.generate(prompt_token_ids=prompt, params=params)
+    plain = results[("none", None)]
+    assert plain.logprobs is not None and plain.prompt_logprobs is not None
+    for key in (("ngram", 3), ("ngram", 8)):
+        result = results[key]
+        assert result.stats.draft_tokens_accepted > 0
+        assert result.logprobs is not None and result.prompt_logprobs is not None
+        for field in ("token_ids", "logprobs", "top_token_ids", "top_logprobs"):
+            assert torch.equal(getattr(result.logprobs, field), getattr(plain.logprobs, field))
+            assert torch.equal(
+                getattr(result.prompt_logprobs, field), getattr(plain.prompt_logprobs, field)
+            )
