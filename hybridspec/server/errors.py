@@ -15,6 +15,10 @@ HTTPException (404 route, 405...)   as is   invalid_request_error    None
 GenerationFailed, any other         500     server_error             internal_error
 ==================================  ======  =======================  =====================
 
+Two refusals come from ``server.middleware``, before any route runs: 401 (missing or wrong API
+key: ``invalid_request_error``, code None or ``invalid_api_key``) and 413 (a body over
+``max_body_bytes``: ``request_too_large``).
+
 A 500 says what failed in general terms and carries a request id (in the message and the
 ``x-request-id`` header); the detail (the exception, the engine's error) goes to the log under
 that id, never to the client.

@@ -31,6 +31,7 @@ from hybridspec.server.logprobs import (
 )
 from hybridspec.server.prompts import prompt_of
 from hybridspec.server.protocol import (
+    MAX_JSON_SEED,
     AssistantMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -89,6 +90,11 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
 def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams:
     """The body's generation options; ``max_new_tokens`` is set once the prompt is tokenized."""
     temperature = body.temperature
+    check(
+        body.seed is None or 0 <= body.seed <= MAX_JSON_SEED,
+        "seed",
+        f"expected an integer in [0, 2**53), got {body.seed}",
+    )
     logprobs, prompt_logprobs = logprobs_options(body)
     return GenerationParams.create(
         max_new_tokens=1,

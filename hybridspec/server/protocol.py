@@ -16,10 +16,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
 from hybridspec.engine.logprobs import MAX_LOGPROBS
 from hybridspec.engine.request import MAX_STOP_STRINGS
-from hybridspec.types import MAX_SEED
 
 FinishReasonName = Literal["stop", "length"]
 MAX_COMPLETION_LOGPROBS = 5  # as in the OpenAI legacy completions API
+# Seeds the API takes: integers that every JSON parser (JavaScript's, schemathesis' float
+# arithmetic) reads exactly. The library takes seeds up to 2**63 - 1.
+MAX_JSON_SEED = 2**53 - 1
 
 
 def _integral(value: Any) -> Any:
@@ -100,7 +102,11 @@ class _SamplingFields(_Body):
             {"type": "null"},
         ]
     )
-    seed: JsonInt | None = documented(minimum=0, maximum=MAX_SEED - 1)
+    seed: JsonInt | None = documented(
+        minimum=0,
+        maximum=MAX_JSON_SEED,
+        description="Reproducible sampling; below 2**53, where every JSON number is exact.",
+    )
     n: JsonInt | None = documented(minimum=1, maximum=1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -197,17 +203,23 @@ class ResponseFormat(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``. ``store``, ``metadata``, ``service_tier`` and
+    ``parallel_tool_calls`` are documented OpenAI fields that do not change the output: they
+    are accepted (clients send them) and change nothing here."""
 
-    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
-    max_completion_tokens: JsonInt | None = documented(minimum=1)
     model_config = ConfigDict(
         json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, TOP_LOGPROBS_NEED_LOGPROBS]}
     )
 
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: JsonInt | None = documented(minimum=1)
     logprobs: bool | None = None
     top_logprobs: JsonInt | None = documented(minimum=0, maximum=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---------------------------------------------------------------------------- responses

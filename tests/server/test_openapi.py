@@ -127,7 +127,7 @@ def test_everything_the_document_advertises_is_accepted(client: TestClient) -> N
         "top_p": 1,
         "top_k": 1,
         "stop": ["x"],
-        "seed": 2**63 - 1,
+        "seed": 2**53 - 1,
         "n": 1,
         "presence_penalty": 0,
         "frequency_penalty": 0,
@@ -163,3 +163,19 @@ def test_generation_ends_when_the_context_is_full(client: TestClient) -> None:
 def test_health_and_metrics_are_documented_as_served(client: TestClient) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     assert httpx.Headers(client.get("/metrics").headers)["content-type"].startswith("text/plain")
+
+
+def test_documented_fields_that_change_nothing_are_accepted(client: TestClient) -> None:
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "store": False,
+        "metadata": {"team": "search"},
+        "service_tier": "auto",
+        "parallel_tool_calls": True,
+        "user": "someone",
+    }
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    too_many = {**chat, "metadata": {str(i): "v" for i in range(17)}}
+    response = client.post("/v1/chat/completions", json=too_many)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "metadata"
