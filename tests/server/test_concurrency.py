@@ -120,8 +120,11 @@ def run_client(url: str, i: int, role: str, start: threading.Barrier) -> dict[st
         return {"finished": any('"finish_reason":"' in s for s in seen)}
 
 
-def test_sixteen_clients_streaming_and_cancelling(serve: Callable[..., Any]) -> None:
-    roles = ["whole", "stream", "cancel", "whole"] * 4
+@pytest.mark.parametrize("num_clients", [16, 64])
+def test_clients_streaming_and_cancelling(serve: Callable[..., Any], num_clients: int) -> None:
+    """16, then 64 clients at once (the queue's size; 4 batch slots): a quarter leave
+    mid-stream; every other text equals its solo run and the metrics add up."""
+    roles = ["whole", "stream", "cancel", "whole"] * (num_clients // 4)
     with serve(max_num_seqs=4) as (url, engine):
         solo = {}
         with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
