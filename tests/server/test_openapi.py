@@ -39,7 +39,7 @@ HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
 NARROWED = "positive_data_acceptance"  # replaced by the hook's positive_data_acceptance_but_context
 
 
-def run_schemathesis(url: str, *options: str) -> subprocess.CompletedProcess[str]:
+def run_schemathesis(url: str, workdir: Path, *options: str) -> subprocess.CompletedProcess[str]:
     """All of schemathesis' checks, ``positive_data_acceptance`` narrowed (module docstring)."""
     return subprocess.run(
         [
@@ -61,16 +61,19 @@ def run_schemathesis(url: str, *options: str) -> subprocess.CompletedProcess[str
         text=True,
         timeout=600,
         env={**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS)},
+        cwd=workdir,  # schemathesis keeps a crash cache in the working directory
     )
 
 
 @pytest.mark.parametrize("api_key", [None, "sk-test-key"])
-def test_schemathesis_finds_no_failure(make_app: AppFactory, api_key: str | None) -> None:
+def test_schemathesis_finds_no_failure(
+    make_app: AppFactory, api_key: str | None, tmp_path: Path
+) -> None:
     """With a key, schemathesis sends it and also checks that requests without it (or with a
     wrong one) are refused on every operation that the document says needs it."""
     options = () if api_key is None else ("--header", f"Authorization: Bearer {api_key}")
     with serve_in_thread(make_app({"api_key": api_key})) as url:
-        result = run_schemathesis(url, *options)
+        result = run_schemathesis(url, tmp_path, *options)
     report = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, report
     assert "Selected: 6/6" in result.stdout, report  # every operation of the API was tested
