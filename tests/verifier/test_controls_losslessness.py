@@ -13,6 +13,7 @@ drafts): a verifier that counted the drafted prefix wrongly at any row would not
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 from collections import defaultdict
@@ -65,11 +66,11 @@ def history(tokens: tuple[int, ...]) -> TokenHistory:
     return TokenHistory(tokens, len(PROMPT), STOPS)
 
 
-def next_probs(
-    table: torch.Tensor, params: SamplingParams, context: tuple[int, ...]
-) -> torch.Tensor:
-    """[VOCAB] float64: the chain's next-token distribution after ``context`` (prompt and
-    generated), under the controls counted on ``context`` itself."""
+@functools.cache
+def next_probs(chain: str, params: SamplingParams, context: tuple[int, ...]) -> torch.Tensor:
+    """[VOCAB] float64: the ``chain``'s (target or draft) next-token distribution after
+    ``context`` (prompt and generated), under the controls counted on ``context`` itself."""
+    table = TARGET_LOGITS if chain == "target" else DRAFT_LOGITS
     logits = apply_controls(table[context[-1]].unsqueeze(0), [params], [history(context)], [[]])
     return logits_to_probs(logits, params)[0].double()
 
@@ -80,7 +81,7 @@ def target_law(params: SamplingParams) -> dict[tuple[int, ...], float]:
     for tokens in itertools.product(range(VOCAB), repeat=LENGTH):
         weight = 1.0
         for i, token in enumerate(tokens):
-            weight *= float(next_probs(TARGET_LOGITS, params, PROMPT + tokens[:i])[token])
+            weight *= float(next_probs("target", params, PROMPT + tokens[:i])[token])
         if weight > 0:
             law[tokens] = weight
     return law
@@ -123,7 +124,7 @@ def draft_choices(
         yield tuple(drafts), 1.0, None
         return
     for drafts in itertools.product(range(VOCAB), repeat=k):
-        rows = [next_probs(DRAFT_LOGITS, params, context + drafts[:j]) for j in range(k)]
+        rows = [next_probs("draft", params, context + drafts[:j]) for j in range(k)]
         weight = 1.0
         for q, d in zip(rows, drafts, strict=True):
             weight *= float(q[d])
@@ -167,7 +168,7 @@ def round_law(
         for n, p in enumerate(forced.final):
             for x in range(VOCAB):
                 if n == k or x != drafts[n]:
-                    law[drafts[:n] + (x,)] += prefix * float(p[x])
+                    law[(*drafts[:n], x)] += prefix * float(p[x])
             prefix *= float(p[drafts[n]]) if n < k else 0.0
         return law
     for n in range(k + 1):
@@ -176,7 +177,7 @@ def round_law(
         assert forced.accept is not None
         reached = float(forced.accept[:n].prod()) * (1 - float(forced.accept[n]) if n < k else 1)
         for x in range(VOCAB):
-            law[drafts[:n] + (x,)] += reached * float(forced.final[0][x])
+            law[(*drafts[:n], x)] += reached * float(forced.final[0][x])
     return law
 
 
