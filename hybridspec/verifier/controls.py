@@ -100,8 +100,8 @@ def apply_controls(
     )
     for i in controlled:
         check(histories[i] is not None, "histories", f"sequence {i} has controls but no history")
-    out = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
-    out = out.clone()
+    float_input = logits.dtype in (torch.float32, torch.float64)
+    out = logits.clone() if float_input else logits.float()  # never the caller's tensor
     starts = list(itertools.accumulate(counts, initial=0))
     rows = [r for i in controlled for r in range(starts[i], starts[i + 1])]
     whole = len(rows) == logits.shape[0]
