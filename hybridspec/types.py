@@ -13,7 +13,7 @@ the whole glossary):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,30 +22,49 @@ from hybridspec.errors import check
 
 MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_SEED = 1 << 63  # torch generators take a signed 64-bit seed
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as in the OpenAI API
+MAX_LOGIT_BIAS = 100.0  # |bias|, as in the OpenAI API
+MAX_LOGIT_BIAS_ENTRIES = 300
+# repetition_penalty bounds: z / rho and z * rho stay finite in float32 for any logit z a model
+# produces (a rho of 1e-300 would turn a positive logit into inf, and softmax into NaN).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the target's next-token distribution is shaped before sampling.
 
-    ``temperature == 0`` (or below 1e-5) means greedy decoding. ``top_k = None`` and
-    ``top_p = 1.0`` disable those filters. ``seed`` makes sampling reproducible per request;
-    ``None`` draws fresh entropy.
+    ``temperature == 0`` (or below 1e-5) means greedy decoding. ``top_k = None``, ``top_p =
+    1.0`` and ``min_p = 0`` disable those filters. ``seed`` makes sampling reproducible per
+    request; ``None`` draws fresh entropy.
+
+    The controls (``verifier.controls`` has their exact semantics and order) change the logits
+    before any of that, for greedy requests too: ``presence_penalty`` and ``frequency_penalty``
+    (OpenAI's, in [-2, 2]; 0 = off), ``repetition_penalty`` (Hugging Face's and vLLM's, in
+    [0.01, 100]; 1 = off), ``logit_bias`` (token id -> bias in [-100, 100], at most 300; a
+    mapping given here is stored as sorted pairs) and ``min_tokens`` (EOS is masked until that
+    many tokens are generated; 0 = off).
     """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         check(
-            isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool),
-            "temperature",
-            f"expected a number, got {self.temperature!r}",
-        )
-        check(
-            math.isfinite(self.temperature) and self.temperature >= 0,
+            _is_number(self.temperature) and self.temperature >= 0,
             "temperature",
             f"expected a finite number >= 0, got {self.temperature!r}",
         )
@@ -58,9 +77,7 @@ class SamplingParams:
             f"expected None or an integer >= 1, got {self.top_k!r}",
         )
         check(
-            isinstance(self.top_p, (int, float))
-            and not isinstance(self.top_p, bool)
-            and 0.0 < self.top_p <= 1.0,
+            _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
             "top_p",
             f"expected a number in (0, 1], got {self.top_p!r}",
         )
@@ -74,12 +91,95 @@ class SamplingParams:
             "seed",
             f"expected None or an integer in [0, 2**63), got {self.seed!r}",
         )
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(
+                _is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                name,
+                f"expected a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}",
+            )
+        rho = self.repetition_penalty
+        check(
+            _is_number(rho) and MIN_REPETITION_PENALTY <= rho <= MAX_REPETITION_PENALTY,
+            "repetition_penalty",
+            f"expected a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+            f"got {rho!r}",
+        )
+        check(
+            _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            "min_p",
+            f"expected a number in [0, 1], got {self.min_p!r}",
+        )
+        check(
+            isinstance(self.min_tokens, int)
+            and not isinstance(self.min_tokens, bool)
+            and self.min_tokens >= 0,
+            "min_tokens",
+            f"expected an integer >= 0, got {self.min_tokens!r}",
+        )
+        bias = self.logit_bias
+        pairs = tuple(bias.items()) if isinstance(bias, Mapping) else bias
+        check(
+            isinstance(pairs, tuple)
+            and len(pairs) <= MAX_LOGIT_BIAS_ENTRIES
+            and all(_is_bias_pair(pair) for pair in pairs)
+            and len({pair[0] for pair in pairs}) == len(pairs),
+            "logit_bias",
+            f"expected at most {MAX_LOGIT_BIAS_ENTRIES} distinct token ids >= 0, each with a "
+            f"bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}",
+        )
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
+
+    @property
+    def has_controls(self) -> bool:
+        """True when a penalty, a logit bias or ``min_tokens`` changes the logits (min_p is a
+        filter of the sampled distribution, like top-p, and does not count)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def is_greedy(self) -> bool:
         """Temperatures below ``MIN_SAMPLING_TEMPERATURE`` decode greedily, as in vLLM:
         dividing logits by them would overflow float32."""
         return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+
+def _is_bias_pair(pair: object) -> bool:
+    return (
+        isinstance(pair, tuple)
+        and len(pair) == 2
+        and isinstance(pair[0], int)
+        and not isinstance(pair[0], bool)
+        and pair[0] >= 0
+        and _is_number(pair[1])
+        and abs(pair[1]) <= MAX_LOGIT_BIAS
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenHistory:
+    """The tokens before a sequence's next position, as the sampling controls count them.
+
+    ``token_ids`` is the committed context, prompt then generated tokens, shared without
+    copying: read it, never modify it. ``stop_token_ids`` are the tokens ``min_tokens`` masks
+    (the model's EOS ids; none for a request that ignores EOS).
+    """
+
+    token_ids: Sequence[int]  # [num_prompt_tokens + num_generated]
+    num_prompt_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +190,9 @@ class ProposeRequest:
     engine without copying: read it, never modify it. ``max_num_drafts`` is how many drafts the
     engine asks for this round (the request's K, shrunk near the context limit and by adaptive
     speculation); a proposer may return fewer. ``generator`` is the request's random generator,
-    for proposers that sample their drafts.
+    for proposers that sample their drafts. ``num_prompt_tokens`` and ``stop_token_ids`` are
+    what a proposer that returns q needs to put it under the request's sampling controls
+    (``history``, ``verifier.controls``).
     """
 
     seq_id: int
@@ -98,6 +200,12 @@ class ProposeRequest:
     max_num_drafts: int
     sampling: SamplingParams
     generator: torch.Generator | None = None
+    num_prompt_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+
+    def history(self) -> TokenHistory:
+        """The committed context as the sampling controls count it."""
+        return TokenHistory(self.token_ids, self.num_prompt_tokens, self.stop_token_ids)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,7 @@ from hybridspec.proposers import (
     default_registry,
 )
 from hybridspec.types import CommitInfo, Proposal
-from hybridspec.verifier import VerifyInput, VerifyOutput, verify
+from hybridspec.verifier import VerifyInput, VerifyOutput, check_logit_bias, verify
 from hybridspec.verifier.uniforms import KeyedUniforms, key_of
 
 logger = logging.getLogger(__name__)
@@ -175,6 +175,7 @@ class Engine:
         check(isinstance(params, GenerationParams), "params", "expected GenerationParams")
         prompt = list(prompt_token_ids)
         self.check_prompt(prompt)
+        check_logit_bias(params.sampling, self.vocab_size)
         name = params.proposer or self.config.default_proposer
         self.proposers.resolve(name)
         check(
@@ -275,6 +276,8 @@ class Engine:
             )
         if verified is None:
             return outputs
+        if verified.controlled_logits is not None:  # what p was made from: logprobs read it too
+            logits = verified.controlled_logits
         committed, row = 0, 0
         for (request, proposal), tokens, num_accepted in zip(
             drafts, verified.output_token_ids, accepted, strict=True
@@ -335,6 +338,7 @@ class Engine:
                 [r.generator for r, _ in drafts],
                 [KeyedUniforms(r.uniform_key, len(r.token_ids)) for r, _ in drafts],
                 checked=True,  # by the proposer pool, where they entered
+                histories=[r.history(self.eos_token_ids) for r, _ in drafts],
             )
         )
 

@@ -137,11 +137,18 @@ class ProposerPool:
             groups.setdefault(request.proposer_name, []).append(request)
         proposals: dict[int, Proposal] = {}
         failed: list[tuple[Request, str]] = []
+        eos = frozenset(self._context.eos_token_ids)
         for name, requests in groups.items():
             proposer = self._proposers[name]
             asks = [
                 ProposeRequest(
-                    r.seq_id, r.token_ids, num_drafts(r, proposer), r.params.sampling, r.generator
+                    r.seq_id,
+                    r.token_ids,
+                    num_drafts(r, proposer),
+                    r.params.sampling,
+                    r.generator,
+                    len(r.prompt_token_ids),
+                    frozenset() if r.params.ignore_eos else eos,
                 )
                 for r in requests
             ]

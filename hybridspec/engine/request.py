@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import os
 import time
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +20,7 @@ from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.logprobs import MAX_LOGPROBS, Logprobs, score
 from hybridspec.engine.speculation import SpeculationState
 from hybridspec.errors import check
-from hybridspec.types import GenerationStats, SamplingParams
+from hybridspec.types import GenerationStats, SamplingParams, TokenHistory
 from hybridspec.verifier.uniforms import key_of
 
 MAX_STOP_STRINGS = 16
@@ -106,6 +106,12 @@ class GenerationParams:
         top_k: int | None = None,
         top_p: float = 1.0,
         seed: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
+        min_p: float = 0.0,
+        min_tokens: int = 0,
         proposer: str | None = None,
         num_speculative_tokens: int | None = None,
         stop: str | Sequence[str] | None = None,
@@ -113,7 +119,8 @@ class GenerationParams:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
     ) -> GenerationParams:
-        """Build parameters from flat keyword arguments; ``stop`` may be one string or several."""
+        """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
+        ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds)."""
         if stop is None:
             stops: tuple[str, ...] = ()
         elif isinstance(stop, str):
@@ -123,7 +130,18 @@ class GenerationParams:
             stops = tuple(stop)
         return cls(
             max_new_tokens=max_new_tokens,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+            sampling=SamplingParams(
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty,
+                logit_bias=logit_bias or {},  # type: ignore[arg-type]  # stored as sorted pairs
+                min_p=min_p,
+                min_tokens=min_tokens,
+            ),
             proposer=proposer,
             num_speculative_tokens=num_speculative_tokens,
             stop=stops,
@@ -230,6 +248,15 @@ class Request:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def history(self, eos_token_ids: frozenset[int]) -> TokenHistory | None:
+        """What the request's sampling controls count (``verifier.controls``): its committed
+        tokens, and the EOS ids that ``min_tokens`` masks unless it ignores EOS. None when it
+        has no controls."""
+        if not self.params.sampling.has_controls:
+            return None
+        stops = frozenset() if self.params.ignore_eos else eos_token_ids
+        return TokenHistory(self.token_ids, len(self.prompt_token_ids), stops)
 
     @property
     def output_token_ids(self) -> Sequence[int]:

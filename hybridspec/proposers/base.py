@@ -18,7 +18,10 @@ that reads the whole committed context from ``ProposeRequest.token_ids`` each ro
 
 A deterministic proposer returns ``Proposal(token_ids)``; one that samples its drafts declares
 ``samples_drafts = True`` and returns ``Proposal(token_ids, probs)`` with the distribution each
-draft was drawn from. Either keeps verification exactly lossless. The engine validates every
+draft was drawn from, under the request's sampling controls and transforms
+(``verifier.apply_controls`` with ``ProposeRequest.history()`` and its earlier drafts, then
+``verifier.logits_to_probs``), as the verifier puts the target's. Either keeps verification
+exactly lossless. The engine validates every
 proposal once, where it enters (``verifier.check_proposal``).
 
 A proposer is built from a ``ProposerContext``: what it may use from the engine (the target's

@@ -5,8 +5,9 @@ holds one slot per sequence. Its cache lags the
 committed context: a round first feeds every committed token it has not cached (the whole
 prompt on the first round: lazy prefill), then drafts K tokens autoregressively, all sequences
 of the batch together. Tokens are drawn from the draft's distribution q under the request's own
-sampling transforms, and q is returned for rejection sampling; greedy requests take the argmax
-and return no distribution.
+sampling controls and transforms (the drafted prefix counted as generated, as the verifier
+counts it at the same position), and q is returned for rejection sampling; greedy requests take
+the argmax of the controlled logits and return no distribution.
 
 Worked example of the rollback: committed length 20, K = 4. The round feeds position 19 and
 the drafts d1..d3 (d4 is sampled but never fed), so the draft cache holds 23 tokens. If the
@@ -34,6 +35,7 @@ from hybridspec.model import (
 )
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
+from hybridspec.verifier.controls import apply_controls
 from hybridspec.verifier.sampling import logits_to_probs
 
 logger = logging.getLogger(__name__)
@@ -153,6 +155,15 @@ class DraftModelProposer(Proposer):
                     _last_indices([len(feed[i]) for i in active]),
                 )
             ).logits  # [len(active), vocab_size]
+            # The request's controls at each sequence's next position: after its committed
+            # tokens and its drafts so far, as the verifier will count them.
+            logits = apply_controls(
+                logits,
+                [requests[i].sampling for i in active],
+                [requests[i].history() for i in active],
+                [drafted[i] for i in active],
+                [1] * len(active),
+            )
             for row, i in enumerate(active):
                 token, q = _sample(logits[row], requests[i].sampling, requests[i].generator)
                 drafted[i].append(token)

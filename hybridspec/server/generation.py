@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from hybridspec.server.logprobs import (
 from hybridspec.server.prompts import prompt_of
 from hybridspec.server.protocol import (
     MAX_JSON_SEED,
+    TOKEN_ID_PATTERN,
     AssistantMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -79,15 +81,34 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         "stream_options is only allowed when stream is true",
     )
     check(body.n is None or body.n == 1, "n", f"only n = 1 is supported, got {body.n}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        check(value is None or value == 0, name, f"only 0 is supported, got {value}")
-    check(not body.logit_bias, "logit_bias", "logit_bias is not supported")
     if isinstance(body, CompletionRequest):
         check(body.best_of is None or body.best_of == 1, "best_of", "only best_of = 1 is supported")
 
 
-def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams:
+def _logit_bias(
+    body: CompletionRequest | ChatCompletionRequest, vocab_size: int
+) -> dict[int, float]:
+    """``logit_bias`` with integer keys: token ids of the vocabulary, written as in the schema.
+
+    Keys are matched as JSON Schema validators match the document's ``pattern`` (``re.search``,
+    whose ``$`` also matches before a final newline), so the server takes exactly what the
+    document states.
+    """
+    bias = body.logit_bias or {}
+    bad = [key for key in bias if not re.search(TOKEN_ID_PATTERN, key)]
+    check(not bad, "logit_bias", f"keys must be token ids (decimal integers), got {bad[:5]}")
+    ids = {key: key.removesuffix("\n") for key in bias}
+    # The length test first: int() refuses strings of over 4300 digits.
+    outside = [k for k, d in ids.items() if len(d) > len(str(vocab_size)) or int(d) >= vocab_size]
+    check(
+        not outside,
+        "logit_bias",
+        f"token ids must be below the vocabulary size {vocab_size}, got {outside[:5]}",
+    )
+    return {int(ids[key]): value for key, value in bias.items()}
+
+
+def _params(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> GenerationParams:
     """The body's generation options; ``max_new_tokens`` is set once the prompt is tokenized."""
     temperature = body.temperature
     check(
@@ -95,6 +116,7 @@ def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams
         "seed",
         f"expected an integer in [0, 2**53), got {body.seed}",
     )
+    logit_bias = _logit_bias(body, vocab_size)
     logprobs, prompt_logprobs = logprobs_options(body)
     return GenerationParams.create(
         max_new_tokens=1,
@@ -104,6 +126,12 @@ def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams
         top_k=body.top_k,
         top_p=body.top_p if body.top_p is not None else 1.0,
         seed=body.seed,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
+        logit_bias=logit_bias,
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0,
         proposer=body.proposer,
         num_speculative_tokens=body.num_speculative_tokens,
         stop=body.stop,
@@ -126,7 +154,7 @@ async def prepare(
     model = state.model.resolve(body.model)
     _reject_unsupported(body)
     prompt = prompt_of(body)
-    params = _params(body)
+    params = _params(body, state.model.vocab_size)
     proposer = state.model.resolve_proposer(params.proposer)
     k = params.num_speculative_tokens or state.model.default_num_speculative_tokens
     options = body.stream_options

@@ -161,3 +161,30 @@ def _add_model_facts(schema: dict[str, Any], proposers: list[str], vocab_size: i
             items = items.get("items", {})
         if items.get("type") == "integer":
             items["maximum"] = vocab_size - 1
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        bias = components.get(name, {}).get("properties", {}).get("logit_bias")
+        if bias is not None:
+            bias["propertyNames"] = {"pattern": decimal_below(vocab_size)}
+
+
+def decimal_below(limit: int) -> str:
+    """A regular expression of the decimal integers 0 .. limit - 1, without leading zeros.
+
+    Worked example, limit 260 (largest 259): ``0``, then the shorter numbers ``[1-9][0-9]{0,1}``
+    (1..99), then the 3-digit ones digit by digit below 259: ``1[0-9]{2}`` (100..199),
+    ``2[0-4][0-9]{1}`` (200..249), ``25[0-8]`` (250..258) and ``259`` itself.
+    """
+    top = str(limit - 1)
+    choices = ["0"]
+    if len(top) > 1:
+        choices.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")
+    for i, digit in enumerate(top):
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            choices.append(
+                f"{top[:i]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else "")
+            )
+    if top != "0":
+        choices.append(top)
+    return "^(" + "|".join(choices) + ")$"

@@ -3,8 +3,9 @@
 Request bodies are strict (no string-to-number coercion) and refuse unknown fields, as the
 OpenAI API does; value ranges are checked by the engine's own parameter classes, so that every
 bound lives in one place (``hybridspec.config``, ``hybridspec.types``). Extension fields in a
-request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos``. In a response:
-``hybridspec`` (the request's speculation statistics; in a stream, on the final chunk).
+request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos``,
+``repetition_penalty``, ``min_p``, ``min_tokens``. In a response: ``hybridspec`` (the request's
+speculation statistics; in a stream, on the final chunk).
 """
 
 from __future__ import annotations
@@ -16,9 +17,19 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
 from hybridspec.engine.logprobs import MAX_LOGPROBS
 from hybridspec.engine.request import MAX_STOP_STRINGS
+from hybridspec.types import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+)
 
 FinishReasonName = Literal["stop", "length"]
 MAX_COMPLETION_LOGPROBS = 5  # as in the OpenAI legacy completions API
+# A token id as a ``logit_bias`` key: a decimal integer without leading zeros. The served
+# document narrows it to the model's vocabulary (``openapi``).
+TOKEN_ID_PATTERN = "^(0|[1-9][0-9]*)$"
 # Seeds the API takes: integers that every JSON parser (JavaScript's, schemathesis' float
 # arithmetic) reads exactly. The library takes seeds up to 2**63 - 1.
 MAX_JSON_SEED = 2**53 - 1
@@ -111,13 +122,40 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = documented(
-        minimum=0, maximum=0, description="Only 0 is supported."
+        minimum=-MAX_PENALTY,
+        maximum=MAX_PENALTY,
+        description="Subtracted from the logit of every token already generated. Default 0.",
     )
     frequency_penalty: float | None = documented(
-        minimum=0, maximum=0, description="Only 0 is supported."
+        minimum=-MAX_PENALTY,
+        maximum=MAX_PENALTY,
+        description="Times the number of times a token was generated, subtracted from its "
+        "logit. Default 0.",
     )
     logit_bias: dict[str, float] | None = documented(
-        maxProperties=0, description="Not supported: only an empty object."
+        maxProperties=MAX_LOGIT_BIAS_ENTRIES,
+        propertyNames={"pattern": TOKEN_ID_PATTERN},
+        additionalProperties={
+            "type": "number",
+            "minimum": -MAX_LOGIT_BIAS,
+            "maximum": MAX_LOGIT_BIAS,
+        },
+        description="Token id (a decimal string) -> a bias added to its logit.",
+    )
+    repetition_penalty: float | None = documented(
+        minimum=MIN_REPETITION_PENALTY,
+        maximum=MAX_REPETITION_PENALTY,
+        description="A logit of a token in the prompt or the generated text is divided by it "
+        "when positive, else multiplied (extension). Default 1.",
+    )
+    min_p: float | None = documented(
+        minimum=0,
+        maximum=1,
+        description="Tokens less likely than min_p times the most likely are dropped "
+        "(extension). Default 0.",
+    )
+    min_tokens: JsonInt | None = documented(
+        minimum=0, description="EOS is not generated before this many tokens (extension)."
     )
     user: str | None = None
     # hybridspec extensions

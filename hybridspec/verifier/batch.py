@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridspec.errors import check
-from hybridspec.types import Proposal, SamplingParams
+from hybridspec.types import Proposal, SamplingParams, TokenHistory
 from hybridspec.verifier.checks import check_drafts, check_probs_shape
 from hybridspec.verifier.sampling import logits_to_probs
 from hybridspec.verifier.uniforms import KeyedUniforms
@@ -55,6 +55,9 @@ class VerifyInput:
     generators: Sequence[torch.Generator | None]  # per seq, on target_logits' device
     # per seq: position-keyed randomness, used when its drafts are deterministic; () = all None
     keyed: Sequence[KeyedUniforms | None] = ()
+    # per seq: the tokens before its round, which its sampling controls count (``controls``);
+    # None for a sequence without controls; () = all None
+    histories: Sequence[TokenHistory | None] = ()
     # True when each sequence's drafts and q were validated where they entered
     # (``check_proposal``, as the engine does): the per-sequence checks are not repeated.
     checked: bool = False
@@ -78,12 +81,15 @@ class VerifyInput:
         num_seqs = len(counts)
         if not self.keyed:
             object.__setattr__(self, "keyed", (None,) * num_seqs)
+        if not self.histories:
+            object.__setattr__(self, "histories", (None,) * num_seqs)
         check_drafts(self.draft_token_ids, offsets[-1], num_seqs, self.target_logits, self.checked)
         for name, values in (
             ("draft_probs", self.draft_probs),
             ("sampling", self.sampling),
             ("generators", self.generators),
             ("keyed", self.keyed),
+            ("histories", self.histories),
         ):
             check(
                 len(values) == num_seqs,
@@ -128,6 +134,7 @@ class VerifyInput:
         generators: Sequence[torch.Generator | None] | None = None,
         keyed: Sequence[KeyedUniforms | None] = (),
         checked: bool = False,
+        histories: Sequence[TokenHistory | None] = (),
     ) -> VerifyInput:
         """Flatten one ``Proposal`` per sequence; ``generators`` None means all None.
 
@@ -145,6 +152,7 @@ class VerifyInput:
             generators=[None] * len(proposals) if generators is None else list(generators),
             keyed=list(keyed),
             checked=checked,
+            histories=list(histories),
         )
 
     @staticmethod
@@ -188,6 +196,10 @@ class VerifyOutput:
 
     num_accepted: torch.Tensor  # [num_seqs] int64, accepted drafts per sequence, 0..k_i
     output_token_ids: list[list[int]]  # per seq: num_accepted[i] + 1 token ids
+    # [total_num_drafts + num_seqs, vocab_size]: the target's logits after the sequences'
+    # sampling controls, which p was made from; None when no sequence has controls (p was made
+    # from ``VerifyInput.target_logits`` itself)
+    controlled_logits: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,16 +1,22 @@
-"""Sampling transforms applied alike to the target (p) and the draft (q): temperature, top-k, top-p.
+"""Sampling transforms applied alike to the target (p) and the draft (q): temperature, top-k,
+min-p, top-p.
 
 Rejection sampling is lossless with respect to the distribution it is given, so the verifier
 applies these transforms to the target's logits itself, and a sampling proposer applies the same
 functions to its own logits before drawing a draft token. Greedy decoding (``temperature == 0``)
-never builds probabilities: it takes ``greedy_token_ids`` (the argmax of the raw logits).
+never builds probabilities: it takes ``greedy_token_ids`` (the argmax of the logits).
 
-The order and the exact semantics, for one row of logits ``z``:
+The logits given here are the target's or the draft's after the request's sampling controls
+(``controls``: logit bias, min_tokens, penalties), which come first. The order and the exact
+semantics, for one row of logits ``z``:
 
 1. **temperature**: ``s = z / temperature``.
 2. **top-k**: keep every token whose ``s`` is ``>=`` the k-th largest ``s``; ties at the boundary
    are all kept (so more than k tokens survive when the k-th value is tied), as in Hugging Face's
    ``TopKLogitsWarper`` and vLLM. ``top_k >= vocab_size`` keeps everything.
+   **min-p** (vLLM's): keep every token whose ``s >= max(s) + log(min_p)``, that is whose
+   probability is at least ``min_p`` times the largest. Both keep the largest, so their order
+   does not matter. ``min_p == 0`` keeps everything.
 3. **softmax** over the survivors gives ``probs``.
 4. **top-p** (nucleus, over the top-k survivors): sort ``probs`` descending and accumulate in
    float64; the nucleus is the shortest prefix whose mass is ``>= top_p``, always at least one
@@ -28,6 +34,7 @@ Dimensions: ``num_rows`` positions whose logits are transformed (from one reques
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -40,12 +47,12 @@ _PREFIX_SIZE = 64
 # Every non-negative float32 bit pattern (NaN included) shifted right by 20 is below this.
 _NUM_BUCKETS = 2048
 
-TransformKey = tuple[float, int | None, float]
+TransformKey = tuple[float, int | None, float, float]
 
 
 def transform_key(params: SamplingParams) -> TransformKey:
     """What determines the transform: rows with equal keys are transformed identically."""
-    return (float(params.temperature), params.top_k, float(params.top_p))
+    return (float(params.temperature), params.top_k, float(params.top_p), float(params.min_p))
 
 
 def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -57,14 +64,14 @@ def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply one request's temperature, top-k and top-p to every row.
+    """Apply one request's temperature, top-k, min-p and top-p to every row.
 
     ``logits`` [num_rows, vocab_size] float -> probs [num_rows, vocab_size], float32 (float64
     stays float64), each row summing to 1. Requires ``temperature > 0``.
     """
     _check_logits(logits)
     _check_sampled(params, "params")
-    return _transform(logits, [params.temperature], [params.top_k], [params.top_p])
+    return _transform(logits, [params])
 
 
 def logits_to_probs_by_row(
@@ -84,15 +91,7 @@ def logits_to_probs_by_row(
     keys = {transform_key(params) for params in row_params}
     for params in row_params:
         _check_sampled(params, "row_params")
-    if len(keys) == 1:
-        params = row_params[0]
-        return _transform(logits, [params.temperature], [params.top_k], [params.top_p])
-    return _transform(
-        logits,
-        [params.temperature for params in row_params],
-        [params.top_k for params in row_params],
-        [params.top_p for params in row_params],
-    )
+    return _transform(logits, [row_params[0]] if len(keys) == 1 else list(row_params))
 
 
 def logits_to_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -109,7 +108,7 @@ def logits_to_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
         return torch.log_softmax(logits, dim=-1)
-    return _transform(logits, [params.temperature], [params.top_k], [params.top_p]).log()
+    return _transform(logits, [params]).log()
 
 
 def _check_logits(logits: torch.Tensor) -> None:
@@ -128,13 +127,9 @@ def _check_sampled(params: SamplingParams, param: str) -> None:
     )
 
 
-def _transform(
-    logits: torch.Tensor,
-    temperatures: list[float],
-    top_ks: list[int | None],
-    top_ps: list[float],
-) -> torch.Tensor:
-    """Temperature, top-k, softmax, top-p; each list has one entry, or one per row."""
+def _transform(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, min-p, softmax, top-p; ``params`` has one entry, or one per row."""
+    temperatures = [p.temperature for p in params]
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # half-precision softmax sums would miss 1 by ~1e-3
     # Dividing makes a new tensor, so the in-place steps below never touch the caller's logits.
@@ -143,10 +138,21 @@ def _transform(
     else:
         temperature = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
         scaled = logits / temperature.unsqueeze(1)
-    top_k_index = _apply_top_k_(scaled, top_ks)
+    top_k_index = _apply_top_k_(scaled, [p.top_k for p in params])
+    _apply_min_p_(scaled, [p.min_p for p in params])
     probs = torch.softmax(scaled, dim=-1)
-    _apply_top_p_(probs, top_ps, top_k_index)
+    _apply_top_p_(probs, [p.top_p for p in params], top_k_index)
     return probs
+
+
+def _apply_min_p_(scaled: torch.Tensor, min_ps: list[float]) -> None:
+    """Set to -inf every logit below its row's largest plus ``log(min_p)``, in place."""
+    if not any(min_ps):
+        return
+    offsets = [math.log(m) if m > 0 else float("-inf") for m in min_ps]
+    offset = torch.tensor(offsets, dtype=scaled.dtype, device=scaled.device).unsqueeze(1)
+    floor = scaled.amax(dim=-1, keepdim=True) + offset  # [num_rows, 1]
+    scaled.masked_fill_(scaled < floor, float("-inf"))
 
 
 def _apply_top_k_(scaled: torch.Tensor, top_ks: list[int | None]) -> torch.Tensor | None:

@@ -2,8 +2,11 @@
 
 Greedy sequences (``temperature == 0``) take the target's argmax; sampled ones use lossless
 rejection sampling (``acceptance.py``: p = target, q = draft, as in Leviathan et al. 2023 and
-Chen et al. 2023). The verifier applies the request's sampling transforms to the target's logits
-itself; a sampling proposer's ``q`` must already be under the same transforms (it gets them from
+Chen et al. 2023). The verifier applies each request's sampling controls (``controls``: logit
+bias, min_tokens, penalties; at row j counting the drafts d_1 .. d_j as generated, from the
+sequence's ``TokenHistory``) and then its sampling transforms (``sampling``) to the target's
+logits itself; greedy sequences take the argmax of the controlled logits. A sampling proposer's
+``q`` must already be under the same controls and transforms (``controls.apply_controls``, then
 ``sampling.logits_to_probs``). A greedy sequence's draft probabilities are never read.
 
 Randomness: a sampled sequence with deterministic drafts and ``KeyedUniforms`` (the engine
@@ -40,6 +43,7 @@ from hybridspec.verifier.acceptance import (
 )
 from hybridspec.verifier.batch import VerifyInput, VerifyKind, VerifyOutput
 from hybridspec.verifier.checks import check_probs_values
+from hybridspec.verifier.controls import apply_controls
 from hybridspec.verifier.sampling import (
     greedy_token_ids,
     logits_to_probs,
@@ -51,6 +55,18 @@ from hybridspec.verifier.uniforms import KeyedUniforms
 
 def verify(inp: VerifyInput) -> VerifyOutput:
     """Verify every sequence's drafts: greedy, keyed or rejection sampling (module docstring)."""
+    if not any(params.has_controls for params in inp.sampling):
+        return _verify(inp, inp.target_logits)
+    flat = inp.draft_token_ids.tolist()
+    offsets = list(itertools.accumulate(inp.num_drafts, initial=0))
+    drafts = [flat[a:b] for a, b in itertools.pairwise(offsets)]
+    logits = apply_controls(inp.target_logits, inp.sampling, inp.histories, drafts)
+    out = _verify(inp, logits)
+    return VerifyOutput(out.num_accepted, out.output_token_ids, logits)
+
+
+def _verify(inp: VerifyInput, target_logits: torch.Tensor) -> VerifyOutput:
+    """``verify`` with p made from ``target_logits`` (the input's, or after the controls)."""
     kinds = [
         VerifyKind.of(params, keyed, probs)
         for params, keyed, probs in zip(inp.sampling, inp.keyed, inp.draft_probs, strict=True)
@@ -59,13 +75,13 @@ def verify(inp: VerifyInput) -> VerifyOutput:
         seqs = _Seqs(
             inp.num_drafts, inp.draft_probs, inp.sampling, inp.generators, inp.keyed, inp.checked
         )
-        num_accepted, final = _STEPS[kinds[0]](inp.target_logits, inp.draft_token_ids, seqs)
+        num_accepted, final = _STEPS[kinds[0]](target_logits, inp.draft_token_ids, seqs)
         return VerifyOutput(num_accepted, _output_token_ids(inp, num_accepted, final))
-    num_accepted = torch.empty(inp.num_seqs, dtype=torch.long, device=inp.target_logits.device)
+    num_accepted = torch.empty(inp.num_seqs, dtype=torch.long, device=target_logits.device)
     final = torch.empty_like(num_accepted)
     for kind in sorted(set(kinds)):
         members = [i for i, k in enumerate(kinds) if k == kind]
-        logits, drafts, sub = _select(inp, members)
+        logits, drafts, sub = _select(inp, target_logits, members)
         index = torch.tensor(members, device=num_accepted.device)
         sub_accepted, sub_final = _STEPS[kind](logits, drafts, sub)
         num_accepted.index_copy_(0, index, sub_accepted)
@@ -85,13 +101,15 @@ class _Seqs:
     checked: bool  # q was validated where it entered
 
 
-def _select(inp: VerifyInput, members: list[int]) -> tuple[torch.Tensor, torch.Tensor, _Seqs]:
+def _select(
+    inp: VerifyInput, target_logits: torch.Tensor, members: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, _Seqs]:
     """The target rows, drafts and per-sequence fields of the sequences ``members``."""
     offsets = list(itertools.accumulate(inp.num_drafts, initial=0))
     draft_index = [t for i in members for t in range(offsets[i], offsets[i + 1])]
     row_index = [r for i in members for r in range(offsets[i] + i, offsets[i + 1] + i + 1)]
-    device = inp.target_logits.device
-    logits = inp.target_logits[torch.tensor(row_index, device=device)]
+    device = target_logits.device
+    logits = target_logits[torch.tensor(row_index, device=device)]
     drafts = inp.draft_token_ids[torch.tensor(draft_index, dtype=torch.long, device=device)]
     sub = _Seqs(
         [inp.num_drafts[i] for i in members],

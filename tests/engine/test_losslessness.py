@@ -8,6 +8,7 @@ are fixed, so the test is deterministic; a control shows the test rejects a wron
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -25,7 +26,8 @@ from hybridspec import (
 from hybridspec.model import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
-from hybridspec.verifier import logits_to_probs
+from hybridspec.types import TokenHistory
+from hybridspec.verifier import apply_controls, logits_to_probs
 
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -67,17 +69,26 @@ def models() -> tuple[LoadedModel, LoadedModel]:
     return target, tiny(1, base=target.weights.hf_state_dict())
 
 
-def exact_two_token_distribution(target: LoadedModel, sampling: SamplingParams) -> torch.Tensor:
-    """p(x1, x2) for every pair, [VOCAB, VOCAB], from the target alone."""
+def exact_two_token_distribution(
+    target: LoadedModel, sampling: SamplingParams, ignore_eos: bool = True
+) -> torch.Tensor:
+    """p(x1, x2) for every pair, [VOCAB, VOCAB], from the target alone, under the request's
+    controls counted on the true history (the prompt, then x1)."""
     runtime = target.create_runtime(1, 64)
     slot = runtime.allocate()
+    stops = frozenset() if ignore_eos else frozenset({VOCAB - 1})
+
+    def probs(logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
+        history = TokenHistory([*PROMPT, *generated], len(PROMPT), stops)
+        return logits_to_probs(apply_controls(logits, [sampling], [history], [[]]), sampling)[0]
+
     first = runtime.forward(ForwardBatch.from_lists([slot], [PROMPT], [len(PROMPT) - 1])).logits
-    p1 = logits_to_probs(first, sampling)[0]
+    p1 = probs(first, [])
     joint = torch.zeros(VOCAB, VOCAB)
     for x1 in range(VOCAB):
         runtime.truncate(slot, len(PROMPT))
         second = runtime.forward(ForwardBatch.from_lists([slot], [[x1]], [0])).logits
-        joint[x1] = p1[x1] * logits_to_probs(second, sampling)[0]
+        joint[x1] = p1[x1] * probs(second, [x1])
     return joint
 
 
@@ -86,21 +97,9 @@ def sample_counts(engine: Engine, params: GenerationParams) -> torch.Tensor:
     submitted = 0
     while submitted < NUM_SAMPLES or engine.has_unfinished():
         while submitted < NUM_SAMPLES and engine.num_waiting < 16:
-            sampling = SamplingParams(
-                params.sampling.temperature,
-                params.sampling.top_k,
-                params.sampling.top_p,
-                seed=submitted,
-            )
+            sampling = dataclasses.replace(params.sampling, seed=submitted)
             engine.add_request(
-                PROMPT,
-                GenerationParams(
-                    max_new_tokens=2,
-                    sampling=sampling,
-                    proposer=params.proposer,
-                    num_speculative_tokens=params.num_speculative_tokens,
-                    ignore_eos=True,
-                ),
+                PROMPT, dataclasses.replace(params, max_new_tokens=2, sampling=sampling)
             )
             submitted += 1
         for output in engine.step():
@@ -153,7 +152,11 @@ def test_speculative_samples_follow_the_target_distribution(
     target, draft = models
     engine = build_engine(target, draft)
     params = GenerationParams(
-        max_new_tokens=2, sampling=sampling, proposer=proposer, num_speculative_tokens=k
+        max_new_tokens=2,
+        sampling=sampling,
+        proposer=proposer,
+        num_speculative_tokens=k,
+        ignore_eos=True,
     )
     counts = sample_counts(engine, params)
     assert counts.sum() == NUM_SAMPLES
@@ -169,7 +172,63 @@ def test_the_chi_square_test_rejects_the_drafts_distribution(
     engine = build_engine(target, draft)
     sampling = SamplingParams(temperature=1.0)
     counts = sample_counts(
-        engine, GenerationParams(max_new_tokens=2, sampling=sampling, proposer="none")
+        engine,
+        GenerationParams(max_new_tokens=2, sampling=sampling, proposer="none", ignore_eos=True),
     )
     stat, critical = chi_square(counts, exact_two_token_distribution(draft, sampling))
     assert stat > critical
+
+
+# Each control with a seeded sampled request; the draft proposer (whose q must be under the same
+# controls) for the penalties that count its own drafts, n-gram (keyed) for the others.
+CONTROLLED = [
+    ("draft", SamplingParams(temperature=1.0, presence_penalty=1.5), True),
+    ("ngram", SamplingParams(temperature=1.0, frequency_penalty=1.0), True),
+    ("draft", SamplingParams(temperature=1.0, repetition_penalty=1.6), True),
+    ("ngram", SamplingParams(temperature=1.0, logit_bias=((2, 2.0), (5, -1.0))), True),
+    ("ngram", SamplingParams(temperature=0.8, min_p=0.1), True),
+    ("ngram", SamplingParams(temperature=1.0, min_tokens=2), False),  # EOS masked: 2 tokens
+    (
+        "draft",
+        SamplingParams(
+            temperature=0.9,
+            top_k=6,
+            presence_penalty=0.4,
+            frequency_penalty=0.6,
+            repetition_penalty=1.2,
+            logit_bias=((4, 1.0),),
+            min_p=0.02,
+            min_tokens=2,
+        ),
+        False,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("proposer", "sampling", "ignore_eos"),
+    CONTROLLED,
+    ids=["presence", "frequency", "repetition", "logit-bias", "min-p", "min-tokens", "all"],
+)
+def test_controlled_samples_follow_the_controlled_target(
+    models: tuple[LoadedModel, LoadedModel],
+    proposer: str,
+    sampling: SamplingParams,
+    ignore_eos: bool,
+) -> None:
+    target, draft = models
+    engine = build_engine(target, draft)
+    params = GenerationParams(
+        max_new_tokens=2,
+        sampling=sampling,
+        proposer=proposer,
+        num_speculative_tokens=3,
+        ignore_eos=ignore_eos,
+    )
+    counts = sample_counts(engine, params)
+    assert counts.sum() == NUM_SAMPLES
+    expected = exact_two_token_distribution(target, sampling, ignore_eos)
+    stat, critical = chi_square(counts, expected)
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+    plain = exact_two_token_distribution(target, SamplingParams(temperature=1.0), ignore_eos)
+    assert (expected - plain).abs().sum() > 0.05  # the control changes the law

@@ -58,7 +58,15 @@ def assert_error(response: Any, status: int, param: str | None) -> dict[str, Any
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
         ({"max_tokens": 0, "logprobs": 1}, "max_tokens"),  # 0 only with echo
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"007": 1}}, "logit_bias"),
+        ({"logit_bias": {"100000": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ],
 )

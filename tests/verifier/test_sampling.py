@@ -29,6 +29,9 @@ def reference_probs(logits: list[float], params: SamplingParams) -> list[float]:
     if params.top_k is not None and params.top_k < len(scaled):
         kth = sorted(scaled, reverse=True)[params.top_k - 1]
         scaled = [s if s >= kth else -math.inf for s in scaled]
+    if params.min_p > 0:
+        floor = max(scaled) + math.log(params.min_p)
+        scaled = [s if s >= floor else -math.inf for s in scaled]
     top = max(scaled)
     weights = [math.exp(s - top) for s in scaled]
     probs = [w / sum(weights) for w in weights]
@@ -73,7 +76,17 @@ sampled_params = st.builds(
     temperature=st.sampled_from([0.3, 0.7, 1.0, 1.8]),
     top_k=st.one_of(st.none(), st.integers(1, 14)),
     top_p=st.one_of(st.just(1.0), st.floats(0.05, 0.99)),
+    min_p=st.sampled_from([0.0, 0.05, 0.3, 0.9]),
 )
+
+
+def min_p_margin(logits: list[float], params: SamplingParams) -> float:
+    """Distance from the min-p floor to the nearest scaled logit (ties flip by rounding)."""
+    if params.min_p == 0:
+        return math.inf
+    scaled = [z / params.temperature for z in logits]
+    floor = max(scaled) + math.log(params.min_p)
+    return min(abs(s - floor) for s in scaled)
 
 
 @pytest.mark.parametrize("prefix_size", [1, 64])  # 1 forces the bucketed path on most rows
@@ -81,6 +94,7 @@ sampled_params = st.builds(
 @given(logits=grid_logits, params=sampled_params)
 def test_matches_reference(prefix_size: int, logits: list[float], params: SamplingParams) -> None:
     assume(params.top_p == 1.0 or top_p_margin(logits, params) > 1e-6)
+    assume(min_p_margin(logits, params) > 1e-5)
     expected = reference_probs(logits, params)
     with mock.patch.object(sampling, "_PREFIX_SIZE", prefix_size):
         got = logits_to_probs(torch.tensor([logits]), params)[0]
@@ -89,6 +103,14 @@ def test_matches_reference(prefix_size: int, logits: list[float], params: Sampli
     torch.testing.assert_close(
         got.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0
     )
+
+
+def test_min_p_drops_tokens_below_min_p_times_the_largest() -> None:
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, min_p=0.25))[0]
+    torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    only_max = logits_to_probs(logits, SamplingParams(temperature=1.0, min_p=1.0))[0]
+    assert only_max.tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_top_k_keeps_ties_at_the_boundary() -> None:
@@ -152,7 +174,7 @@ def test_large_vocabulary_matches_a_full_sort(
 
 
 def test_by_row_equals_each_row_alone() -> None:
-    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 3
+    logits = torch.randn(7, 300, generator=torch.Generator().manual_seed(1)) * 3
     row_params = [
         SamplingParams(temperature=0.5),
         SamplingParams(temperature=1.0, top_k=5),
@@ -160,6 +182,7 @@ def test_by_row_equals_each_row_alone() -> None:
         SamplingParams(temperature=0.9, top_k=100, top_p=0.3),
         SamplingParams(temperature=0.9, top_k=100, top_p=0.3, seed=4),  # same transform
         SamplingParams(temperature=2.0, top_k=1000),
+        SamplingParams(temperature=0.7, min_p=0.1, top_p=0.9),
     ]
     got = logits_to_probs_by_row(logits, row_params)
     for i, params in enumerate(row_params):
