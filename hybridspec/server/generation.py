@@ -69,6 +69,10 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         value = getattr(body, name)
         check(value is None or value == 0, name, f"only 0 is supported, got {value}")
     check(not body.logit_bias, "logit_bias", "logit_bias is not supported")
+    penalty = body.repetition_penalty
+    check(
+        penalty is None or penalty == 1, "repetition_penalty", f"only 1 is supported, got {penalty}"
+    )
     if isinstance(body, CompletionRequest):
         check(not body.echo, "echo", "echo is not supported")
         check(body.logprobs is None, "logprobs", "logprobs are not supported")

@@ -3,8 +3,9 @@
 Request bodies are strict (no string-to-number coercion) and refuse unknown fields, as the
 OpenAI API does; value ranges are checked by the engine's own parameter classes, so that every
 bound lives in one place (``hybridspec.config``, ``hybridspec.types``). Extension fields in a
-request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos``. In a response:
-``hybridspec`` (the request's speculation statistics; in a stream, on the final chunk).
+request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos`` and vLLM's
+``repetition_penalty`` (only 1). In a response: ``hybridspec`` (the request's speculation
+statistics; in a stream, on the final chunk).
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ class _SamplingFields(_Body):
         description="K, the most drafts per round (hybridspec extension).",
     )
     ignore_eos: bool = Field(default=False, description="Generate past EOS (extension).")
+    # vLLM's extension; its serving benchmark sends 1.0 on every completions request.
+    repetition_penalty: float | None = documented(
+        minimum=1, maximum=1, description="Only 1 (no penalty) is supported (extension)."
+    )
 
 
 TokenIds = list[int]
