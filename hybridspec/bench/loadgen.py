@@ -116,9 +116,12 @@ def scenario(
     tokenizer_dir: Path,
     concurrencies: Sequence[int],
     requests: int,
+    temperature: float = 0.0,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """guidellm's scenario file: one ``concurrent`` benchmark per concurrency, streaming."""
+    """guidellm's scenario file: one ``concurrent`` benchmark per concurrency, streaming.
+    ``temperature`` goes in every request body (guidellm sends none: each server's default
+    would apply, 1.0 for an OpenAI-style server, 0.8 for llama.cpp's)."""
     return {
         "metadata": {"name": f"hybridspec-bench-serve-{workload.name}"},
         "spec": {
@@ -128,6 +131,7 @@ def scenario(
                 "request_format": route,
                 # guidellm checks GET /health first; llama-cpp-python's server has no /health
                 "api_routes": {"/health": "v1/models"},
+                "extras": {"body": {"temperature": temperature}},
             },
             "profile": {"kind": "concurrent"},
             "data": [workload.data],

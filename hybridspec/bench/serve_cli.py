@@ -7,8 +7,8 @@ guidellm against each with streaming, at every concurrency, on two workloads: gu
 synthetic text and the bench workload's input-grounded prompts. Every server is driven through
 its completions route (llama-cpp-python's chat route refuses content given as parts, which is
 how guidellm sends it), with the grounded prompts rendered by the model's chat template; each
-request asks for exactly ``--output-tokens`` tokens (``ignore_eos``). Writes the tables, the
-JSON and a PNG of throughput and TTFT against concurrency to ``--output-dir``.
+request asks for exactly ``--output-tokens`` tokens (``ignore_eos``), greedy by default. Writes
+the tables, the JSON and a PNG of throughput and TTFT against concurrency to ``--output-dir``.
 
 Needs guidellm and llama-cpp-python: ``make bench-serve`` installs them (the ``bench`` extra)
 and builds ``llama-server`` from llama-cpp-python's vendored llama.cpp, then runs this.
@@ -63,6 +63,7 @@ def add_serve_command(bench_commands: Any) -> None:
         default=os.cpu_count() or 1,
         help="llama.cpp threads (default: every core, as torch uses in hybridspec serve)",
     )
+    add("--temperature", type=float, default=0.0, help="of every request (default 0: greedy)")
     add("--seed", type=int, default=0)
     add("--output-dir", type=Path, default=Path("bench-results/serve"))
     serve.set_defaults(run=run_bench_serve)
@@ -167,6 +168,7 @@ def _measure(
                 tokenizer_dir,
                 args.concurrency,
                 args.requests,
+                args.temperature,
                 args.seed,
             )
             points = run_guidellm(plan, out / "guidellm", name)

@@ -73,6 +73,7 @@ def test_scenario_streams_one_benchmark_per_concurrency(tmp_path: Path) -> None:
     spec = data["spec"]
     assert spec["backend"]["request_format"] == "/v1/completions"
     assert spec["backend"]["api_routes"] == {"/health": "v1/models"}
+    assert spec["backend"]["extras"] == {"body": {"temperature": 0.0}}  # greedy by default
     assert spec["data"] == [{"kind": "synthetic_text", "prompt_tokens": 128, "output_tokens": 64}]
     assert spec["constraints"] == [{"kind": "max_requests", "count": 16}]
     assert spec["tokenizer"]["model"] == str(tmp_path)
