@@ -199,8 +199,13 @@ def plot_serving(results: ServingResults, path: Path) -> None:
             style["linestyle"] = "-" if server in results.ours else "--"
             throughput_ax.plot(xs, [p.output_tokens_per_s for p in points], **style)
             ttft_ax.plot(xs, [p.ttft_p95_ms for p in points], **style)
+        concurrencies = sorted(
+            {p.concurrency for ps in results.points[workload].values() for p in ps}
+        )
         for ax, label in ((throughput_ax, "output tok/s"), (ttft_ax, "TTFT p95 (ms)")):
             ax.set_xscale("log", base=2)
+            ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+            ax.set_ylim(bottom=0)
             ax.set_xlabel("concurrency")
             ax.set_ylabel(label)
             ax.set_title(f"{workload}: {label}", fontsize=10)
