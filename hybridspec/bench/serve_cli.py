@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,11 @@ DEFAULT_CONCURRENCIES = (1, 2, 4, 8)
 DEFAULT_PROPOSERS = ("none", "ngram")
 WORKLOADS = ("synthetic", "grounded")
 PEERS = ("llama-cpp-python", "llama-server")
+# One thread per server, as ``hybridspec bench`` defaults to: on a 2-core machine shared with
+# other work, both runtimes' threads spin at every barrier waiting for a descheduled peer.
+# Measured on the 2-core development VM at load average 4.7, llama-cpp-python, 64 greedy
+# tokens: 28-42 tok/s with 1 thread, 0.4-11 tok/s with 2.
+DEFAULT_THREADS = 1
 
 
 def add_serve_command(bench_commands: Any) -> None:
@@ -60,8 +64,8 @@ def add_serve_command(bench_commands: Any) -> None:
     add(
         "--threads",
         type=int,
-        default=os.cpu_count() or 1,
-        help="llama.cpp threads (default: every core, as torch uses in hybridspec serve)",
+        default=DEFAULT_THREADS,
+        help=f"CPU threads of every server (default {DEFAULT_THREADS}: see below)",
     )
     add("--temperature", type=float, default=0.0, help="of every request (default 0: greedy)")
     add("--seed", type=int, default=0)
@@ -130,7 +134,7 @@ def _specs(args: argparse.Namespace, gguf: Path) -> list[ServerSpec]:
     )
 
     slots = max(args.concurrency)
-    specs = [hybridspec_spec(p, gguf, max_num_seqs=slots) for p in args.proposers]
+    specs = [hybridspec_spec(p, gguf, args.threads, slots) for p in args.proposers]
     if "llama-cpp-python" in args.peers:
         found = llama_cpp_python_spec(gguf, args.threads)
         if found is None:

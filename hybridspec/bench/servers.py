@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class ServerSpec:
     argv: Callable[[int], list[str]]
     ours: bool  # hybridspec (a row of ratios) or a peer (a column of them)
     note: str = ""  # how it is driven, for the report
+    env: dict[str, str] = field(default_factory=dict)  # over this process's environment
 
 
 class ServerStartError(RuntimeError):
@@ -56,8 +57,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def hybridspec_spec(proposer: str, gguf: Path, max_num_seqs: int) -> ServerSpec:
-    """``hybridspec serve`` on ``gguf`` with ``proposer`` the default of every request."""
+def hybridspec_spec(proposer: str, gguf: Path, threads: int, max_num_seqs: int) -> ServerSpec:
+    """``hybridspec serve`` on ``gguf`` with ``proposer`` the default of every request, its
+    torch and numba threads set by the environment."""
 
     def argv(port: int) -> list[str]:
         return [
@@ -66,7 +68,9 @@ def hybridspec_spec(proposer: str, gguf: Path, max_num_seqs: int) -> ServerSpec:
             *["--max-num-seqs", str(max_num_seqs), "--log-level", "warning"],
         ]
 
-    return ServerSpec(f"hybridspec-{proposer}", argv, ours=True, note=f"{max_num_seqs} slots")
+    env = {"OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
+    note = f"{max_num_seqs} slots, {threads} threads"
+    return ServerSpec(f"hybridspec-{proposer}", argv, ours=True, note=note, env=env)
 
 
 def llama_cpp_python_spec(gguf: Path, threads: int) -> ServerSpec | None:
@@ -83,7 +87,8 @@ def llama_cpp_python_spec(gguf: Path, threads: int) -> ServerSpec | None:
             *["--n_threads", str(threads), "--n_threads_batch", str(threads)],
         ]
 
-    return ServerSpec("llama-cpp-python", argv, ours=False, note="completions route, one at a time")
+    note = f"completions route, one request at a time, {threads} threads"
+    return ServerSpec("llama-cpp-python", argv, ours=False, note=note)
 
 
 def llama_server_spec(
@@ -101,7 +106,8 @@ def llama_server_spec(
             *["--threads", str(threads), "--threads-batch", str(threads)],
         ]
 
-    return ServerSpec("llama-server", argv, ours=False, note=f"{parallel} parallel slots")
+    note = f"{parallel} parallel slots, {threads} threads"
+    return ServerSpec("llama-server", argv, ours=False, note=note)
 
 
 def _which(name: str) -> Path | None:
@@ -115,10 +121,7 @@ def _which(name: str) -> Path | None:
 
 @contextlib.contextmanager
 def running(
-    spec: ServerSpec,
-    log_path: Path,
-    env: dict[str, str] | None = None,
-    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+    spec: ServerSpec, log_path: Path, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
 ) -> Iterator[str]:
     """Start ``spec`` on a free port, wait until it is ready, yield its base URL, stop it."""
     port = free_port()
@@ -129,7 +132,7 @@ def running(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **spec.env},
             start_new_session=True,  # its own process group: stopping it stops its children
         )
         try:

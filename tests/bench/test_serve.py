@@ -26,6 +26,7 @@ from hybridspec.bench.servers import (
     ServerSpec,
     ServerStartError,
     free_port,
+    hybridspec_spec,
     llama_server_spec,
     running,
 )
@@ -209,3 +210,12 @@ def test_bench_serve_is_a_subcommand_of_bench() -> None:
     assert args.run.__name__ == "run_bench_serve"
     assert args.concurrency == [1, 2]
     assert build_parser().parse_args(["bench"]).run.__name__ == "run_bench"
+
+
+def test_hybridspec_gets_its_threads_from_the_environment(tmp_path: Path) -> None:
+    spec = hybridspec_spec("ngram", tmp_path / "m.gguf", threads=1, max_num_seqs=8)
+    assert spec.env == {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    argv = spec.argv(1234)
+    assert argv[argv.index("--proposer") + 1] == "ngram"
+    assert argv[argv.index("--port") + 1] == "1234"
+    assert spec.name == "hybridspec-ngram" and spec.ours
