@@ -1,11 +1,10 @@
 """guidellm, the load generator behind ``hybridspec bench serve``: its workloads, its scenario
 file, its run and its JSON report.
 
-One guidellm run measures one server on one workload at every concurrency: a scenario file
-(guidellm's own format) with a ``concurrent`` profile, one benchmark per concurrency
-(``profile.streams``), each ending after ``requests`` requests; the report is guidellm's JSON
-(``--output kind=json``). Streaming is guidellm's default: TTFT and ITL are measured by it
-from the server-sent events.
+One guidellm run measures one server on one workload at one concurrency: a scenario file
+(guidellm's own format) with a ``concurrent`` profile of that many streams, ending after
+``requests`` requests; the report is guidellm's JSON (``--output kind=json``). Streaming is
+guidellm's default: TTFT and ITL are measured by it from the server-sent events.
 
 Glossary: *TTFT*, time to first token (from sending the request to the first streamed token);
 *ITL*, inter-token latency (mean gap between tokens after the first, per request); percentiles
@@ -36,11 +35,14 @@ CHAT_ROUTE = "/v1/chat/completions"
 
 @dataclass(frozen=True, slots=True)
 class LoadWorkload:
-    """A workload as guidellm reads it: one entry of its scenario's ``data`` list."""
+    """A workload as guidellm reads it: an entry of its scenario's ``data`` list for each
+    concurrency. Every concurrency gets prompts of its own (guidellm restarts its data at each
+    benchmark): a server's prompt cache then helps only with the prefixes requests really
+    share (the chat template's system prompt), not with the previous concurrency's prompts."""
 
     name: str  # "synthetic" or "grounded": a table each
     description: str
-    data: dict[str, Any]
+    data: dict[int, dict[str, Any]]  # concurrency -> guidellm data entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,21 +71,26 @@ class LoadGeneratorError(RuntimeError):
     """guidellm failed, or wrote a report this module cannot read."""
 
 
-def synthetic_workload(prompt_tokens: int, output_tokens: int) -> LoadWorkload:
-    """guidellm's synthetic text: ``prompt_tokens`` random words in, ``output_tokens`` out."""
+def synthetic_workload(
+    prompt_tokens: int, output_tokens: int, concurrencies: Sequence[int]
+) -> LoadWorkload:
+    """guidellm's synthetic text: ``prompt_tokens`` random words in, ``output_tokens`` out (its
+    prompts differ between concurrencies through the scenario's seed)."""
     data = {"kind": "synthetic_text", "prompt_tokens": prompt_tokens}
     data["output_tokens"] = output_tokens
-    return LoadWorkload(
-        "synthetic",
-        f"guidellm synthetic text, {prompt_tokens} tokens in, {output_tokens} out",
-        data,
-    )
+    description = f"guidellm synthetic text, {prompt_tokens} tokens in, {output_tokens} out"
+    return LoadWorkload("synthetic", description, {c: dict(data) for c in concurrencies})
 
 
 def grounded_workload(
-    workload: Workload, tokenizer: PreTrainedTokenizerBase, output_tokens: int, path: Path
+    workload: Workload,
+    tokenizer: PreTrainedTokenizerBase,
+    output_tokens: int,
+    concurrencies: Sequence[int],
+    directory: Path,
 ) -> LoadWorkload:
-    """The bench workload's input-grounded prompts as a guidellm JSON-lines file at ``path``.
+    """The bench workload's input-grounded prompts as guidellm JSON-lines files in
+    ``directory``, one per concurrency, each prompt's user message tagged ``[c.i]`` in front.
 
     Each prompt is rendered with the model's chat template into text (what the chat route
     would make of its messages), so that every server, driven through its completions route,
@@ -94,36 +101,42 @@ def grounded_workload(
     prompts = [p for p in workload.prompts if p.category in grounded]
     if not prompts:
         raise ValueError(f"workload {workload.name!r} has no input-grounded prompt")
-    rows = []
-    for prompt in prompts:
-        text = tokenizer.apply_chat_template(
-            list(prompt.messages), tokenize=False, add_generation_prompt=True
-        )
-        rows.append({"prompt": str(text), "output_tokens_count": output_tokens})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    directory.mkdir(parents=True, exist_ok=True)
+    data = {}
+    for concurrency in concurrencies:
+        rows = []
+        for i, prompt in enumerate(prompts):
+            *earlier, last = prompt.messages
+            tagged = {**last, "content": f"[{concurrency}.{i}] {last['content']}"}
+            text = tokenizer.apply_chat_template(
+                [*earlier, tagged], tokenize=False, add_generation_prompt=True
+            )
+            rows.append({"prompt": str(text), "output_tokens_count": output_tokens})
+        path = directory / f"grounded-c{concurrency}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+        data[concurrency] = {"kind": "json_file", "path": str(path)}
     description = (
-        f"{len(rows)} input-grounded prompts of {workload.name} ({', '.join(grounded)}), "
+        f"{len(prompts)} input-grounded prompts of {workload.name} ({', '.join(grounded)}), "
         f"chat template applied, {output_tokens} tokens out"
     )
-    return LoadWorkload("grounded", description, {"kind": "json_file", "path": str(path)})
+    return LoadWorkload("grounded", description, data)
 
 
 def scenario(
     target: str,
     route: str,
-    workload: LoadWorkload,
+    data: dict[str, Any],
     tokenizer_dir: Path,
-    concurrencies: Sequence[int],
+    concurrency: int,
     requests: int,
     temperature: float = 0.0,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """guidellm's scenario file: one ``concurrent`` benchmark per concurrency, streaming.
-    ``temperature`` goes in every request body (guidellm sends none: each server's default
-    would apply, 1.0 for an OpenAI-style server, 0.8 for llama.cpp's)."""
+    """guidellm's scenario file: one ``concurrent`` benchmark of ``requests`` requests,
+    streaming. ``temperature`` goes in every request body (guidellm sends none: each server's
+    default would apply, 1.0 for an OpenAI-style server, 0.8 for llama.cpp's)."""
     return {
-        "metadata": {"name": f"hybridspec-bench-serve-{workload.name}"},
+        "metadata": {"name": f"hybridspec-bench-serve-c{concurrency}"},
         "spec": {
             "backend": {
                 "kind": "openai_http",
@@ -133,13 +146,12 @@ def scenario(
                 "api_routes": {"/health": "v1/models"},
                 "extras": {"body": {"temperature": temperature}},
             },
-            "profile": {"kind": "concurrent"},
-            "data": [workload.data],
+            "profile": {"kind": "concurrent", "streams": concurrency},
+            "data": [data],
             "tokenizer": {"kind": "huggingface_auto", "model": str(tokenizer_dir)},
             "constraints": [{"kind": "max_requests", "count": requests}],
             "seed": {"kind": "static", "value": seed},
         },
-        "benchmarks": [{"profile.streams": c} for c in concurrencies],
     }
 
 

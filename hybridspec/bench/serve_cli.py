@@ -118,11 +118,14 @@ def _prepare(args: argparse.Namespace, gguf: Path, out: Path) -> tuple[Path, lis
     tokenizer.save_pretrained(tokenizer_dir)
     workloads = []
     if "synthetic" in args.workloads:
-        workloads.append(synthetic_workload(args.prompt_tokens, args.output_tokens))
+        load = synthetic_workload(args.prompt_tokens, args.output_tokens, args.concurrency)
+        workloads.append(load)
     if "grounded" in args.workloads:
         workload = load_workload(args.workload)
-        path = out / "grounded.jsonl"
-        workloads.append(grounded_workload(workload, tokenizer, args.output_tokens, path))
+        load = grounded_workload(
+            workload, tokenizer, args.output_tokens, args.concurrency, out / "data"
+        )
+        workloads.append(load)
     return tokenizer_dir, workloads
 
 
@@ -164,25 +167,26 @@ def _measure(
 
     with running(spec, out / "logs" / f"{spec.name}.log") as url:
         for workload in workloads:
-            name = f"{workload.name}-{spec.name}"
-            plan = scenario(
-                url,
-                COMPLETIONS_ROUTE,
-                workload,
-                tokenizer_dir,
-                args.concurrency,
-                args.requests,
-                args.temperature,
-                args.seed,
-            )
-            points = run_guidellm(plan, out / "guidellm", name)
-            results.add(workload.name, spec.name, points)
-            for p in points:
-                logger.info(
-                    "%s c=%d: %.1f output tok/s, TTFT p95 %.0f ms, %d errors",
-                    name,
-                    p.concurrency,
-                    p.output_tokens_per_s,
-                    p.ttft_p95_ms,
-                    p.errored,
+            points = []
+            for concurrency in args.concurrency:
+                name = f"{workload.name}-{spec.name}-c{concurrency}"
+                plan = scenario(
+                    url,
+                    COMPLETIONS_ROUTE,
+                    workload.data[concurrency],
+                    tokenizer_dir,
+                    concurrency,
+                    args.requests,
+                    args.temperature,
+                    args.seed + concurrency,  # synthetic prompts of their own
                 )
+                (point,) = run_guidellm(plan, out / "guidellm", name)
+                logger.info(
+                    "%s: %.1f output tok/s, TTFT p95 %.0f ms, %d errors",
+                    name,
+                    point.output_tokens_per_s,
+                    point.ttft_p95_ms,
+                    point.errored,
+                )
+                points.append(point)
+            results.add(workload.name, spec.name, points)

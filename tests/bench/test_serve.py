@@ -68,17 +68,18 @@ def test_parse_report_names_what_is_missing() -> None:
         parse_report({"benchmarks": [{"config": {"strategy": {"streams": 1}}}]})
 
 
-def test_scenario_streams_one_benchmark_per_concurrency(tmp_path: Path) -> None:
-    workload = synthetic_workload(128, 64)
-    data = scenario("http://x:1", COMPLETIONS_ROUTE, workload, tmp_path, [1, 2, 4, 8], 16)
+def test_scenario_streams_one_benchmark_at_one_concurrency(tmp_path: Path) -> None:
+    workload = synthetic_workload(128, 64, [1, 8])
+    data = scenario("http://x:1", COMPLETIONS_ROUTE, workload.data[8], tmp_path, 8, 16, seed=8)
     spec = data["spec"]
     assert spec["backend"]["request_format"] == "/v1/completions"
     assert spec["backend"]["api_routes"] == {"/health": "v1/models"}
     assert spec["backend"]["extras"] == {"body": {"temperature": 0.0}}  # greedy by default
+    assert spec["profile"] == {"kind": "concurrent", "streams": 8}
     assert spec["data"] == [{"kind": "synthetic_text", "prompt_tokens": 128, "output_tokens": 64}]
     assert spec["constraints"] == [{"kind": "max_requests", "count": 16}]
     assert spec["tokenizer"]["model"] == str(tmp_path)
-    assert [b["profile.streams"] for b in data["benchmarks"]] == [1, 2, 4, 8]
+    assert spec["seed"] == {"kind": "static", "value": 8}
 
 
 class TemplateTokenizer:
@@ -108,11 +109,16 @@ def test_grounded_workload_writes_the_templated_grounded_prompts(tmp_path: Path)
             ],
         }
     )
-    path = tmp_path / "grounded.jsonl"
-    loaded = grounded_workload(workload, TemplateTokenizer(), 64, path)  # type: ignore[arg-type]
-    assert loaded.data == {"kind": "json_file", "path": str(path)}
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert rows == [{"prompt": f"<user>edit {source}<assistant>", "output_tokens_count": 64}]
+    tokenizer = TemplateTokenizer()
+    loaded = grounded_workload(workload, tokenizer, 64, [1, 2], tmp_path)  # type: ignore[arg-type]
+    assert sorted(loaded.data) == [1, 2]
+    for c in (1, 2):
+        path = tmp_path / f"grounded-c{c}.jsonl"
+        assert loaded.data[c] == {"kind": "json_file", "path": str(path)}
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        # only the grounded prompt, tagged so that no concurrency reuses another's prompts
+        expected = f"<user>[{c}.0] edit {source}<assistant>"
+        assert rows == [{"prompt": expected, "output_tokens_count": 64}]
 
 
 # ---------------------------------------------------------------------------- report
