@@ -85,9 +85,12 @@ def llama_cpp_python_spec(gguf: Path, threads: int) -> ServerSpec | None:
             *[sys.executable, "-m", "llama_cpp.server", "--model", str(gguf)],
             *["--host", LOOPBACK, "--port", str(port), "--n_ctx", str(LLAMA_CTX_PER_SLOT)],
             *["--n_threads", str(threads), "--n_threads_batch", str(threads)],
+            # By default a new request cuts the streaming one short (guidellm then counts an
+            # empty response as an error); a serving benchmark wants every request served.
+            *["--interrupt_requests", "false"],
         ]
 
-    note = f"completions route, one request at a time, {threads} threads"
+    note = f"completions route, one request at a time (queued, not interrupted), {threads} threads"
     return ServerSpec("llama-cpp-python", argv, ours=False, note=note)
 
 
