@@ -74,6 +74,7 @@ def add_serve_command(bench_commands: Any) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
+    from hybridspec.bench.servers import ServerStartError
     from hybridspec.bench.serving_report import (
         ServingResults,
         format_results,
@@ -97,7 +98,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         ours=[s.name for s in specs if s.ours],
     )
     for spec in specs:
-        _measure(spec, workloads, tokenizer_dir, args, out, results)
+        try:
+            _measure(spec, workloads, tokenizer_dir, args, out, results)
+        except ServerStartError as exc:
+            if spec.ours:
+                raise
+            logger.warning("skipping %s: it did not start: %s", spec.name, exc)
+            results.notes[spec.name] = f"did not start ({out / 'logs'})"
         write_json(out / "serve.json", results)  # what ran so far survives a later failure
     text = format_results(results)
     (out / "serve.md").write_text(text, encoding="utf-8")
