@@ -2,6 +2,8 @@
 #   make serve   start the OpenAI-compatible server on the embedded SmolLM2-135M-Instruct
 #   make test    lint, type-check and run the whole test suite
 #   make lm-eval install lm-evaluation-harness and run README's evaluation recipe against serve
+# and the serving benchmark (guidellm against hybridspec serve and llama.cpp's servers):
+#   make bench-serve
 #
 # Everything runs from a virtual environment that this Makefile owns (.venv), so it works on a
 # distribution's own Python, which refuses installs outside one (PEP 668). PYTHON picks the
@@ -33,7 +35,7 @@ MAKE_VENV = $(UV) venv -q --python $(PYTHON) $(VENV)
 PIP_INSTALL = $(UV) pip install -q --python $(BIN)/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 endif
 
-.PHONY: install serve generate test lint bench lm-eval clean-venv
+.PHONY: install serve generate test lint bench lm-eval bench-serve-install bench-serve clean-venv
 
 install: $(STAMP)
 
@@ -66,6 +68,45 @@ bench: $(STAMP)
 lm-eval: $(STAMP)
 	$(PIP_INSTALL) $(PINNED) $(LM_EVAL)
 	$(BIN)/python examples/lm_eval/run_lm_eval.py --port $(LM_EVAL_PORT)
+# The serving benchmark's tools, never in the base install or the test extra: guidellm (the
+# bench extra) and the peers, llama-cpp-python's server and llama.cpp's llama-server, both
+# compiled from llama-cpp-python's sdist (it vendors llama.cpp). On the 2-core development VM:
+# llama-cpp-python 5.5 minutes, llama-server about 10. ggml's AMX kernels are left out: where
+# a VM does not enable AMX tiles (the 2-core Xeon one), their first ldtilecfg faults.
+LLAMA_CPP_PYTHON := 0.3.36
+BENCH_STAMP := $(VENV)/.hybridspec-bench-installed
+LLAMA_SERVER := $(VENV)/bin/llama-server
+LLAMA_BUILD := build/llama.cpp-$(LLAMA_CPP_PYTHON)
+ifeq ($(shell uname -m),x86_64)
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+endif
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+BENCH_SERVE_ARGS ?=
+
+bench-serve-install: $(BENCH_STAMP) $(LLAMA_SERVER)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PIP_INSTALL) $(PINNED) -e ".[test,bench]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP_INSTALL) --no-cache-dir $(PINNED) \
+		"llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)"
+	touch $@
+
+# Best effort: where it cannot be built, bench serve skips llama-server and says so.
+$(LLAMA_SERVER): | $(BENCH_STAMP)
+	mkdir -p $(LLAMA_BUILD)
+	( $(PYTHON) -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_BUILD) \
+		"llama-cpp-python==$(LLAMA_CPP_PYTHON)" \
+	  && tar xzf $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_BUILD) \
+	  && cmake -S $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp \
+		-B $(LLAMA_BUILD)/build -DCMAKE_BUILD_TYPE=Release $(LLAMA_CMAKE_ARGS) \
+		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DBUILD_SHARED_LIBS=OFF \
+	  && cmake --build $(LLAMA_BUILD)/build --target llama-server -j $$(nproc) \
+	  && cp $(LLAMA_BUILD)/build/bin/llama-server $@ ) \
+	|| echo "llama-server could not be built: bench serve will skip it"
+
+bench-serve: bench-serve-install
+	$(BIN)/hybridspec bench serve $(BENCH_SERVE_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -12,6 +12,9 @@ Module map, in data-flow order:
 - ``summary``: records -> cells (tokens/s, speedups, acceptance, overhead);
   ``targets``: pass/fail against the runtime's performance targets.
 - ``report``: the terminal table, the JSON document, the PNG chart; ``cli``: the command.
+- ``hybridspec bench serve`` (``serve_cli``): ``servers`` starts hybridspec and llama.cpp's
+  servers as processes on free ports; ``loadgen`` runs guidellm against each and reads its
+  report; ``serving_report`` makes the tables, the ratios to each peer and the chart.
 
 Glossary: a *trial* runs one method on one prompt (or, for ``--concurrency N``, every prompt
 with N in the engine at a time); a *group* is a category or a union of categories (or the

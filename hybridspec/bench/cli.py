@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridspec.bench.names import DEFAULT_METHODS
+from hybridspec.bench.serve_cli import add_serve_command
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
 from hybridspec.config import DTYPES, MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS, EngineConfig
 
@@ -97,6 +98,8 @@ def add_bench_command(commands: Any) -> None:
     )
     add("--output-dir", type=Path, default=Path("bench-results"), help="where JSON and PNG go")
     bench.set_defaults(run=run_bench)
+    subcommands = bench.add_subparsers(title="subcommands", dest="bench_command")
+    add_serve_command(subcommands)
 
 
 def run_bench(args: argparse.Namespace) -> int:

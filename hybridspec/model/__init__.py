@@ -13,7 +13,7 @@ from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from hybridspec.model.llama_weights import LlamaWeights
-    from hybridspec.model.loader import LoadedModel, load_model
+    from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
     from hybridspec.model.runtime import (
         ForwardBatch,
         ForwardOutput,
@@ -32,6 +32,7 @@ __all__ = [
     "LoadedModel",
     "ModelRuntime",
     "ObserverHandle",
+    "embedded_model_path",
     "fastest_forward_seconds",
     "load_model",
     "median_forward_seconds",
@@ -42,7 +43,7 @@ __getattr__, __dir__ = lazy_exports(
     globals(),
     {
         "hybridspec.model.llama_weights": ("LlamaWeights",),
-        "hybridspec.model.loader": ("LoadedModel", "load_model"),
+        "hybridspec.model.loader": ("LoadedModel", "embedded_model_path", "load_model"),
         "hybridspec.model.runtime": (
             "ForwardBatch",
             "ForwardOutput",

@@ -1,0 +1,199 @@
+"""``hybridspec bench serve``: serving figures with guidellm, against llama.cpp's servers.
+
+Starts each server on the same GGUF (the embedded SmolLM2-135M-Instruct Q4_1 by default) on a
+free loopback port: ``hybridspec serve`` once per proposer, llama-cpp-python's server and
+llama.cpp's ``llama-server`` where they are installed (skipped, and said so, where not). Runs
+guidellm against each with streaming, at every concurrency, on two workloads: guidellm's
+synthetic text and the bench workload's input-grounded prompts. Every server is driven through
+its completions route (llama-cpp-python's chat route refuses content given as parts, which is
+how guidellm sends it), with the grounded prompts rendered by the model's chat template; each
+request asks for exactly ``--output-tokens`` tokens (``ignore_eos``), greedy by default. Writes
+the tables, the JSON and a PNG of throughput and TTFT against concurrency to ``--output-dir``.
+
+Needs guidellm and llama-cpp-python: ``make bench-serve`` installs them (the ``bench`` extra)
+and builds ``llama-server`` from llama-cpp-python's vendored llama.cpp, then runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
+
+if TYPE_CHECKING:
+    from hybridspec.bench.loadgen import LoadWorkload
+    from hybridspec.bench.servers import ServerSpec
+    from hybridspec.bench.serving_report import ServingResults
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONCURRENCIES = (1, 2, 4, 8)
+DEFAULT_PROPOSERS = ("none", "ngram")
+WORKLOADS = ("synthetic", "grounded")
+PEERS = ("llama-cpp-python", "llama-server")
+# One thread per server, as ``hybridspec bench`` defaults to: on a 2-core machine shared with
+# other work, both runtimes' threads spin at every barrier waiting for a descheduled peer.
+# Measured on the 2-core development VM at load average 4.7, llama-cpp-python, 64 greedy
+# tokens: 28-42 tok/s with 1 thread, 0.4-11 tok/s with 2.
+DEFAULT_THREADS = 1
+
+
+def add_serve_command(bench_commands: Any) -> None:
+    """Register ``serve`` under ``hybridspec bench``."""
+    serve = bench_commands.add_parser(
+        "serve",
+        help="serving benchmark with guidellm: hybridspec serve vs llama.cpp's servers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = serve.add_argument
+    add("--concurrency", type=int, nargs="+", default=list(DEFAULT_CONCURRENCIES))
+    add("--requests", type=int, default=16, help="requests per concurrency (default 16)")
+    add("--prompt-tokens", type=int, default=128, help="synthetic prompt length (default 128)")
+    add("--output-tokens", type=int, default=64, help="tokens per request (default 64)")
+    add("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    add("--workload", type=Path, default=DEFAULT_WORKLOAD, help="bench workload JSON (grounded)")
+    add("--proposers", nargs="*", default=list(DEFAULT_PROPOSERS), help="one server each")
+    add("--peers", nargs="*", choices=PEERS, default=list(PEERS), help="where installed")
+    add("--gguf", type=Path, default=None, help="model file (default: the embedded one)")
+    add("--llama-server", type=Path, default=None, help="llama-server binary (default: PATH)")
+    add(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help=f"CPU threads of every server (default {DEFAULT_THREADS}: see below)",
+    )
+    add("--temperature", type=float, default=0.0, help="of every request (default 0: greedy)")
+    add("--seed", type=int, default=0)
+    add("--output-dir", type=Path, default=Path("bench-results/serve"))
+    serve.set_defaults(run=run_bench_serve)
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    from hybridspec.bench.servers import ServerStartError
+    from hybridspec.bench.serving_report import (
+        ServingResults,
+        format_results,
+        plot_serving,
+        write_json,
+    )
+
+    if importlib.util.find_spec("guidellm") is None:
+        print("guidellm is not installed: run `make bench-serve` (or pip install '.[bench]')")
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    from hybridspec.model import embedded_model_path
+
+    gguf = (args.gguf or embedded_model_path()).resolve()
+    out: Path = args.output_dir
+    tokenizer_dir, workloads = _prepare(args, gguf, out)
+    specs = _specs(args, gguf)
+    results = ServingResults(
+        descriptions={w.name: w.description for w in workloads},
+        notes={s.name: s.note for s in specs},
+        ours=[s.name for s in specs if s.ours],
+    )
+    for spec in specs:
+        try:
+            _measure(spec, workloads, tokenizer_dir, args, out, results)
+        except ServerStartError as exc:
+            if spec.ours:
+                raise
+            logger.warning("skipping %s: it did not start: %s", spec.name, exc)
+            results.notes[spec.name] = f"did not start ({out / 'logs'})"
+        write_json(out / "serve.json", results)  # what ran so far survives a later failure
+    text = format_results(results)
+    (out / "serve.md").write_text(text, encoding="utf-8")
+    plot_serving(results, out / "serve.png")
+    print(text)
+    print(f"wrote {out / 'serve.md'}, {out / 'serve.json'} and {out / 'serve.png'}")
+    return 0
+
+
+def _prepare(args: argparse.Namespace, gguf: Path, out: Path) -> tuple[Path, list[LoadWorkload]]:
+    """The tokenizer guidellm counts with (saved from the GGUF) and the workloads."""
+    from transformers import AutoTokenizer
+
+    from hybridspec.bench.loadgen import grounded_workload, synthetic_workload
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer_dir = out / "tokenizer"
+    tokenizer.save_pretrained(tokenizer_dir)
+    workloads = []
+    if "synthetic" in args.workloads:
+        load = synthetic_workload(args.prompt_tokens, args.output_tokens, args.concurrency)
+        workloads.append(load)
+    if "grounded" in args.workloads:
+        workload = load_workload(args.workload)
+        load = grounded_workload(
+            workload, tokenizer, args.output_tokens, args.concurrency, out / "data"
+        )
+        workloads.append(load)
+    return tokenizer_dir, workloads
+
+
+def _specs(args: argparse.Namespace, gguf: Path) -> list[ServerSpec]:
+    from hybridspec.bench.servers import (
+        hybridspec_spec,
+        llama_cpp_python_spec,
+        llama_server_spec,
+    )
+
+    slots = max(args.concurrency)
+    specs = [hybridspec_spec(p, gguf, args.threads, slots) for p in args.proposers]
+    if "llama-cpp-python" in args.peers:
+        found = llama_cpp_python_spec(gguf, args.threads)
+        if found is None:
+            logger.warning("skipping llama-cpp-python: not installed (make bench-serve)")
+        else:
+            specs.append(found)
+    if "llama-server" in args.peers:
+        server = llama_server_spec(args.llama_server, gguf, args.threads, parallel=slots)
+        if server is None:
+            logger.warning("skipping llama-server: not found (make bench-serve builds it)")
+        else:
+            specs.append(server)
+    return specs
+
+
+def _measure(
+    spec: ServerSpec,
+    workloads: list[LoadWorkload],
+    tokenizer_dir: Path,
+    args: argparse.Namespace,
+    out: Path,
+    results: ServingResults,
+) -> None:
+    """Start ``spec`` once and run guidellm on every workload against it."""
+    from hybridspec.bench.loadgen import COMPLETIONS_ROUTE, run_guidellm, scenario
+    from hybridspec.bench.servers import running
+
+    with running(spec, out / "logs" / f"{spec.name}.log") as url:
+        for workload in workloads:
+            points = []
+            for concurrency in args.concurrency:
+                name = f"{workload.name}-{spec.name}-c{concurrency}"
+                plan = scenario(
+                    url,
+                    COMPLETIONS_ROUTE,
+                    workload.data[concurrency],
+                    tokenizer_dir,
+                    concurrency,
+                    args.requests,
+                    args.temperature,
+                    args.seed + concurrency,  # synthetic prompts of their own
+                )
+                (point,) = run_guidellm(plan, out / "guidellm", name)
+                logger.info(
+                    "%s: %.1f output tok/s, TTFT p95 %.0f ms, %d errors",
+                    name,
+                    point.output_tokens_per_s,
+                    point.ttft_p95_ms,
+                    point.errored,
+                )
+                points.append(point)
+            results.add(workload.name, spec.name, points)
