@@ -16,7 +16,7 @@ Dimensions: ``num_tokens`` positions scored, ``num_top`` alternatives per positi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +54,17 @@ class Logprobs:
             self.logprobs[index],
             self.top_token_ids[index],
             self.top_logprobs[index],
+        )
+
+    def rows(self) -> Iterator[tuple[int, float, list[int], list[float]]]:
+        """Per scored token, as Python values: its id, its log-probability, and the ids and
+        log-probabilities of its alternatives."""
+        yield from zip(
+            self.token_ids.tolist(),
+            self.logprobs.tolist(),
+            self.top_token_ids.tolist(),
+            self.top_logprobs.tolist(),
+            strict=True,
         )
 
     def to_dict(self) -> dict[str, list[int] | list[float] | list[list[int]] | list[list[float]]]:

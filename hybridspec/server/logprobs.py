@@ -106,13 +106,7 @@ def _top(texts: TokenTexts, token_id: int, logprob: float) -> TopLogprob:
 def chat_logprobs(scored: Logprobs, texts: TokenTexts) -> ChatLogprobs:
     """The chat format of ``scored``: one entry per token, with its alternatives."""
     content = []
-    for token_id, logprob, top_ids, top_logprobs in zip(
-        scored.token_ids.tolist(),
-        scored.logprobs.tolist(),
-        scored.top_token_ids.tolist(),
-        scored.top_logprobs.tolist(),
-        strict=True,
-    ):
+    for token_id, logprob, top_ids, top_logprobs in scored.rows():
         entry = _top(texts, token_id, logprob)
         alternatives = [_top(texts, i, lp) for i, lp in zip(top_ids, top_logprobs, strict=True)]
         content.append(ChatTokenLogprob(**entry.model_dump(), top_logprobs=alternatives))
@@ -134,13 +128,7 @@ def completion_logprobs(
         _append(out, texts[first_token_id], None, None, offset)
         offset += len(texts[first_token_id])
     for part in scored:
-        for token_id, logprob, top_ids, top_logprobs in zip(
-            part.token_ids.tolist(),
-            part.logprobs.tolist(),
-            part.top_token_ids.tolist(),
-            part.top_logprobs.tolist(),
-            strict=True,
-        ):
+        for token_id, logprob, top_ids, top_logprobs in part.rows():
             top = {texts[i]: _finite(lp) for i, lp in zip(top_ids, top_logprobs, strict=True)}
             top.setdefault(texts[token_id], _finite(logprob))
             _append(out, texts[token_id], _finite(logprob), top, offset)
