@@ -21,6 +21,7 @@ from hybridspec.config import (
     DTYPES,
     MAX_SPECULATIVE_TOKENS,
     MIN_SPECULATIVE_TOKENS,
+    QUANTIZE,
     DraftConfig,
     EngineConfig,
     ModelConfig,
@@ -73,6 +74,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=target.dtype,
         choices=DTYPES,
         help=f"dtype of the models (default {target.dtype}: fastest measured for the device)",
+    )
+    group.add_argument(
+        "--quantize",
+        default=target.quantize,
+        choices=QUANTIZE,
+        help="group-quantized weight matrices, run by torch's CPU int4 kernel in bfloat16: "
+        "'gguf' keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks, 'int4'/'int8' also quantize dense "
+        "matrices at load, 'auto' is 'gguf' where the kernel runs "
+        f"(default {target.quantize})",
     )
     group.add_argument("--device", default=target.device, help="torch device, e.g. cpu or cuda")
     group.add_argument(
@@ -127,10 +137,19 @@ def _cost(text: str) -> float | None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's configuration from the options of ``add_engine_options``."""
-    target = ModelConfig(args.target, args.dtype, args.device, args.max_seq_len, args.max_num_seqs)
+    target = ModelConfig(
+        args.target,
+        args.dtype,
+        args.device,
+        args.max_seq_len,
+        args.max_num_seqs,
+        quantize=args.quantize,
+    )
     draft = None
     if args.draft is not None:
-        draft = dataclasses.replace(target, name_or_path=args.draft)
+        # "gguf" keeps a file's blocks: a draft that is no GGUF file then loads as "auto" does
+        quantize = "auto" if target.quantize == "gguf" else target.quantize
+        draft = dataclasses.replace(target, name_or_path=args.draft, quantize=quantize)
     return dataclasses.replace(
         ENGINE_DEFAULTS,
         target=target,

@@ -1,9 +1,11 @@
 """Reading llama.cpp GGUF files into transformers' Llama layout, without transformers' loader.
 
-``read_gguf`` dequantises every tensor (Q4_1, Q8_0, F16, F32, ...) to float32, renames it to its
-``LlamaForCausalLM`` name, undoes llama.cpp's rope permutation of the q/k rows and builds a
-``LlamaConfig`` from the metadata. ``load_gguf_tokenizer`` converts the file's vocabulary with
-transformers once (seconds for a 49k vocabulary) and caches the result on disk.
+``read_gguf`` dequantises every tensor (Q4_1, Q8_0, F16, F32, ...) to float32 (or, with
+``keep_quantized``, keeps Q4_0/Q4_1/Q8_0 matrices as their blocks: ``QuantizedWeight``),
+renames it to its ``LlamaForCausalLM`` name, undoes llama.cpp's rope permutation of the q/k
+rows and builds a ``LlamaConfig`` from the metadata. ``load_gguf_tokenizer`` converts the
+file's vocabulary with transformers once (seconds for a 49k vocabulary) and caches the result
+on disk.
 
 llama.cpp's converter stores each q/k projection with the rows of every head reordered from
 transformers' rotate-half pairing (i, i + hd/2) to interleaved pairing (2i, 2i + 1):
@@ -30,6 +32,7 @@ from gguf.quants import dequantize
 
 from hybridspec.errors import ModelLoadError
 from hybridspec.model.llama_weights import default_inv_freq, llama3_inv_freq
+from hybridspec.model.quant import GGUF_BLOCKS, QuantizedWeight, from_gguf_blocks
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, PreTrainedTokenizerBase
@@ -67,7 +70,8 @@ class GGUFModel:
     """A GGUF Llama model in transformers' layout."""
 
     config: LlamaConfig
-    state_dict: dict[str, torch.Tensor]  # LlamaForCausalLM names and layout, float32
+    # LlamaForCausalLM names and layout: float32, or a file's own blocks (``keep_quantized``)
+    state_dict: dict[str, torch.Tensor | QuantizedWeight]
     eos_token_ids: tuple[int, ...]  # from eos/eot/eom metadata
 
 
@@ -91,8 +95,18 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
-    """Read a GGUF Llama file; raises ModelLoadError for an unreadable or unsupported file."""
+def unpermute_qk_rows(weight: QuantizedWeight, num_heads: int) -> QuantizedWeight:
+    """``unpermute_qk`` for a quantized matrix: the same row order, codes and scales moved whole."""
+    rows = torch.arange(weight.shape[0])[:, None]
+    return weight.select_rows(unpermute_qk(rows, num_heads)[:, 0])
+
+
+def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> GGUFModel:
+    """Read a GGUF Llama file; raises ModelLoadError for an unreadable or unsupported file.
+
+    ``keep_quantized``: matrices stored as Q4_0, Q4_1 or Q8_0 come back as ``QuantizedWeight``
+    (their blocks, exactly); everything else is dequantized to float32.
+    """
     try:
         reader = GGUFReader(path)
     except (OSError, ValueError) as exc:
@@ -117,8 +131,13 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight":  # folded into config.rope_parameters by _llama_config
             continue
+        values: torch.Tensor | QuantizedWeight
         try:
-            values = torch.from_numpy(_dequantize(tensor))
+            if keep_quantized and tensor.tensor_type.name in GGUF_BLOCKS and len(tensor.shape) == 2:
+                shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists columns first
+                values = from_gguf_blocks(tensor.data, tensor.tensor_type.name, shape)
+            else:
+                values = torch.from_numpy(_dequantize(tensor))
         except (NotImplementedError, ValueError) as exc:
             raise ModelLoadError(
                 f"GGUF file {meta.path!r}: cannot dequantize {name} "
@@ -128,7 +147,10 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
         if match is not None and match.group(2) in _LAYER_NAMES:
             layer, kind = match.groups()
             if kind in heads:
-                values = unpermute_qk(values, heads[kind])
+                if isinstance(values, QuantizedWeight):
+                    values = unpermute_qk_rows(values, heads[kind])
+                else:
+                    values = unpermute_qk(values, heads[kind])
             state_dict[f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"] = values
         elif name in _GLOBAL_NAMES:
             state_dict[_GLOBAL_NAMES[name]] = values

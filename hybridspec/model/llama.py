@@ -11,7 +11,9 @@ Speed choices: q/k/v and gate/up are each one fused matmul; rope cos/sin are pre
 q and k are rotated in one op (they sit side by side in the fused projection); grouped-query
 attention folds the ``rep`` query heads of a key/value head into extra query rows, so keys and
 values are never repeated; a single sequence attends to slice views of its cache (no gathers);
-the LM head runs only at ``logits_indices``.
+the LM head runs only at ``logits_indices``. Quantized matrices (``model.quant``) run through
+torch's CPU int4 kernel (``model.quant_linear``); the embedding looks up and dequantizes only
+the rows of the batch's tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from hybridspec.model.attention import (
 )
 from hybridspec.model.kv_cache import KVCache
 from hybridspec.model.linear import PackedLinear
-from hybridspec.model.llama_weights import LlamaLayerWeights, LlamaWeights
+from hybridspec.model.llama_weights import LlamaLayerWeights, LlamaWeights, Matrix
+from hybridspec.model.quant import QuantizedWeight
+from hybridspec.model.quant_linear import Int4Linear, Int8Linear, quantized_linear
 from hybridspec.model.runtime import (
     ForwardBatch,
     ForwardObserver,
@@ -39,6 +43,15 @@ from hybridspec.model.runtime import (
     ObserverHandle,
     read_batch,
 )
+
+Linear = PackedLinear | Int4Linear | Int8Linear
+
+
+def build_linear(weight: Matrix, prepack: bool) -> Linear:
+    """The matmul for ``weight``: the quantized kernel, or a (maybe prepacked) dense one."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_linear(weight)
+    return PackedLinear(weight, prepack=prepack)
 
 
 def rope_tables(inv_freq: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -60,21 +73,21 @@ class _RuntimeLayer:
     """One decoder layer's weights as the runtime uses them (matmul weights maybe prepacked)."""
 
     attn_norm: torch.Tensor  # [D]
-    wqkv: PackedLinear  # D -> (H + 2 KV) hd
-    wo: PackedLinear  # H hd -> D
+    wqkv: Linear  # D -> (H + 2 KV) hd
+    wo: Linear  # H hd -> D
     mlp_norm: torch.Tensor  # [D]
-    w_gate_up: PackedLinear  # D -> 2 I
-    w_down: PackedLinear  # I -> D
+    w_gate_up: Linear  # D -> 2 I
+    w_down: Linear  # I -> D
 
     @staticmethod
     def of(layer: LlamaLayerWeights, prepack: bool) -> _RuntimeLayer:
         return _RuntimeLayer(
             attn_norm=layer.attn_norm,
-            wqkv=PackedLinear(layer.wqkv, prepack=prepack),
-            wo=PackedLinear(layer.wo, prepack=prepack),
+            wqkv=build_linear(layer.wqkv, prepack),
+            wo=build_linear(layer.wo, prepack),
             mlp_norm=layer.mlp_norm,
-            w_gate_up=PackedLinear(layer.w_gate_up, prepack=prepack),
-            w_down=PackedLinear(layer.w_down, prepack=prepack),
+            w_gate_up=build_linear(layer.w_gate_up, prepack),
+            w_down=build_linear(layer.w_down, prepack),
         )
 
 
@@ -107,8 +120,13 @@ class LlamaRuntime:
                 f"float32, not on {weights.device.type} in {weights.dtype}"
             )
         self.invariant_attention = invariant_attention
+        if weights.is_quantized and not (on_cpu and weights.dtype == torch.bfloat16):
+            raise ValueError(
+                "weights: quantized matrices run on CPU in bfloat16, not on "
+                f"{weights.device.type} in {weights.dtype}"
+            )
         self._layers = tuple(_RuntimeLayer.of(layer, prepack) for layer in weights.layers)
-        self._lm_head = PackedLinear(weights.lm_head, prepack=prepack)
+        self._lm_head = build_linear(weights.lm_head, prepack)
         self._cache = KVCache(
             num_layers=dims.num_layers,
             max_num_seqs=max_num_seqs,
@@ -193,7 +211,7 @@ class LlamaRuntime:
         else:
             assert not isinstance(attention, OneSequenceAttention)
             cos, sin = self._rope[:, attention.positions]
-        x = F.embedding(host.token_ids.to(device, non_blocking=True), self.weights.embed)  # [T, D]
+        x = self._embed(host.token_ids.to(device, non_blocking=True))  # [T, D]
         kept: dict[int, torch.Tensor] = {}  # layer -> its output; each layer makes a new x
         for i, layer in enumerate(self._layers):
             x = self._decoder_layer(x, i, layer, cos, sin, attention)
@@ -206,6 +224,13 @@ class LlamaRuntime:
             x = x[host.logits_indices.to(device, non_blocking=True)]
         x = F.rms_norm(x, self._norm_shape, self.weights.norm, self.weights.dims.rms_norm_eps)
         return ForwardOutput(self._lm_head(x).float(), hidden_states)  # [num_logits, V]
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings ``[T, D]`` of ``token_ids [T]`` (quantized: those rows dequantized)."""
+        embed = self.weights.embed
+        if isinstance(embed, QuantizedWeight):
+            return embed.dequantize_rows(token_ids, self.weights.dtype)
+        return F.embedding(token_ids, embed)
 
     def _decoder_layer(
         self,

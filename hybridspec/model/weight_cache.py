@@ -7,12 +7,13 @@ and converts them. Its result, saved once with ``torch.save``, loads memory-mapp
 are the very ones that were saved, so every output is bit-identical to a fresh conversion
 (timings in benchmarks/RESULTS.md, "Start-up").
 
-An entry is keyed by the GGUF file (name, size, modification time), the dtype, the torch
-version and the source of the modules that do the conversion (``gguf.py``,
-``llama_weights.py``): an edit there is a new entry, never a stale one. Entries live in
-``default_cache_dir()/weights``; older entries of the same file and dtype beyond
-``KEEP_ENTRIES`` are removed when one is written. A cache that cannot be read or written is
-logged and skipped.
+An entry is keyed by the GGUF file (name, size, modification time), the dtype, the
+quantization (``quantize``), the torch version and the source of the modules that do the
+conversion (``gguf.py``, ``llama_weights.py``, ``quant.py``): an edit there is a new entry,
+never a stale one. Entries live in ``default_cache_dir()/weights``; older entries of the same
+file, dtype and quantization beyond ``KEEP_ENTRIES`` are removed when one is written. A cache
+that cannot be read or written is logged and skipped. Quantized matrices are saved as their
+codes, scales and offsets.
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridspec.model import gguf, llama_weights
+from hybridspec.model import gguf, llama_weights, quant
 from hybridspec.model.gguf import default_cache_dir
-from hybridspec.model.llama_weights import LlamaDims, LlamaLayerWeights, LlamaWeights
+from hybridspec.model.llama_weights import LlamaDims, LlamaLayerWeights, LlamaWeights, Matrix
+from hybridspec.model.quant import QuantizedWeight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the payload's layout changes
+FORMAT = 2  # bump when the payload's layout changes
 KEEP_ENTRIES = 2  # per GGUF file and dtype: the current one and, say, another checkout's
 _LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaLayerWeights))
 
@@ -59,34 +61,39 @@ def load_or_convert(
     device: torch.device,
     convert: Callable[[], ConvertedGGUF],
     cache_dir: Path | None = None,
+    quantize: str = "none",
 ) -> ConvertedGGUF:
-    """The cached conversion of the GGUF file ``path`` to ``dtype``, else ``convert()`` (then
-    cached)."""
-    entry = entry_path(path, dtype, cache_dir)
+    """The cached conversion of the GGUF file ``path`` to ``dtype`` and ``quantize``, else
+    ``convert()`` (then cached)."""
+    entry = entry_path(path, dtype, cache_dir, quantize)
     cached = _load(entry, device)
     if cached is not None:
         return cached
     converted = convert()
     _save(entry, converted)
-    _prune(entry.parent, _prefix(path, dtype), keep=entry)
+    _prune(entry.parent, _prefix(path, dtype, quantize), keep=entry)
     return converted
 
 
-def entry_path(path: Path, dtype: torch.dtype, cache_dir: Path | None = None) -> Path:
+def entry_path(
+    path: Path, dtype: torch.dtype, cache_dir: Path | None = None, quantize: str = "none"
+) -> Path:
     """Where the converted weights of the GGUF file ``path`` in ``dtype`` are kept."""
     stat = path.stat()
     digest = hashlib.sha256()
-    for part in (path.name, stat.st_size, stat.st_mtime_ns, dtype, torch.__version__, FORMAT):
+    parts = (path.name, stat.st_size, stat.st_mtime_ns, dtype, quantize, torch.__version__, FORMAT)
+    for part in parts:
         digest.update(f"{part}|".encode())
-    for module in (gguf, llama_weights):
+    for module in (gguf, llama_weights, quant):
         digest.update(Path(str(module.__file__)).read_bytes())
-    name = f"{_prefix(path, dtype)}{digest.hexdigest()[:16]}.pt"
+    name = f"{_prefix(path, dtype, quantize)}{digest.hexdigest()[:16]}.pt"
     return (cache_dir or default_cache_dir()) / "weights" / name
 
 
-def _prefix(path: Path, dtype: torch.dtype) -> str:
-    """What the names of every entry of one file and dtype start with."""
-    return f"{path.stem}-{str(dtype).removeprefix('torch.')}-"
+def _prefix(path: Path, dtype: torch.dtype, quantize: str) -> str:
+    """What the names of every entry of one file, dtype and quantization start with."""
+    suffix = "" if quantize == "none" else f"{quantize}-"
+    return f"{path.stem}-{str(dtype).removeprefix('torch.')}-{suffix}"
 
 
 def _load(entry: Path, device: torch.device) -> ConvertedGGUF | None:
@@ -133,22 +140,38 @@ def _to_payload(converted: ConvertedGGUF) -> dict[str, Any]:
         "config": (config() if callable(config) else config).to_dict(),
         "eos_token_ids": list(converted.eos_token_ids),
         "dims": dataclasses.asdict(weights.dims),
-        "embed": weights.embed,
+        "embed": _matrix_payload(weights.embed),
         "norm": weights.norm,
-        "lm_head": None if weights.lm_head is weights.embed else weights.lm_head,
+        "lm_head": None if weights.lm_head is weights.embed else _matrix_payload(weights.lm_head),
         "inv_freq": weights.inv_freq,
-        "layers": [{f: getattr(layer, f) for f in _LAYER_FIELDS} for layer in weights.layers],
+        "layers": [
+            {f: _matrix_payload(getattr(layer, f)) for f in _LAYER_FIELDS}
+            for layer in weights.layers
+        ],
     }
 
 
+def _matrix_payload(matrix: Matrix) -> torch.Tensor | dict[str, Any]:
+    """A tensor as it is; a ``QuantizedWeight`` as a dict of its tensors (``weights_only``
+    loading takes plain containers of tensors, not dataclasses)."""
+    if isinstance(matrix, torch.Tensor):
+        return matrix
+    return {f.name: getattr(matrix, f.name) for f in dataclasses.fields(matrix)}
+
+
+def _matrix(payload: torch.Tensor | dict[str, Any]) -> Matrix:
+    return payload if isinstance(payload, torch.Tensor) else QuantizedWeight(**payload)
+
+
 def _from_payload(payload: dict[str, Any]) -> ConvertedGGUF:
-    embed = payload["embed"]
+    embed = _matrix(payload["embed"])
+    layers = [{f: _matrix(v) for f, v in layer.items()} for layer in payload["layers"]]
     weights = LlamaWeights(
         dims=LlamaDims(**payload["dims"]),
         embed=embed,
-        layers=tuple(LlamaLayerWeights(**layer) for layer in payload["layers"]),
+        layers=tuple(LlamaLayerWeights(**layer) for layer in layers),  # type: ignore[arg-type]
         norm=payload["norm"],
-        lm_head=embed if payload["lm_head"] is None else payload["lm_head"],  # tied: one tensor
+        lm_head=embed if payload["lm_head"] is None else _matrix(payload["lm_head"]),  # tied
         inv_freq=payload["inv_freq"],
     )
     return ConvertedGGUF(

@@ -24,9 +24,11 @@ PROMPTS = [
 ]
 
 
-def tiny_loaded(seed: int, noise_from: LoadedModel | None = None) -> LoadedModel:
+def tiny_loaded(
+    seed: int, noise_from: LoadedModel | None = None, quantize_bits: int | None = None
+) -> LoadedModel:
     """A tiny random Llama; with ``noise_from``, that model's weights plus small noise (a draft
-    that mostly agrees with it)."""
+    that mostly agrees with it); with ``quantize_bits``, quantized at load (bfloat16 compute)."""
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -52,8 +54,11 @@ def tiny_loaded(seed: int, noise_from: LoadedModel | None = None) -> LoadedModel
         # EOS (logit 0, below the largest of 63 others) out of greedy output.
         state["lm_head.weight"] = state["lm_head.weight"] * 8
         state["lm_head.weight"][EOS] = 0
-    weights = LlamaWeights.from_hf_state_dict(state, config, dtype=torch.float32)
-    return LoadedModel(weights, None, config, torch.float32, (EOS,), f"tiny:{seed}")  # type: ignore[arg-type]
+    dtype = torch.float32 if quantize_bits is None else torch.bfloat16
+    weights = LlamaWeights.from_hf_state_dict(
+        state, config, dtype=dtype, quantize_bits=quantize_bits
+    )
+    return LoadedModel(weights, None, config, dtype, (EOS,), f"tiny:{seed}")  # type: ignore[arg-type]
 
 
 def make_engine(target: LoadedModel, draft: LoadedModel | None = None, **config: object) -> Engine:

@@ -8,6 +8,8 @@ one-row padding) and the result through the engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,7 @@ from hybridspec.model.linear import ONE_ROW_MAX_IN_FEATURES, PackedLinear
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.loader import LoadedModel
-from hybridspec.model.runtime import ForwardBatch
+from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 
 VOCAB = 64
 
@@ -100,7 +102,13 @@ def test_kernel_computes_a_row_alike_alone_and_in_any_item(hd: int) -> None:
 def test_packed_linear_computes_a_row_alike_alone_and_among_others(in_features: int) -> None:
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(576, in_features, generator=gen).to(torch.bfloat16)
-    linear = PackedLinear(weight, prepack=True)
+    assert_rows_alike(PackedLinear(weight, prepack=True), in_features, gen)
+
+
+def assert_rows_alike(
+    linear: Callable[[torch.Tensor], torch.Tensor], in_features: int, gen: torch.Generator
+) -> None:
+    """Each of 40 random bfloat16 rows comes out of ``linear`` alike alone and among others."""
     x = torch.randn(40, in_features, generator=gen).to(torch.bfloat16)
     alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
     for rows in (2, 3, 9, 17, 40):
@@ -129,10 +137,11 @@ def bf16_runtime(max_num_seqs: int = 4) -> LlamaRuntime:
     return LlamaRuntime(weights, max_num_seqs, 256)
 
 
-def test_bfloat16_logits_do_not_depend_on_drafts_or_batch() -> None:
-    runtime = bf16_runtime()
-    assert runtime.invariant_attention
-    ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+def assert_logits_alike_decoded_verified_and_batched(
+    runtime: ModelRuntime, ids: list[int]
+) -> torch.Tensor:
+    """Positions 39..48 of ``ids`` decoded one at a time, verified as 9 drafts, and verified
+    beside another sequence's span give the same logits; returns those logits."""
     slot, other = runtime.allocate(), runtime.allocate()
     runtime.forward(ForwardBatch.from_lists([other], [ids[5:50]], logits_indices=[]))
     # plain decoding: the prompt (logits for its last row), then one token per forward
@@ -149,6 +158,14 @@ def test_bfloat16_logits_do_not_depend_on_drafts_or_batch() -> None:
     # the same 9 tokens beside a 3-token span of another sequence, in one forward
     batch = ForwardBatch.from_lists([other, slot], [ids[50:53], ids[40:49]])
     assert torch.equal(runtime.forward(batch).logits[3:], plain[1:])
+    return plain
+
+
+def test_bfloat16_logits_do_not_depend_on_drafts_or_batch() -> None:
+    runtime = bf16_runtime()
+    assert runtime.invariant_attention
+    ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    plain = assert_logits_alike_decoded_verified_and_batched(runtime, ids)
     # a prompt fed with 9 drafts, as the engine's first round does
     fresh = bf16_runtime()
     fresh_slot = fresh.allocate()
