@@ -12,7 +12,9 @@ That is exactly llama.cpp's arithmetic for the types kept here:
 | Q8_0 | 34: ``d`` f16, 32 signed bytes | -128..127 | ``d * c`` |
 
 In a Q4 block, byte ``j`` holds element ``j`` in its low nibble and element ``j + 16`` in its
-high nibble. Scales and offsets are kept as float32 (float16 values widen exactly), so
+high nibble. Here 4-bit codes are kept two to a byte in column order (byte ``i`` of a row holds
+columns ``2 i`` and ``2 i + 1``, low nibble first): half a byte per weight, as in the file.
+Scales and offsets are kept as float32 (float16 values widen exactly), so
 ``dequantize()`` reproduces the GGUF's dequantized values bit for bit (``gguf.quants``
 computes them in float32 the same way).
 
@@ -40,13 +42,13 @@ GGUF_BLOCKS = {"Q4_0": (18, False, 4), "Q4_1": (20, True, 4), "Q8_0": (34, False
 class QuantizedWeight:
     """``W [N, K]`` as codes, scales and offsets in groups of 32 columns (module docstring)."""
 
-    codes: torch.Tensor  # [N, K] uint8 (bits 4: 0..15) or int8 (bits 8)
+    codes: torch.Tensor  # bits 4: [N, K / 2] uint8, two codes 0..15 a byte; bits 8: [N, K] int8
     scales: torch.Tensor  # [N, G] float32
     offsets: torch.Tensor | None  # [N, G] float32; None: zero
     bits: int
 
     def __post_init__(self) -> None:
-        rows, cols = self.codes.shape
+        rows, cols = self.shape
         if self.bits not in BITS:
             raise ValueError(f"bits: expected one of {BITS}, got {self.bits!r}")
         expected = torch.uint8 if self.bits == 4 else torch.int8
@@ -65,7 +67,13 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         rows, cols = self.codes.shape
-        return rows, cols
+        return rows, cols * 2 if self.bits == 4 else cols
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """The codes one per column, ``[N, K]``: uint8 0..15 (bits 4) or int8 (bits 8)."""
+        if self.bits == 8:
+            return self.codes
+        return torch.stack((self.codes & 0x0F, self.codes >> 4), dim=-1).view(self.shape)
 
     @property
     def device(self) -> torch.device:
@@ -74,7 +82,7 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``W [N, K]``: computed in float32 as llama.cpp does, then cast to ``dtype``."""
         rows, cols = self.shape
-        groups = self.codes.view(rows, cols // GROUP_SIZE, GROUP_SIZE).float()
+        groups = self.unpacked_codes().view(rows, cols // GROUP_SIZE, GROUP_SIZE).float()
         values = groups * self.scales[..., None]
         if self.offsets is not None:
             values = values + self.offsets[..., None]
@@ -129,12 +137,13 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
     start = 4 if has_offset else 2
     nibbles = blocks[..., start:]  # [N, G, 16]
     codes = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(rows, cols)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     if has_offset:
         offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     else:  # Q4_0: d * (c - 8)
         offsets = scales * np.float32(-8.0)
     return QuantizedWeight(
-        torch.from_numpy(np.ascontiguousarray(codes)),
+        torch.from_numpy(np.ascontiguousarray(packed)),
         torch.from_numpy(scales),
         torch.from_numpy(offsets),
         4,
@@ -164,4 +173,6 @@ def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
     offsets = low.half().float()
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = ((groups - offsets[..., None]) / safe[..., None]).round().clamp(0, 15)
-    return QuantizedWeight(codes.to(torch.uint8).reshape(rows, cols), scales, offsets, 4)
+    codes = codes.to(torch.uint8).reshape(rows, cols)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return QuantizedWeight(packed.contiguous(), scales, offsets, 4)

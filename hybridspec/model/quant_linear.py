@@ -63,7 +63,8 @@ class Int4Linear:
         if weight.bits != 4:
             raise ValueError(f"weight: expected 4-bit codes, got {weight.bits} bits")
         offsets = weight.offsets if weight.offsets is not None else torch.zeros_like(weight.scales)
-        self._pack = _Int4Pack(weight.codes, weight.scales, offsets + 8 * weight.scales)
+        codes = weight.unpacked_codes()
+        self._pack = _Int4Pack(codes, weight.scales, offsets + 8 * weight.scales)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._pack(x)

@@ -70,6 +70,14 @@ def test_quantize_keeps_each_group_within_half_a_step(bits: int) -> None:
     assert (error <= step / 2 + slack).all()
 
 
+def test_four_bit_codes_are_kept_two_to_a_byte_in_column_order() -> None:
+    values = torch.arange(16.0).repeat(3, 4)  # each group of 32: 0..15 twice, scale 1, offset 0
+    weight = quantize(values, 4)
+    assert weight.codes.shape == (3, 32) and weight.shape == (3, 64)
+    assert weight.codes[0, :2].tolist() == [0 | 1 << 4, 2 | 3 << 4]  # columns 0, 1 and 2, 3
+    assert torch.equal(weight.unpacked_codes(), values.to(torch.uint8))
+
+
 def test_cat_rows_stacks_codes_scales_and_offsets() -> None:
     a, b = quantize(torch.randn(16, 32), 4), quantize(torch.randn(8, 32), 4)
     both = cat_rows([a, b])
@@ -88,4 +96,4 @@ def test_bad_input_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="codes"):
         QuantizedWeight(torch.zeros(2, 32, dtype=torch.int8), torch.zeros(2, 1), None, 4)
     with pytest.raises(ValueError, match="scales"):
-        QuantizedWeight(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 2), None, 4)
+        QuantizedWeight(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2), None, 4)
