@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 from hybridspec.bench.names import DEFAULT_METHODS
 from hybridspec.bench.serve_cli import add_serve_command
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
-from hybridspec.config import DTYPES, MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS, EngineConfig
+from hybridspec.config import (
+    DTYPES,
+    MAX_SPECULATIVE_TOKENS,
+    MIN_SPECULATIVE_TOKENS,
+    QUANTIZE,
+    EngineConfig,
+)
 
 if TYPE_CHECKING:
     from hybridspec.bench.harness import BenchConfig
@@ -81,6 +87,12 @@ def add_bench_command(commands: Any) -> None:
     add("--dtype", default="bfloat16", choices=DTYPES, help="dtype of every model")
     add("--device", default="cpu")
     add(
+        "--quantize",
+        default="none",
+        choices=QUANTIZE,
+        help="the target's weight matrices group-quantized (see hybridspec serve --help)",
+    )
+    add(
         "--concurrency",
         type=int,
         default=1,
@@ -118,7 +130,7 @@ def run_bench(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         seed=args.seed,
     )
-    models = ModelOptions(args.target, args.draft, args.dtype, args.device)
+    models = ModelOptions(args.target, args.draft, args.dtype, args.device, args.quantize)
     threads = torch.get_num_threads()
     if args.threads > 0:
         torch.set_num_threads(args.threads)

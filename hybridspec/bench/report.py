@@ -144,8 +144,10 @@ def format_agreement(agreement: dict[str, Agreement], reference: str | None) -> 
 
 def format_header(meta: dict[str, Any]) -> str:
     during = meta["load_average_during"] or {"min": float("nan"), "max": float("nan")}
+    quantize = meta.get("quantize", "none")
+    weights = "" if quantize == "none" else f" (quantize {quantize})"
     return (
-        f"hybridspec bench: {meta['target']} {meta['dtype']} on {meta['device']}, "
+        f"hybridspec bench: {meta['target']} {meta['dtype']}{weights} on {meta['device']}, "
         f"K={meta['num_speculative_tokens']}, {meta['max_new_tokens']} new tokens, "
         f"{meta['num_prompts']} prompts, {meta['repeats']} repeat(s), {meta['wall_s']:.0f} s\n"
         f"load average (1 min) {meta['load_average_before'][0]:.2f} before, "

@@ -48,6 +48,7 @@ class ModelOptions:
     draft: str | None = None
     dtype: str = "bfloat16"
     device: str = "cpu"
+    quantize: str = "none"  # ModelConfig.quantize of the target and the draft
 
 
 @dataclass(slots=True)
@@ -73,7 +74,9 @@ def open_session(
     num_speculative_tokens: int,
     config: BenchConfig,
 ) -> BenchSession:
-    target_config = ModelConfig(models.target, models.dtype, models.device)
+    target_config = ModelConfig(
+        models.target, models.dtype, models.device, quantize=models.quantize
+    )
     target = load_model(target_config)
     prompts = [
         BenchPrompt(p.id, p.category, tuple(encode_prompt(target.tokenizer, p)))
@@ -96,6 +99,7 @@ def open_session(
             models.device,
             max_seq_len=max_seq_len,
             max_num_seqs=config.concurrency,
+            quantize=models.quantize if name == models.target else "auto",
         )
 
     engine = Engine(
@@ -220,6 +224,7 @@ def _meta(
         "target": session.target.source,
         "draft": session.models.draft,
         "dtype": str(session.target.dtype).removeprefix("torch."),
+        "quantize": session.models.quantize,
         "device": session.models.device,
         "methods": [m.name for m in session.methods],
         "num_speculative_tokens": session.num_speculative_tokens,
