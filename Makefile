@@ -73,9 +73,10 @@ lm-eval: $(STAMP)
 # The peers, never in the base install or the test extra: llama-cpp-python (for bench-peers and
 # bench-serve) and llama.cpp's llama-server (bench-serve), both compiled from llama-cpp-python's
 # sdist (it vendors llama.cpp); bench-serve adds guidellm (the bench extra) and llama-cpp-python's
-# server extra. On the 2-core development VM: llama-cpp-python 5.5 minutes quiet (BUILD_MINUTES
-# loaded), llama-server about 10. ggml's AMX kernels are left out: where a VM does not enable
-# AMX tiles (the 2-core Xeon one), their first ldtilecfg faults.
+# server extra. On the 2-core development VM: llama-cpp-python 5.5 minutes quiet (about 8
+# CPU-minutes; 29 minutes wall at load average 9-16), llama-server about 10. ggml's AMX kernels
+# are left out: where a VM does not enable AMX tiles (the 2-core Xeon one), their first
+# ldtilecfg faults.
 LLAMA_CPP_PYTHON := 0.3.36
 PEERS_STAMP := $(VENV)/.hybridspec-peers-installed
 BENCH_STAMP := $(VENV)/.hybridspec-bench-installed
