@@ -2,8 +2,9 @@
 #   make serve   start the OpenAI-compatible server on the embedded SmolLM2-135M-Instruct
 #   make test    lint, type-check and run the whole test suite
 #   make lm-eval install lm-evaluation-harness and run README's evaluation recipe against serve
-# and the serving benchmark (guidellm against hybridspec serve and llama.cpp's servers):
-#   make bench-serve
+# and the benchmarks against llama.cpp on the same GGUF (each compiles llama-cpp-python first):
+#   make bench-peers  hybridspec bench with llama.cpp's plain and prompt-lookup decoding
+#   make bench-serve  guidellm against hybridspec serve and llama.cpp's servers
 #
 # Everything runs from a virtual environment that this Makefile owns (.venv), so it works on a
 # distribution's own Python, which refuses installs outside one (PEP 668). PYTHON picks the
@@ -35,7 +36,8 @@ MAKE_VENV = $(UV) venv -q --python $(PYTHON) $(VENV)
 PIP_INSTALL = $(UV) pip install -q --python $(BIN)/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 endif
 
-.PHONY: install serve generate test lint bench lm-eval bench-serve-install bench-serve clean-venv
+.PHONY: install serve generate test lint bench lm-eval bench-peers-install bench-peers \
+	bench-serve-install bench-serve clean-venv
 
 install: $(STAMP)
 
@@ -68,12 +70,15 @@ bench: $(STAMP)
 lm-eval: $(STAMP)
 	$(PIP_INSTALL) $(PINNED) $(LM_EVAL)
 	$(BIN)/python examples/lm_eval/run_lm_eval.py --port $(LM_EVAL_PORT)
-# The serving benchmark's tools, never in the base install or the test extra: guidellm (the
-# bench extra) and the peers, llama-cpp-python's server and llama.cpp's llama-server, both
-# compiled from llama-cpp-python's sdist (it vendors llama.cpp). On the 2-core development VM:
-# llama-cpp-python 5.5 minutes, llama-server about 10. ggml's AMX kernels are left out: where
-# a VM does not enable AMX tiles (the 2-core Xeon one), their first ldtilecfg faults.
+# The peers, never in the base install or the test extra: llama-cpp-python (for bench-peers and
+# bench-serve) and llama.cpp's llama-server (bench-serve), both compiled from llama-cpp-python's
+# sdist (it vendors llama.cpp); bench-serve adds guidellm (the bench extra) and llama-cpp-python's
+# server extra. On the 2-core development VM: llama-cpp-python 5.5 minutes quiet (about 8
+# CPU-minutes; 29 minutes wall at load average 9-16), llama-server about 10. ggml's AMX kernels
+# are left out: where a VM does not enable AMX tiles (the 2-core Xeon one), their first
+# ldtilecfg faults.
 LLAMA_CPP_PYTHON := 0.3.36
+PEERS_STAMP := $(VENV)/.hybridspec-peers-installed
 BENCH_STAMP := $(VENV)/.hybridspec-bench-installed
 LLAMA_SERVER := $(VENV)/bin/llama-server
 LLAMA_BUILD := build/llama.cpp-$(LLAMA_CPP_PYTHON)
@@ -81,14 +86,27 @@ ifeq ($(shell uname -m),x86_64)
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 endif
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+BENCH_PEERS_ARGS ?=
 BENCH_SERVE_ARGS ?=
+
+bench-peers-install: $(PEERS_STAMP)
+
+$(PEERS_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP_INSTALL) --no-cache-dir $(PINNED) \
+		"llama-cpp-python==$(LLAMA_CPP_PYTHON)"
+	touch $@
+
+# The bench's own comparison: none, ngram, llama.cpp plain and prompt lookup, transformers
+# plain, on the embedded GGUF with 2 threads each (BENCH_PEERS_ARGS adds or overrides options).
+bench-peers: bench-peers-install
+	$(BIN)/hybridspec bench --threads 2 \
+		--methods none ngram llamacpp-plain llamacpp-prompt-lookup hf-plain $(BENCH_PEERS_ARGS)
 
 bench-serve-install: $(BENCH_STAMP) $(LLAMA_SERVER)
 
-$(BENCH_STAMP): $(STAMP)
-	$(PIP_INSTALL) $(PINNED) -e ".[test,bench]"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP_INSTALL) --no-cache-dir $(PINNED) \
-		"llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)"
+# llama-cpp-python is already built at the pinned version: its server extra adds only packages.
+$(BENCH_STAMP): $(PEERS_STAMP)
+	$(PIP_INSTALL) $(PINNED) -e ".[test,bench]" "llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)"
 	touch $@
 
 # Best effort: where it cannot be built, bench serve skips llama-server and says so.

@@ -5,8 +5,9 @@ Module map, in data-flow order:
 - ``workload``: categories of chat prompts from a JSON file (``benchmarks/``), input-grounded
   or open-ended.
 - ``session``: loads the target once, builds the engine and the methods, runs everything.
-- ``methods``: the engine's proposers and the transformers baselines behind one protocol;
+- ``methods``: the engine's proposers and the baselines behind one protocol;
   ``hf_baseline``: ``LlamaForCausalLM`` on our own weights, and the greedy parity check;
+  ``llamacpp_baseline``: llama-cpp-python on the target's GGUF, plain and prompt lookup;
   ``timing``: the timers around the target forward.
 - ``harness``: the interleaved schedule, the warm-up, the trials -> ``records``.
 - ``summary``: records -> cells (tokens/s, speedups, acceptance, overhead);

@@ -2,7 +2,9 @@
 
 The default run (2 prompts of each of the 7 categories, greedy and temperature 0.8, 128 new
 tokens, 4 methods, 1 repeat: 112 trials) took 9 minutes on the 2-core development CPU with the
-embedded SmolLM2-135M in bfloat16, at load average 3-5. The full run, every prompt with the
+embedded SmolLM2-135M in bfloat16, at load average 3-5. Where llama-cpp-python is installed
+(``make bench-peers``), the default methods add llama.cpp's plain and prompt-lookup decoding of
+the same GGUF file (6 methods, 168 trials). The full run, every prompt with the
 issue's budget and medians of three repeats, is about 12 times that (2-3 hours)::
 
     hybridspec bench --prompts-per-category 4 --max-new-tokens 256 --repeats 3
@@ -11,11 +13,12 @@ issue's budget and medians of three repeats, is about 12 times that (2-3 hours):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridspec.bench.names import DEFAULT_METHODS
+from hybridspec.bench.names import DEFAULT_METHODS, LLAMACPP_METHODS
 from hybridspec.bench.serve_cli import add_serve_command
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
 from hybridspec.config import (
@@ -62,8 +65,10 @@ def add_bench_command(commands: Any) -> None:
         "--methods",
         nargs="+",
         default=None,
-        help="engine proposers (none, ngram, draft, ...) and transformers baselines (hf-plain, "
-        f"hf-prompt-lookup); default: {' '.join(DEFAULT_METHODS)}, plus draft with --draft",
+        help="engine proposers (none, ngram, draft, ...), transformers baselines (hf-plain, "
+        "hf-prompt-lookup) and llama.cpp ones on the target's GGUF (llamacpp-plain, "
+        f"llamacpp-prompt-lookup); default: {' '.join(DEFAULT_METHODS)}, plus "
+        f"{' '.join(LLAMACPP_METHODS)} where llama_cpp is installed and draft with --draft",
     )
     add("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     add("--repeats", type=int, default=1, help="repetitions; figures are medians over them")
@@ -114,6 +119,12 @@ def add_bench_command(commands: Any) -> None:
     add_serve_command(subcommands)
 
 
+def default_methods(with_draft: bool) -> list[str]:
+    """The default methods, with llama.cpp's where ``llama_cpp`` can be imported."""
+    peers = LLAMACPP_METHODS if importlib.util.find_spec("llama_cpp") is not None else ()
+    return [*DEFAULT_METHODS, *peers, *(["draft"] if with_draft else [])]
+
+
 def run_bench(args: argparse.Namespace) -> int:
     # Imported here so that registering the command costs nothing to the other commands.
     import torch
@@ -122,7 +133,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from hybridspec.bench.session import ModelOptions
 
     workload = load_workload(args.workload).select(args.categories, args.prompts_per_category)
-    methods = args.methods or [*DEFAULT_METHODS, *(["draft"] if args.draft else [])]
+    methods = args.methods or default_methods(args.draft is not None)
     config = BenchConfig(
         temperatures=tuple(args.temperature or workload.temperatures),
         max_new_tokens=args.max_new_tokens,

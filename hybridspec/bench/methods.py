@@ -2,8 +2,10 @@
 
 A method is either one of the engine's proposers (``none``, ``ngram``, ``draft`` or any
 registered one), run through ``Engine.generate`` with a forward timer installed on the target
-runtime, or a transformers baseline (``hf-plain``, ``hf-prompt-lookup``; see ``hf_baseline``).
-Names are resolved here, once; the harness sees only the ``BenchMethod`` protocol.
+runtime, a transformers baseline (``hf-plain``, ``hf-prompt-lookup``; see ``hf_baseline``) or a
+llama.cpp one (``llamacpp-plain``, ``llamacpp-prompt-lookup``; see ``llamacpp_baseline``), which
+is skipped, with a warning, where llama.cpp cannot run. Names are resolved here, once; the
+harness sees only the ``BenchMethod`` protocol.
 
 Every method returns a ``records.Measurement``. Engine methods can also run a closed loop
 (``closed_loop``): M requests with at most N in the engine at once, like N clients each sending
@@ -12,6 +14,7 @@ requests back to back.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
@@ -19,7 +22,7 @@ from typing import Protocol, runtime_checkable
 from transformers import LlamaForCausalLM
 
 from hybridspec.bench.hf_baseline import HFMethod
-from hybridspec.bench.names import HF_METHODS, HF_PROMPT_LOOKUP
+from hybridspec.bench.names import HF_METHODS, HF_PROMPT_LOOKUP, LLAMACPP_METHODS
 from hybridspec.bench.records import Measurement, Speculation
 from hybridspec.bench.timing import EngineForwardTimer
 from hybridspec.engine import (
@@ -31,6 +34,8 @@ from hybridspec.engine import (
 )
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.types import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class BenchMethod(Protocol):
@@ -157,19 +162,30 @@ def build_methods(
     timer: EngineForwardTimer,
     k: int,
     hf_model: Callable[[], LlamaForCausalLM],
+    llama_cpp: Callable[[str], BenchMethod] | str,
 ) -> list[BenchMethod]:
-    """Resolve method names once: transformers baselines by name, anything else a proposer.
+    """Resolve method names once: the baselines by name, anything else a proposer.
 
-    ``hf_model`` is called (once) only when a transformers baseline is asked for.
+    ``hf_model`` is called (once) only when a transformers baseline is asked for; ``llama_cpp``
+    builds a llama.cpp baseline by name, or is the reason they cannot run, and then those asked
+    for are skipped with a warning. Raises when no method is left to run.
     """
     check(
         bool(names) and len(set(names)) == len(names),
         "methods",
         f"expected distinct method names, got {list(names)}",
     )
-    known = [*engine.available_proposers(), *engine.unavailable_proposers(), *HF_METHODS]
+    known = [
+        *engine.available_proposers(),
+        *engine.unavailable_proposers(),
+        *HF_METHODS,
+        *LLAMACPP_METHODS,
+    ]
     unknown = [n for n in names if n not in known]
     check(not unknown, "methods", f"unknown {unknown}; known: {sorted(set(known))}")
+    skipped = [n for n in names if n in LLAMACPP_METHODS and isinstance(llama_cpp, str)]
+    if skipped:
+        logger.warning("skipping %s: %s", ", ".join(skipped), llama_cpp)
     methods: list[BenchMethod] = []
     model: LlamaForCausalLM | None = None
     eos = sorted(engine.eos_token_ids)
@@ -177,6 +193,10 @@ def build_methods(
         if name in HF_METHODS:
             model = model if model is not None else hf_model()
             methods.append(HFMethod(name, model, eos, k if name == HF_PROMPT_LOOKUP else None))
+        elif name in LLAMACPP_METHODS:
+            if not isinstance(llama_cpp, str):
+                methods.append(llama_cpp(name))
         else:
             methods.append(EngineMethod(engine, timer, name, k))
+    check(bool(methods), "methods", f"none of {list(names)} can run here (skipped {skipped})")
     return methods

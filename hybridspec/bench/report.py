@@ -16,7 +16,7 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from hybridspec.bench.hf_baseline import ParityResult
-from hybridspec.bench.names import BASELINE, HF_BASELINE
+from hybridspec.bench.names import BASELINE, HF_BASELINE, LLAMACPP_BASELINE
 from hybridspec.bench.session import BenchOutcome
 from hybridspec.bench.summary import GROUNDED, OPEN_ENDED, Agreement, Cell, Summary
 from hybridspec.bench.targets import TargetResult
@@ -31,6 +31,7 @@ HEADERS = (
     "tok/s",
     "vs none",
     "vs hf-plain",
+    "vs llamacpp-plain",
     "accept",
     "acc.len",
     "outside",
@@ -40,6 +41,10 @@ HEADERS = (
 
 def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _positions(values: tuple[float, ...] | None) -> str:
@@ -56,9 +61,9 @@ def cell_row(cell: Cell, group_label: str) -> list[str]:
         str(cell.num_requests),
         f"{cell.mean_generated:.0f}",
         f"{cell.tokens_per_s:.1f}",
-        _num(cell.speedup_vs_none, ".2f") + ("x" if cell.speedup_vs_none is not None else ""),
-        _num(cell.speedup_vs_hf_plain, ".2f")
-        + ("x" if cell.speedup_vs_hf_plain is not None else ""),
+        _ratio(cell.speedup_vs_none),
+        _ratio(cell.speedup_vs_hf_plain),
+        _ratio(cell.speedup_vs_llamacpp_plain),
         _num(cell.acceptance_rate, ".2f"),
         _num(cell.mean_accepted_length, ".2f"),
         f"{cell.outside_forward_share:.1%}",
@@ -83,8 +88,8 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 CONCURRENT_NOTE = (
     "concurrent xN: every prompt, N requests in the engine at a time (closed loop); tok/s is\n"
-    "their aggregate, 'vs none' and 'vs hf-plain' its ratio to that method's tok/s one request\n"
-    "at a time on the same prompts"
+    "their aggregate, 'vs none', 'vs hf-plain' and 'vs llamacpp-plain' its ratio to that\n"
+    "method's tok/s one request at a time on the same prompts"
 )
 
 
@@ -182,10 +187,12 @@ def _jsonable(value: object) -> object:
 
 
 def plot_speedups(summary: Summary, path: Path) -> None:
-    """Bars of speedup per group and method: vs our ``none`` (left) and vs transformers'
-    plain ``generate`` (right), one row per temperature; the dashed line marks 1x. The bars of
-    a ``concurrent xN`` group are over the baseline run one request at a time."""
-    baselines = [b for b in (BASELINE, HF_BASELINE) if b in summary.methods] or [BASELINE]
+    """Bars of speedup per group and method: vs our ``none`` (left), vs transformers' plain
+    ``generate`` and vs llama.cpp's plain decoding (where run), one row per temperature; the
+    dashed line marks 1x. The bars of a ``concurrent xN`` group are over the baseline run one
+    request at a time."""
+    peers = (BASELINE, HF_BASELINE, LLAMACPP_BASELINE)
+    baselines = [b for b in peers if b in summary.methods] or [BASELINE]
     groups = summary.group_names
     temperatures = summary.temperatures
     figure = Figure(figsize=(max(8.0, 1.1 * len(groups)) * len(baselines), 4.0 * len(temperatures)))

@@ -3,7 +3,8 @@
 ``open_session`` loads the target once, tokenizes the workload, sizes the engine's context
 to the longest prompt plus the token budget (a full model context would allocate a KV cache
 many times larger than needed) and its KV-cache slots to the concurrency (the closed loop holds
-at most N requests), installs the forward timer and resolves the methods.
+at most N requests), installs the forward timer and resolves the methods; the llama.cpp
+baselines load the target's GGUF file with the same context and torch's thread count.
 ``execute`` warms up, checks transformers parity, runs the schedule and summarises.
 """
 
@@ -15,6 +16,7 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +29,12 @@ from hybridspec.bench.hf_baseline import (
     check_parity,
     hf_model_from_weights,
 )
+from hybridspec.bench.llamacpp_baseline import (
+    LlamaCppMethod,
+    LlamaCppOptions,
+    llama_cpp_method,
+    unavailable_reason,
+)
 from hybridspec.bench.methods import BenchMethod, EngineMethod, build_methods
 from hybridspec.bench.names import BASELINE
 from hybridspec.bench.records import Record
@@ -37,7 +45,7 @@ from hybridspec.bench.workload import Workload, encode_prompt
 from hybridspec.config import DraftConfig, EngineConfig, ModelConfig
 from hybridspec.engine import Engine
 from hybridspec.errors import check
-from hybridspec.model import LoadedModel, load_model
+from hybridspec.model import LoadedModel, embedded_model_path, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +118,15 @@ def open_session(
         ),
         target=target,
     )
+    gguf = target_gguf(models.target)
+
+    def llama_cpp(name: str) -> BenchMethod:
+        assert gguf is not None, "unavailable_reason says why there is no GGUF"
+        eos = tuple(sorted(engine.eos_token_ids))
+        threads = torch.get_num_threads()
+        options = LlamaCppOptions(gguf, threads, max_seq_len, eos, num_speculative_tokens)
+        return llama_cpp_method(name, options)
+
     timer = EngineForwardTimer(engine.runtime)
     timer.install()
     try:
@@ -119,6 +136,7 @@ def open_session(
             timer,
             num_speculative_tokens,
             lambda: hf_model_from_weights(target),
+            unavailable_reason(gguf) or llama_cpp,
         )
     except BaseException:
         timer.uninstall()
@@ -127,6 +145,13 @@ def open_session(
     return BenchSession(
         workload, prompts, engine, target, models, methods, num_speculative_tokens, timer
     )
+
+
+def target_gguf(target: str | None) -> Path | None:
+    """The GGUF file the target is loaded from (None: the embedded one), else None."""
+    if target is None:
+        return embedded_model_path()
+    return Path(target) if target.endswith(".gguf") else None
 
 
 @dataclass(slots=True)
@@ -244,4 +269,14 @@ def _meta(
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "llama_cpp": _llama_cpp_version(session.methods),
     }
+
+
+def _llama_cpp_version(methods: Sequence[BenchMethod]) -> str | None:
+    """llama-cpp-python's version where a llama.cpp baseline ran (it is imported then)."""
+    if not any(isinstance(m, LlamaCppMethod) for m in methods):
+        return None
+    import llama_cpp
+
+    return str(llama_cpp.__version__)

@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from hybridspec.bench.names import BASELINE, HF_BASELINE
+from hybridspec.bench.names import BASELINE, HF_BASELINE, LLAMACPP_BASELINE
 from hybridspec.bench.records import Record, Speculation, first_difference
 from hybridspec.bench.workload import Category
 
@@ -37,7 +37,8 @@ ALL = "all"
 @dataclass(frozen=True, slots=True)
 class Cell:
     """A group's figures for one method and temperature. On a ``concurrent xN`` group the
-    speedups are over one request of ``none`` (``hf-plain``) at a time, on the same prompts."""
+    speedups are over one request of ``none`` (``hf-plain``, ``llamacpp-plain``) at a time, on
+    the same prompts."""
 
     method: str
     temperature: float
@@ -47,6 +48,7 @@ class Cell:
     tokens_per_s: float
     speedup_vs_none: float | None  # None when `none` was not run
     speedup_vs_hf_plain: float | None  # None when `hf-plain` was not run
+    speedup_vs_llamacpp_plain: float | None  # None when `llamacpp-plain` was not run
     acceptance_rate: float | None  # None when nothing was proposed
     mean_accepted_length: float | None  # None when no forward committed tokens
     acceptance_per_position: tuple[float, ...] | None  # [K]; None when not observable
@@ -160,6 +162,7 @@ class Summary:
             tokens_per_s=statistics.median(rates_by_repeat(records).values()),
             speedup_vs_none=self.speedup(method, BASELINE, group, temperature),
             speedup_vs_hf_plain=self.speedup(method, HF_BASELINE, group, temperature),
+            speedup_vs_llamacpp_plain=self.speedup(method, LLAMACPP_BASELINE, group, temperature),
             acceptance_rate=_ratio(
                 sum(s.num_accepted_tokens for s in requests),
                 sum(s.num_drafts for s in requests),

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridspec.bench.names import BASELINE, HF_BASELINE, HF_PROMPT_LOOKUP
+from hybridspec.bench.names import (
+    BASELINE,
+    HF_BASELINE,
+    HF_PROMPT_LOOKUP,
+    LLAMACPP_BASELINE,
+    LLAMACPP_PROMPT_LOOKUP,
+)
 from hybridspec.bench.summary import ALL, GROUNDED, OPEN_ENDED, Summary
 
 NGRAM = "ngram"
@@ -44,6 +50,10 @@ SPEED_TARGETS = (
     SpeedTarget(NGRAM, BASELINE, GROUNDED, 0.0, 2.5),
     SpeedTarget(NGRAM, BASELINE, OPEN_ENDED, 0.0, 1.0),
     SpeedTarget(NGRAM, BASELINE, GROUNDED, 0.8, 1.5),
+    # Against llama.cpp on the same GGUF and threads (issue 18): its forward is 4-bit.
+    SpeedTarget(BASELINE, LLAMACPP_BASELINE, ALL, 0.0, 1.0),
+    SpeedTarget(NGRAM, LLAMACPP_BASELINE, GROUNDED, 0.0, 2.5),
+    SpeedTarget(NGRAM, LLAMACPP_PROMPT_LOOKUP, GROUNDED, 0.0, 1.5),
 )
 
 

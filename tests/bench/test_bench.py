@@ -214,11 +214,16 @@ def test_targets_pass_fail_and_not_measured() -> None:
         record("ngram", 0, "chat", 100, 20.0, 19.0),  # 0.5x none
         record("hf-plain", 0, "code", 100, 10.0, 9.0),
         record("hf-plain", 0, "chat", 100, 10.0, 9.0),
+        record("llamacpp-plain", 0, "code", 100, 10.0, 9.0),  # 10/s: ngram 5x on code
+        record("llamacpp-plain", 0, "chat", 100, 10.0, 9.0),
     ]
     results = {r.description: r for r in evaluate_targets(Summary(records, CATEGORIES))}
     by_target = [results[t.description] for t in SPEED_TARGETS]
-    assert [r.status for r in by_target] == ["fail", "not measured", "pass", "fail", "not measured"]
+    statuses = ["fail", "not measured", "pass", "fail", "not measured"]
+    statuses += ["pass", "pass", "not measured"]  # llama.cpp: plain run, prompt lookup not
+    assert [r.status for r in by_target] == statuses
     assert by_target[0].value == pytest.approx(10 / 10)
+    assert by_target[6].value == pytest.approx(5.0)
     overhead = {d.split(":")[0]: r for d, r in results.items() if "outside" in d}
     assert overhead["none"].status == "pass"
     assert overhead["ngram"].status == "fail" and overhead["ngram"].value == pytest.approx(0.5)
