@@ -26,13 +26,11 @@ from hybridspec.config import (
     ModelConfig,
 )
 from hybridspec.errors import HybridSpecError
-from hybridspec.server.config import ServerConfig
+from hybridspec.server.config import API_KEY_ENV, ServerConfig
 
 if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
-
-API_KEY_ENV = "HYBRIDSPEC_API_KEY"
 
 _LOG_LEVELS = {
     "critical": logging.CRITICAL,

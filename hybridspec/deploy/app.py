@@ -14,7 +14,9 @@ on its own thread, before the replica reports healthy.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import sys
 from typing import Any
 
@@ -26,7 +28,7 @@ from ray.serve.config import RequestRouterConfig
 from hybridspec.deploy.options import server_config_from_args
 from hybridspec.deploy.replicas import RayCluster, board_name
 from hybridspec.server.app import create_app
-from hybridspec.server.config import ServerConfig
+from hybridspec.server.config import API_KEY_ENV, ServerConfig
 
 DEPLOYMENT_NAME = "HybridSpec"
 # Requests a replica takes beyond its engine's capacity: /health and /metrics while the engine
@@ -98,5 +100,11 @@ def actor_options(num_cpus: float) -> dict[str, Any]:
 
 def build_app(args: dict[str, Any]) -> Application:
     """The application builder of ``serve run`` / ``serve deploy``: ``args`` are the
-    ServerConfig's fields, nested or dotted (``hybridspec.deploy.options``)."""
-    return application(server_config_from_args(args))
+    ServerConfig's fields, nested or dotted (``hybridspec.deploy.options``). Without an
+    ``api_key`` among them, ``HYBRIDSPEC_API_KEY`` in the environment sets it, as for
+    ``hybridspec serve``, so that a key need not be written in the config file."""
+    config = server_config_from_args(args)
+    key = os.environ.get(API_KEY_ENV)
+    if config.api_key is None and key:
+        config = dataclasses.replace(config, api_key=key)
+    return application(config)

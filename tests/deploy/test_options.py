@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hybridspec.config import ModelConfig
@@ -74,3 +76,19 @@ def test_dotted_and_nested_args_combine() -> None:
 def test_bad_args_name_the_field(args: dict[str, object], field: str) -> None:
     with pytest.raises(InvalidRequestError, match=field.replace(".", r"\.")):
         server_config_from_args(args)
+
+
+def test_the_example_cluster_config_builds_its_server_config() -> None:
+    yaml = pytest.importorskip("yaml")
+    schema = pytest.importorskip("ray.serve.schema")
+    from hybridspec.deploy.app import DEPLOYMENT_NAME
+
+    path = Path(__file__).parents[2] / "examples" / "ray" / "serve_config.yaml"
+    document = yaml.safe_load(path.read_text())
+    schema.ServeDeploySchema.model_validate(document)  # Ray's own check of the file
+    (app,) = document["applications"]
+    assert app["import_path"] == "hybridspec.deploy:build_app"
+    assert [d["name"] for d in app["deployments"]] == [DEPLOYMENT_NAME]
+    config = server_config_from_args(app["args"])
+    assert config.engine.target.name_or_path == "meta-llama/Llama-3.2-3B-Instruct"
+    assert config.engine.draft.model is not None and config.engine.target.device == "cuda"

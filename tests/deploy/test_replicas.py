@@ -9,6 +9,7 @@ a replica in its place. ``make test`` installs the ray extra, so CI runs these.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -77,9 +78,10 @@ def _descendants(root: int) -> list[int]:
 
 def _is_replica(pid: int) -> bool:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::ServeReplica")
+        title = Path(f"/proc/{pid}/cmdline").read_bytes()  # Ray's process title
     except OSError:
         return False
+    return title.startswith(b"ray::") and b"ServeReplica:" in title
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str, served: Served) -> None:
@@ -145,11 +147,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         _wait_for(lambda: _replicas_up(result) == 2, STARTUP_TIMEOUT_S, "2 replicas up", result)
         yield result
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(30)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
 
 
