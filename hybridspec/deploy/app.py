@@ -27,8 +27,10 @@ from ray.serve.config import RequestRouterConfig
 
 from hybridspec.deploy.options import server_config_from_args
 from hybridspec.deploy.replicas import RayCluster, board_name
+from hybridspec.engine import Engine
 from hybridspec.server.app import create_app
 from hybridspec.server.config import API_KEY_ENV, ServerConfig
+from hybridspec.server.state import ServerState
 
 DEPLOYMENT_NAME = "HybridSpec"
 # Requests a replica takes beyond its engine's capacity: /health and /metrics while the engine
@@ -51,6 +53,7 @@ class EngineReplica:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         context = serve.get_replica_context()
+        self._app: FastAPI | None = None
         self.cluster = RayCluster(
             board_name(context.app_name, context.deployment), context.replica_id.unique_id
         )
@@ -62,7 +65,20 @@ class EngineReplica:
         server_logger.setLevel(logging.INFO)
         if not server_logger.handlers:
             server_logger.addHandler(logging.StreamHandler(sys.stderr))
-        return create_app(self.config, cluster=self.cluster)
+        self._app = create_app(self.config, cluster=self.cluster)
+        return self._app
+
+    async def check_health(self) -> None:
+        """Ray's periodic check (``HEALTH_CHECK_PERIOD_S``): the engine's thread answers
+        between steps within ``health_timeout_s``, as ``/health`` asks; a replica that fails
+        it repeatedly is replaced."""
+        state = getattr(self._app.state, "server", None) if self._app is not None else None
+        if isinstance(state, ServerState):
+            await state.engine_call(_answer, self.config.health_timeout_s)
+
+
+def _answer(engine: Engine) -> None:
+    """Nothing: that the engine thread runs it is the answer."""
 
 
 def application(

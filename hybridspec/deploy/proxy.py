@@ -64,9 +64,12 @@ class ReplicaProxyMiddleware:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        else:
             await self.app(scope, receive, send)
-            return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if _wants_session_from_body(scope):
             scope, receive = await self._session_from_user(scope, receive)
         guard = _FailureGuard(send)
