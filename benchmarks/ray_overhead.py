@@ -1,18 +1,19 @@
-"""What the Ray Serve path costs: 2 replicas against one plain server at equal total load.
+"""What the Ray Serve path costs: replicas behind Ray's proxy against one plain server.
 
 Run from the repository root after ``make ray-install``::
 
-    .venv/bin/python benchmarks/ray_overhead.py                  # ~5 min on a 2-core CPU
+    .venv/bin/python benchmarks/ray_overhead.py                  # ~10 min on a busy 2-core CPU
     .venv/bin/python benchmarks/ray_overhead.py --rounds 5 --requests 48
 
-Both run side by side on the embedded model, each with the machine's cores: ``hybridspec
-serve`` with ``--max-num-seqs 16`` and all the cores' threads, and ``hybridspec serve
---replicas 2`` with 8 slots and half the cores per replica (Ray's proxy in front). Each round
-sends ``--requests`` greedy chat requests of the workload's prompts from ``--concurrency``
-closed-loop clients to one, then the other (the order alternates by round), so a load that
-changes over the run falls on both alike. The figure is output tokens per second over each
-batch (wall time from the first request sent to the last answer), with request latency
-percentiles; the ratio is per round, Ray over plain, and its median is the overhead reported.
+Three servers run side by side on the embedded model, each given the machine's cores and 16
+batch slots in all: ``hybridspec serve`` (``--max-num-seqs 16``, a thread per core);
+``hybridspec serve --replicas 1`` (the same engine behind Ray's proxy: the Ray path's own
+cost); and ``--replicas 2`` (8 slots and half the cores per replica: the issue's equal total
+load). Each round sends ``--requests`` greedy chat requests of the workload's prompts from
+``--concurrency`` closed-loop clients to each server in turn (the order rotates by round), so
+a load that changes over the run falls on all alike. The figure is output tokens per second
+over each batch (wall time from the first request sent to the last answer), with request
+latency percentiles; ratios are per round, over plain, and their medians are reported.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from hybridspec.bench.workload import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "benchmarks" / "specbench_mini.json"
-REPLICAS = 2
 
 
-def specs(cores: int, proposer: str) -> tuple[ServerSpec, ServerSpec]:
+def specs(cores: int, proposer: str) -> list[tuple[ServerSpec, int]]:
+    """(server, replicas) for plain, one replica and two on Ray."""
     serve = [sys.executable, "-m", "hybridspec.cli", "serve", "--proposer", proposer]
     threads = {"OMP_NUM_THREADS": str(cores), "NUMBA_NUM_THREADS": str(cores)}
     plain = ServerSpec(
@@ -47,13 +48,29 @@ def specs(cores: int, proposer: str) -> tuple[ServerSpec, ServerSpec]:
         note=f"16 slots, {cores} threads",
         env=threads,
     )
-    ray = ServerSpec(  # each replica's threads come from its CPU share (deploy.app)
-        "ray",
-        lambda port: [*serve, "--port", str(port), "--max-num-seqs", "8", "--replicas", "2"],
-        ours=True,
-        note=f"{REPLICAS} replicas x 8 slots, {cores // REPLICAS} threads each",
-    )
-    return plain, ray
+    result = [(plain, 0)]
+    for replicas in (1, 2):
+        slots = str(16 // replicas)
+        result.append(
+            (
+                ServerSpec(  # each replica's threads come from its CPU share (deploy.app)
+                    f"ray-{replicas}",
+                    lambda port, n=replicas, s=slots: [
+                        *serve,
+                        "--port",
+                        str(port),
+                        "--max-num-seqs",
+                        s,
+                        "--replicas",
+                        str(n),
+                    ],
+                    ours=True,
+                    note=f"{replicas} replica(s) x {slots} slots, {cores // replicas} threads each",
+                ),
+                replicas,
+            )
+        )
+    return result
 
 
 def wait_for_replicas(url: str, count: int, timeout_s: float = 300.0) -> None:
@@ -105,42 +122,50 @@ def main() -> int:
         }
         for i in range(args.requests)
     ]
-    plain_spec, ray_spec = specs(cores, args.proposer)
+    servers = specs(cores, args.proposer)
+    names = [spec.name for spec, _ in servers]
     logs = args.out.parent / "ray_overhead_logs"
     rows: list[dict[str, object]] = []
     with contextlib.ExitStack() as stack:
-        urls = {
-            "plain": stack.enter_context(running(plain_spec, logs / "plain.log", 300.0)),
-            "ray": stack.enter_context(running(ray_spec, logs / "ray.log", 300.0)),
-        }
-        wait_for_replicas(urls["ray"], REPLICAS)
-        for name in ("plain", "ray"):  # warm both paths (first-request costs) before timing
+        urls = {}
+        for spec, replicas in servers:
+            urls[spec.name] = stack.enter_context(running(spec, logs / f"{spec.name}.log", 300.0))
+            if replicas:
+                wait_for_replicas(urls[spec.name], replicas)
+        for name in names:  # warm every path (first-request costs) before timing
             batch(urls[name], bodies[: args.concurrency], args.concurrency)
         for round_ in range(args.rounds):
-            order = ("plain", "ray") if round_ % 2 == 0 else ("ray", "plain")
-            for name in order:
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
                 result = batch(urls[name], bodies, args.concurrency)
                 rows.append({"round": round_, "server": name, **result})
                 print(json.dumps(rows[-1]), flush=True)
-    ratios = [
-        _pick(rows, r, "ray")["output_tok_s"] / _pick(rows, r, "plain")["output_tok_s"]
-        for r in range(args.rounds)
-    ]
+    ratios = {
+        name: [
+            _pick(rows, r, name)["output_tok_s"] / _pick(rows, r, "plain")["output_tok_s"]
+            for r in range(args.rounds)
+        ]
+        for name in names[1:]
+    }
     summary = {
-        "servers": {s.name: s.note for s in (plain_spec, ray_spec)},
+        "servers": {spec.name: spec.note for spec, _ in servers},
         "cores": cores,
         "requests": args.requests,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "proposer": args.proposer,
         "rows": rows,
-        "ratios_ray_over_plain": ratios,
-        "median_ratio": statistics.median(ratios),
+        "output_tok_s_over_plain": ratios,
+        "median_over_plain": {name: statistics.median(r) for name, r in ratios.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
-    print(f"ray / plain output tok/s per round: {', '.join(f'{r:.3f}' for r in ratios)}")
-    print(f"median {summary['median_ratio']:.3f}; written to {args.out}")
+    for name, values in ratios.items():
+        print(
+            f"{name} / plain output tok/s per round: {', '.join(f'{v:.3f}' for v in values)}; "
+            f"median {statistics.median(values):.3f}"
+        )
+    print(f"written to {args.out}")
     return 0
 
 
