@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import save_tiny_llama
 from tests.server.conftest import free_port
 
-pytest.importorskip("ray.serve")
+replicas = pytest.importorskip("hybridspec.deploy.replicas", exc_type=ImportError)
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
@@ -115,16 +115,19 @@ def finished_by_replica(served: Served) -> dict[str, float]:
     return counts
 
 
-def _settled_counts(served: Served, total: float) -> dict[str, float]:
-    """The per-replica counts once every replica's report includes ``total`` requests."""
+def _settled_counts(served: Served, total: float = 0.0) -> dict[str, float]:
+    """The per-replica counts once they count ``total`` requests at least and hold still for
+    longer than a report period (each replica reports its own every second)."""
     counts: dict[str, float] = {}
 
-    def reached() -> bool:
+    def settled() -> bool:
+        previous = dict(counts)
+        time.sleep(replicas.REPORT_PERIOD_S + 0.5)
         counts.clear()
         counts.update(finished_by_replica(served))
-        return sum(counts.values()) >= total
+        return counts == previous and sum(counts.values()) >= total
 
-    _wait_for(reached, 15.0, f"/metrics counting {total:.0f} requests", served)
+    _wait_for(settled, 30.0, f"/metrics counting {total:.0f} requests, settled", served)
     return counts
 
 
@@ -181,7 +184,7 @@ def _chat(
 def test_greedy_parity_across_replicas_and_proposers(served: Served) -> None:
     client = served.client()
     reference = _chat(client, "none", 1)
-    before = sum(finished_by_replica(served).values())
+    before = sum(_settled_counts(served).values())
     jobs = [(PROPOSERS[i % 3], (1, 4, 8)[i % 3 - 1]) for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
         texts = list(pool.map(lambda job: _chat(client, *job), jobs))
@@ -192,7 +195,7 @@ def test_greedy_parity_across_replicas_and_proposers(served: Served) -> None:
 
 @pytest.mark.parametrize("how", ["header", "user"])
 def test_a_session_sticks_to_one_replica(served: Served, how: str) -> None:
-    before = finished_by_replica(served)
+    before = _settled_counts(served)
     for _ in range(6):
         if how == "header":
             _chat(served.client(**{"x-session-id": "conversation-7"}), "ngram", 4, 8)
