@@ -2,6 +2,7 @@
 #   make serve   start the OpenAI-compatible server on the embedded SmolLM2-135M-Instruct
 #   make test    lint, type-check and run the whole test suite
 #   make lm-eval install lm-evaluation-harness and run README's evaluation recipe against serve
+#   make ray-install  the ray extra: serve --replicas N on Ray Serve (make test installs it too)
 # and the benchmarks against llama.cpp on the same GGUF (each compiles llama-cpp-python first):
 #   make bench-peers  hybridspec bench with llama.cpp's plain and prompt-lookup decoding
 #   make bench-serve  guidellm against hybridspec serve and llama.cpp's servers
@@ -36,7 +37,7 @@ MAKE_VENV = $(UV) venv -q --python $(PYTHON) $(VENV)
 PIP_INSTALL = $(UV) pip install -q --python $(BIN)/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 endif
 
-.PHONY: install serve generate test lint bench lm-eval bench-peers-install bench-peers \
+.PHONY: install ray-install serve generate test lint bench lm-eval bench-peers-install bench-peers \
 	bench-serve-install bench-serve clean-venv
 
 install: $(STAMP)
@@ -50,13 +51,23 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(PIP_INSTALL) -e ".[test]"
 	touch $@
 
+# The ray extra (hybridspec.deploy): its own stamp, so that the base install stays without it.
+# The tests install it too: the replica tests run in CI.
+RAY_STAMP := $(VENV)/.hybridspec-ray-installed
+
+ray-install: $(RAY_STAMP)
+
+$(RAY_STAMP): $(STAMP)
+	$(PIP_INSTALL) $(PINNED) -e ".[test,ray]"
+	touch $@
+
 serve: $(STAMP)
 	$(BIN)/hybridspec serve --host $(HOST) --port $(PORT)
 
 generate: $(STAMP)
 	$(BIN)/hybridspec generate "Write a Python function that checks whether a number is prime."
 
-lint: $(STAMP)
+lint: $(RAY_STAMP)
 	$(BIN)/python -m ruff format --check hybridspec tests examples benchmarks
 	$(BIN)/python -m ruff check hybridspec tests examples benchmarks
 	$(BIN)/python -m mypy

@@ -27,13 +27,11 @@ from hybridspec.config import (
     ModelConfig,
 )
 from hybridspec.errors import HybridSpecError
-from hybridspec.server.config import ServerConfig
+from hybridspec.server.config import API_KEY_ENV, ServerConfig
 
 if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
-
-API_KEY_ENV = "HYBRIDSPEC_API_KEY"
 
 _LOG_LEVELS = {
     "critical": logging.CRITICAL,
@@ -234,6 +232,22 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         choices=tuple(_LOG_LEVELS),
         help="uvicorn's log level, and the server's (its 'ready:' line at start is INFO)",
     )
+    scale = serve.add_argument_group(
+        "replicas (Ray Serve; needs the ray extra: pip install 'hybridspec[ray]')"
+    )
+    scale.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve N engine replicas behind one endpoint on Ray Serve, routed least-loaded "
+        "(a request's X-Session-Id header sticks to one replica) (default: one server, no Ray)",
+    )
+    scale.add_argument(
+        "--ray-address",
+        default="local",
+        help="with --replicas: 'local' starts a Ray instance on this machine (the default); "
+        "'auto' or an address deploys onto a running Ray cluster",
+    )
     add_engine_options(serve)
     serve.set_defaults(run=_serve)
 
@@ -281,9 +295,16 @@ def _serve(args: argparse.Namespace) -> int:
     import_s = time.perf_counter() - start
     # The server's own lines (the one ``ready:`` line at start) at uvicorn's level; the
     # engine's and the loader's stay at the command's (WARNING, or INFO with -v).
-    server_logger = logging.getLogger("hybridspec.server")
-    server_logger.setLevel(min(server_logger.getEffectiveLevel(), _LOG_LEVELS[args.log_level]))
+    for name in ("hybridspec.server", "hybridspec.deploy"):
+        server_logger = logging.getLogger(name)
+        server_logger.setLevel(min(server_logger.getEffectiveLevel(), _LOG_LEVELS[args.log_level]))
     config = server_config(args)
+    if args.replicas is not None:
+        from hybridspec.deploy.local import serve_replicas
+
+        return serve_replicas(
+            config, args.replicas, ray_address=args.ray_address, log_level=args.log_level
+        )
     server = uvicorn.Server(
         uvicorn_config(config, create_app(config, import_s=import_s), args.log_level)
     )

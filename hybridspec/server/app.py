@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from hybridspec.config import EngineConfig
 from hybridspec.engine import Engine, EngineLoop, warm_up
+from hybridspec.server.cluster import Cluster
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.errors import install_error_handlers
 from hybridspec.server.metrics import ServerMetrics
@@ -34,6 +35,7 @@ from hybridspec.server.middleware import (
 from hybridspec.server.openapi import install_openapi
 from hybridspec.server.prompts import PromptEncoder, longest_token_chars
 from hybridspec.server.routes import ROUTERS
+from hybridspec.server.routes.ops import metrics_snapshot
 from hybridspec.server.state import ModelInfo, ServerState
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ def create_app(
     *,
     engine_factory: EngineFactory | None = None,
     import_s: float | None = None,
+    cluster: Cluster | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible app.
 
@@ -69,6 +72,8 @@ def create_app(
     ``engine_factory`` builds the engine from ``config.engine`` at startup; tests pass one that
     returns an engine over a prebuilt model. The app closes the engine when it shuts down.
     ``import_s``: the seconds the caller spent importing the server, for the ``ready:`` line.
+    ``cluster``: the replicas beside this one, when the app is one replica of many
+    (``hybridspec.deploy``); started once the engine is warm, stopped at shutdown.
     """
     if config is None or isinstance(config, EngineConfig):
         server_config = ServerConfig(engine=config if config is not None else EngineConfig())
@@ -85,15 +90,22 @@ def create_app(
         steps["load"] = time.perf_counter() - start
         loop: EngineLoop | None = None
         prompts: PromptEncoder | None = None
+        started = False
         try:
             steps["warm-up"] = warm_up(engine)
             model = ModelInfo.from_engine(engine, server_config)  # before the loop's thread runs
             prompts = prompt_encoder(engine, server_config)
             loop = EngineLoop(engine)
-            app.state.server = ServerState(server_config, loop, model, metrics, prompts)
+            state = ServerState(server_config, loop, model, metrics, prompts, cluster=cluster)
+            app.state.server = state
+            if cluster is not None:
+                await cluster.start(lambda: metrics_snapshot(state))
+                started = True
             logger.info("%s", ready_line(engine, model, steps))
             yield
         finally:
+            if started and cluster is not None:
+                await cluster.stop()
             if prompts is not None:
                 prompts.close()
             if loop is not None:

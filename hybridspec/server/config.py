@@ -11,6 +11,7 @@ from hybridspec.errors import check
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+API_KEY_ENV = "HYBRIDSPEC_API_KEY"  # where the command line and hybridspec.deploy read a key
 
 
 @dataclass(frozen=True, slots=True)

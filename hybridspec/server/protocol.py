@@ -405,3 +405,6 @@ class ErrorResponse(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
+    replicas: int | None = Field(
+        default=None, ge=1, description="replicas up, when served by several (hybridspec.deploy)"
+    )

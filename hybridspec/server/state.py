@@ -15,6 +15,7 @@ from fastapi import Depends, Request
 
 from hybridspec.engine import Engine, EngineLoop
 from hybridspec.errors import InvalidRequestError, UnknownModelError
+from hybridspec.server.cluster import Cluster
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.logprobs import TokenTexts
 from hybridspec.server.metrics import ServerMetrics
@@ -81,7 +82,7 @@ class ModelInfo:
 @dataclass(slots=True)
 class ServerState:
     """The running server: its engine loop (sole owner of the engine), the prompt encoder
-    (worker threads), metrics and facts."""
+    (worker threads), metrics and facts; ``cluster``, for a replica of many (else None)."""
 
     config: ServerConfig
     loop: EngineLoop
@@ -89,6 +90,7 @@ class ServerState:
     metrics: ServerMetrics
     prompts: PromptEncoder
     token_texts: TokenTexts = field(default_factory=TokenTexts)  # for logprobs
+    cluster: Cluster | None = None
 
     async def engine_call(self, fn: Callable[[Engine], T], timeout_s: float | None = None) -> T:
         """Run ``fn(engine)`` on the engine thread between steps (snapshots for /health)."""

@@ -13,7 +13,7 @@ from hybridspec.server.errors import error_response
 from hybridspec.server.metrics import CONTENT_TYPE
 from hybridspec.server.openapi import error_responses
 from hybridspec.server.protocol import Health
-from hybridspec.server.state import State
+from hybridspec.server.state import ServerState, State
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,9 @@ async def health(state: State) -> JSONResponse:
             type_="server_error",
             code="engine_unresponsive",
         )
-    return JSONResponse({"status": "ok"})
+    if state.cluster is None:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "ok", "replicas": await state.cluster.replicas_up()})
 
 
 @router.get(
@@ -52,10 +54,19 @@ async def health(state: State) -> JSONResponse:
     },
 )
 async def metrics(state: State) -> Response:
+    """This server's metrics; a replica of many answers every live replica's, each series
+    labelled with its replica."""
+    own = await metrics_snapshot(state)
+    body = own if state.cluster is None else await state.cluster.metrics(own)
+    return Response(body, media_type=CONTENT_TYPE)
+
+
+async def metrics_snapshot(state: ServerState) -> bytes:
+    """The exposition, with the batch and queue sizes read from the engine between steps."""
     try:
         running, waiting = await state.engine_call(_engine_state, METRICS_SNAPSHOT_TIMEOUT_S)
     except asyncio.TimeoutError:
         logger.info("engine busy; /metrics reports the previous batch and queue sizes")
     else:
         state.metrics.set_engine_state(running, waiting)
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    return state.metrics.render()
