@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from hybridspec.engine.choices import choice_seed, fork_ready, group_choices, leave
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.features import forward_layers, keep_committed_rows, take_rows
 from hybridspec.engine.logprobs import Logprobs
@@ -171,6 +172,52 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         """Queue a request; raises InvalidRequestError or CapacityError, else returns its id."""
+        request = self._new_request(prompt_token_ids, params, request_id)
+        self.scheduler.add(request, self.runtime.num_free_slots())
+        return request.request_id
+
+    def add_choices(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: GenerationParams | Sequence[GenerationParams] | None = None,
+        n: int = 1,
+    ) -> list[list[str]]:
+        """Queue ``n`` choices of each prompt (``params``: one for all, or one per prompt),
+        all or none; each prompt is prefilled once for its choices, and choice ``i`` samples
+        with seed ``seed + i`` (``engine.choices``). Returns the ids, ``[prompt][choice]``."""
+        slots = self.runtime.max_num_seqs
+        check(
+            isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= slots,
+            "n",
+            f"expected an integer in [1, {slots}] (the engine's slots: a prompt's choices run "
+            f"at once), got {n!r}",
+        )
+        most = self.config.max_queue_size + slots
+        check(
+            0 < len(prompts) <= most,
+            "prompt",
+            f"expected 1 to {most} prompts (queue and slots), got {len(prompts)}",
+        )
+        if params is None or isinstance(params, GenerationParams):
+            params = [params or GenerationParams()] * len(prompts)
+        check(len(params) == len(prompts), "params", "expected one GenerationParams per prompt")
+        groups = [
+            [self._new_request(prompt, one, choice_index=i) for i in range(n)]
+            for prompt, one in zip(prompts, params, strict=True)
+        ]
+        for group in groups:
+            group_choices(group)
+        self.scheduler.add_all(groups, self.runtime.num_free_slots())
+        return [[r.request_id for r in group] for group in groups]
+
+    def _new_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: GenerationParams | None,
+        request_id: str | None = None,
+        choice_index: int = 0,
+    ) -> Request:
+        """A checked request, not queued yet."""
         params = params if params is not None else GenerationParams()
         check(isinstance(params, GenerationParams), "params", "expected GenerationParams")
         prompt = list(prompt_token_ids)
@@ -183,7 +230,8 @@ class Engine:
             "stop",
             "stop strings need a tokenizer, and this model has none",
         )
-        request = Request(
+        seed = choice_seed(params.sampling.seed, choice_index)
+        return Request(
             request_id=request_id or uuid.uuid4().hex,
             seq_id=next(self._seq_ids),
             prompt_token_ids=prompt,
@@ -191,12 +239,10 @@ class Engine:
             proposer_name=name,
             num_speculative_tokens=params.num_speculative_tokens
             or self.config.default_num_speculative_tokens,
-            generator=new_generator(params.sampling.seed),
-            uniform_key=key_of(params.sampling.seed),
+            generator=new_generator(seed),
+            uniform_key=key_of(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
         )
-        self.scheduler.add(request, self.runtime.num_free_slots())
-        return request.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request, releasing everything it holds; None if it is not known."""
@@ -228,6 +274,7 @@ class Engine:
         """
         outputs: list[RequestOutput] = []
         self._admit(outputs)
+        fork_ready(self.scheduler.running, self.runtime)  # choices share their prompt's prefill
         running = self.scheduler.running
         if not running:
             return outputs
@@ -426,6 +473,7 @@ class Engine:
                 self.proposers[request.proposer_name].finish(request.seq_id)
             except Exception:
                 logger.exception("proposer %r failed to finish", request.proposer_name)
+        leave(request)
         self.scheduler.remove(request)
         return request.final_output(new_token_ids or [], logprobs)
 
@@ -446,20 +494,9 @@ class Engine:
         Other requests already in the engine advance too, but only this one's outputs are
         yielded. Closing the iterator early aborts the request.
         """
-        if params is None:
-            params = GenerationParams.create(**kwargs)
-        else:
-            check(
-                not kwargs, "params", f"give either params or keyword options, not {sorted(kwargs)}"
-            )
-        if prompt_token_ids is None:
-            prompt_token_ids = self.encode(prompt, messages)
-        else:
-            check(
-                prompt is None and messages is None,
-                "prompt",
-                "expected one of prompt, messages or prompt_token_ids",
-            )
+        prompt_token_ids, params = self._prompt_and_params(
+            prompt, messages, prompt_token_ids, params, kwargs
+        )
         request_id = self.add_request(prompt_token_ids, params)
         finished = False
         try:
@@ -490,6 +527,58 @@ class Engine:
                     raise HybridSpecError(output.result.error or "generation failed")
                 return output.result
         raise AssertionError("stream ended without a final output")
+
+    def generate_choices(
+        self,
+        prompt: str | None = None,
+        *,
+        n: int,
+        messages: Messages | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        params: GenerationParams | None = None,
+        **kwargs: Any,
+    ) -> list[GenerationResult]:
+        """Run ``n`` choices of one prompt to completion, its prefill shared, and return their
+        results in choice order (``engine.choices``; arguments as for ``stream``)."""
+        ids, params = self._prompt_and_params(prompt, messages, prompt_token_ids, params, kwargs)
+        request_ids = self.add_choices([ids], params, n)[0]
+        results: dict[str, GenerationResult] = {}
+        try:
+            while len(results) < n:
+                for output in self.step():
+                    if output.request_id in request_ids and output.result is not None:
+                        if output.finish_reason is FinishReason.ERROR:
+                            raise HybridSpecError(output.result.error or "generation failed")
+                        results[output.request_id] = output.result
+        finally:
+            for request_id in request_ids:
+                if request_id not in results:
+                    self.abort(request_id)
+        return [results[request_id] for request_id in request_ids]
+
+    def _prompt_and_params(
+        self,
+        prompt: str | None,
+        messages: Messages | None,
+        prompt_token_ids: Sequence[int] | None,
+        params: GenerationParams | None,
+        kwargs: dict[str, Any],
+    ) -> tuple[Sequence[int], GenerationParams]:
+        """The prompt's token ids and the parameters, from ``stream``'s arguments."""
+        if params is None:
+            params = GenerationParams.create(**kwargs)
+        else:
+            check(
+                not kwargs, "params", f"give either params or keyword options, not {sorted(kwargs)}"
+            )
+        if prompt_token_ids is None:
+            return self.encode(prompt, messages), params
+        check(
+            prompt is None and messages is None,
+            "prompt",
+            "expected one of prompt, messages or prompt_token_ids",
+        )
+        return prompt_token_ids, params
 
     def abort_all(self) -> list[RequestOutput]:
         """Cancel every running and waiting request (at shutdown)."""

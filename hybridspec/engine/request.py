@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from hybridspec.engine.speculation import SpeculationState
 from hybridspec.errors import check
 from hybridspec.types import GenerationStats, SamplingParams, TokenHistory
 from hybridspec.verifier.uniforms import key_of
+
+if TYPE_CHECKING:
+    from hybridspec.engine.choices import ChoiceGroup
 
 MAX_STOP_STRINGS = 16
 
@@ -240,6 +244,8 @@ class Request:
     logprob_parts: list[Logprobs] = field(default_factory=list)
     prompt_logprob_parts: list[Logprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # The choices of its prompt, until they share its prefill (``engine.choices``); else None.
+    group: ChoiceGroup | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
