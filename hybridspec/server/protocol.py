@@ -118,7 +118,11 @@ class _SamplingFields(_Body):
         maximum=MAX_JSON_SEED,
         description="Reproducible sampling; below 2**53, where every JSON number is exact.",
     )
-    n: JsonInt | None = documented(minimum=1, maximum=1, description="Only 1 is supported.")
+    n: JsonInt | None = documented(
+        minimum=1,
+        description="Choices per prompt, sharing its prefill; at most the server's batch slots "
+        "(the document states them). Choice i samples with seed + i.",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = documented(
@@ -171,18 +175,14 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``; ``prompt`` may be text or token ids (one prompt only)."""
+    """``POST /v1/completions``; ``prompt`` may be text or token ids, one prompt or a list
+    (run batched; the document bounds the list by the server's queue and slots)."""
 
     prompt: str | list[str] | list[JsonInt] | list[list[JsonInt]] = Field(
         json_schema_extra={
             "anyOf": [
                 {"type": "string", "minLength": 1},
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1},
-                    "minItems": 1,
-                    "maxItems": 1,
-                },
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                 {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
                 {
                     "type": "array",
@@ -192,7 +192,6 @@ class CompletionRequest(_SamplingFields):
                         "minItems": 1,
                     },
                     "minItems": 1,
-                    "maxItems": 1,
                 },
             ]
         }

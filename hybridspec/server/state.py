@@ -34,6 +34,8 @@ class ModelInfo:
     unavailable_proposers: dict[str, str]  # registered but not built: name -> why
     default_proposer: str
     default_num_speculative_tokens: int
+    max_choices: int  # n: the engine's slots, as a prompt's choices run at once
+    max_prompts: int  # prompts in one request: the engine's queue and slots
     created: int = field(default_factory=lambda: int(time.time()))
 
     @staticmethod
@@ -46,6 +48,8 @@ class ModelInfo:
             unavailable_proposers=engine.unavailable_proposers(),
             default_proposer=engine.config.default_proposer,
             default_num_speculative_tokens=engine.config.default_num_speculative_tokens,
+            max_choices=engine.runtime.max_num_seqs,
+            max_prompts=engine.config.max_queue_size + engine.runtime.max_num_seqs,
         )
 
     @property
