@@ -223,6 +223,11 @@ class Engine:
         prompt = list(prompt_token_ids)
         self.check_prompt(prompt)
         check_logit_bias(params.sampling, self.vocab_size)
+        check(
+            all(t < self.vocab_size for t in params.stop_token_ids),
+            "stop_token_ids",
+            f"expected token ids below the vocabulary size {self.vocab_size}",
+        )
         name = params.proposer or self.config.default_proposer
         self.proposers.resolve(name)
         check(

@@ -142,6 +142,7 @@ def _params(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) ->
         num_speculative_tokens=body.num_speculative_tokens,
         stop=body.stop,
         ignore_eos=body.ignore_eos,
+        stop_token_ids=body.stop_token_ids or (),
     )
 
 

@@ -157,6 +157,8 @@ def _add_model_facts(schema: dict[str, Any], model: ModelInfo) -> None:
                 {"type": "string", "enum": sorted(model.proposers)},
                 {"type": "null"},
             ]
+        if "stop_token_ids" in properties:
+            properties["stop_token_ids"]["items"]["maximum"] = vocab_size - 1
         for choice in properties.get("n", {}).get("anyOf", []):
             if choice.get("type") == "integer":
                 choice["maximum"] = model.max_choices

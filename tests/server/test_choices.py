@@ -4,13 +4,21 @@ each choice the request made alone, and the 400s of what the engine can never ho
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from openai import OpenAI
 
-from tests.server.conftest import TINY_MODEL_NAME, AppFactory, serve_in_thread
+from hybridspec.engine import Engine
+from hybridspec.model.loader import LoadedModel
+from tests.server.conftest import (
+    TINY_MODEL_NAME,
+    AppFactory,
+    serve_in_thread,
+    tiny_engine_config,
+)
 from tests.server.helpers import sse_chunks
 
 CHAT = [{"role": "user", "content": "count with me"}]
@@ -193,3 +201,27 @@ def test_the_openai_sdk_gets_n_choices_streamed_or_not(make_app: AppFactory) -> 
         )
         assert [c.index for c in listed.choices] == [0, 1, 2, 3]
         assert listed.choices[0].text == listed.choices[1].text
+
+
+def test_stop_token_ids_end_the_text(
+    client: TestClient, tiny_model: LoadedModel, tiny_model_dir: Path
+) -> None:
+    engine = Engine(tiny_engine_config(tiny_model_dir), target=tiny_model)
+    expected = engine.generate(
+        prompt_token_ids=[5, 6, 7], max_new_tokens=12, proposer="none", ignore_eos=True
+    )
+    stop = expected.token_ids[5]
+    cut = engine.generate(
+        prompt_token_ids=[5, 6, 7],
+        max_new_tokens=12,
+        proposer="none",
+        ignore_eos=True,
+        stop_token_ids=[stop],
+    )
+    options = {"prompt": [5, 6, 7], "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    body = completion(client, stop_token_ids=[stop], **options)
+    assert body["choices"][0]["text"] == cut.text
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == expected.token_ids.index(stop) < 12
+    bad = client.post("/v1/completions", json={**options, "stop_token_ids": [260]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
