@@ -7,9 +7,10 @@ On the embedded SmolLM2-135M (bfloat16 on CPU, or ``--device cuda``), for a prom
   into the other choices' slots (``engine.choices``);
 - ``separate``: ``N`` ordinary requests of the same prompt added together,
 
-after a warm-up, each generating ``--max-new-tokens`` greedy tokens with ``none``, and reports the median wall
-time of each, their ratio, the tokens the target was fed (counted by a forward observer) and
-whether the texts are identical. Run from the repository root, after ``make install``::
+after a warm-up, each generating ``--max-new-tokens`` greedy tokens with ``none``, and reports
+the median wall time of each, their ratio, the tokens the target was fed (counted by a forward
+observer) and whether the texts are identical. Run from the repository root, after
+``make install``::
 
     python benchmarks/choices_prefill.py
     python benchmarks/choices_prefill.py --prompt-tokens 256 --n 2 --repeats 1   # a quick look
@@ -28,7 +29,9 @@ from hybridspec.config import EngineConfig, ModelConfig
 from hybridspec.engine import Engine, GenerationParams, warm_up
 
 
-def run_separate(engine: Engine, prompt: list[int], params: GenerationParams, n: int) -> list:
+def run_separate(
+    engine: Engine, prompt: list[int], params: GenerationParams, n: int
+) -> list[list[int]]:
     ids = [engine.add_request(prompt, params) for _ in range(n)]
     results: dict[str, list[int]] = {}
     while len(results) < n:
