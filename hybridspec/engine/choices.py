@@ -29,10 +29,11 @@ Dimensions: ``n`` choices per prompt.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from hybridspec.engine.request import Request
+from hybridspec.engine.request import FinishReason, GenerationResult, Request, RequestOutput
+from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import ModelRuntime
 from hybridspec.types import MAX_SEED, GenerationStats
 
@@ -40,6 +41,23 @@ from hybridspec.types import MAX_SEED, GenerationStats
 def choice_seed(seed: int | None, index: int) -> int | None:
     """The seed of choice ``index`` of a request seeded with ``seed`` (None: fresh entropy)."""
     return None if seed is None else (seed + index) % MAX_SEED
+
+
+def check_choices(n: int, num_prompts: int, max_num_seqs: int, max_queue_size: int) -> None:
+    """Refuse (InvalidRequestError) what the engine could never hold: more choices of a prompt
+    than its slots (they run at once), more prompts than its queue and slots."""
+    check(
+        isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= max_num_seqs,
+        "n",
+        f"expected an integer in [1, {max_num_seqs}] (the engine's slots: a prompt's choices "
+        f"run at once), got {n!r}",
+    )
+    most = max_queue_size + max_num_seqs
+    check(
+        0 < num_prompts <= most,
+        "prompt",
+        f"expected 1 to {most} prompts (queue and slots), got {num_prompts}",
+    )
 
 
 @dataclass(eq=False)
@@ -94,6 +112,28 @@ def fork_ready(running: Iterable[Request], runtime: ModelRuntime) -> None:
             member.pending_hidden = list(request.pending_hidden)
         for member in group.requests:
             member.group = None
+
+
+def run_to_results(
+    step: Callable[[], list[RequestOutput]],
+    abort: Callable[[str], object],
+    request_ids: list[str],
+) -> list[GenerationResult]:
+    """Step until every request of ``request_ids`` has finished; their results in that order.
+    A failed one raises HybridSpecError; the others are then aborted."""
+    results: dict[str, GenerationResult] = {}
+    try:
+        while len(results) < len(request_ids):
+            for output in step():
+                if output.request_id in request_ids and output.result is not None:
+                    if output.finish_reason is FinishReason.ERROR:
+                        raise HybridSpecError(output.result.error or "generation failed")
+                    results[output.request_id] = output.result
+    finally:
+        for request_id in request_ids:
+            if request_id not in results:
+                abort(request_id)
+    return [results[request_id] for request_id in request_ids]
 
 
 def combined_stats(stats: Sequence[GenerationStats], prompt_tokens: int) -> GenerationStats:

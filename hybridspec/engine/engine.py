@@ -16,10 +16,10 @@ verification raises, the round runs again one sequence at a time.
 
 Dimensions: ``num_seqs`` decoding requests in the step; ``k_i`` drafts of request i.
 
-The module is near 500 lines because ``Engine`` is the one class callers use: proposers,
-prompts, scheduling and features live in their own modules, and what stays is the step (with
-its fault containment) and the request API (``add_request``, ``abort``, ``stream``,
-``generate``) over them.
+The module is near 600 lines because ``Engine`` is the one class callers use: proposers,
+prompts, scheduling, features and choices live in their own modules, and what stays is the
+step (with its fault containment) and the request API (``add_request``, ``add_choices``,
+``abort``, ``stream``, ``generate``, ``generate_choices``) over them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,14 @@ from typing import Any
 import torch
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
-from hybridspec.engine.choices import choice_seed, fork_ready, group_choices, leave
+from hybridspec.engine.choices import (
+    check_choices,
+    choice_seed,
+    fork_ready,
+    group_choices,
+    leave,
+    run_to_results,
+)
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.features import forward_layers, keep_committed_rows, take_rows
 from hybridspec.engine.logprobs import Logprobs
@@ -185,19 +192,7 @@ class Engine:
         """Queue ``n`` choices of each prompt (``params``: one for all, or one per prompt),
         all or none; each prompt is prefilled once for its choices, and choice ``i`` samples
         with seed ``seed + i`` (``engine.choices``). Returns the ids, ``[prompt][choice]``."""
-        slots = self.runtime.max_num_seqs
-        check(
-            isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= slots,
-            "n",
-            f"expected an integer in [1, {slots}] (the engine's slots: a prompt's choices run "
-            f"at once), got {n!r}",
-        )
-        most = self.config.max_queue_size + slots
-        check(
-            0 < len(prompts) <= most,
-            "prompt",
-            f"expected 1 to {most} prompts (queue and slots), got {len(prompts)}",
-        )
+        check_choices(n, len(prompts), self.runtime.max_num_seqs, self.config.max_queue_size)
         if params is None or isinstance(params, GenerationParams):
             params = [params or GenerationParams()] * len(prompts)
         check(len(params) == len(prompts), "params", "expected one GenerationParams per prompt")
@@ -546,20 +541,7 @@ class Engine:
         """Run ``n`` choices of one prompt to completion, its prefill shared, and return their
         results in choice order (``engine.choices``; arguments as for ``stream``)."""
         ids, params = self._prompt_and_params(prompt, messages, prompt_token_ids, params, kwargs)
-        request_ids = self.add_choices([ids], params, n)[0]
-        results: dict[str, GenerationResult] = {}
-        try:
-            while len(results) < n:
-                for output in self.step():
-                    if output.request_id in request_ids and output.result is not None:
-                        if output.finish_reason is FinishReason.ERROR:
-                            raise HybridSpecError(output.result.error or "generation failed")
-                        results[output.request_id] = output.result
-        finally:
-            for request_id in request_ids:
-                if request_id not in results:
-                    self.abort(request_id)
-        return [results[request_id] for request_id in request_ids]
+        return run_to_results(self.step, self.abort, self.add_choices([ids], params, n)[0])
 
     def _prompt_and_params(
         self,
