@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from hybridspec.engine import FinishReason, GenerationParams, Logprobs, RequestOutput
-from hybridspec.engine.choices import combined_stats
+from hybridspec.engine.choices import check_choices, combined_stats
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.server.errors import GenerationFailed
 from hybridspec.server.logprobs import (
@@ -158,11 +158,13 @@ async def prepare(
     state: ServerState, body: CompletionRequest | ChatCompletionRequest
 ) -> list[PreparedRequest]:
     """Validate ``body`` and tokenize its prompts on worker threads (``server.prompts``); one
-    ``PreparedRequest`` per prompt. ``n`` and the number of prompts are the engine's to bound
-    (``Engine.add_choices``)."""
+    ``PreparedRequest`` per prompt. ``n`` and the number of prompts are checked before any
+    tokenizing, as the engine checks them (``engine.choices.check_choices``)."""
     model = state.model.resolve(body.model)
     _reject_unsupported(body)
     prompts = prompts_of(body)
+    n = body.n if body.n is not None else 1
+    check_choices(n, len(prompts), state.model.max_choices, state.model.max_queue_size)
     params = _params(body, state.model.vocab_size)
     proposer = state.model.resolve_proposer(params.proposer)
     k = params.num_speculative_tokens or state.model.default_num_speculative_tokens
@@ -188,7 +190,7 @@ async def prepare(
                 and options.continuous_usage_stats,
                 chat=isinstance(body, ChatCompletionRequest),
                 echo_text=echo_text,
-                n=body.n if body.n is not None else 1,
+                n=n,
             )
         )
     return prepared

@@ -35,7 +35,7 @@ class ModelInfo:
     default_proposer: str
     default_num_speculative_tokens: int
     max_choices: int  # n: the engine's slots, as a prompt's choices run at once
-    max_prompts: int  # prompts in one request: the engine's queue and slots
+    max_queue_size: int  # prompts waiting for slots (``EngineConfig.max_queue_size``)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @staticmethod
@@ -49,8 +49,13 @@ class ModelInfo:
             default_proposer=engine.config.default_proposer,
             default_num_speculative_tokens=engine.config.default_num_speculative_tokens,
             max_choices=engine.runtime.max_num_seqs,
-            max_prompts=engine.config.max_queue_size + engine.runtime.max_num_seqs,
+            max_queue_size=engine.config.max_queue_size,
         )
+
+    @property
+    def max_prompts(self) -> int:
+        """Prompts in one request: as many as the queue and the slots hold."""
+        return self.max_queue_size + self.max_choices
 
     @property
     def name(self) -> str:
