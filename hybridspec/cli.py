@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
+    from hybridspec.engine import GenerationParams
+
 _LOG_LEVELS = {
     "critical": logging.CRITICAL,
     "error": logging.ERROR,
@@ -172,6 +174,74 @@ def add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=sampling.top_p)
     parser.add_argument("--seed", type=int, default=sampling.seed)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument(
+        "--stop-token-id",
+        type=int,
+        action="append",
+        default=None,
+        help="token id that ends the text as EOS does (repeatable)",
+    )
+    controls = parser.add_argument_group("sampling controls (the same under every proposer)")
+    controls.add_argument("--presence-penalty", type=float, default=sampling.presence_penalty)
+    controls.add_argument("--frequency-penalty", type=float, default=sampling.frequency_penalty)
+    controls.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=sampling.repetition_penalty,
+        help="1 means off",
+    )
+    controls.add_argument(
+        "--logit-bias",
+        type=logit_bias,
+        default=None,
+        help="JSON object of token id -> bias in [-100, 100], e.g. '{\"13\": -100}'",
+    )
+    controls.add_argument("--min-p", type=float, default=sampling.min_p)
+    controls.add_argument(
+        "--min-tokens", type=int, default=sampling.min_tokens, help="EOS held back until then"
+    )
+    parser.add_argument(
+        "-n",
+        type=int,
+        default=1,
+        help="choices of the prompt, prefilled once (choice i seeded seed + i)",
+    )
+
+
+def logit_bias(text: str) -> dict[int, float]:
+    """``--logit-bias``: a JSON object of token ids (as strings) to numbers."""
+    try:
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        return {int(key): float(bias) for key, bias in value.items()}
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object of token ids to biases, e.g. {{"13": -100}}: {exc}'
+        ) from exc
+
+
+def generation_params(args: argparse.Namespace) -> GenerationParams:
+    """The ``generate`` command's options as GenerationParams (which checks their bounds)."""
+    from hybridspec.engine import GenerationParams
+
+    return GenerationParams.create(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=args.logit_bias,
+        min_p=args.min_p,
+        min_tokens=args.min_tokens,
+        proposer=args.proposer,
+        num_speculative_tokens=args.num_speculative_tokens,
+        stop=args.stop,
+        stop_token_ids=args.stop_token_id or (),
+    )
 
 
 def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -313,21 +383,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from hybridspec.engine import Engine, GenerationParams
+    from hybridspec.engine import Engine
 
-    params = GenerationParams.create(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        proposer=args.proposer,
-        num_speculative_tokens=args.num_speculative_tokens,
-        stop=args.stop,
-    )
+    params = generation_params(args)
     engine = Engine(engine_config(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     messages = None if args.raw else [{"role": "user", "content": prompt}]
+    if args.n != 1:
+        results = engine.generate_choices(
+            None if messages else prompt, n=args.n, messages=messages, params=params
+        )
+        for result in results:
+            print(json.dumps(result.to_dict()) if args.json else result.text)
+        return 0
     if args.json:
         result = engine.generate(None if messages else prompt, messages=messages, params=params)
         print(json.dumps(result.to_dict()))

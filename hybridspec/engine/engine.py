@@ -16,10 +16,10 @@ verification raises, the round runs again one sequence at a time.
 
 Dimensions: ``num_seqs`` decoding requests in the step; ``k_i`` drafts of request i.
 
-The module is near 500 lines because ``Engine`` is the one class callers use: proposers,
-prompts, scheduling and features live in their own modules, and what stays is the step (with
-its fault containment) and the request API (``add_request``, ``abort``, ``stream``,
-``generate``) over them.
+The module is near 600 lines because ``Engine`` is the one class callers use: proposers,
+prompts, scheduling, features and choices live in their own modules, and what stays is the
+step (with its fault containment) and the request API (``add_request``, ``add_choices``,
+``abort``, ``stream``, ``generate``, ``generate_choices``) over them.
 """
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ from typing import Any
 import torch
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from hybridspec.engine.choices import (
+    check_choices,
+    choice_seed,
+    fork_ready,
+    group_choices,
+    leave,
+    run_to_results,
+)
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.features import forward_layers, keep_committed_rows, take_rows
 from hybridspec.engine.logprobs import Logprobs
@@ -171,11 +179,50 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         """Queue a request; raises InvalidRequestError or CapacityError, else returns its id."""
+        request = self._new_request(prompt_token_ids, params, request_id)
+        self.scheduler.add(request, self.runtime.num_free_slots())
+        return request.request_id
+
+    def add_choices(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: GenerationParams | Sequence[GenerationParams] | None = None,
+        n: int = 1,
+    ) -> list[list[str]]:
+        """Queue ``n`` choices of each prompt (``params``: one for all, or one per prompt),
+        all or none; each prompt is prefilled once for its choices, and choice ``i`` samples
+        with seed ``seed + i`` (``engine.choices``). Returns the ids, ``[prompt][choice]``."""
+        check_choices(n, len(prompts), self.runtime.max_num_seqs, self.config.max_queue_size)
+        if params is None or isinstance(params, GenerationParams):
+            params = [params or GenerationParams()] * len(prompts)
+        check(len(params) == len(prompts), "params", "expected one GenerationParams per prompt")
+        groups = [
+            [self._new_request(prompt, one, choice_index=i) for i in range(n)]
+            for prompt, one in zip(prompts, params, strict=True)
+        ]
+        for group in groups:
+            group_choices(group)
+        self.scheduler.add_all(groups, self.runtime.num_free_slots())
+        return [[r.request_id for r in group] for group in groups]
+
+    def _new_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: GenerationParams | None,
+        request_id: str | None = None,
+        choice_index: int = 0,
+    ) -> Request:
+        """A checked request, not queued yet."""
         params = params if params is not None else GenerationParams()
         check(isinstance(params, GenerationParams), "params", "expected GenerationParams")
         prompt = list(prompt_token_ids)
         self.check_prompt(prompt)
         check_logit_bias(params.sampling, self.vocab_size)
+        check(
+            all(t < self.vocab_size for t in params.stop_token_ids),
+            "stop_token_ids",
+            f"expected token ids below the vocabulary size {self.vocab_size}",
+        )
         name = params.proposer or self.config.default_proposer
         self.proposers.resolve(name)
         check(
@@ -183,7 +230,8 @@ class Engine:
             "stop",
             "stop strings need a tokenizer, and this model has none",
         )
-        request = Request(
+        seed = choice_seed(params.sampling.seed, choice_index)
+        return Request(
             request_id=request_id or uuid.uuid4().hex,
             seq_id=next(self._seq_ids),
             prompt_token_ids=prompt,
@@ -191,12 +239,10 @@ class Engine:
             proposer_name=name,
             num_speculative_tokens=params.num_speculative_tokens
             or self.config.default_num_speculative_tokens,
-            generator=new_generator(params.sampling.seed),
-            uniform_key=key_of(params.sampling.seed),
+            generator=new_generator(seed),
+            uniform_key=key_of(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
         )
-        self.scheduler.add(request, self.runtime.num_free_slots())
-        return request.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request, releasing everything it holds; None if it is not known."""
@@ -228,6 +274,7 @@ class Engine:
         """
         outputs: list[RequestOutput] = []
         self._admit(outputs)
+        fork_ready(self.scheduler.running, self.runtime)  # choices share their prompt's prefill
         running = self.scheduler.running
         if not running:
             return outputs
@@ -426,6 +473,7 @@ class Engine:
                 self.proposers[request.proposer_name].finish(request.seq_id)
             except Exception:
                 logger.exception("proposer %r failed to finish", request.proposer_name)
+        leave(request)
         self.scheduler.remove(request)
         return request.final_output(new_token_ids or [], logprobs)
 
@@ -446,20 +494,9 @@ class Engine:
         Other requests already in the engine advance too, but only this one's outputs are
         yielded. Closing the iterator early aborts the request.
         """
-        if params is None:
-            params = GenerationParams.create(**kwargs)
-        else:
-            check(
-                not kwargs, "params", f"give either params or keyword options, not {sorted(kwargs)}"
-            )
-        if prompt_token_ids is None:
-            prompt_token_ids = self.encode(prompt, messages)
-        else:
-            check(
-                prompt is None and messages is None,
-                "prompt",
-                "expected one of prompt, messages or prompt_token_ids",
-            )
+        prompt_token_ids, params = self._prompt_and_params(
+            prompt, messages, prompt_token_ids, params, kwargs
+        )
         request_id = self.add_request(prompt_token_ids, params)
         finished = False
         try:
@@ -490,6 +527,45 @@ class Engine:
                     raise HybridSpecError(output.result.error or "generation failed")
                 return output.result
         raise AssertionError("stream ended without a final output")
+
+    def generate_choices(
+        self,
+        prompt: str | None = None,
+        *,
+        n: int,
+        messages: Messages | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        params: GenerationParams | None = None,
+        **kwargs: Any,
+    ) -> list[GenerationResult]:
+        """Run ``n`` choices of one prompt to completion, its prefill shared, and return their
+        results in choice order (``engine.choices``; arguments as for ``stream``)."""
+        ids, params = self._prompt_and_params(prompt, messages, prompt_token_ids, params, kwargs)
+        return run_to_results(self.step, self.abort, self.add_choices([ids], params, n)[0])
+
+    def _prompt_and_params(
+        self,
+        prompt: str | None,
+        messages: Messages | None,
+        prompt_token_ids: Sequence[int] | None,
+        params: GenerationParams | None,
+        kwargs: dict[str, Any],
+    ) -> tuple[Sequence[int], GenerationParams]:
+        """The prompt's token ids and the parameters, from ``stream``'s arguments."""
+        if params is None:
+            params = GenerationParams.create(**kwargs)
+        else:
+            check(
+                not kwargs, "params", f"give either params or keyword options, not {sorted(kwargs)}"
+            )
+        if prompt_token_ids is None:
+            return self.encode(prompt, messages), params
+        check(
+            prompt is None and messages is None,
+            "prompt",
+            "expected one of prompt, messages or prompt_token_ids",
+        )
+        return prompt_token_ids, params
 
     def abort_all(self) -> list[RequestOutput]:
         """Cancel every running and waiting request (at shutdown)."""

@@ -27,10 +27,11 @@ IDLE_WAIT_S = 0.5
 
 @dataclass(frozen=True, slots=True)
 class _Add:
-    prompt_token_ids: Sequence[int]
-    params: GenerationParams
-    accepted: asyncio.Future[str]
-    outputs: asyncio.Queue[RequestOutput]
+    prompts: Sequence[Sequence[int]]
+    params: Sequence[GenerationParams]  # one per prompt
+    n: int  # choices per prompt (``Engine.add_choices``)
+    accepted: asyncio.Future[list[list[str]]]
+    outputs: asyncio.Queue[RequestOutput]  # every choice's outputs
     loop: asyncio.AbstractEventLoop
 
 
@@ -64,26 +65,51 @@ class EngineLoop:
         self, prompt_token_ids: Sequence[int], params: GenerationParams
     ) -> tuple[str, asyncio.Queue[RequestOutput]]:
         """Queue a request; raises its validation or capacity error, else gives its outputs."""
+        ids, outputs = await self.submit_choices([prompt_token_ids], [params], 1)
+        return ids[0][0], outputs
+
+    async def submit_choices(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[GenerationParams],
+        n: int,
+    ) -> tuple[list[list[str]], asyncio.Queue[RequestOutput]]:
+        """Queue ``n`` choices of each prompt, all or none (``Engine.add_choices``); raises
+        the refusal, else gives their ids ``[prompt][choice]`` and one queue of all outputs."""
         loop = asyncio.get_running_loop()
-        accepted: asyncio.Future[str] = loop.create_future()
+        accepted: asyncio.Future[list[list[str]]] = loop.create_future()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._inbox.put(_Add(prompt_token_ids, params, accepted, outputs, loop))
-        request_id = await accepted
-        return request_id, outputs
+        self._inbox.put(_Add(prompts, params, n, accepted, outputs, loop))
+        request_ids = await accepted
+        return request_ids, outputs
 
     async def stream(
         self, prompt_token_ids: Sequence[int], params: GenerationParams
     ) -> AsyncIterator[RequestOutput]:
         """Submit then yield outputs; closing the iterator early aborts the request."""
-        request_id, outputs = await self.submit(prompt_token_ids, params)
-        finished = False
+        async for _, output in self.stream_choices([prompt_token_ids], [params], 1):
+            yield output
+
+    async def stream_choices(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[GenerationParams],
+        n: int,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Submit ``n`` choices of each prompt, then yield ``(index, output)`` as they come,
+        ``index = prompt * n + choice``, until every one has finished; closing the iterator
+        early aborts those that have not."""
+        request_ids, outputs = await self.submit_choices(prompts, params, n)
+        index = {rid: i for i, rid in enumerate(rid for ids in request_ids for rid in ids)}
+        running = set(index)
         try:
-            while not finished:
+            while running:
                 output = await outputs.get()
-                finished = output.finished
-                yield output
+                if output.finished:
+                    running.discard(output.request_id)
+                yield index[output.request_id], output
         finally:
-            if not finished:
+            for request_id in running:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -130,12 +156,13 @@ class EngineLoop:
     def _handle(self, command: _Add | _Abort | _Call | None) -> None:
         if isinstance(command, _Add):
             try:
-                request_id = self.engine.add_request(command.prompt_token_ids, command.params)
+                ids = self.engine.add_choices(command.prompts, command.params, command.n)
             except Exception as exc:
                 command.loop.call_soon_threadsafe(_set_exception, command.accepted, exc)
                 return
-            self._routes[request_id] = (command.loop, command.outputs)
-            command.loop.call_soon_threadsafe(self._accept, command.accepted, request_id)
+            for request_id in (rid for choices in ids for rid in choices):
+                self._routes[request_id] = (command.loop, command.outputs)
+            command.loop.call_soon_threadsafe(self._accept, command.accepted, ids)
         elif isinstance(command, _Abort):
             output = self.engine.abort(command.request_id)
             if output is not None:
@@ -148,12 +175,13 @@ class EngineLoop:
             else:
                 command.loop.call_soon_threadsafe(_set_result, command.done, result)
 
-    def _accept(self, accepted: asyncio.Future[str], request_id: str) -> None:
-        """On the caller's loop: hand over the id, or abort if the caller stopped waiting."""
-        if accepted.done():  # cancelled while the engine thread was adding the request
-            self.abort(request_id)
+    def _accept(self, accepted: asyncio.Future[list[list[str]]], ids: list[list[str]]) -> None:
+        """On the caller's loop: hand over the ids, or abort if the caller stopped waiting."""
+        if accepted.done():  # cancelled while the engine thread was adding the requests
+            for request_id in (rid for choices in ids for rid in choices):
+                self.abort(request_id)
         else:
-            accepted.set_result(request_id)
+            accepted.set_result(ids)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

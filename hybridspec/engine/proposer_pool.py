@@ -148,7 +148,7 @@ class ProposerPool:
                     r.params.sampling,
                     r.generator,
                     len(r.prompt_token_ids),
-                    frozenset() if r.params.ignore_eos else eos,
+                    r.stop_ids(eos),
                 )
                 for r in requests
             ]

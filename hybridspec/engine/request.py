@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,7 +24,11 @@ from hybridspec.errors import check
 from hybridspec.types import GenerationStats, SamplingParams, TokenHistory
 from hybridspec.verifier.uniforms import key_of
 
+if TYPE_CHECKING:
+    from hybridspec.engine.choices import ChoiceGroup
+
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
 
 
 class FinishReason(str, enum.Enum):
@@ -43,7 +48,8 @@ class GenerationParams:
     likely alternatives (0..20); ``prompt_logprobs`` the same for the prompt's tokens (the first
     has none). Both are under the request's sampling transforms (``engine.logprobs``).
     ``max_new_tokens`` may be 0 when ``prompt_logprobs`` is asked: the prompt is scored, and
-    nothing generated.
+    nothing generated. ``stop_token_ids`` end the request as EOS does (left out of the text,
+    held back by ``min_tokens``), ``ignore_eos`` or not.
     """
 
     max_new_tokens: int = 256
@@ -54,6 +60,7 @@ class GenerationParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -96,6 +103,17 @@ class GenerationParams:
             "stop",
             f"expected a tuple of at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}",
         )
+        check(
+            isinstance(self.stop_token_ids, tuple)
+            and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.stop_token_ids
+            ),
+            "stop_token_ids",
+            f"expected a tuple of at most {MAX_STOP_TOKEN_IDS} token ids, "
+            f"got {self.stop_token_ids!r}",
+        )
 
     @classmethod
     def create(
@@ -118,6 +136,7 @@ class GenerationParams:
         ignore_eos: bool = False,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        stop_token_ids: Sequence[int] = (),
     ) -> GenerationParams:
         """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
         ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds)."""
@@ -148,6 +167,7 @@ class GenerationParams:
             ignore_eos=ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            stop_token_ids=tuple(stop_token_ids),
         )
 
 
@@ -240,6 +260,8 @@ class Request:
     logprob_parts: list[Logprobs] = field(default_factory=list)
     prompt_logprob_parts: list[Logprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # The choices of its prompt, until they share its prefill (``engine.choices``); else None.
+    group: ChoiceGroup | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -255,8 +277,14 @@ class Request:
         has no controls."""
         if not self.params.sampling.has_controls:
             return None
-        stops = frozenset() if self.params.ignore_eos else eos_token_ids
-        return TokenHistory(self.token_ids, len(self.prompt_token_ids), stops)
+        return TokenHistory(
+            self.token_ids, len(self.prompt_token_ids), self.stop_ids(eos_token_ids)
+        )
+
+    def stop_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """The tokens that end this request: EOS unless it ignores EOS, and its own."""
+        eos = frozenset() if self.params.ignore_eos else eos_token_ids
+        return eos | frozenset(self.params.stop_token_ids)
 
     @property
     def output_token_ids(self) -> Sequence[int]:
@@ -282,7 +310,9 @@ class Request:
         for token in tokens:
             consumed += 1
             self.stats.generated_tokens += 1
-            if token in eos_token_ids and not self.params.ignore_eos:
+            if (
+                token in eos_token_ids and not self.params.ignore_eos
+            ) or token in self.params.stop_token_ids:
                 reason = FinishReason.STOP
                 break
             self.token_ids.append(token)

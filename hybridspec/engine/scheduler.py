@@ -78,27 +78,43 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, request: Request, num_free_slots: int) -> None:
-        """Queue ``request``; CapacityError when the queue is full.
+        """Queue ``request``; CapacityError when the queue is full (``add_all``)."""
+        self.add_all([[request]], num_free_slots)
 
-        Waiting requests that the next step admits into the ``num_free_slots`` free slots are
-        not queued for a slot, so a burst between two steps may hold that many more: with 4
-        free slots and ``max_queue_size = 64``, the 69th request waiting is refused.
+    def add_all(self, prompts: list[list[Request]], num_free_slots: int) -> None:
+        """Queue every prompt's choices (one request each, tied by ``engine.choices``), all or
+        none: CapacityError when the queue cannot take them all.
+
+        A prompt with its choices is one queue entry. Waiting entries that the next step admits
+        into the ``num_free_slots`` free slots are not queued for a slot, so a burst between
+        two steps may hold that many more: with 4 free slots and ``max_queue_size = 64``, the
+        69th prompt waiting is refused.
         """
-        if len(self.waiting) >= self.max_queue_size + max(0, num_free_slots):
+        waiting = sum(1 for r in self.waiting if r.group is None or r.group.source is r)
+        if waiting + len(prompts) > self.max_queue_size + max(0, num_free_slots):
             raise CapacityError(
                 f"the request queue is full ({self.max_queue_size} waiting for a batch slot); "
                 "retry later"
             )
-        self.waiting.append(request)
+        for choices in prompts:
+            self.waiting.extend(choices)
 
     def admit(self, num_free_slots: int) -> list[Request]:
-        """Move waiting requests into the running batch while slots are free."""
+        """Move waiting requests into the running batch while slots are free; the choices of a
+        prompt all at once, when there is a slot for each (in queue order: a prompt waiting
+        for its slots holds back those behind it)."""
         admitted = []
-        while self.waiting and num_free_slots > 0:
-            request = self.waiting.popleft()
-            self.running.append(request)
-            admitted.append(request)
-            num_free_slots -= 1
+        while self.waiting:
+            head = self.waiting[0]
+            assert head.group is None or head.group.source is head
+            size = 1 if head.group is None else len(head.group.requests)
+            if size > num_free_slots:
+                break
+            for _ in range(size):
+                request = self.waiting.popleft()
+                self.running.append(request)
+                admitted.append(request)
+            num_free_slots -= size
         return admitted
 
     def plan(self, cached_lengths: list[int]) -> StepPlan:
@@ -108,6 +124,11 @@ class Scheduler:
         prefill: list[tuple[Request, int]] = []
         for request, cached in zip(self.running, cached_lengths, strict=True):
             pending_prompt = len(request.token_ids) - 1 - cached
+            if request.group is not None:  # choices before their shared prefill: the source
+                if request.group.source is request and min(pending_prompt, budget) > 0:
+                    prefill.append((request, min(pending_prompt, budget)))  # prefills alone
+                    budget -= min(pending_prompt, budget)
+                continue
             if pending_prompt <= budget:
                 budget -= pending_prompt
                 decode.append(request)

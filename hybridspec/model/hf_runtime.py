@@ -12,6 +12,7 @@ asked (``len(batch.hidden_layers)``).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +97,22 @@ class HFRuntime:
             state.cached = length
         except (RuntimeError, ValueError):
             state.cache, state.cached = None, 0  # rebuilt from token_ids by the next forward
+
+    def copy_prefix(self, source: int, dest: int, length: int) -> None:
+        """A copy of ``source``'s cache cropped to ``length`` (or, where it cannot be cropped,
+        none: the next forward rebuilds it from the kept tokens)."""
+        self._slots.copy_length(source, dest, length)
+        state = self._states[source]
+        copied = _SlotState(token_ids=state.token_ids[:length])
+        if state.cache is not None and state.cached > 0:
+            try:
+                cache = copy.deepcopy(state.cache)
+                if state.cached > length:
+                    cache.crop(length - state.cached)
+                copied.cache, copied.cached = cache, min(length, state.cached)
+            except (RuntimeError, ValueError):
+                copied.cache, copied.cached = None, 0
+        self._states[dest] = copied
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Append the batch's tokens to their slots; float32 logits ``[num_logits, V]`` and the

@@ -74,6 +74,16 @@ class SlotTable:
             raise ValueError(f"length: expected an integer in [0, {current}], got {length!r}")
         self._lengths[slot] = length
 
+    def copy_length(self, source: int, dest: int, length: int) -> None:
+        """Give ``dest`` the length ``length`` of a prefix copied from ``source`` (checked)."""
+        self.check_slot(dest)
+        current = self.seq_len(source)
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= current:
+            raise ValueError(f"length: expected an integer in [0, {current}], got {length!r}")
+        if source == dest:
+            raise ValueError(f"dest: expected a slot other than the source {source}, got {dest}")
+        self._lengths[dest] = length
+
     def check_slot(self, slot: int) -> None:
         """Raise ValueError unless ``slot`` is an allocated slot index."""
         if (
@@ -159,6 +169,18 @@ class KVCache:
         self.slots.commit(slots, new_lengths)
         for slot, length in zip(slots, new_lengths, strict=True):
             self._finite_len[slot] = max(self._finite_len[slot], length)
+
+    def copy_prefix(self, source: int, dest: int, length: int) -> None:
+        """Copy the first ``length`` positions of ``source`` into ``dest`` (every layer), which
+        then holds exactly them: the choices of one prompt share its prefill this way
+        (``engine.choices``). Later writes to either slot never reach the other."""
+        self.slots.copy_length(source, dest, length)
+        if self.transposed_keys:
+            self.keys[:, dest, ..., :length] = self.keys[:, source, ..., :length]
+        else:
+            self.keys[:, dest, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, dest, :, :length] = self.values[:, source, :, :length]
+        self._finite_len[dest] = max(self._finite_len[dest], length)
 
     def make_finite(self, slot: int, end: int) -> None:
         """Zero-fill positions of ``slot`` never written before, up to ``end`` (all layers)."""

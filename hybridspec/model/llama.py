@@ -175,6 +175,9 @@ class LlamaRuntime:
     def truncate(self, slot: int, length: int) -> None:
         self._slots.truncate(slot, length)
 
+    def copy_prefix(self, source: int, dest: int, length: int) -> None:
+        self._cache.copy_prefix(source, dest, length)
+
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Append the batch's tokens to their slots; logits ``[num_logits, V]`` float32 and the
         outputs of ``batch.hidden_layers``, ``[T, len(hidden_layers), D]`` (``ForwardOutput``)."""

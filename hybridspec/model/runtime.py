@@ -169,6 +169,12 @@ class ModelRuntime(Protocol):
         """Roll ``slot`` back to its first ``length`` tokens (``0 <= length <= seq_len``)."""
         ...
 
+    def copy_prefix(self, source: int, dest: int, length: int) -> None:
+        """Make ``dest`` (allocated) hold a copy of the first ``length`` tokens cached in
+        ``source`` (``0 <= length <= seq_len(source)``), so that both go on from the same
+        prefix without one forward's writes or a truncation of one reaching the other."""
+        ...
+
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Append the batch's tokens to their slots; their logits and any hidden states asked.
 

@@ -3,24 +3,29 @@ metrics, the response body.
 
 Both endpoints share this path, and nothing here depends on the web framework (a deployment
 other than the FastAPI app can hold a ``ServerState`` and call the same functions). ``prepare``
-turns a body into a ``PreparedRequest`` (prompt token ids, GenerationParams) or raises
-InvalidRequestError / UnknownModelError naming the field. ``observe`` runs it through the engine
-loop, yielding its outputs and recording metrics; closing it early (client gone) aborts the
-request in the engine. ``response_body`` is a finished request's non-streamed response
-(``hybridspec.server.streaming`` writes the streamed one).
+turns a body into one ``PreparedRequest`` per prompt (prompt token ids, GenerationParams, ``n``)
+or raises InvalidRequestError / UnknownModelError naming the field. ``observe`` runs them
+through the engine loop, the ``n`` choices of each prompt sharing its prefill
+(``engine.choices``), yielding each choice's outputs with its index (prompt ``i``, choice ``j``:
+``i * n + j``, as OpenAI numbers them) and recording metrics; closing it early (client gone)
+aborts what still runs. ``response_body`` is the non-streamed response once every choice has
+finished (``hybridspec.server.streaming`` writes the streamed one). ``usage`` counts each
+prompt's tokens once and the completion tokens of every choice, as OpenAI does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 from hybridspec.engine import FinishReason, GenerationParams, Logprobs, RequestOutput
+from hybridspec.engine.choices import check_choices, combined_stats
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.server.errors import GenerationFailed
 from hybridspec.server.logprobs import (
@@ -30,7 +35,7 @@ from hybridspec.server.logprobs import (
     logprobs_options,
     token_ids_of,
 )
-from hybridspec.server.prompts import prompt_of
+from hybridspec.server.prompts import prompts_of
 from hybridspec.server.protocol import (
     MAX_JSON_SEED,
     TOKEN_ID_PATTERN,
@@ -53,7 +58,8 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 
 @dataclass(frozen=True, slots=True)
 class PreparedRequest:
-    """A validated request, ready for the engine loop."""
+    """A validated prompt of a request, ready for the engine loop; a request holds one per
+    prompt, each with the request's options."""
 
     model: str  # the served name, echoed in responses
     prompt_token_ids: list[int]
@@ -66,6 +72,7 @@ class PreparedRequest:
     chat: bool  # a chat completion (else a text completion)
     # A completion's echoed prompt (``echo``); its logprobs come when ``params.logprobs`` is set.
     echo_text: str | None = None
+    n: int = 1  # choices of this prompt
 
     @property
     def echo_logprobs(self) -> bool:
@@ -80,7 +87,6 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         "stream_options",
         "stream_options is only allowed when stream is true",
     )
-    check(body.n is None or body.n == 1, "n", f"only n = 1 is supported, got {body.n}")
     if isinstance(body, CompletionRequest):
         check(body.best_of is None or body.best_of == 1, "best_of", "only best_of = 1 is supported")
 
@@ -136,6 +142,7 @@ def _params(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) ->
         num_speculative_tokens=body.num_speculative_tokens,
         stop=body.stop,
         ignore_eos=body.ignore_eos,
+        stop_token_ids=body.stop_token_ids or (),
     )
 
 
@@ -149,75 +156,94 @@ def _completion_budget(max_seq_len: int, num_prompt_tokens: int, max_tokens: int
 
 async def prepare(
     state: ServerState, body: CompletionRequest | ChatCompletionRequest
-) -> PreparedRequest:
-    """Validate ``body`` and tokenize its prompt on a worker thread (``server.prompts``)."""
+) -> list[PreparedRequest]:
+    """Validate ``body`` and tokenize its prompts on worker threads (``server.prompts``); one
+    ``PreparedRequest`` per prompt. ``n`` and the number of prompts are checked before any
+    tokenizing, as the engine checks them (``engine.choices.check_choices``)."""
     model = state.model.resolve(body.model)
     _reject_unsupported(body)
-    prompt = prompt_of(body)
+    prompts = prompts_of(body)
+    n = body.n if body.n is not None else 1
+    check_choices(n, len(prompts), state.model.max_choices, state.model.max_queue_size)
     params = _params(body, state.model.vocab_size)
     proposer = state.model.resolve_proposer(params.proposer)
     k = params.num_speculative_tokens or state.model.default_num_speculative_tokens
     options = body.stream_options
-    ids = await state.prompts.encode(prompt)
-    echo_text = None
-    if isinstance(body, CompletionRequest) and body.echo:
-        echo_text = prompt.text if prompt.text is not None else await state.prompts.decode(ids)
-    max_tokens = _completion_budget(state.model.max_seq_len, len(ids), prompt.max_tokens)
-    return PreparedRequest(
-        model=model,
-        prompt_token_ids=ids,
-        params=dataclasses.replace(params, max_new_tokens=max_tokens),
-        proposer=proposer,
-        num_speculative_tokens=k,
-        stream=body.stream,
-        include_usage=options is not None and options.include_usage,
-        continuous_usage=options is not None
-        and options.include_usage
-        and options.continuous_usage_stats,
-        chat=isinstance(body, ChatCompletionRequest),
-        echo_text=echo_text,
-    )
+    all_ids = await asyncio.gather(*(state.prompts.encode(prompt) for prompt in prompts))
+    prepared = []
+    for prompt, ids in zip(prompts, all_ids, strict=True):
+        echo_text = None
+        if isinstance(body, CompletionRequest) and body.echo:
+            echo_text = prompt.text if prompt.text is not None else await state.prompts.decode(ids)
+        max_tokens = _completion_budget(state.model.max_seq_len, len(ids), prompt.max_tokens)
+        prepared.append(
+            PreparedRequest(
+                model=model,
+                prompt_token_ids=ids,
+                params=dataclasses.replace(params, max_new_tokens=max_tokens),
+                proposer=proposer,
+                num_speculative_tokens=k,
+                stream=body.stream,
+                include_usage=options is not None and options.include_usage,
+                continuous_usage=options is not None
+                and options.include_usage
+                and options.continuous_usage_stats,
+                chat=isinstance(body, ChatCompletionRequest),
+                echo_text=echo_text,
+                n=n,
+            )
+        )
+    return prepared
+
+
+Indexed = tuple[int, RequestOutput]  # a choice's index (prompt * n + choice) and an output
 
 
 async def observe(
-    state: ServerState, prepared: PreparedRequest
-) -> AsyncGenerator[RequestOutput, None]:
-    """Run ``prepared`` on the engine loop and yield its outputs, recording metrics.
+    state: ServerState, prepared: Sequence[PreparedRequest]
+) -> AsyncGenerator[Indexed, None]:
+    """Run every prompt's choices on the engine loop and yield their outputs with the
+    choice's index, recording metrics (a prompt's tokens and first token once).
 
     Refusals (InvalidRequestError, CapacityError) raise on the first ``__anext__``. Closing or
-    cancelling this generator before the last output aborts the request in the engine.
+    cancelling this generator before the last output aborts the choices still running.
     """
-    metrics, proposer = state.metrics, prepared.proposer
+    metrics, proposer, n = state.metrics, prepared[0].proposer, prepared[0].n
     arrival = time.perf_counter()
-    finished, refused, first = False, False, True
+    started: set[int] = set()  # prompts that have a first token
+    finished, refused = 0, False
     try:
-        # EngineLoop.stream is an async generator (typed as an AsyncIterator): closable.
+        # EngineLoop.stream_choices is an async generator (typed as an AsyncIterator).
         stream = cast(
-            AsyncGenerator[RequestOutput, None],
-            state.loop.stream(prepared.prompt_token_ids, prepared.params),
+            AsyncGenerator[Indexed, None],
+            state.loop.stream_choices(
+                [p.prompt_token_ids for p in prepared], [p.params for p in prepared], n
+            ),
         )
         async with contextlib.aclosing(stream) as outputs:
-            async for output in outputs:
-                if first:
-                    first = False
+            async for index, output in outputs:
+                if index // n not in started:
+                    started.add(index // n)
                     ttft_s = time.perf_counter() - arrival
-                    metrics.observe_first_token(proposer, ttft_s, len(prepared.prompt_token_ids))
+                    num_prompt = len(prepared[index // n].prompt_token_ids)
+                    metrics.observe_first_token(proposer, ttft_s, num_prompt)
                 metrics.observe_tokens(proposer, len(output.new_token_ids))
                 if output.finished:
-                    finished = True
+                    finished += 1
                     reason = output.finish_reason or FinishReason.ERROR
                     metrics.observe_finished(proposer, reason.value)
                     if output.result is not None and reason is not FinishReason.ERROR:
                         metrics.observe_result(
                             proposer, output.result.stats, time.perf_counter() - arrival
                         )
-                yield output
+                yield index, output
     except HybridSpecError:
-        refused = first
+        refused = not started
         raise
     finally:
-        if not finished and not refused:
-            metrics.observe_finished(proposer, FinishReason.ABORT.value)
+        if not refused:
+            for _ in range(len(prepared) * n - finished):
+                metrics.observe_finished(proposer, FinishReason.ABORT.value)
 
 
 def speculation_stats(prepared: PreparedRequest, stats: GenerationStats) -> SpeculationStats:
@@ -239,15 +265,18 @@ def check_not_failed(output: RequestOutput, response_id: str) -> None:
         raise GenerationFailed(error or "unknown error", response_id)
 
 
-async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """Drain ``outputs`` and return the final one."""
-    async for output in outputs:
+async def final_outputs(outputs: AsyncIterator[Indexed], count: int) -> list[RequestOutput]:
+    """Drain ``outputs`` and return the final output of each of the ``count`` choices."""
+    finals: dict[int, RequestOutput] = {}
+    async for index, output in outputs:
         if output.finished:
-            return output
-    raise HybridSpecError("the engine ended the request without a final output")
+            finals[index] = output
+    if len(finals) < count:
+        raise HybridSpecError("the engine ended the request without a final output")
+    return [finals[index] for index in range(count)]
 
 
-async def next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def next_output(outputs: AsyncIterator[Indexed]) -> Indexed:
     return await outputs.__anext__()
 
 
@@ -255,14 +284,18 @@ def finish_reason(output: RequestOutput) -> FinishReasonName:
     return "length" if output.finish_reason is FinishReason.LENGTH else "stop"
 
 
-def usage(prepared: PreparedRequest, output: RequestOutput) -> Usage:
-    assert output.result is not None
-    return usage_so_far(prepared, len(output.result.token_ids))
+def usage(prepared: Sequence[PreparedRequest], outputs: Sequence[RequestOutput]) -> Usage:
+    """Every prompt's tokens once, and every choice's completion tokens."""
+    completion = 0
+    for output in outputs:
+        assert output.result is not None
+        completion += len(output.result.token_ids)
+    return usage_so_far(prepared, completion)
 
 
-def usage_so_far(prepared: PreparedRequest, completion: int) -> Usage:
-    """Usage after ``completion`` generated tokens."""
-    prompt = len(prepared.prompt_token_ids)
+def usage_so_far(prepared: Sequence[PreparedRequest], completion: int) -> Usage:
+    """Usage after ``completion`` generated tokens (over all choices)."""
+    prompt = sum(len(p.prompt_token_ids) for p in prepared)
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
@@ -304,32 +337,44 @@ def rendered_logprobs(
 
 async def response_body(
     state: ServerState,
-    prepared: PreparedRequest,
+    prepared: Sequence[PreparedRequest],
     response_id: str,
     created: int,
-    output: RequestOutput,
+    outputs: Sequence[RequestOutput],
 ) -> ChatCompletionResponse | CompletionResponse:
-    """The non-streamed response of a finished request; raises for a failed one (a 500)."""
-    check_not_failed(output, response_id)
-    assert output.result is not None
-    texts = await load_token_texts(
-        state, prepared, output.result.logprobs, output.result.prompt_logprobs
-    )
-    text = output.result.text
-    reason = finish_reason(output)
-    logprobs = rendered_logprobs(
-        prepared, texts, output.result.logprobs, output.result.prompt_logprobs
-    )
+    """The non-streamed response once every choice (``outputs``, in index order) has
+    finished; raises for a failed one (a 500). ``hybridspec``: the choices' statistics
+    together."""
+    for output in outputs:
+        check_not_failed(output, response_id)
+    n = prepared[0].n
+    choices: list[dict[str, object]] = []
+    stats = []
+    for index, output in enumerate(outputs):
+        one, result = prepared[index // n], output.result
+        assert result is not None
+        stats.append(result.stats)
+        texts = await load_token_texts(state, one, result.logprobs, result.prompt_logprobs)
+        logprobs = rendered_logprobs(one, texts, result.logprobs, result.prompt_logprobs)
+        choice: dict[str, object] = {
+            "index": index,
+            "finish_reason": finish_reason(output),
+            "logprobs": logprobs,
+        }
+        if one.chat:
+            choice["message"] = AssistantMessage(content=result.text)
+        else:
+            choice["text"] = (one.echo_text or "") + result.text
+        choices.append(choice)
+    num_prompt = sum(len(p.prompt_token_ids) for p in prepared)
     fields = {
         "id": response_id,
         "created": created,
-        "model": prepared.model,
-        "usage": usage(prepared, output),
-        "hybridspec": speculation_stats(prepared, output.result.stats),
+        "model": prepared[0].model,
+        "usage": usage(prepared, outputs),
+        "hybridspec": speculation_stats(prepared[0], combined_stats(stats, num_prompt)),
+        "choices": choices,
     }
-    choice: dict[str, object] = {"finish_reason": reason, "logprobs": logprobs}
-    if prepared.chat:
-        choice["message"] = AssistantMessage(content=text)
-        return ChatCompletionResponse.model_validate({**fields, "choices": [choice]})
-    choice["text"] = (prepared.echo_text or "") + text
-    return CompletionResponse.model_validate({**fields, "choices": [choice]})
+    if prepared[0].chat:
+        return ChatCompletionResponse.model_validate(fields)
+    return CompletionResponse.model_validate(fields)

@@ -8,8 +8,9 @@ this module adds what derivation misses and takes out what is not true here:
   (each event's data a chunk, an error body or ``[DONE]``);
 - FastAPI's 422 is removed from every operation: validation errors are 400s here
   (``server.errors``);
-- facts of the served model, once it is loaded: the proposers a request may name (an enum)
-  and the largest token id a prompt may hold;
+- facts of the served model, once it is loaded: the proposers a request may name (an enum),
+  the largest token id a prompt may hold, the most choices per prompt (``n``: the engine's
+  slots) and prompts per request (its queue and slots);
 - with an API key configured, the bearer security scheme and a 401 on every operation.
 
 The schema is built on first use after start-up and then kept.
@@ -26,6 +27,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from hybridspec.server.protocol import ChatCompletionChunk, CompletionResponse, ErrorResponse
+from hybridspec.server.state import ModelInfo
 
 REF = "#/components/schemas/"
 
@@ -71,7 +73,7 @@ def install_openapi(app: FastAPI, api_key_required: bool) -> None:
         state = getattr(app.state, "server", None)
         if state is None:
             return schema  # before start-up: the model's facts are not known yet; not kept
-        _add_model_facts(schema, list(state.model.proposers), state.model.vocab_size)
+        _add_model_facts(schema, state.model)
         app.openapi_schema = schema
         return schema
 
@@ -145,18 +147,26 @@ def _require_bearer(schema: dict[str, Any]) -> None:
             }
 
 
-def _add_model_facts(schema: dict[str, Any], proposers: list[str], vocab_size: int) -> None:
+def _add_model_facts(schema: dict[str, Any], model: ModelInfo) -> None:
     components = schema.get("components", {}).get("schemas", {})
+    vocab_size = model.vocab_size
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         properties = components.get(name, {}).get("properties", {})
         if "proposer" in properties:
             properties["proposer"]["anyOf"] = [
-                {"type": "string", "enum": sorted(proposers)},
+                {"type": "string", "enum": sorted(model.proposers)},
                 {"type": "null"},
             ]
+        if "stop_token_ids" in properties:
+            properties["stop_token_ids"]["items"]["maximum"] = vocab_size - 1
+        for choice in properties.get("n", {}).get("anyOf", []):
+            if choice.get("type") == "integer":
+                choice["maximum"] = model.max_choices
     prompt = components.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})
     for choice in prompt.get("anyOf", []):
         items = choice.get("items", {})
+        if items.get("type") != "integer" and choice.get("type") == "array":
+            choice["maxItems"] = model.max_prompts  # a list of prompts
         if items.get("type") == "array":
             items = items.get("items", {})
         if items.get("type") == "integer":

@@ -63,34 +63,29 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def prompt_of(body: CompletionRequest | ChatCompletionRequest) -> Prompt:
-    """One text prompt, token ids or chat; several prompts are refused like n > 1."""
+def prompts_of(body: CompletionRequest | ChatCompletionRequest) -> list[Prompt]:
+    """The body's prompts: one chat, or a completion's text or token ids, one or a list."""
     if isinstance(body, ChatCompletionRequest):
         for name in ("max_tokens", "max_completion_tokens"):
             value = getattr(body, name)
             check(value is None or value >= 1, name, f"expected an integer >= 1, got {value}")
         chosen = body.max_completion_tokens
         max_tokens = chosen if chosen is not None else body.max_tokens
-        prompt = Prompt(None, chat_messages(body.messages), None, max_tokens)
-    else:
-        raw = body.prompt
-        if isinstance(raw, list) and raw and isinstance(raw[0], (str, list)):
-            check(
-                len(raw) == 1, "prompt", f"only one prompt per request is supported, got {len(raw)}"
-            )
-            raw = raw[0]
-        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_MAX_TOKENS
-        if isinstance(raw, str):
-            prompt = Prompt(raw, None, None, max_tokens)
-        else:
-            prompt = Prompt(None, None, list(raw), max_tokens)  # type: ignore[arg-type]
-    echoed = isinstance(body, CompletionRequest) and body.echo
+        return [Prompt(None, chat_messages(body.messages), None, max_tokens)]
+    raw = body.prompt
+    max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_MAX_TOKENS
     check(
-        prompt.max_tokens is None or prompt.max_tokens >= (0 if echoed else 1),
+        max_tokens >= (0 if body.echo else 1),
         "max_tokens",
-        f"expected an integer >= 1 (or 0 with echo, to score the prompt), got {prompt.max_tokens}",
+        f"expected an integer >= 1 (or 0 with echo, to score the prompt), got {max_tokens}",
     )
-    return prompt
+    several = isinstance(raw, list) and bool(raw) and isinstance(raw[0], (str, list))
+    return [
+        Prompt(one, None, None, max_tokens)
+        if isinstance(one, str)
+        else Prompt(None, None, list(one), max_tokens)  # type: ignore[arg-type]
+        for one in (raw if several else [raw])
+    ]
 
 
 Encode = Callable[[str | None, list[dict[str, str]] | None], list[int]]

@@ -4,8 +4,9 @@ Request bodies are strict (no string-to-number coercion) and refuse unknown fiel
 OpenAI API does; value ranges are checked by the engine's own parameter classes, so that every
 bound lives in one place (``hybridspec.config``, ``hybridspec.types``). Extension fields in a
 request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos``,
-``repetition_penalty``, ``min_p``, ``min_tokens``. In a response: ``hybridspec`` (the request's
-speculation statistics; in a stream, on the final chunk).
+``repetition_penalty``, ``min_p``, ``min_tokens``, ``stop_token_ids``. In a response:
+``hybridspec`` (the request's speculation statistics, its choices' together; in a stream, each
+choice's on its final chunk).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
 from hybridspec.engine.logprobs import MAX_LOGPROBS
-from hybridspec.engine.request import MAX_STOP_STRINGS
+from hybridspec.engine.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from hybridspec.types import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -118,7 +119,11 @@ class _SamplingFields(_Body):
         maximum=MAX_JSON_SEED,
         description="Reproducible sampling; below 2**53, where every JSON number is exact.",
     )
-    n: JsonInt | None = documented(minimum=1, maximum=1, description="Only 1 is supported.")
+    n: JsonInt | None = documented(
+        minimum=1,
+        description="Choices per prompt, sharing its prefill; at most the server's batch slots "
+        "(the document states them). Choice i samples with seed + i.",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = documented(
@@ -168,21 +173,22 @@ class _SamplingFields(_Body):
         description="K, the most drafts per round (hybridspec extension).",
     )
     ignore_eos: bool = Field(default=False, description="Generate past EOS (extension).")
+    stop_token_ids: list[JsonInt] | None = documented(
+        maxItems=MAX_STOP_TOKEN_IDS,
+        items={"type": "integer", "minimum": 0},
+        description="Token ids that end the text as EOS does, left out of it (extension).",
+    )
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``; ``prompt`` may be text or token ids (one prompt only)."""
+    """``POST /v1/completions``; ``prompt`` may be text or token ids, one prompt or a list
+    (run batched; the document bounds the list by the server's queue and slots)."""
 
     prompt: str | list[str] | list[JsonInt] | list[list[JsonInt]] = Field(
         json_schema_extra={
             "anyOf": [
                 {"type": "string", "minLength": 1},
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1},
-                    "minItems": 1,
-                    "maxItems": 1,
-                },
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                 {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
                 {
                     "type": "array",
@@ -192,7 +198,6 @@ class CompletionRequest(_SamplingFields):
                         "minItems": 1,
                     },
                     "minItems": 1,
-                    "maxItems": 1,
                 },
             ]
         }

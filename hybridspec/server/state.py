@@ -35,6 +35,8 @@ class ModelInfo:
     unavailable_proposers: dict[str, str]  # registered but not built: name -> why
     default_proposer: str
     default_num_speculative_tokens: int
+    max_choices: int  # n: the engine's slots, as a prompt's choices run at once
+    max_queue_size: int  # prompts waiting for slots (``EngineConfig.max_queue_size``)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @staticmethod
@@ -47,7 +49,14 @@ class ModelInfo:
             unavailable_proposers=engine.unavailable_proposers(),
             default_proposer=engine.config.default_proposer,
             default_num_speculative_tokens=engine.config.default_num_speculative_tokens,
+            max_choices=engine.runtime.max_num_seqs,
+            max_queue_size=engine.config.max_queue_size,
         )
+
+    @property
+    def max_prompts(self) -> int:
+        """Prompts in one request: as many as the queue and the slots hold."""
+        return self.max_queue_size + self.max_choices
 
     @property
     def name(self) -> str:

@@ -1,9 +1,11 @@
 """Server-sent events: the framing of a streamed completion and the generator that writes it.
 
 A streamed response is a sequence of server-sent events, ``data: <chunk JSON>``, ending with
-``data: [DONE]``. A chat stream's first chunk carries the role; the last chunk before
-``[DONE]`` carries the finish reason and the ``hybridspec`` statistics (then, when
-``stream_options.include_usage`` is set, one chunk with empty choices and the usage). With
+``data: [DONE]``. Each chunk carries one choice, named by its ``index`` (prompt ``i``, choice
+``j``: ``i * n + j``), as OpenAI streams ``n`` choices; their chunks interleave as the engine
+commits their tokens. A chat stream first carries the role of each choice; a choice's last
+chunk carries its finish reason and its ``hybridspec`` statistics; after every choice's, when
+``stream_options.include_usage`` is set, one chunk with empty choices and the usage of all. With
 ``continuous_usage_stats`` too (vLLM's extension), every chunk also carries the usage so far.
 A request that asks for logprobs gets those of each chunk's tokens on that chunk (a chunk may
 carry tokens whose text is held back, with empty text); an echoed prompt, with its logprobs,
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
@@ -26,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from hybridspec.engine import RequestOutput
 from hybridspec.server.errors import exception_response
 from hybridspec.server.generation import (
+    Indexed,
     PreparedRequest,
     check_not_failed,
     finish_reason,
@@ -94,27 +97,34 @@ class ChunkRenderer:
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
         return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
-    def head(self, usage: Usage | None = None) -> str | None:
+    def head(self, usage: Usage | None = None, index: int = 0) -> str | None:
         if not self.chat:
             return None
-        return self._event([{"delta": Delta(role="assistant", content="")}], usage=usage)
+        delta = Delta(role="assistant", content="")
+        return self._event([{"index": index, "delta": delta}], usage=usage)
 
     def text(
         self,
         text: str,
         usage: Usage | None = None,
         logprobs: ChatLogprobs | CompletionLogprobs | None = None,
+        index: int = 0,
     ) -> str:
+        choice: dict[str, object] = {"index": index, "logprobs": logprobs}
         if self.chat:
-            return self._event([{"delta": Delta(content=text), "logprobs": logprobs}], usage=usage)
-        return self._event(
-            [{"text": text, "finish_reason": None, "logprobs": logprobs}], usage=usage
-        )
+            choice["delta"] = Delta(content=text)
+        else:
+            choice.update(text=text, finish_reason=None)
+        return self._event([choice], usage=usage)
 
     def final(
-        self, reason: FinishReasonName, stats: SpeculationStats, usage: Usage | None = None
+        self,
+        reason: FinishReasonName,
+        stats: SpeculationStats,
+        usage: Usage | None = None,
+        index: int = 0,
     ) -> str:
-        choice: dict[str, object] = {"finish_reason": reason}
+        choice: dict[str, object] = {"index": index, "finish_reason": reason}
         choice.update({"delta": Delta()} if self.chat else {"text": ""})
         return self._event([choice], hybridspec=stats, usage=usage)
 
@@ -136,6 +146,7 @@ class _Pieces:
     prepared: PreparedRequest
     render: ChunkRenderer
     echo: str | None  # the prompt's text until it is sent
+    index: int = 0  # the choice's
     offset: int = 0  # completions: the text offset of the next token
 
     async def chunk(self, output: RequestOutput, usage: Usage | None) -> str | None:
@@ -151,48 +162,61 @@ class _Pieces:
                 self.offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         if not text and logprobs is None:
             return None
-        return self.render.text(text, usage, logprobs)
+        return self.render.text(text, usage, logprobs, self.index)
 
 
 async def stream_events(
     state: ServerState,
-    prepared: PreparedRequest,
+    prepared: Sequence[PreparedRequest],
     render: ChunkRenderer,
-    first: RequestOutput,
-    outputs: AsyncGenerator[RequestOutput, None],
+    first: Indexed,
+    outputs: AsyncGenerator[Indexed, None],
 ) -> AsyncIterator[str]:
-    """The event stream of one request whose ``first`` output was awaited already (so that a
-    refusal became an HTTP error before the stream began). Closes ``outputs`` when it ends."""
-    generated = 0
-    pieces = _Pieces(state, prepared, render, prepared.echo_text)
+    """The event stream of every choice of a request whose ``first`` output was awaited
+    already (so that a refusal became an HTTP error before the stream began). Closes
+    ``outputs`` when it ends: a failed choice ends the stream with an error event, and the
+    choices still running are aborted."""
+    n = prepared[0].n
+    count = len(prepared) * n
+    generated = [0] * count  # per choice
+    pieces = [
+        _Pieces(state, prepared[i // n], render, prepared[i // n].echo_text, i)
+        for i in range(count)
+    ]
 
     def so_far() -> Usage | None:
-        return usage_so_far(prepared, generated) if prepared.continuous_usage else None
+        return usage_so_far(prepared, sum(generated)) if prepared[0].continuous_usage else None
 
     async with contextlib.aclosing(outputs):
-        head = render.head(so_far())
-        if head is not None:
-            yield head
-        output = first
-        while not output.finished:
-            generated += len(output.new_token_ids)
-            chunk = await pieces.chunk(output, so_far())
+        for index in range(count):
+            head = render.head(so_far(), index)
+            if head is not None:
+                yield head
+        index, output = first
+        finals: list[RequestOutput] = []
+        while True:
+            if output.finished:
+                try:
+                    check_not_failed(output, render.id)
+                except Exception as exc:
+                    yield error_event(exc)
+                    yield DONE
+                    return
+                assert output.result is not None
+                generated[index] = len(output.result.token_ids)
+            else:
+                generated[index] += len(output.new_token_ids)
+            chunk = await pieces[index].chunk(output, so_far())
             if chunk is not None:
                 yield chunk
-            output = await next_output(outputs)
-        try:
-            check_not_failed(output, render.id)
-        except Exception as exc:
-            yield error_event(exc)
-            yield DONE
-            return
-        assert output.result is not None
-        generated = len(output.result.token_ids)
-        chunk = await pieces.chunk(output, so_far())
-        if chunk is not None:
-            yield chunk
-        stats = speculation_stats(prepared, output.result.stats)
-        yield render.final(finish_reason(output), stats, so_far())
-        if prepared.include_usage:
-            yield render.usage(usage(prepared, output))
+            if output.finished:
+                assert output.result is not None
+                stats = speculation_stats(prepared[index // n], output.result.stats)
+                yield render.final(finish_reason(output), stats, so_far(), index)
+                finals.append(output)
+                if len(finals) == count:
+                    break
+            index, output = await next_output(outputs)
+        if prepared[0].include_usage:
+            yield render.usage(usage(prepared, finals))
         yield DONE

@@ -62,3 +62,13 @@ def test_startup_times_the_server_to_ready_and_its_chat_requests() -> None:
     assert re.search(r"^import hybridspec: median \d+\.\d\d s", out, re.MULTILINE), out
     assert re.search(r"serve -> /health 200: \d+\.\d\d s \(.*ready: ", out), out
     assert re.search(r"^chat requests: \d+\.\d\d s, \d+\.\d\d s$", out, re.MULTILINE), out
+
+
+def test_choices_prefill_feeds_the_prompt_once_and_keeps_the_texts() -> None:
+    out = run_script(
+        "choices_prefill.py",
+        *("--prompt-tokens", "64", "--n", "2", "--max-new-tokens", "2", "--repeats", "1"),
+    )
+    assert re.search(r"^shared .* target fed 67 tokens$", out, re.MULTILINE), out  # 63 + 2 * 2
+    assert re.search(r"^separate .* target fed 130 tokens$", out, re.MULTILINE), out
+    assert "texts identical: yes" in out, out

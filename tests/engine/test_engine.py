@@ -260,3 +260,29 @@ def test_bad_arguments_raise_value_error_naming_the_field(
         engine.generate(prompt_token_ids=prompt, **options)
     assert isinstance(info.value, InvalidRequestError)
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram", "draft"])
+def test_stop_token_ids_end_the_text_as_eos_does(engine: Engine, proposer: str) -> None:
+    expected = plain(engine, PROMPTS[0], 20)
+    stop = expected[6]
+    cut = expected.index(stop)
+    result = engine.generate(
+        prompt_token_ids=PROMPTS[0],
+        proposer=proposer,
+        max_new_tokens=20,
+        stop_token_ids=[stop],
+        ignore_eos=True,
+    )
+    assert result.token_ids == expected[:cut]
+    assert result.finish_reason is FinishReason.STOP
+    held = engine.generate(
+        prompt_token_ids=PROMPTS[0],
+        proposer=proposer,
+        max_new_tokens=20,
+        stop_token_ids=[stop],
+        min_tokens=20,
+    )
+    assert stop not in held.token_ids and len(held.token_ids) == 20  # min_tokens holds it back
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        engine.generate(prompt_token_ids=PROMPTS[0], stop_token_ids=[VOCAB])

@@ -161,3 +161,39 @@ def test_forward_observers_see_each_batch_until_removed(runtime_kind: str) -> No
     assert all(seconds > 0 for _, _, seconds in seen)
     assert seen[0][2] == seen[1][2]  # one clock per forward, shared by its observers
     assert runtime.seq_len(slot) == 5
+
+
+@pytest.mark.parametrize(
+    ("runtime_kind", "invariant"),
+    [("native", True), ("native", False), ("transformers", False)],
+    ids=["kernel", "sdpa", "transformers"],
+)
+def test_copied_prefix_continues_as_its_source_and_stays_apart(
+    runtime_kind: str, invariant: bool
+) -> None:
+    """A slot given a copy of another's prefix continues exactly as the source would (the
+    choices of one prompt share its prefill this way), and neither's later writes or
+    truncations reach the other."""
+    runtime: ModelRuntime = (
+        native(invariant) if runtime_kind == "native" else HFRuntime(model(), 4, 128)
+    )
+    seq = sequences()[0]
+    source, dest = runtime.allocate(), runtime.allocate()
+    runtime.forward(ForwardBatch.from_lists([source], [seq[:20]], logits_indices=[]))
+    runtime.copy_prefix(source, dest, 15)
+    assert runtime.seq_len(dest) == 15 and runtime.seq_len(source) == 20
+    # the source goes on past the copied prefix; the copy takes other tokens at 15..
+    runtime.forward(ForwardBatch.from_lists([source], [seq[20:30]], logits_indices=[]))
+    other = runtime.forward(ForwardBatch.from_lists([dest], [seq[40:45]])).logits
+    runtime.truncate(source, 15)
+    again = runtime.forward(ForwardBatch.from_lists([source], [seq[40:45]])).logits
+    torch.testing.assert_close(other, again, atol=1e-5, rtol=0)
+    if runtime_kind == "native" and invariant:
+        assert torch.equal(other, again)  # the same bits, as from the same cache
+    fresh = runtime.allocate()
+    alone = runtime.forward(ForwardBatch.from_lists([fresh], [seq[:15] + seq[40:45]])).logits
+    torch.testing.assert_close(other, alone[15:], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="length"):
+        runtime.copy_prefix(source, dest, 21)
+    with pytest.raises(ValueError, match="dest"):
+        runtime.copy_prefix(source, source, 3)

@@ -47,12 +47,14 @@ def assert_error(response: Any, status: int, param: str | None) -> dict[str, Any
         ({"seed": -1}, "seed"),
         ({"seed": 2**70}, "seed"),
         ({"seed": 2**53}, "seed"),  # past what every JSON parser reads exactly
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 5}, "n"),  # more than the engine's 4 slots: its choices could never run at once
+        ({"prompt": ["a"] * 69}, "prompt"),  # more prompts than the queue (64) and slots hold
+        ({"prompt": ["a", ""]}, "prompt"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": LONG_PROMPT}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
         ({"stop": [""]}, "stop"),
         ({"logprobs": 6}, "logprobs"),  # at most 5, as in the OpenAI API
         ({"logprobs": -1}, "logprobs"),

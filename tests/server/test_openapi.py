@@ -131,7 +131,7 @@ def test_everything_the_document_advertises_is_accepted(client: TestClient) -> N
         "top_k": 1,
         "stop": ["x"],
         "seed": 2**53 - 1,
-        "n": 1,
+        "n": 4,  # the test engine's slots
         "presence_penalty": -2,
         "frequency_penalty": 2,
         "logit_bias": {"0": -100, "259": 100},
@@ -141,6 +141,7 @@ def test_everything_the_document_advertises_is_accepted(client: TestClient) -> N
         "user": "u",
         "best_of": 1,
         "ignore_eos": True,
+        "stop_token_ids": [0, 259],
     }
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text

@@ -22,7 +22,7 @@ from hybridspec.server.errors import ClientDisconnected
 from hybridspec.server.generation import (
     PreparedRequest,
     check_not_failed,
-    final_output,
+    final_outputs,
     next_output,
     observe,
     prepare,
@@ -43,26 +43,31 @@ T = TypeVar("T")
 router = APIRouter(tags=["completions"])
 
 
-async def _respond(request: Request, state: ServerState, prepared: PreparedRequest) -> Response:
-    response_id = f"{'chatcmpl' if prepared.chat else 'cmpl'}-{uuid.uuid4().hex}"
+async def _respond(
+    request: Request, state: ServerState, prepared: list[PreparedRequest]
+) -> Response:
+    """Run every prompt's choices; answer once all have finished, or stream them."""
+    chat, stream = prepared[0].chat, prepared[0].stream
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     outputs = observe(state, prepared)
-    if prepared.stream:
+    if stream:
         try:
             # Wait for the first output before answering, so that a refusal is an HTTP error.
             first = await until_disconnected(request, next_output(outputs))
-            check_not_failed(first, response_id)  # failed before its first token: an HTTP error
+            check_not_failed(first[1], response_id)  # failed before its first token: HTTP error
         except BaseException:
             await outputs.aclose()
             raise
-        render = ChunkRenderer(response_id, created, prepared.model, prepared.chat)
+        render = ChunkRenderer(response_id, created, prepared[0].model, chat)
         return EventStreamResponse(
             stream_events(state, prepared, render, first, outputs),
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     async with contextlib.aclosing(outputs):
-        output = await until_disconnected(request, final_output(outputs))
-    body = await response_body(state, prepared, response_id, created, output)
+        count = len(prepared) * prepared[0].n
+        finals = await until_disconnected(request, final_outputs(outputs, count))
+    body = await response_body(state, prepared, response_id, created, finals)
     return Response(body.model_dump_json(), media_type="application/json")
 
 

@@ -1,0 +1,59 @@
+"""The ``generate`` command's sampling options reach GenerationParams (no model loaded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridspec.cli import build_parser, generation_params
+from hybridspec.errors import InvalidRequestError
+
+
+def test_every_sampling_control_is_an_option() -> None:
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "hi",
+            "--presence-penalty",
+            "0.5",
+            "--frequency-penalty",
+            "0.3",
+            "--repetition-penalty",
+            "1.1",
+            "--logit-bias",
+            '{"13": -100, "7": 2.5}',
+            "--min-p",
+            "0.05",
+            "--min-tokens",
+            "8",
+            "--stop-token-id",
+            "3",
+            "--stop-token-id",
+            "4",
+            "-n",
+            "3",
+        ]
+    )
+    params = generation_params(args)
+    sampling = params.sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, 0.3)
+    assert sampling.repetition_penalty == 1.1 and sampling.min_p == 0.05
+    assert sampling.min_tokens == 8 and dict(sampling.logit_bias) == {7: 2.5, 13: -100.0}
+    assert params.stop_token_ids == (3, 4) and args.n == 3
+
+
+def test_defaults_are_the_librarys() -> None:
+    params = generation_params(build_parser().parse_args(["generate", "hi"]))
+    assert params.sampling.repetition_penalty == 1.0 and not params.sampling.logit_bias
+    assert params.stop_token_ids == ()
+
+
+@pytest.mark.parametrize("bias", ["[1, 2]", "{", '{"x": 1}'])
+def test_a_bad_logit_bias_is_a_usage_error(bias: str) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--logit-bias", bias])
+
+
+def test_out_of_bounds_values_name_the_field() -> None:
+    args = build_parser().parse_args(["generate", "hi", "--min-p", "2"])
+    with pytest.raises(InvalidRequestError, match="min_p"):
+        generation_params(args)
