@@ -25,6 +25,7 @@ from hybridspec.config import (
     EngineConfig,
     ModelConfig,
 )
+from hybridspec.distill.cli import add_distill_command
 from hybridspec.errors import HybridSpecError
 from hybridspec.server.config import ServerConfig
 
@@ -332,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_command(commands)
 
     add_bench_command(commands)
+    add_distill_command(commands)
     return parser
 
 
