@@ -22,6 +22,7 @@ from hybridspec.config import (
     MAX_SPECULATIVE_TOKENS,
     MIN_SPECULATIVE_TOKENS,
     DraftConfig,
+    EagleConfig,
     EngineConfig,
     ModelConfig,
 )
@@ -67,6 +68,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=ENGINE_DEFAULTS.draft.cost_per_token,
         help="time of one draft token relative to a target forward, for adaptive speculation "
         "(default: measured at start-up)",
+    )
+    group.add_argument(
+        "--eagle-head",
+        default=ENGINE_DEFAULTS.eagle.head,
+        help="draft head directory of the 'eagle' and 'hybrid' proposers, as written by "
+        "`hybridspec distill` (default: the head shipped for the target, if any)",
     )
     target = ENGINE_DEFAULTS.target
     group.add_argument(
@@ -136,6 +143,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ENGINE_DEFAULTS,
         target=target,
         draft=DraftConfig(model=draft, cost_per_token=args.draft_cost_per_token),
+        eagle=EagleConfig(head=args.eagle_head),
         default_proposer=args.proposer,
         default_num_speculative_tokens=args.num_speculative_tokens,
         adaptive_speculation=not args.fixed_k,
