@@ -17,7 +17,7 @@ from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers.eagle import EagleProposer
 from hybridspec.proposers.eagle_head import HeadCache, forward_cached
 from tests.engine import test_losslessness as lossless
-from tests.engine.tiny import PROMPTS, make_engine, plain, tiny_loaded
+from tests.engine.tiny import PROMPTS, make_engine, plain, run_joining, tiny_loaded
 from tests.proposers.eagle_helpers import random_head, use_head
 
 FREE = EagleConfig(cost_per_token=0.0)  # the tiny head costs what the tiny target does
@@ -44,21 +44,8 @@ def test_greedy_eagle_equals_plain_decoding(engine: Engine, k: int) -> None:
 def test_mixed_batch_with_eagle_equals_solo(engine: Engine) -> None:
     expected = {i: plain(engine, p, 30) for i, p in enumerate(PROMPTS)}
     setups = [("eagle", 8), ("ngram", 3), ("eagle", 2), ("none", None), ("eagle", 5)]
-    ids: dict[str, int] = {}
-    results: dict[int, list[int]] = {}
     joins = {0: [0, 1], 2: [2], 3: [3, 4]}  # step number -> prompts that join before it
-    step = 0
-    while step <= max(joins) or engine.has_unfinished():
-        for i in joins.get(step, []):
-            name, k = setups[i]
-            params = GenerationParams(max_new_tokens=30, proposer=name, num_speculative_tokens=k)
-            ids[engine.add_request(PROMPTS[i], params)] = i
-        for output in engine.step():
-            if output.finished:
-                assert output.result is not None
-                results[ids[output.request_id]] = output.result.token_ids
-        step += 1
-    assert results == expected
+    assert run_joining(engine, setups, joins) == expected
 
 
 def fresh_prefill_entries(
