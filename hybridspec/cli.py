@@ -23,9 +23,11 @@ from hybridspec.config import (
     MIN_SPECULATIVE_TOKENS,
     QUANTIZE,
     DraftConfig,
+    EagleConfig,
     EngineConfig,
     ModelConfig,
 )
+from hybridspec.distill.cli import add_distill_command
 from hybridspec.errors import HybridSpecError
 from hybridspec.server.config import API_KEY_ENV, ServerConfig
 
@@ -67,6 +69,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=ENGINE_DEFAULTS.draft.cost_per_token,
         help="time of one draft token relative to a target forward, for adaptive speculation "
         "(default: measured at start-up)",
+    )
+    group.add_argument(
+        "--eagle-head",
+        default=ENGINE_DEFAULTS.eagle.head,
+        help="draft head directory of the 'eagle' and 'hybrid' proposers, as written by "
+        "`hybridspec distill` (default: the head shipped for the target, if any)",
     )
     target = ENGINE_DEFAULTS.target
     group.add_argument(
@@ -154,6 +162,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ENGINE_DEFAULTS,
         target=target,
         draft=DraftConfig(model=draft, cost_per_token=args.draft_cost_per_token),
+        eagle=EagleConfig(head=args.eagle_head),
         default_proposer=args.proposer,
         default_num_speculative_tokens=args.num_speculative_tokens,
         adaptive_speculation=not args.fixed_k,
@@ -440,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_command(commands)
 
     add_bench_command(commands)
+    add_distill_command(commands)
     return parser
 
 

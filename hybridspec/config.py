@@ -131,17 +131,41 @@ class DraftConfig:
     cost_per_token: float | None = None
 
     def __post_init__(self) -> None:
+        _check_cost(self.cost_per_token)
+
+
+@dataclass(frozen=True, slots=True)
+class EagleConfig:
+    """The draft head of the ``eagle`` and ``hybrid`` proposers.
+
+    ``head``: a directory holding ``config.json`` and ``head.safetensors`` (what ``hybridspec
+    distill`` writes); None picks the head shipped for the target, if there is one.
+    ``cost_per_token`` as in ``DraftConfig``: None measures it when the proposer is built.
+    """
+
+    head: str | None = None
+    cost_per_token: float | None = None
+
+    def __post_init__(self) -> None:
         check(
-            self.cost_per_token is None
-            or (
-                isinstance(self.cost_per_token, (int, float))
-                and not isinstance(self.cost_per_token, bool)
-                and 0 <= self.cost_per_token <= MAX_DRAFT_COST_PER_TOKEN
-            ),
-            "cost_per_token",
-            f"expected None or a number in [0, {MAX_DRAFT_COST_PER_TOKEN}], "
-            f"got {self.cost_per_token!r}",
+            self.head is None or (isinstance(self.head, str) and bool(self.head)),
+            "head",
+            f"expected None or a directory, got {self.head!r}",
         )
+        _check_cost(self.cost_per_token)
+
+
+def _check_cost(cost: object) -> None:
+    check(
+        cost is None
+        or (
+            isinstance(cost, (int, float))
+            and not isinstance(cost, bool)
+            and 0 <= cost <= MAX_DRAFT_COST_PER_TOKEN
+        ),
+        "cost_per_token",
+        f"expected None or a number in [0, {MAX_DRAFT_COST_PER_TOKEN}], got {cost!r}",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +175,7 @@ class EngineConfig:
     target: ModelConfig = field(default_factory=ModelConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     ngram: NgramConfig = field(default_factory=NgramConfig)
+    eagle: EagleConfig = field(default_factory=EagleConfig)
     default_proposer: str = "ngram"
     default_num_speculative_tokens: int = 8
     max_queue_size: int = 64  # requests waiting for a batch slot before CapacityError

@@ -1,12 +1,13 @@
 """The package's imports go one way: each layer imports only the layers below it.
 
 Layers, lowest first (ARCHITECTURE.md): ``errors``; ``types`` and ``config``; ``model``;
-``verifier``; ``proposers``; ``engine``; ``server`` and ``bench``; ``deploy``; ``cli``; the
-package's own ``__init__``, which re-exports the public API. A module may import its own
-layer's unit (a package's modules import each other) and any unit of a lower layer; two units
-of one layer (``types`` and ``config``, ``server`` and ``bench``) do not import each other.
-Every import counts, lazy ones inside functions and ``TYPE_CHECKING`` ones included. Outside
-``model/``, the runtime is reached only through ``hybridspec.model``'s public names.
+``verifier``; ``proposers``; ``engine``; ``server``, ``bench`` and ``distill``; ``deploy``;
+``cli``; the package's own ``__init__``, which re-exports the public API. A module may import
+its own layer's unit (a package's modules import each other) and any unit of a lower layer;
+two units of one layer (``types`` and ``config``; ``server``, ``bench`` and ``distill``) do
+not import each other. Every import counts, lazy ones inside functions and ``TYPE_CHECKING``
+ones included. Outside ``model/``, the runtime is reached only through ``hybridspec.model``'s
+public names.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ LAYERS: dict[str, int] = {
     "engine": 5,
     "server": 6,
     "bench": 6,
+    "distill": 6,
     "deploy": 7,  # Ray Serve: replicas of the server's app
     "cli": 8,
     "": 9,  # hybridspec/__init__.py

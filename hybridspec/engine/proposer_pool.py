@@ -67,6 +67,7 @@ def proposer_context(
         tokenizer=target.tokenizer,
         config=config,
         draft=shared,
+        target=target,
         draft_error=draft_error,
         target_forward_s=target_forward_s,
     )

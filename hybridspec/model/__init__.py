@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from hybridspec.model.llama_weights import LlamaWeights
+    from hybridspec.model.llama_weights import LlamaWeights, dense
     from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
     from hybridspec.model.runtime import (
         ForwardBatch,
@@ -32,6 +32,7 @@ __all__ = [
     "LoadedModel",
     "ModelRuntime",
     "ObserverHandle",
+    "dense",
     "embedded_model_path",
     "fastest_forward_seconds",
     "load_model",
@@ -42,7 +43,7 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     globals(),
     {
-        "hybridspec.model.llama_weights": ("LlamaWeights",),
+        "hybridspec.model.llama_weights": ("LlamaWeights", "dense"),
         "hybridspec.model.loader": ("LoadedModel", "embedded_model_path", "load_model"),
         "hybridspec.model.runtime": (
             "ForwardBatch",

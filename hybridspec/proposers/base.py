@@ -76,6 +76,9 @@ class ProposerContext:
     tokenizer: PreTrainedTokenizerBase | None = None  # the target's, when one is loaded
     config: EngineConfig = field(default_factory=EngineConfig)  # each reads its own part
     draft: DraftModel | None = None  # None: no draft model is configured
+    # The target itself, read-only: a feature-level head borrows its embedding, final norm
+    # and LM head (``eagle``). None where a proposer is built without one (unit tests).
+    target: LoadedModel | None = None
     # Why ``draft`` is None although one was configured (its loading failed), for errors.
     draft_error: str | None = None
     # Seconds of a one-token forward of the target (measured once, on the first call), so that

@@ -1,9 +1,9 @@
 """Proposer names: the one place a name is mapped to the factory that builds the proposer.
 
 ``default_registry()`` gives every new engine the built-in proposers (``none``, ``ngram``,
-``draft``) plus those registered process-wide with ``register_proposer``; an engine's own
-``Engine.register_proposer`` adds to that engine alone. No code below this module compares
-proposer names.
+``draft``, ``eagle``, ``hybrid``) plus those registered process-wide with
+``register_proposer``; an engine's own ``Engine.register_proposer`` adds to that engine alone.
+No code below this module compares proposer names.
 """
 
 from __future__ import annotations
@@ -66,12 +66,16 @@ class ProposerRegistry:
 
 def _builtin_registry() -> ProposerRegistry:
     from hybridspec.proposers.draft import DraftModelProposer
+    from hybridspec.proposers.eagle import EagleProposer
+    from hybridspec.proposers.hybrid import HybridProposer
     from hybridspec.proposers.ngram import NgramProposer
 
     registry = ProposerRegistry()
     registry.register("none", NoProposer)
     registry.register("ngram", NgramProposer)
     registry.register("draft", DraftModelProposer)
+    registry.register("eagle", EagleProposer)
+    registry.register("hybrid", HybridProposer)
     return registry
 
 

@@ -24,7 +24,7 @@ from hybridspec import (
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
 from hybridspec.proposers.draft import DraftModelProposer
-from tests.engine.tiny import PROMPTS, VOCAB, make_engine, plain, tiny_loaded
+from tests.engine.tiny import PROMPTS, VOCAB, make_engine, plain, run_joining, tiny_loaded
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -52,21 +52,8 @@ def test_speculation_saves_forwards(engine: Engine) -> None:
 def test_mixed_batch_joining_at_different_steps_equals_solo(engine: Engine) -> None:
     expected = {i: plain(engine, p, 30) for i, p in enumerate(PROMPTS)}
     setups = [("ngram", 8), ("draft", 3), ("none", None), ("draft", 8), ("ngram", 1)]
-    ids: dict[str, int] = {}
-    results: dict[int, list[int]] = {}
     joins = {0: [0, 1], 2: [2], 3: [3, 4]}  # step number -> prompts that join before it
-    step = 0
-    while step <= max(joins) or engine.has_unfinished():
-        for i in joins.get(step, []):
-            name, k = setups[i]
-            params = GenerationParams(max_new_tokens=30, proposer=name, num_speculative_tokens=k)
-            ids[engine.add_request(PROMPTS[i], params)] = i
-        for output in engine.step():
-            if output.finished:
-                assert output.result is not None
-                results[ids[output.request_id]] = output.result.token_ids
-        step += 1
-    assert results == expected
+    assert run_joining(engine, setups, joins) == expected
 
 
 def cache_equals_plain_prefill(

@@ -80,3 +80,31 @@ def plain(engine: Engine, prompt: Sequence[int], max_new_tokens: int = 40) -> li
     return engine.generate(
         prompt_token_ids=prompt, proposer="none", max_new_tokens=max_new_tokens
     ).token_ids
+
+
+def run_joining(
+    engine: Engine,
+    setups: Sequence[tuple[str, int | None]],
+    joins: dict[int, list[int]],
+    max_new_tokens: int = 30,
+) -> dict[int, list[int]]:
+    """Run ``PROMPTS[i]`` with proposer and K ``setups[i]``, each joining before the step that
+    ``joins`` names (step number -> prompt indices); every prompt's generated tokens."""
+    from hybridspec import GenerationParams
+
+    ids: dict[str, int] = {}
+    results: dict[int, list[int]] = {}
+    step = 0
+    while step <= max(joins) or engine.has_unfinished():
+        for i in joins.get(step, []):
+            name, k = setups[i]
+            params = GenerationParams(
+                max_new_tokens=max_new_tokens, proposer=name, num_speculative_tokens=k
+            )
+            ids[engine.add_request(PROMPTS[i], params)] = i
+        for output in engine.step():
+            if output.finished:
+                assert output.result is not None
+                results[ids[output.request_id]] = output.result.token_ids
+        step += 1
+    return results

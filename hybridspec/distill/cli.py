@@ -1,0 +1,47 @@
+"""``hybridspec distill``: train an EAGLE-style draft head for a target, bounded in time.
+
+Phases, each with its own budget, all resumable from ``--work-dir``: the target answers
+prompts made from local text (``--answers-minutes``), reads local text teacher-forced
+(``--reading-minutes``), then the head trains on the cached features (``--train-minutes``).
+The head goes to ``--out`` (``config.json``, ``head.safetensors``) with ``training.json``:
+the options, the time each phase took and the held-out acceptance estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def add_distill_command(commands: Any) -> None:
+    """Register ``distill`` on the ``hybridspec`` subcommand parsers."""
+    p = commands.add_parser(
+        "distill",
+        help="train a draft head (eagle proposer) for a target on this machine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--target", default=None, help="as for serve (default: the embedded model)")
+    p.add_argument("--dtype", default="auto", help="the target's dtype while making data")
+    p.add_argument("--device", default="cpu", help="cpu or cuda: target and training")
+    p.add_argument("--out", type=Path, required=True, help="directory of the trained head")
+    p.add_argument("--work-dir", type=Path, required=True, help="cached data and checkpoints")
+    p.add_argument("--answers-minutes", type=float, default=22.0)
+    p.add_argument("--reading-minutes", type=float, default=4.0)
+    p.add_argument("--train-minutes", type=float, default=26.0)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per answer")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="answers written at once")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=None, help="fixed optimiser steps (tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run_distill)
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    from hybridspec.distill.run import distill
+
+    return distill(args)

@@ -1,0 +1,294 @@
+"""The ``eagle`` proposer: a feature-level draft head (``eagle_head``) drafts from the target's
+own hidden states, all sequences of a batch together.
+
+Per sequence the head's cache holds one entry per real pair ``(f_j, x_{j+1})``: the target's
+feature at ``j`` (handed by ``commit``, ``CommitInfo.hidden_states``) and the committed token
+after it. A round first feeds the real pairs it has not cached (``f_{L-2}`` is the last one
+known after ``L`` committed tokens: the last token is fed by the next verify forward), whose
+last output gives ``d_1``; then each further draft feeds ``(h, d_i)``, ``h`` the head's own
+prediction. The commit drops those draft entries (the cache goes back to its real pairs,
+exactly what a fresh prefill of them writes) and takes the new features.
+
+Worked example: 20 committed tokens, features ``f_0 .. f_18`` known, 17 pairs cached. The
+round feeds pairs 17, 18 (``(f_17, x_18), (f_18, x_19)``), drafts ``d1`` from the last, then
+feeds ``(h, d1), (h', d2)`` and drafts ``d2, d3``: 21 entries. The target keeps ``d1`` and
+corrects ``d2`` with ``c``; the commit brings ``f_19, f_20`` (rows of ``x_19`` and ``d1``) and
+truncates the cache to its 19 real pairs; the next round feeds pairs 19, 20 (``x_20 = d1``,
+``x_21 = c``).
+
+Drafts come from the head's logits over its draft vocabulary, scattered into the target's
+vocabulary (``-inf`` elsewhere) and put under the request's controls and sampling transforms as
+the verifier puts the target's; greedy requests take the argmax, sampled ones draw from ``q``
+and return it (zero outside the draft vocabulary), so verification stays exact.
+
+Dimensions: ``n`` sequences drafted together, ``D`` hidden size, ``V`` the target's vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridspec.errors import InvalidRequestError
+from hybridspec.model import LlamaWeights, LoadedModel, dense
+from hybridspec.proposers.base import Proposer, ProposerContext
+from hybridspec.proposers.eagle_head import (
+    CONFIG_FILE,
+    EagleHead,
+    HeadCache,
+    HeadConfig,
+    TargetParts,
+    forward_cached,
+    load_head,
+    target_fingerprint,
+)
+from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
+from hybridspec.verifier.controls import apply_controls
+from hybridspec.verifier.sampling import logits_to_probs
+
+logger = logging.getLogger(__name__)
+
+SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "heads"
+FEATURE_LAYERS = (-1,)  # the last decoder layer's output, before the final norm
+TIMING_REPEATS = 5
+
+
+def target_parts(model: LoadedModel) -> TargetParts:
+    """The target's embedding, final norm and LM head, as the head borrows them."""
+    weights = model.weights
+    if isinstance(weights, LlamaWeights):  # quantized matrices dequantized (tied: once)
+        table = dense(weights.embed, weights.dtype)
+        lm_head = (
+            table if weights.lm_head is weights.embed else dense(weights.lm_head, weights.dtype)
+        )
+        return TargetParts(table, weights.norm, lm_head)
+    embed = weights.get_input_embeddings()
+    head = weights.get_output_embeddings()
+    norm = getattr(getattr(weights, "model", None), "norm", None)
+    if head is None or norm is None or not hasattr(norm, "weight"):
+        raise InvalidRequestError(
+            f"proposer: 'eagle' needs a Llama-like target (embedding, final RMS norm, LM head); "
+            f"{model.source} has none",
+            "proposer",
+        )
+    tensors: list[torch.Tensor] = []
+    for module in (embed, norm, head):
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        tensors.append(weight.detach())
+    return TargetParts(*tensors)
+
+
+def find_head(configured: str | None, parts: TargetParts) -> Path:
+    """The head directory: ``configured``, or the shipped head trained for this target."""
+    if configured is not None:
+        path = Path(configured).expanduser()
+        if not (path / CONFIG_FILE).is_file():
+            raise InvalidRequestError(f"eagle.head: no {CONFIG_FILE} in {configured!r}", "head")
+        return path
+    fingerprint = target_fingerprint(parts.embed)
+    for candidate in sorted(SHIPPED_HEADS.glob(f"*/{CONFIG_FILE}")):
+        config = HeadConfig.from_json(candidate.read_text())
+        if config.target_fingerprint == fingerprint:
+            return candidate.parent
+    raise InvalidRequestError(
+        "proposer: 'eagle' has no head for this target; train one with `hybridspec distill` "
+        "and pass it with --eagle-head DIR (EagleConfig(head=...))",
+        "proposer",
+    )
+
+
+@dataclass(slots=True)
+class _EagleSeq:
+    slot: int
+    committed_len: int
+    num_real: int = 0  # real pairs in the head's cache
+    features: list[torch.Tensor] = field(default_factory=list)  # [rows, D] not yet fed
+
+
+class EagleProposer(Proposer):
+    """Drafts with a feature-level head over the target's hidden states (module docstring).
+
+    ``cost_per_token``: ``EagleConfig.cost_per_token`` or, when that is None, a one-token head
+    step (fusion, layer, draft-vocabulary logits) over a one-token target forward, both timed
+    here when the proposer is built.
+    """
+
+    samples_drafts = True
+    hidden_layers = FEATURE_LAYERS
+
+    def __init__(self, context: ProposerContext, head: EagleHead | None = None) -> None:
+        super().__init__(context)
+        if head is None:
+            if context.target is None:
+                raise InvalidRequestError("proposer: 'eagle' needs the target model", "proposer")
+            parts = target_parts(context.target)
+            head = load_head(find_head(context.config.eagle.head, parts), parts)
+        if head.config.vocab_size != context.vocab_size:
+            raise InvalidRequestError(
+                f"proposer: the eagle head's vocabulary ({head.config.vocab_size}) differs from "
+                f"the target's ({context.vocab_size})",
+                "proposer",
+            )
+        self.head = head
+        self.cache = HeadCache(head.config, head.parts.embed.dtype, head.parts.embed.device)
+        self._seqs: dict[int, _EagleSeq] = {}
+        configured = context.config.eagle.cost_per_token
+        self.cost_per_token = configured if configured is not None else self._measure_cost()
+
+    def _measure_cost(self) -> float:
+        """One head step of one token over one target forward (0 when the target has none)."""
+        target_forward_s = self.context.target_forward_s
+        if target_forward_s is None:
+            return 0.0
+        target_s = target_forward_s()
+        if target_s <= 0:
+            return 0.0
+        requests = [ProposeRequest(-1, [0, 0], 1, SamplingParams())]
+        seq = _EagleSeq(self.cache.allocate(), committed_len=2)
+        feature = torch.zeros(1, self.head.config.hidden_size, dtype=self.head.parts.embed.dtype)
+        best = float("inf")
+        try:
+            for _ in range(TIMING_REPEATS):
+                seq.features, seq.num_real = [feature], 0
+                self.cache.truncate(seq.slot, 0)
+                start = time.perf_counter()
+                self._draft(requests, [seq], [1])
+                best = min(best, time.perf_counter() - start)
+        finally:
+            self.cache.free(seq.slot)
+        cost = best / target_s
+        logger.info("eagle head: %.3f of a target forward per draft token", cost)
+        return cost
+
+    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
+        if seq_id in self._seqs:
+            raise InvalidRequestError(f"seq_id: {seq_id} was already started", "seq_id")
+        self._seqs[seq_id] = _EagleSeq(self.cache.allocate(), len(prompt_token_ids))
+
+    def _seq(self, seq_id: int) -> _EagleSeq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise InvalidRequestError(f"seq_id: {seq_id} is not started", "seq_id") from None
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        """Draft for every request whose features reach its last committed token but one."""
+        seqs = [self._seq(r.seq_id) for r in requests]
+        wanted = []
+        for request, seq in zip(requests, seqs, strict=True):
+            if len(request.token_ids) != seq.committed_len:
+                raise InvalidRequestError(
+                    f"seq_id: {request.seq_id} has {len(request.token_ids)} committed tokens, "
+                    f"the eagle head tracked {seq.committed_len}; commit() was missed",
+                    "seq_id",
+                )
+            known = seq.num_real + sum(f.shape[0] for f in seq.features)
+            # The first round (before any verify forward) has no features yet: no drafts.
+            ready = bool(seq.features) and known == seq.committed_len - 1
+            wanted.append(request.max_num_drafts if ready else 0)
+        return self._draft(requests, seqs, wanted)
+
+    def _draft(
+        self, requests: Sequence[ProposeRequest], seqs: list[_EagleSeq], wanted: list[int]
+    ) -> list[Proposal]:
+        drafted: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = [i for i, k in enumerate(wanted) if k > 0]
+        if not active:
+            return [Proposal(()) for _ in requests]
+        # The first step feeds each sequence's uncached real pairs.
+        features, tokens, rows = [], [], []
+        for i in active:
+            seq, ids = seqs[i], requests[i].token_ids
+            new = torch.cat(seq.features) if len(seq.features) > 1 else seq.features[0]
+            features.append(new)
+            tokens.append(torch.as_tensor(ids[seq.num_real + 1 : seq.committed_len]))
+            rows.append(new.shape[0])
+            seq.num_real += new.shape[0]
+            seq.features = []
+        feature_in = torch.cat(features)
+        token_in = torch.cat(tokens)
+        with torch.inference_mode():
+            while active:
+                predicted = forward_cached(
+                    self.head,
+                    self.cache,
+                    [seqs[i].slot for i in active],
+                    feature_in,
+                    token_in,
+                    rows,
+                )
+                last = torch.tensor(rows).cumsum(0) - 1
+                predicted = predicted[last]  # [len(active), D]
+                next_tokens = self._sample(requests, active, drafted, probs, predicted)
+                keep = [j for j, i in enumerate(active) if len(drafted[i]) < wanted[i]]
+                active = [active[j] for j in keep]
+                feature_in, token_in = predicted[keep], torch.tensor(next_tokens)[keep]
+                rows = [1] * len(active)
+        return [
+            Proposal(tokens_i, torch.stack(p) if p else None)
+            for tokens_i, p in zip(drafted, probs, strict=True)
+        ]
+
+    def _sample(
+        self,
+        requests: Sequence[ProposeRequest],
+        active: list[int],
+        drafted: list[list[int]],
+        probs: list[list[torch.Tensor]],
+        predicted: torch.Tensor,  # [len(active), D]
+    ) -> list[int]:
+        """One draft per active sequence from the head's logits under the request's controls."""
+        head_logits = self.head.logits(predicted).float()  # [len(active), S]
+        logits = torch.full(
+            (len(active), self.context.vocab_size), float("-inf"), device=head_logits.device
+        )
+        logits[:, self.head.draft_vocab] = head_logits
+        logits = apply_controls(
+            logits,
+            [requests[i].sampling for i in active],
+            [requests[i].history() for i in active],
+            [drafted[i] for i in active],
+            [1] * len(active),
+        )
+        tokens = []
+        for row, i in enumerate(active):
+            sampling = requests[i].sampling
+            if sampling.is_greedy:
+                token = int(torch.argmax(logits[row]))
+            else:
+                q = logits_to_probs(logits[row : row + 1], sampling)[0]  # [V]
+                token = int(torch.multinomial(q, 1, generator=requests[i].generator))
+                probs[i].append(q)
+            drafted[i].append(token)
+            tokens.append(token)
+        return tokens
+
+    def commit(self, info: CommitInfo) -> None:
+        seq = self._seq(info.seq_id)
+        self.cache.truncate(seq.slot, seq.num_real)  # drop the drafts' entries
+        if info.hidden_states is not None and info.hidden_states.shape[0] > 0:
+            expected = seq.num_real + sum(f.shape[0] for f in seq.features)
+            if info.hidden_position != expected:
+                raise InvalidRequestError(
+                    f"seq_id: {info.seq_id}: features from position {info.hidden_position}, "
+                    f"expected {expected}",
+                    "seq_id",
+                )
+            seq.features.append(info.hidden_states[:, 0])
+        seq.committed_len += len(info.token_ids)
+
+    def finish(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.cache.free(seq.slot)
+
+    def close(self) -> None:
+        for seq_id in list(self._seqs):
+            self.finish(seq_id)

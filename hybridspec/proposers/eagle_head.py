@@ -1,0 +1,379 @@
+"""The feature-level draft head of the ``eagle`` proposer (EAGLE, Li et al. 2024; EAGLE-3's
+training-time test), its configuration and its files.
+
+The head reads the target's own hidden state ``f_t`` (the last decoder layer's output, before
+the final norm: ``ForwardBatch.hidden_layers = (-1,)``) and the embedding of the token that
+followed, ``x_{t+1}``; one fully-connected layer fuses them, one Llama decoder layer at the
+target's width (its own small KV cache) turns the sequence of fused inputs into predicted
+features ``h_t`` of position ``t + 1``, and the target's final norm and LM head, restricted to a
+frequency-ranked draft vocabulary (FR-Spec), turn ``h_t`` into logits of ``x_{t+2}``. The
+target's embedding, final norm and LM head rows are borrowed, frozen, never stored in the head's
+file; the file holds the fusion, the decoder layer and the draft vocabulary.
+
+Drafting ``k`` tokens after a committed context ``x_0 .. x_{L-1}`` whose features
+``f_0 .. f_{L-2}`` are known: the pairs ``(f_j, x_{j+1})`` for ``j < L - 1`` are real (the
+target's features) and stay in the head's cache; the last one's output gives ``d_1``; then
+``(h, d_1)``, ``(h', d_2)``, ... are fed with the head's own predicted features, and those
+entries are dropped again at the next commit (``HeadCache.truncate``).
+
+Dimensions: ``N`` rows (flat, ragged over sequences), ``D`` hidden size, ``H`` query heads,
+``KV`` key/value heads, ``hd`` head_dim, ``I`` intermediate size, ``S`` draft vocabulary size,
+``V`` the target's vocabulary size, ``B`` training windows of ``T`` positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridspec.errors import check
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "head.safetensors"
+FORMAT = "hybridspec-eagle-1"
+
+
+@dataclass(frozen=True, slots=True)
+class HeadConfig:
+    """The shape of a head and which target it was trained for (``config.json``)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target: str = ""  # the target it was trained on (its source), for messages
+    # ``target_fingerprint`` of the target it was trained on: how a shipped head is found
+    target_fingerprint: str = ""
+    format: str = FORMAT
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 1, name, f"expected >= 1, got {value!r}")
+        check(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            f"expected a divisor of num_heads={self.num_heads}, got {self.num_kv_heads}",
+        )
+        check(
+            1 <= self.draft_vocab_size <= self.vocab_size,
+            "draft_vocab_size",
+            f"expected an integer in [1, vocab_size={self.vocab_size}], "
+            f"got {self.draft_vocab_size!r}",
+        )
+        check(self.format == FORMAT, "format", f"expected {FORMAT!r}, got {self.format!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> HeadConfig:
+        data = json.loads(text)
+        check(isinstance(data, dict), "config", "expected a JSON object")
+        fields = set(HeadConfig.__dataclass_fields__)
+        unknown = sorted(set(data) - fields)
+        check(not unknown, "config", f"unknown fields {unknown}")
+        return HeadConfig(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetParts:
+    """What the head borrows from the target, frozen: all of the head's dtype and device."""
+
+    embed: torch.Tensor  # [V, D]
+    norm: torch.Tensor  # [D], the target's final norm
+    lm_head: torch.Tensor  # [V, D]
+
+
+def target_fingerprint(embed: torch.Tensor) -> str:
+    """A short hash of a target's first embedding rows, rounded to bfloat16 (so that a target
+    loaded in float32 or bfloat16, from any path, has the same one)."""
+    rows = embed[:64].detach().to(torch.bfloat16).float().cpu().contiguous()
+    return hashlib.sha256(rows.numpy().tobytes()).hexdigest()[:16]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope, rotate-half convention: ``x [..., heads, hd]``, ``cos, sin [..., 1, hd]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class EagleHead(nn.Module):
+    """Fusion FC, one decoder layer, and logits over the draft vocabulary (module docstring)."""
+
+    draft_vocab: torch.Tensor  # [S] int64: the target's ids of the draft vocabulary, sorted
+
+    def __init__(self, config: HeadConfig, parts: TargetParts, draft_vocab: torch.Tensor) -> None:
+        super().__init__()
+        c = config
+        check(
+            tuple(parts.embed.shape) == (c.vocab_size, c.hidden_size),
+            "target",
+            f"a head for hidden size {c.hidden_size} and vocabulary {c.vocab_size} cannot run "
+            f"on a target whose embedding is {tuple(parts.embed.shape)}",
+        )
+        check(
+            tuple(draft_vocab.shape) == (c.draft_vocab_size,),
+            "draft_vocab",
+            f"expected {c.draft_vocab_size} token ids, got shape {tuple(draft_vocab.shape)}",
+        )
+        self.config = c
+        d, q_width, kv_width = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.fc = nn.Linear(2 * d, d, bias=False)  # cat(embed(x_{t+1}), f_t) -> D
+        self.input_norm = nn.Parameter(torch.ones(d))
+        self.wqkv = nn.Linear(d, q_width + 2 * kv_width, bias=False)
+        self.wo = nn.Linear(q_width, d, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(d))
+        self.w_gate_up = nn.Linear(d, 2 * c.intermediate_size, bias=False)
+        self.w_down = nn.Linear(c.intermediate_size, d, bias=False)
+        self.register_buffer("draft_vocab", draft_vocab.long(), persistent=True)
+        self.parts = parts
+        self.draft_lm_head = parts.lm_head[draft_vocab.to(parts.lm_head.device)]  # [S, D]
+        half = torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim
+        self.inv_freq = 1.0 / (c.rope_theta**half)  # [hd // 2]
+
+    # ------------------------------------------------------------------ pieces
+
+    def fuse(self, features: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
+        """``[..., D]`` features and the ids of the tokens after them -> fused inputs [..., D]."""
+        embedded = F.embedding(next_token_ids, self.parts.embed)
+        return self.fc(torch.cat((embedded, features.to(embedded.dtype)), dim=-1))
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin ``[..., 1, hd]`` at integer ``positions [...]``."""
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def qkv(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused inputs ``[..., D]`` -> q ``[..., H, hd]``, k, v ``[..., KV, hd]`` (rotated)."""
+        c = self.config
+        h = F.rms_norm(x, (c.hidden_size,), self.input_norm, c.rms_norm_eps)
+        qkv = self.wqkv(h)
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        cos, sin = self.rope(positions, x.dtype)
+        q = rotate(q.unflatten(-1, (c.num_heads, c.head_dim)), cos, sin)
+        k = rotate(k.unflatten(-1, (c.num_kv_heads, c.head_dim)), cos, sin)
+        return q, k, v.unflatten(-1, (c.num_kv_heads, c.head_dim))
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer's rest: ``x + wo(attended)``, then the MLP; predicted features [..., D]."""
+        c = self.config
+        x = x + self.wo(attended.flatten(-2))
+        h = F.rms_norm(x, (c.hidden_size,), self.mlp_norm, c.rms_norm_eps)
+        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary ``[..., S]`` of features ``[..., D]`` (the target's
+        final norm and LM head rows; for the target's own features, its logits there)."""
+        c = self.config
+        h = F.rms_norm(
+            features.to(self.draft_lm_head.dtype), (c.hidden_size,), self.parts.norm, c.rms_norm_eps
+        )
+        return F.linear(h, self.draft_lm_head)
+
+    # ---------------------------------------------------------------- training
+
+    def unrolled(
+        self, features: torch.Tensor, next_token_ids: torch.Tensor, num_steps: int
+    ) -> list[torch.Tensor]:
+        """Predicted features of each drafting step, as drafting meets them (training-time test).
+
+        ``features [B, T, D]`` are the target's ``f_0 .. f_{T-1}``, ``next_token_ids [B, T]``
+        the tokens ``x_1 .. x_T``. Step 1 at position ``j`` reads ``(f_j, x_{j+1})`` and attends
+        to step-1 entries ``<= j``: it predicts ``f_{j+1}`` (``out[0][:, j]``). Step ``s`` at
+        ``j`` reads ``(out[s-2][:, j-1], x_{j+1})``, the feature the previous step predicted,
+        and attends as drafting does: to step-1 entries ``<= j - s + 1``, the entry of step
+        ``m`` at ``j - s + m`` for ``1 < m < s``, and itself; it predicts ``f_{j+1}`` too
+        (positions ``j < s - 1`` have no such history and are masked by the caller).
+        """
+        c = self.config
+        length = features.shape[1]
+        positions = torch.arange(length, device=features.device)
+        rep, scale = c.num_heads // c.num_kv_heads, 1.0 / math.sqrt(c.head_dim)
+        outs: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []  # per step: [B, KV, T, hd]
+        values: list[torch.Tensor] = []
+        inputs = features
+        for step in range(num_steps):
+            if step > 0:  # feed back the previous step's prediction, one position later
+                inputs = torch.cat((torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]), dim=1)
+            x = self.fuse(inputs, next_token_ids)  # [B, T, D]
+            q, k, v = self.qkv(x, positions)
+            q = q.transpose(1, 2)  # [B, H, T, hd]
+            keys.append(k.transpose(1, 2).repeat_interleave(rep, dim=1))  # [B, H, T, hd]
+            values.append(v.transpose(1, 2).repeat_interleave(rep, dim=1))
+            scores = [
+                (q @ keys[0].transpose(-1, -2)).masked_fill(
+                    torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1 - step),
+                    float("-inf"),
+                )
+            ]  # step-1 entries <= j - step
+            for m in range(1, step + 1):  # the entry of step m at j - step + m
+                shifted_k = _shift(keys[m], step - m)
+                scores.append((q * shifted_k).sum(-1, keepdim=True))  # [B, H, T, 1]
+            weights = torch.softmax(torch.cat(scores, dim=-1) * scale, dim=-1)
+            attended = weights[..., :length] @ values[0]
+            for m in range(1, step + 1):
+                attended = attended + weights[..., length + m - 1 :][..., :1] * _shift(
+                    values[m], step - m
+                )
+            outs.append(self.finish(x, attended.transpose(1, 2)))  # [B, T, D]
+        return outs
+
+
+def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
+    """``x [B, H, T, hd]`` moved ``by`` positions later along T (zeros first): row j = x[j-by]."""
+    if by == 0:
+        return x
+    return torch.cat((torch.zeros_like(x[:, :, :by]), x[:, :, :-by]), dim=2)
+
+
+# ------------------------------------------------------------------- drafting
+
+
+class HeadCache:
+    """The head's keys and values, one growing buffer per slot (a sequence being drafted for).
+
+    ``truncate`` rolls a slot back; the entries kept are exactly those a fresh prefill of the
+    same inputs would write (each row's keys and values depend on its own input alone).
+    """
+
+    def __init__(self, config: HeadConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self._shape = (config.num_kv_heads, config.head_dim)
+        self._dtype, self._device = dtype, device
+        self._keys: dict[int, torch.Tensor] = {}  # slot -> [capacity, KV, hd]
+        self._values: dict[int, torch.Tensor] = {}
+        self._lengths: dict[int, int] = {}
+        self._next_slot = 0
+
+    def allocate(self) -> int:
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self._keys[slot] = torch.empty(64, *self._shape, dtype=self._dtype, device=self._device)
+        self._values[slot] = torch.empty_like(self._keys[slot])
+        self._lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._keys.pop(slot, None)
+        self._values.pop(slot, None)
+        self._lengths.pop(slot, None)
+
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def truncate(self, slot: int, length: int) -> None:
+        assert 0 <= length <= self._lengths[slot], (length, self._lengths[slot])
+        self._lengths[slot] = length
+
+    def entries(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's keys and values ``[length, KV, hd]`` (views)."""
+        n = self._lengths[slot]
+        return self._keys[slot][:n], self._values[slot][:n]
+
+    def append(
+        self, slot: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[n, KV, hd]`` rows; the slot's whole keys and values after them."""
+        start, n = self._lengths[slot], keys.shape[0]
+        if start + n > self._keys[slot].shape[0]:
+            capacity = max(2 * self._keys[slot].shape[0], start + n)
+            for table in (self._keys, self._values):
+                grown = torch.empty(capacity, *self._shape, dtype=self._dtype, device=self._device)
+                grown[:start] = table[slot][:start]
+                table[slot] = grown
+        self._keys[slot][start : start + n] = keys
+        self._values[slot][start : start + n] = values
+        self._lengths[slot] = start + n
+        return self.entries(slot)
+
+
+def forward_cached(
+    head: EagleHead,
+    cache: HeadCache,
+    slots: list[int],
+    features: torch.Tensor,
+    next_token_ids: torch.Tensor,
+    num_rows: list[int],
+) -> torch.Tensor:
+    """Feed ``num_rows[i]`` pairs (feature, next token) to slot ``slots[i]``; predicted features.
+
+    ``features [N, D]``, ``next_token_ids [N]``, flat in the order of ``slots``; returns
+    ``[N, D]``. Each slot's new rows sit at positions ``cache.length(slot)`` onwards and attend
+    to the slot's cached entries and, causally, to each other.
+    """
+    c = head.config
+    rep = c.num_heads // c.num_kv_heads
+    starts = [cache.length(slot) for slot in slots]
+    positions = torch.cat(
+        [torch.arange(s, s + n) for s, n in zip(starts, num_rows, strict=True)]
+    ).to(features.device)
+    x = head.fuse(features, next_token_ids)  # [N, D]
+    q, k, v = head.qkv(x, positions)  # [N, H, hd], [N, KV, hd] x 2
+    attended = torch.empty_like(q)
+    row = 0
+    for slot, start, n in zip(slots, starts, num_rows, strict=True):
+        keys, values = cache.append(slot, k[row : row + n], v[row : row + n])
+        mask = None
+        if n > 1:  # row r sees entries <= start + r
+            cols = torch.arange(start + n, device=x.device)
+            mask = cols[None, :] <= (start + torch.arange(n, device=x.device))[:, None]
+        attended[row : row + n] = F.scaled_dot_product_attention(
+            q[row : row + n].transpose(0, 1),  # [H, n, hd]
+            keys.transpose(0, 1).repeat_interleave(rep, dim=0),  # [H, L, hd]
+            values.transpose(0, 1).repeat_interleave(rep, dim=0),
+            attn_mask=mask,
+        ).transpose(0, 1)
+        row += n
+    return head.finish(x, attended)
+
+
+# --------------------------------------------------------------------- files
+
+
+def save_head(head: EagleHead, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write ``config.json`` and ``head.safetensors`` (trained weights and the draft vocab)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).contiguous().cpu()
+        for name, t in head.state_dict().items()
+    }
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT})
+    (directory / CONFIG_FILE).write_text(head.config.to_json() + "\n")
+
+
+def load_head(directory: Path, parts: TargetParts) -> EagleHead:
+    """The head in ``directory`` over the target's ``parts``, in their dtype and device."""
+    from safetensors.torch import load_file
+
+    config_path = directory / CONFIG_FILE
+    check(config_path.is_file(), "head", f"no {CONFIG_FILE} in {directory}")
+    config = HeadConfig.from_json(config_path.read_text())
+    tensors = load_file(str(directory / WEIGHTS_FILE))
+    check("draft_vocab" in tensors, "head", f"{directory / WEIGHTS_FILE} has no draft_vocab")
+    head = EagleHead(config, parts, tensors["draft_vocab"])
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    check(
+        not missing and not unexpected,
+        "head",
+        f"{directory / WEIGHTS_FILE}: missing {missing}, unexpected {unexpected}",
+    )
+    return head.to(dtype=parts.embed.dtype, device=parts.embed.device).eval()

@@ -1,0 +1,121 @@
+"""Distillation on a tiny random target in seconds: the loss falls, training resumes exactly
+where it stopped, the trained head drafts through the engine; and the data never contains a
+bench prompt."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
+from hybridspec.config import EagleConfig
+from hybridspec.distill.data import FeatureReader, local_snippets
+from hybridspec.distill.sources import chat_prompts
+from hybridspec.distill.train import (
+    TrainOptions,
+    acceptance,
+    distill_parts,
+    draft_vocabulary,
+    head_config,
+    init_head,
+    target_top,
+    train,
+    windows,
+)
+from hybridspec.model.loader import LoadedModel
+from hybridspec.proposers.eagle_head import EagleHead
+from tests.engine.tiny import EOS, PROMPTS, make_engine, plain, tiny_loaded
+from tests.proposers.eagle_helpers import use_head
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return tiny_loaded(0)
+
+
+@pytest.fixture(scope="module")
+def sequences(target: LoadedModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tiny target's own greedy continuations of random prompts, with their features."""
+    engine = make_engine(target)
+    reader = FeatureReader(target, 256)
+    rng = random.Random(0)
+    out = []
+    for _ in range(12):
+        prompt = [rng.randrange(1, EOS) for _ in range(rng.randint(3, 12))]
+        ids = prompt + plain(engine, prompt, 40)
+        out.append((torch.tensor(ids, dtype=torch.int32), reader(ids).to(torch.bfloat16)))
+    return out
+
+
+def new_head(target: LoadedModel, sequences: list) -> EagleHead:  # type: ignore[type-arg]
+    torch.manual_seed(0)
+    vocab = draft_vocabulary(sequences, 48, (EOS,))
+    return init_head(head_config(target, 48), distill_parts(target, torch.float32), vocab)
+
+
+OPTIONS = TrainOptions(budget_s=60.0, batch_size=4, window=32, lr=3e-3, max_steps=30)
+
+
+def test_training_lowers_the_loss_and_the_head_drafts(
+    target: LoadedModel,
+    sequences: list,
+    tmp_path: Path,  # type: ignore[type-arg]
+) -> None:
+    head = new_head(target, sequences)
+    held_out = windows(sequences[:4], 32, None)
+    tops = target_top(distill_parts(target, torch.float32), held_out, head.config.rms_norm_eps)
+    before = acceptance(head, held_out, tops, 2)
+    losses: list[float] = []
+    train(head, sequences[4:], OPTIONS, tmp_path, lambda s: losses.append(s.last_loss))
+    assert len(losses) == OPTIONS.max_steps
+    assert sum(losses[-5:]) < 0.9 * sum(losses[:5])
+    after = acceptance(head, held_out, tops, 2)
+    assert after[0] > before[0]
+    engine = make_engine(target, eagle=EagleConfig(cost_per_token=0.0))
+    use_head(engine, head.eval())
+    drafted = 0
+    for prompt in PROMPTS:
+        result = engine.generate(prompt_token_ids=prompt, proposer="eagle", max_new_tokens=30)
+        assert result.token_ids == plain(engine, prompt, 30)
+        drafted += result.stats.draft_tokens_accepted
+    assert drafted > 0
+
+
+def test_training_resumes_exactly_from_its_checkpoint(
+    target: LoadedModel,
+    sequences: list,
+    tmp_path: Path,  # type: ignore[type-arg]
+) -> None:
+    short = TrainOptions(budget_s=60.0, batch_size=2, window=16, max_steps=6)
+    straight = new_head(target, sequences)
+    train(straight, sequences, short, tmp_path / "straight", lambda s: None)
+    resumed = new_head(target, sequences)
+    half = TrainOptions(budget_s=60.0, batch_size=2, window=16, max_steps=3)
+    train(resumed, sequences, half, tmp_path / "resumed", lambda s: None)
+    again = new_head(target, sequences)  # a fresh process: everything from the checkpoint
+    steps: list[int] = []
+    train(again, sequences, short, tmp_path / "resumed", lambda s: steps.append(s.step))
+    assert steps == [4, 5, 6]
+    theirs = again.state_dict()
+    for name, mine in straight.state_dict().items():
+        assert torch.equal(mine, theirs[name]), name
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_tokens_and_eos() -> None:
+    seqs = [(torch.tensor([5, 5, 5, 7, 7, 9], dtype=torch.int32), torch.zeros(6, 2))]
+    assert draft_vocabulary(seqs, 3, (2,)).tolist() == [2, 5, 7]
+
+
+def test_no_bench_prompt_is_in_the_distillation_data() -> None:
+    workload = load_workload(DEFAULT_WORKLOAD)
+    bench_texts = [m["content"] for p in workload.prompts for m in p.messages]
+    snippets = local_snippets(seed=0, limit=400)
+    prompts = chat_prompts(snippets, 400, random.Random(0))
+    data = prompts + [s.text for s in snippets]
+    for bench in bench_texts:
+        # a long piece of every bench message, and the whole of it, appear nowhere in the data
+        probe = bench[:120]
+        assert not any(probe in text or text in bench for text in data), probe

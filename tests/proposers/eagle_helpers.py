@@ -1,0 +1,28 @@
+"""Random draft heads over tiny targets, and engines that draft with them (tests only)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridspec import Engine
+from hybridspec.distill.train import head_config, init_head
+from hybridspec.model.loader import LoadedModel
+from hybridspec.proposers.eagle import EagleProposer, target_parts
+from hybridspec.proposers.eagle_head import EagleHead
+
+
+def random_head(target: LoadedModel, draft_vocab_size: int, seed: int = 0) -> EagleHead:
+    """An untrained head over ``target`` drafting from its first ``draft_vocab_size`` ids."""
+    torch.manual_seed(seed)
+    config = head_config(target, draft_vocab_size)
+    parts = target_parts(target)
+    head = init_head(config, parts, torch.arange(draft_vocab_size))
+    return head.to(parts.embed.dtype).eval()
+
+
+def use_head(engine: Engine, head: EagleHead) -> EagleProposer:
+    """Make ``engine``'s ``eagle`` proposer draft with ``head``; returns that proposer."""
+    engine.register_proposer("eagle", lambda context: EagleProposer(context, head), replace=True)
+    proposer = engine.resolve_proposer("eagle")
+    assert isinstance(proposer, EagleProposer)
+    return proposer
