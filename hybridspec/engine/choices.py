@@ -30,9 +30,14 @@ Dimensions: ``n`` choices per prompt.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
-from hybridspec.engine.request import FinishReason, GenerationResult, Request, RequestOutput
+from hybridspec.engine.request import (
+    ChoiceGroup,
+    FinishReason,
+    GenerationResult,
+    Request,
+    RequestOutput,
+)
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import ModelRuntime
 from hybridspec.types import MAX_SEED, GenerationStats
@@ -58,18 +63,6 @@ def check_choices(n: int, num_prompts: int, max_num_seqs: int, max_queue_size: i
         "prompt",
         f"expected 1 to {most} prompts (queue and slots), got {num_prompts}",
     )
-
-
-@dataclass(eq=False)
-class ChoiceGroup:
-    """The live choices of one prompt until its prefill is shared; ``requests[0]`` (the
-    source) prefills. Each member's ``Request.group`` points here until the fork."""
-
-    requests: list[Request]  # [n], in choice order; finished members leave
-
-    @property
-    def source(self) -> Request:
-        return self.requests[0]
 
 
 def group_choices(requests: list[Request]) -> None:

@@ -12,7 +12,6 @@ import os
 import time
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,9 +22,6 @@ from hybridspec.engine.speculation import SpeculationState
 from hybridspec.errors import check
 from hybridspec.types import GenerationStats, SamplingParams, TokenHistory
 from hybridspec.verifier.uniforms import key_of
-
-if TYPE_CHECKING:
-    from hybridspec.engine.choices import ChoiceGroup
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
@@ -228,6 +224,18 @@ def new_generator(seed: int | None) -> torch.Generator:
         seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     )
     return generator
+
+
+@dataclass(eq=False)
+class ChoiceGroup:
+    """The live choices of one prompt until its prefill is shared; ``requests[0]`` (the
+    source) prefills. Each member's ``Request.group`` points here until the fork."""
+
+    requests: list[Request]  # [n], in choice order; finished members leave
+
+    @property
+    def source(self) -> Request:
+        return self.requests[0]
 
 
 @dataclass(eq=False)
