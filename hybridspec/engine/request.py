@@ -20,7 +20,13 @@ from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.logprobs import MAX_LOGPROBS, Logprobs, score
 from hybridspec.engine.speculation import SpeculationState
 from hybridspec.errors import check
-from hybridspec.types import GenerationStats, SamplingParams, TokenHistory
+from hybridspec.types import (
+    GenerationStats,
+    GrammarSpec,
+    SamplingParams,
+    TokenHistory,
+)
+from hybridspec.verifier.grammar import GrammarState
 from hybridspec.verifier.uniforms import key_of
 
 MAX_STOP_STRINGS = 16
@@ -43,7 +49,8 @@ class GenerationParams:
     likely alternatives (0..20); ``prompt_logprobs`` the same for the prompt's tokens (the first
     has none). Both are under the request's sampling transforms (``engine.logprobs``).
     ``max_new_tokens`` may be 0 when ``prompt_logprobs`` is asked: the prompt is scored, and
-    nothing generated.
+    nothing generated. ``grammar``: what the output must match (structured output,
+    ``verifier.grammar``); None for free text.
     """
 
     max_new_tokens: int = 256
@@ -54,6 +61,7 @@ class GenerationParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -96,6 +104,11 @@ class GenerationParams:
             "stop",
             f"expected a tuple of at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}",
         )
+        check(
+            self.grammar is None or isinstance(self.grammar, GrammarSpec),
+            "grammar",
+            f"expected None or a GrammarSpec, got {type(self.grammar).__name__}",
+        )
 
     @classmethod
     def create(
@@ -118,6 +131,7 @@ class GenerationParams:
         ignore_eos: bool = False,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> GenerationParams:
         """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
         ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds)."""
@@ -148,6 +162,7 @@ class GenerationParams:
             ignore_eos=ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
 
 
@@ -240,6 +255,8 @@ class Request:
     logprob_parts: list[Logprobs] = field(default_factory=list)
     prompt_logprob_parts: list[Logprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # The grammar's matcher at the committed position (``params.grammar``), None for none.
+    constraint: GrammarState | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -251,12 +268,12 @@ class Request:
 
     def history(self, eos_token_ids: frozenset[int]) -> TokenHistory | None:
         """What the request's sampling controls count (``verifier.controls``): its committed
-        tokens, and the EOS ids that ``min_tokens`` masks unless it ignores EOS. None when it
-        has no controls."""
-        if not self.params.sampling.has_controls:
+        tokens, the EOS ids that ``min_tokens`` masks unless it ignores EOS, and its grammar.
+        None when it has neither controls nor a grammar."""
+        if not self.params.sampling.has_controls and self.constraint is None:
             return None
         stops = frozenset() if self.params.ignore_eos else eos_token_ids
-        return TokenHistory(self.token_ids, len(self.prompt_token_ids), stops)
+        return TokenHistory(self.token_ids, len(self.prompt_token_ids), stops, self.constraint)
 
     @property
     def output_token_ids(self) -> Sequence[int]:

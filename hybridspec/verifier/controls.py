@@ -18,6 +18,9 @@ this order (vLLM's):
    ``z[t] > 0`` else ``z[t] * rho``.
 4. **frequency_penalty** ``f`` and **presence_penalty** ``r`` (OpenAI):
    ``z[t] -= f * count[t] + r * (count[t] > 0)``.
+5. **grammar** (structured output, ``TokenHistory.constraint``): ``z[t] = -inf`` for every
+   token the grammar forbids after the committed tokens and the drafted prefix
+   (``verifier.grammar``).
 
 Position-aware: at verify row j (after the committed tokens and drafts ``d_1 .. d_j``) the
 drafts count as generated. Worked example: prompt ``[5, 6]``, generated ``[7, 7]``, drafts
@@ -27,10 +30,10 @@ drafts count as generated. Worked example: prompt ``[5, 6]``, generated ``[7, 7]
 with ``rho`` they are seen). With ``min_tokens = 4`` EOS is masked at rows 0 and 1 (2 and 3
 generated) and allowed from row 2 on.
 
-Requests without controls (``SamplingParams.has_controls``) cost nothing: their rows are not
-touched, and a batch without any is returned as it came, without a copy. Counts are built with
-one ``bincount`` per batch over the controlled sequences' generated tokens, then each verify
-row adds its drafted prefix.
+Requests without controls (``SamplingParams.has_controls``, and no grammar) cost nothing: their
+rows are not touched, and a batch without any is returned as it came, without a copy. Counts
+are built with one ``bincount`` per batch over the controlled sequences' generated tokens, then
+each verify row adds its drafted prefix.
 
 Dimensions: ``num_seqs`` sequences, ``num_rows`` rows of logits (each sequence's consecutive),
 ``vocab_size``.
@@ -67,6 +70,11 @@ class _Rows:
     num_generated: list[int]  # [num_rows]: generated tokens before the row, drafts included
 
 
+def is_controlled(params: SamplingParams, history: TokenHistory | None) -> bool:
+    """True when a sequence's logits change under its controls or its grammar."""
+    return params.has_controls or (history is not None and history.constraint is not None)
+
+
 def apply_controls(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -86,7 +94,11 @@ def apply_controls(
     Returns ``logits`` itself when no sequence has controls; else a new float32 tensor (float64
     stays float64) in which only the controlled sequences' rows differ.
     """
-    controlled = [i for i, p in enumerate(params) if p.has_controls]
+    controlled = [
+        i
+        for i, p in enumerate(params)
+        if is_controlled(p, histories[i] if i < len(histories) else None)
+    ]
     if not controlled:
         return logits
     counts = [len(d) + 1 for d in drafts] if num_rows is None else list(num_rows)
@@ -157,6 +169,11 @@ def _apply_(
     ]
     if penalised:
         _penalise_(logits, params, histories, layout, penalised)
+    row = 0
+    for history, tokens, n in zip(histories, drafts, num_rows, strict=True):
+        if history.constraint is not None:
+            history.constraint.mask_(logits[row : row + n], tokens)
+        row += n
 
 
 def _layout(
