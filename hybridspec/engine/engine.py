@@ -172,9 +172,15 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def encode(self, prompt: str | None = None, messages: Messages | None = None) -> list[int]:
-        """Token ids of a plain prompt, or of chat messages with the chat template applied."""
-        return encode(self.tokenizer, prompt, messages)
+    def encode(
+        self,
+        prompt: str | None = None,
+        messages: Messages | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a plain prompt, or of chat messages with the chat template applied
+        (and ``tools``, for a template that shows them)."""
+        return encode(self.tokenizer, prompt, messages, tools)
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
         check_prompt(prompt_token_ids, self.max_seq_len, self.vocab_size)

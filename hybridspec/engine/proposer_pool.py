@@ -109,7 +109,11 @@ class ProposerPool:
             )
 
     def available(self) -> list[str]:
-        return sorted(self._proposers)
+        """The built proposers, and each composition ``a+b`` of one that composes with one
+        that does not (``grammar+ngram``)."""
+        names = sorted(self._proposers)
+        heads = [n for n in names if type(self._proposers[n]).compose is not Proposer.compose]
+        return names + [f"{a}+{b}" for a in heads for b in names if b not in heads]
 
     def unavailable(self) -> dict[str, str]:
         """Registered proposers that could not be built, with the reason."""

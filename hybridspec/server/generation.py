@@ -43,9 +43,11 @@ from hybridspec.server.protocol import (
     CompletionResponse,
     FinishReasonName,
     SpeculationStats,
+    ToolCall,
     Usage,
 )
 from hybridspec.server.state import ServerState
+from hybridspec.server.structured import ToolPlan, grammar_of, tool_calls, tool_plan
 from hybridspec.types import GenerationStats
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -66,6 +68,12 @@ class PreparedRequest:
     chat: bool  # a chat completion (else a text completion)
     # A completion's echoed prompt (``echo``); its logprobs come when ``params.logprobs`` is set.
     echo_text: str | None = None
+    tools: ToolPlan | None = None  # a chat request's tools (``server.structured``)
+
+    @property
+    def calls_tools(self) -> bool:
+        """True when the answer may be ``tool_calls`` rather than text."""
+        return self.tools is not None and self.tools.mode != "none"
 
     @property
     def echo_logprobs(self) -> bool:
@@ -153,8 +161,11 @@ async def prepare(
     """Validate ``body`` and tokenize its prompt on a worker thread (``server.prompts``)."""
     model = state.model.resolve(body.model)
     _reject_unsupported(body)
-    prompt = prompt_of(body)
+    renders = state.prompts.renders_tools
+    tools = tool_plan(body, renders) if isinstance(body, ChatCompletionRequest) else None
+    prompt = prompt_of(body, tools, renders)
     params = _params(body, state.model.vocab_size)
+    grammar = grammar_of(body, tools)
     proposer = state.model.resolve_proposer(params.proposer)
     k = params.num_speculative_tokens or state.model.default_num_speculative_tokens
     options = body.stream_options
@@ -166,7 +177,7 @@ async def prepare(
     return PreparedRequest(
         model=model,
         prompt_token_ids=ids,
-        params=dataclasses.replace(params, max_new_tokens=max_tokens),
+        params=dataclasses.replace(params, max_new_tokens=max_tokens, grammar=grammar),
         proposer=proposer,
         num_speculative_tokens=k,
         stream=body.stream,
@@ -176,6 +187,7 @@ async def prepare(
         and options.continuous_usage_stats,
         chat=isinstance(body, ChatCompletionRequest),
         echo_text=echo_text,
+        tools=tools,
     )
 
 
@@ -249,6 +261,14 @@ async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 async def next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     return await outputs.__anext__()
+
+
+def answer_calls(prepared: PreparedRequest, output: RequestOutput) -> list[ToolCall] | None:
+    """The tool calls a finished chat request answers with, or None for a text answer."""
+    if not prepared.calls_tools or output.finish_reason is not FinishReason.STOP:
+        return None
+    assert prepared.tools is not None and output.result is not None
+    return tool_calls(prepared.tools, output.result.text)
 
 
 def finish_reason(output: RequestOutput) -> FinishReasonName:
@@ -329,7 +349,11 @@ async def response_body(
     }
     choice: dict[str, object] = {"finish_reason": reason, "logprobs": logprobs}
     if prepared.chat:
-        choice["message"] = AssistantMessage(content=text)
+        calls = answer_calls(prepared, output)
+        if calls is not None:
+            choice["finish_reason"] = "tool_calls"
+        message = AssistantMessage(content=None, tool_calls=calls) if calls else None
+        choice["message"] = message or AssistantMessage(content=text)
         return ChatCompletionResponse.model_validate({**fields, "choices": [choice]})
     choice["text"] = (prepared.echo_text or "") + text
     return CompletionResponse.model_validate({**fields, "choices": [choice]})

@@ -7,7 +7,9 @@ A streamed response is a sequence of server-sent events, ``data: <chunk JSON>``,
 ``continuous_usage_stats`` too (vLLM's extension), every chunk also carries the usage so far.
 A request that asks for logprobs gets those of each chunk's tokens on that chunk (a chunk may
 carry tokens whose text is held back, with empty text); an echoed prompt, with its logprobs,
-comes first, on the first text chunk.
+comes first, on the first text chunk. A chat request with tools holds its text back: at the
+end it sends its calls (one chunk per call, OpenAI's ``tool_calls`` delta with the call's id,
+name and whole arguments; finish reason ``tool_calls``) or, when it made none, its text.
 
 ``stream_events`` is independent of the web framework: it turns a request's engine outputs
 into the event strings; ``EventStreamResponse`` is the Starlette response that sends them.
@@ -27,6 +29,7 @@ from hybridspec.engine import RequestOutput
 from hybridspec.server.errors import exception_response
 from hybridspec.server.generation import (
     PreparedRequest,
+    answer_calls,
     check_not_failed,
     finish_reason,
     load_token_texts,
@@ -42,8 +45,11 @@ from hybridspec.server.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     Delta,
+    DeltaFunctionCall,
+    DeltaToolCall,
     FinishReasonName,
     SpeculationStats,
+    ToolCall,
     Usage,
 )
 from hybridspec.server.state import ServerState
@@ -111,6 +117,30 @@ class ChunkRenderer:
             [{"text": text, "finish_reason": None, "logprobs": logprobs}], usage=usage
         )
 
+    def tool_calls(self, calls: list[ToolCall]) -> list[str]:
+        """One chunk per call: its index, id, name and arguments."""
+        return [
+            self._event(
+                [
+                    {
+                        "delta": Delta(
+                            tool_calls=[
+                                DeltaToolCall(
+                                    index=i,
+                                    id=call.id,
+                                    type="function",
+                                    function=DeltaFunctionCall(
+                                        name=call.function.name, arguments=call.function.arguments
+                                    ),
+                                )
+                            ]
+                        )
+                    }
+                ]
+            )
+            for i, call in enumerate(calls)
+        ]
+
     def final(
         self, reason: FinishReasonName, stats: SpeculationStats, usage: Usage | None = None
     ) -> str:
@@ -176,7 +206,7 @@ async def stream_events(
         output = first
         while not output.finished:
             generated += len(output.new_token_ids)
-            chunk = await pieces.chunk(output, so_far())
+            chunk = None if prepared.calls_tools else await pieces.chunk(output, so_far())
             if chunk is not None:
                 yield chunk
             output = await next_output(outputs)
@@ -188,11 +218,20 @@ async def stream_events(
             return
         assert output.result is not None
         generated = len(output.result.token_ids)
-        chunk = await pieces.chunk(output, so_far())
-        if chunk is not None:
-            yield chunk
+        reason = finish_reason(output)
+        calls = answer_calls(prepared, output)
+        if calls is not None:
+            for event in render.tool_calls(calls):
+                yield event
+            reason = "tool_calls"
+        elif prepared.calls_tools:
+            yield render.text(output.result.text, so_far())
+        else:
+            chunk = await pieces.chunk(output, so_far())
+            if chunk is not None:
+                yield chunk
         stats = speculation_stats(prepared, output.result.stats)
-        yield render.final(finish_reason(output), stats, so_far())
+        yield render.final(reason, stats, so_far())
         if prepared.include_usage:
             yield render.usage(usage(prepared, output))
         yield DONE

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import xgrammar as xgr
 
-from hybridspec.errors import InvalidRequestError, check
+from hybridspec.errors import GrammarError, InvalidRequestError
 from hybridspec.types import GrammarSpec
 
 if TYPE_CHECKING:
@@ -70,12 +70,14 @@ class Grammars:
         self._lock = threading.Lock()  # the server compiles on worker threads
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """The compiled grammar; InvalidRequestError (param ``grammar``) when it is invalid."""
+        """The compiled grammar; GrammarError (param ``grammar``) when it is invalid."""
         with self._lock:
             try:
                 return self._compile(spec)
-            except (RuntimeError, ValueError, TypeError) as exc:
-                raise InvalidRequestError(
+            except InvalidRequestError:
+                raise
+            except Exception as exc:  # xgrammar's errors have no common base class
+                raise GrammarError(
                     f"grammar: the {spec.kind} does not compile: {exc}", "grammar"
                 ) from None
 
@@ -87,7 +89,8 @@ class Grammars:
                 schema = json.loads(spec.source)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"the schema is not JSON: {exc}") from None
-            check(isinstance(schema, dict), "grammar", "a JSON schema must be an object")
+            if not isinstance(schema, dict):
+                raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
             return self._compiler.compile_json_schema(spec.source, any_whitespace=False)
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.source)

@@ -22,7 +22,7 @@ def positive_data_acceptance_but_context(ctx: Any, response: Any, case: Any) -> 
             code = response.json()["error"]["code"]
         except (ValueError, KeyError, TypeError):
             code = None
-        if code == "context_length_exceeded":
+        if code in ("context_length_exceeded", "invalid_grammar"):
             return None
     result: bool | None = positive_data_acceptance(ctx, response, case)
     return result
