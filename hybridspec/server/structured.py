@@ -171,7 +171,8 @@ def tool_messages(
             entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     if tools is not None and tools.constrains and not renders_tools:
-        described = json.dumps(tools.schemas())
+        functions = [tool.function.model_dump(exclude_none=True) for tool in tools.tools]
+        described = json.dumps(functions, separators=(",", ":"))
         out.insert(0, {"role": "system", "content": f"You can call these functions: {described}"})
     return out
 
