@@ -12,15 +12,19 @@ The semantics are OpenAI's and vLLM's. For one row of logits ``z`` at a position
 this order (vLLM's):
 
 1. **logit_bias**: ``z[t] += bias[t]``.
-2. **min_tokens**: while fewer than ``min_tokens`` tokens are generated, ``z[s] = -inf`` for
-   every stop token ``s`` (the model's EOS ids, unless the request ignores EOS).
-3. **repetition_penalty** ``rho`` (Hugging Face, vLLM): where ``seen[t]``, ``z[t] / rho`` if
+2. **repetition_penalty** ``rho`` (Hugging Face, vLLM): where ``seen[t]``, ``z[t] / rho`` if
    ``z[t] > 0`` else ``z[t] * rho``.
-4. **frequency_penalty** ``f`` and **presence_penalty** ``r`` (OpenAI):
+3. **frequency_penalty** ``f`` and **presence_penalty** ``r`` (OpenAI):
    ``z[t] -= f * count[t] + r * (count[t] > 0)``.
-5. **grammar** (structured output, ``TokenHistory.constraint``): ``z[t] = -inf`` for every
+4. **grammar** (structured output, ``TokenHistory.constraint``): ``z[t] = -inf`` for every
    token the grammar forbids after the committed tokens and the drafted prefix
    (``verifier.grammar``).
+5. **min_tokens**: while fewer than ``min_tokens`` tokens are generated, ``z[s] = -inf`` for
+   every stop token ``s`` (the model's EOS ids, unless the request ignores EOS), except where
+   the grammar allows nothing else (the output must end there to match it).
+
+The -inf masks (4, 5) commute with 1-3, so this order is vLLM's (bias, min_tokens, penalties)
+in effect.
 
 Position-aware: at verify row j (after the committed tokens and drafts ``d_1 .. d_j``) the
 drafts count as generated. Worked example: prompt ``[5, 6]``, generated ``[7, 7]``, drafts
@@ -153,15 +157,6 @@ def _apply_(
             torch.tensor(values, dtype=logits.dtype, device=logits.device),
             accumulate=True,
         )
-    masked = [
-        (r, t)
-        for r, (s, n) in enumerate(zip(seq_of_row, layout.num_generated, strict=True))
-        if n < params[s].min_tokens
-        for t in histories[s].stop_token_ids
-    ]
-    if masked:
-        r_index, t_index = zip(*masked, strict=True)
-        logits[list(r_index), list(t_index)] = float("-inf")
     penalised = [
         s
         for s, p in enumerate(params)
@@ -174,6 +169,27 @@ def _apply_(
         if history.constraint is not None:
             history.constraint.mask_(logits[row : row + n], tokens)
         row += n
+    masked = [
+        (r, t)
+        for r, (s, n) in enumerate(zip(seq_of_row, layout.num_generated, strict=True))
+        if n < params[s].min_tokens
+        for t in histories[s].stop_token_ids
+    ]
+    if masked:
+        _hold_back_stops_(logits, masked)
+
+
+def _hold_back_stops_(logits: torch.Tensor, masked: list[tuple[int, int]]) -> None:
+    """``min_tokens``: -inf at each (row, stop token) of ``masked``, except in a row where that
+    would leave no token at all (a grammar that allows only EOS there: it wins)."""
+    r_index = torch.tensor([r for r, _ in masked], device=logits.device)
+    t_index = torch.tensor([t for _, t in masked], device=logits.device)
+    saved = logits[r_index, t_index].clone()
+    logits[r_index, t_index] = float("-inf")
+    dead = ~torch.isfinite(logits).any(dim=1)  # [num_rows]
+    keep = dead[r_index]
+    if keep.any():
+        logits[r_index[keep], t_index[keep]] = saved[keep]
 
 
 def _layout(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +44,15 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[num_rows, vocab_size] bool from xgrammar's bitmask [num_rows, num_words] int32."""
     bits = (bitmask.unsqueeze(-1) >> _BITS) & 1  # [num_rows, num_words, 32]
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def bitmask_of(tokens: Iterable[int], vocab_size: int) -> torch.Tensor:
+    """xgrammar's bitmask row [num_words] int32 allowing exactly ``tokens``."""
+    words = [0] * ((vocab_size + 31) // 32)
+    for token in tokens:
+        words[token // 32] |= 1 << (token % 32)
+    signed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # as int32
+    return torch.tensor(signed, dtype=torch.int32)
 
 
 class Grammars:
@@ -114,13 +123,29 @@ class GrammarState:
         self._matcher = xgr.GrammarMatcher(compiled)
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
+        # After the grammar's end and a stop token (EOS), a request that ignores EOS may only
+        # go on with stop tokens: the matcher is terminated and they are counted here.
+        self._stops = frozenset(compiled.tokenizer_info.stop_token_ids)
+        self._stop_row = bitmask_of(self._stops, vocab_size)
+        self._num_stops_after_end = 0
 
     def _advance(self, tokens: Sequence[int]) -> int:
         """Accept ``tokens`` while the grammar allows them; how many it accepted."""
         for i, token in enumerate(tokens):
-            if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
+            if self._matcher.is_terminated():
+                if int(token) not in self._stops:
+                    return i
+                self._num_stops_after_end += 1
+            elif not self._matcher.accept_token(int(token)):
                 return i
         return len(tokens)
+
+    def _rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted by ``_advance`` (stop tokens after the end
+        first, then the matcher's own)."""
+        stops = min(num_tokens, self._num_stops_after_end)
+        self._num_stops_after_end -= stops
+        self._matcher.rollback(num_tokens - stops)
 
     def mask_(self, logits: torch.Tensor, drafts: Sequence[int]) -> None:
         """``types.TokenConstraint.mask_``: each row's forbidden tokens set to -inf."""
@@ -131,18 +156,19 @@ class GrammarState:
         if accepted == first:
             for j in range(num_rows):
                 if self._matcher.is_terminated():
-                    break
-                self._matcher.fill_next_token_bitmask(bitmask, j)
+                    bitmask[j] = self._stop_row
+                else:
+                    self._matcher.fill_next_token_bitmask(bitmask, j)
                 if j == num_rows - 1 or self._advance([drafts[first + j]]) == 0:
                     break
                 accepted += 1
-        self._matcher.rollback(accepted)
+        self._rollback(accepted)
         allowed = allowed_tokens(bitmask, self._vocab_size)
         logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
     def num_allowed(self, drafts: Sequence[int]) -> int:
         accepted = self._advance(drafts)
-        self._matcher.rollback(accepted)
+        self._rollback(accepted)
         return accepted
 
     def forced(self, drafts: Sequence[int], max_num_tokens: int) -> list[int]:
@@ -152,8 +178,9 @@ class GrammarState:
         if max_num_tokens <= 0:
             return []
         accepted = self._advance(drafts)
-        text = "" if accepted < len(drafts) else self._matcher.find_jump_forward_string()
-        self._matcher.rollback(accepted)
+        complete = accepted == len(drafts) and not self._matcher.is_terminated()
+        text = self._matcher.find_jump_forward_string() if complete else ""
+        self._rollback(accepted)
         if not text:
             return []
         tokens = list(self._tokenizer.encode(text, add_special_tokens=False))[:max_num_tokens]
@@ -163,6 +190,7 @@ class GrammarState:
         """Move the committed position past verified ``tokens``; the verifier only gives
         tokens the grammar allows, so a refusal is an internal error."""
         accepted = self._advance(tokens)
+        self._num_stops_after_end = 0  # committed: never rolled back
         if accepted < len(tokens):
             raise RuntimeError(f"grammar: committed token {tokens[accepted]} is not allowed")
 

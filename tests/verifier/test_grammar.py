@@ -21,7 +21,7 @@ import tests.verifier.test_controls_losslessness as exact
 from hybridspec.errors import InvalidRequestError
 from hybridspec.types import GrammarSpec, SamplingParams, TokenHistory
 from hybridspec.verifier import apply_controls
-from hybridspec.verifier.grammar import Grammars, GrammarState, allowed_tokens
+from hybridspec.verifier.grammar import Grammars, GrammarState, allowed_tokens, bitmask_of
 from tests.conftest import TINY_EOS, tiny_tokenizer
 
 RAW_GRAMMAR = 'root ::= ("a" | "b" "c" | "c" "b" "b" | "d" "a")*'
@@ -136,6 +136,34 @@ def test_allowed_tokens_unpacks_xgrammar_bitmasks() -> None:
     allowed = allowed_tokens(bitmask, 40)
     assert allowed[0, :4].tolist() == [False, True, False, True]
     assert not allowed[0, 4:32].any() and allowed[0, 32:].all()
+    row = bitmask_of([3, 31, 33], 40)
+    assert allowed_tokens(row.unsqueeze(0), 40)[0].nonzero().flatten().tolist() == [3, 31, 33]
+
+
+def test_past_the_end_only_stop_tokens_follow() -> None:
+    """A request that ignores EOS goes on after the grammar's end: with stop tokens only."""
+    tokenizer = grammars().tokenizer
+    state = grammars().state(GrammarSpec("regex", "ab"))
+    done = [*tokenizer.encode("ab", add_special_tokens=False), TINY_EOS]
+    state.commit(done)
+    logits = torch.zeros(3, len(tokenizer))
+    state.mask_(logits, [TINY_EOS, TINY_EOS])
+    assert (torch.isfinite(logits).nonzero()[:, 1] == TINY_EOS).all()
+    assert torch.isfinite(logits).sum() == 3
+    assert state.num_allowed([TINY_EOS, 97]) == 1
+    state.commit([TINY_EOS])
+    with pytest.raises(RuntimeError):
+        state.commit([97])
+
+
+def test_min_tokens_yields_where_the_grammar_allows_only_eos() -> None:
+    state = grammars().state(GrammarSpec("regex", "a"))
+    vocab = len(grammars().tokenizer)
+    history = TokenHistory((1, 97), 1, frozenset({TINY_EOS}), state)
+    params = SamplingParams(min_tokens=5)
+    out = apply_controls(torch.zeros(2, vocab), [params], [history], [[97]])
+    assert out[0].argmax().item() == 97 and torch.isinf(out[0, TINY_EOS])  # EOS held back
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [TINY_EOS]  # only EOS: kept
 
 
 # --- JSON with the suite's byte-level tokenizer ---------------------------------------------
