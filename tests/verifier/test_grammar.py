@@ -20,7 +20,7 @@ import xgrammar as xgr
 import tests.verifier.test_controls_losslessness as exact
 from hybridspec.errors import InvalidRequestError
 from hybridspec.types import GrammarSpec, SamplingParams, TokenHistory
-from hybridspec.verifier import apply_controls
+from hybridspec.verifier import apply_controls, logits_to_probs
 from hybridspec.verifier.grammar import Grammars, GrammarState, allowed_tokens, bitmask_of
 from tests.conftest import TINY_EOS, tiny_tokenizer
 
@@ -242,3 +242,11 @@ def test_controls_apply_the_grammar_last() -> None:
     history = TokenHistory((0, 1), 2, frozenset(), raw_state((1,)))  # after "b": only c
     out = apply_controls(torch.zeros(1, exact.VOCAB), [params], [history], [[]])
     assert out.argmax().item() == 2 and torch.isinf(out[0, 0])
+
+
+def test_a_huge_temperature_keeps_the_mask() -> None:
+    """1e300 is inf in float32: the masked logits must stay masked, not turn NaN."""
+    logits = torch.zeros(1, exact.VOCAB)
+    raw_state((1,)).mask_(logits, [])  # after "b": only c
+    probs = logits_to_probs(logits, SamplingParams(temperature=1e300))
+    assert probs[0].tolist() == [0.0, 0.0, 1.0, 0.0]
