@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             texts[method].append(result.token_ids)
             answers.append((pid, method, result.text, result.finish_reason.value, schema))
         elapsed = time.perf_counter() - start
+        print(f"{method}: {tokens} tokens in {elapsed:.1f} s", flush=True)
         rows[method] = {
             "tokens": tokens,
             "seconds": elapsed,

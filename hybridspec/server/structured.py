@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hybridspec.errors import GrammarError, check
+from hybridspec.errors import GrammarError
 from hybridspec.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -39,6 +39,15 @@ from hybridspec.server.protocol import (
 from hybridspec.types import GrammarSpec
 
 ToolMode = Literal["none", "auto", "required", "named"]
+
+
+def _require(condition: bool, param: str, message: str) -> None:
+    """GrammarError (code ``invalid_grammar``) unless ``condition``: what tools, tool_choice
+    and the constraint fields ask together, which no request schema states."""
+    if not condition:
+        raise GrammarError(f"{param}: {message}", param)
+
+
 HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
@@ -64,10 +73,10 @@ def tool_plan(body: ChatCompletionRequest, renders_tools: bool) -> ToolPlan | No
     """The request's tool plan; None without tools. Raises for a choice it cannot serve."""
     choice = body.tool_choice
     if not body.tools:
-        check(choice in (None, "none"), "tool_choice", "a tool_choice needs tools")
+        _require(choice in (None, "none"), "tool_choice", "a tool_choice needs tools")
         return None
     names = [tool.function.name for tool in body.tools]
-    check(len(set(names)) == len(names), "tools", f"function names repeat: {names}")
+    _require(len(set(names)) == len(names), "tools", f"function names repeat: {names}")
     if choice is None or isinstance(choice, str):
         mode: ToolMode = choice or "auto"
         if mode == "auto" and not renders_tools:
@@ -79,7 +88,9 @@ def tool_plan(body: ChatCompletionRequest, renders_tools: bool) -> ToolPlan | No
             )
         return ToolPlan(mode, tuple(body.tools))
     named = choice.function.name
-    check(named in names, "tool_choice", f"names {named!r}, which is not among the tools {names}")
+    _require(
+        named in names, "tool_choice", f"names {named!r}, which is not among the tools {names}"
+    )
     return ToolPlan("named", tuple(body.tools), named)
 
 
@@ -95,12 +106,12 @@ def grammar_of(
     if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
         form = body.response_format
         schema = form.json_schema.schema_ if form.json_schema is not None else None
-        check(
+        _require(
             form.type == "json_schema" or form.json_schema is None,
             "response_format",
             f"json_schema is only allowed with type 'json_schema', not {form.type!r}",
         )
-        check(
+        _require(
             form.type != "json_schema" or form.json_schema is not None,
             "response_format",
             "type 'json_schema' needs a json_schema object",
@@ -116,7 +127,7 @@ def grammar_of(
     if tools is not None and tools.constrains:
         parallel = isinstance(body, ChatCompletionRequest) and body.parallel_tool_calls is not False
         specs["tool_choice"] = GrammarSpec("json_schema", json.dumps(_call_schema(tools, parallel)))
-    check(
+    _require(
         len(specs) <= 1,
         sorted(specs)[-1] if specs else "response_format",
         f"at most one of {sorted(specs)} may constrain the output",
