@@ -3,7 +3,8 @@
 The server maps each class to an OpenAI-style error body (see ``hybridspec.server``):
 
 - ``InvalidRequestError`` (a ``ValueError``): the caller's input is wrong, HTTP 400;
-  ``ContextLengthError``, its prompt is too long.
+  ``ContextLengthError``, its prompt is too long; ``GrammarError``, its structured output
+  cannot be compiled.
 - ``UnknownModelError``: a model name the engine does not serve, HTTP 404.
 - ``CapacityError``: no room for the request right now (queue or KV cache full), HTTP 503.
 - ``ModelLoadError``: a model or tokenizer could not be loaded or does not fit the target.
@@ -32,6 +33,14 @@ class ContextLengthError(InvalidRequestError):
 
     Its own class because no request schema can state the limit (it depends on how the
     prompt tokenizes); servers answer it with OpenAI's ``context_length_exceeded`` code.
+    """
+
+
+class GrammarError(InvalidRequestError):
+    """A request's structured output cannot be served: its grammar, regex or JSON schema (or
+    its tools' parameters) does not compile, or it names tools in a way the model cannot be
+    shown. Its own class because no request schema can state it; servers answer it with the
+    code ``invalid_grammar``.
     """
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 import torch
 
@@ -164,18 +165,67 @@ def _is_bias_pair(pair: object) -> bool:
     )
 
 
+GrammarKind = Literal["json_object", "json_schema", "regex", "grammar"]
+GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_object", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What a request's output must match (structured output): ``json_object`` (any JSON
+    object; ``source`` empty), ``json_schema`` (``source`` = the schema as JSON text),
+    ``regex`` (``source`` = the pattern) or ``grammar`` (``source`` = an EBNF grammar whose
+    start rule is ``root``, as in xgrammar and llama.cpp's GBNF). ``verifier.grammar`` compiles
+    it against the model's tokenizer."""
+
+    kind: GrammarKind
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        check(
+            self.kind in GRAMMAR_KINDS,
+            "grammar",
+            f"expected a kind in {list(GRAMMAR_KINDS)}, got {self.kind!r}",
+        )
+        check(
+            isinstance(self.source, str) and (bool(self.source) != (self.kind == "json_object")),
+            "grammar",
+            f"expected a non-empty source for {self.kind!r} (and none for json_object), "
+            f"got {self.source!r:.80}",
+        )
+
+
+class TokenConstraint(Protocol):
+    """The tokens a sequence may generate, at its committed position (a compiled grammar's
+    matcher: ``verifier.grammar.GrammarState``). Drafts are never committed to it: each call
+    looks ahead through them and comes back."""
+
+    def mask_(self, logits: torch.Tensor, drafts: Sequence[int]) -> None:
+        """Set to -inf, in place, what the constraint forbids in ``logits`` [num_rows,
+        vocab_size]; row j follows ``drafts[: len(drafts) - num_rows + 1 + j]`` (the layout of
+        ``verifier.apply_controls``). Rows after a forbidden draft are left as they are."""
+
+    def num_allowed(self, drafts: Sequence[int]) -> int:
+        """How many of ``drafts``, from the first, the constraint allows in a row."""
+
+    def forced(self, drafts: Sequence[int], max_num_tokens: int) -> list[int]:
+        """Tokens of the text the constraint forces after ``drafts`` (JSON punctuation, keys,
+        the rest of an enum value), tokenized; at most ``max_num_tokens``."""
+
+
 @dataclass(frozen=True, slots=True)
 class TokenHistory:
     """The tokens before a sequence's next position, as the sampling controls count them.
 
     ``token_ids`` is the committed context, prompt then generated tokens, shared without
     copying: read it, never modify it. ``stop_token_ids`` are the tokens ``min_tokens`` masks
-    (the model's EOS ids; none for a request that ignores EOS).
+    (the model's EOS ids; none for a request that ignores EOS). ``constraint``: the request's
+    grammar at that position, whose mask the controls apply last; None for none.
     """
 
     token_ids: Sequence[int]  # [num_prompt_tokens + num_generated]
     num_prompt_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
+    constraint: TokenConstraint | None = None
 
     @property
     def num_generated(self) -> int:
@@ -192,7 +242,13 @@ class ProposeRequest:
     speculation); a proposer may return fewer. ``generator`` is the request's random generator,
     for proposers that sample their drafts. ``num_prompt_tokens`` and ``stop_token_ids`` are
     what a proposer that returns q needs to put it under the request's sampling controls
-    (``history``, ``verifier.controls``).
+    (``history``, ``verifier.controls``). ``constraint`` is the request's grammar (structured
+    output), None for none: the drafts it forbids are cut where the proposal enters the engine.
+
+    ``draft_prefix``: drafts already chosen for this round before this proposer was asked (the
+    grammar's forced tokens, ``proposers.grammar``), for a proposer that declares
+    ``Proposer.continues_prefix``: it drafts what follows them, at most ``max_num_drafts`` of its
+    own, and they count among ``CommitInfo.num_accepted`` like its own drafts, first.
     """
 
     seq_id: int
@@ -202,10 +258,14 @@ class ProposeRequest:
     generator: torch.Generator | None = None
     num_prompt_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    constraint: TokenConstraint | None = None
+    draft_prefix: tuple[int, ...] = ()
 
     def history(self) -> TokenHistory:
         """The committed context as the sampling controls count it."""
-        return TokenHistory(self.token_ids, self.num_prompt_tokens, self.stop_token_ids)
+        return TokenHistory(
+            self.token_ids, self.num_prompt_tokens, self.stop_token_ids, self.constraint
+        )
 
 
 @dataclass(frozen=True, slots=True)

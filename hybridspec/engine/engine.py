@@ -72,6 +72,7 @@ from hybridspec.proposers import (
 )
 from hybridspec.types import CommitInfo, Proposal
 from hybridspec.verifier import VerifyInput, VerifyOutput, check_logit_bias, verify
+from hybridspec.verifier.grammar import Grammars
 from hybridspec.verifier.uniforms import KeyedUniforms, key_of
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class Engine:
         )
         self.proposers.resolve(self.config.default_proposer)
         self._seq_ids = itertools.count()
+        self._grammars: Grammars | None = None
         self.speculation: SpeculationPolicy | None = None
         if self.config.adaptive_speculation:
             cost = self.config.verify_token_cost
@@ -163,11 +165,30 @@ class Engine:
     def resolve_proposer(self, name: str) -> Proposer:
         return self.proposers.resolve(name)
 
+    def grammars(self) -> Grammars:
+        """The compiler of structured-output grammars for this model's tokenizer (built on
+        first use: reading the vocabulary takes a fraction of a second)."""
+        check(
+            self.tokenizer is not None,
+            "grammar",
+            "structured output needs the model's tokenizer, and this model has none",
+        )
+        if self._grammars is None:
+            eos = sorted(self.eos_token_ids)
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, eos)
+        return self._grammars
+
     # ------------------------------------------------------------------ requests
 
-    def encode(self, prompt: str | None = None, messages: Messages | None = None) -> list[int]:
-        """Token ids of a plain prompt, or of chat messages with the chat template applied."""
-        return encode(self.tokenizer, prompt, messages)
+    def encode(
+        self,
+        prompt: str | None = None,
+        messages: Messages | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a plain prompt, or of chat messages with the chat template applied
+        (and ``tools``, for a template that shows them)."""
+        return encode(self.tokenizer, prompt, messages, tools)
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
         check_prompt(prompt_token_ids, self.max_seq_len, self.vocab_size)
@@ -242,6 +263,7 @@ class Engine:
             generator=new_generator(seed),
             uniform_key=key_of(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
+            constraint=None if params.grammar is None else self.grammars().state(params.grammar),
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -435,6 +457,8 @@ class Engine:
         logprobs = request.score_committed(logits[:consumed], tokens[:consumed])
         if reason is not None:
             return self._finish(request, reason, new_token_ids=new_token_ids, logprobs=logprobs)
+        if request.constraint is not None:
+            request.constraint.commit(new_token_ids)
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
         hidden_states, hidden_position = take_rows(request)
         try:

@@ -7,14 +7,20 @@ from typing import Any
 
 from hybridspec.errors import ContextLengthError, InvalidRequestError, check
 
-Messages = Sequence[dict[str, str]]
+Messages = Sequence[dict[str, Any]]
+# A tool that a chat template showing tools renders (``renders_tools``).
+PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "parameters": {}}}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def encode(
-    tokenizer: Any, prompt: str | None = None, messages: Messages | None = None
+    tokenizer: Any,
+    prompt: str | None = None,
+    messages: Messages | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of a plain prompt, or of chat messages with the chat template applied."""
+    """Token ids of a plain prompt, or of chat messages with the chat template applied (and
+    ``tools``, OpenAI's function definitions, for a template that shows them)."""
     if tokenizer is None:
         raise InvalidRequestError("prompt: this model has no tokenizer; pass token ids", "prompt")
     check(
@@ -28,7 +34,7 @@ def encode(
     check_messages(messages)
     try:
         text = tokenizer.apply_chat_template(
-            list(messages or ()), tokenize=False, add_generation_prompt=True
+            list(messages or ()), tools=tools, tokenize=False, add_generation_prompt=True
         )
     except Exception as exc:  # errors raised by the template itself, e.g. on roles
         raise InvalidRequestError(
@@ -68,3 +74,17 @@ def check_messages(messages: Messages | None) -> None:
         check(
             isinstance(message.get("content"), str), f"messages[{i}].content", "expected a string"
         )
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """True when the tokenizer's chat template shows tools to the model: a conversation renders
+    differently with a tool than without."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        return False
+    messages = [{"role": "user", "content": "x"}]
+    try:
+        plain = tokenizer.apply_chat_template(messages, tokenize=False)
+        shown = tokenizer.apply_chat_template(messages, tools=[PROBE_TOOL], tokenize=False)
+    except Exception:  # a template that fails on tools does not show them
+        return False
+    return bool(plain != shown)

@@ -22,7 +22,7 @@ from hybridspec.proposers import (
     ProposerFactory,
     ProposerRegistry,
 )
-from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest
+from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest, TokenConstraint
 from hybridspec.verifier import check_proposal
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class ProposerPool:
         self._context = context
         self._proposers: dict[str, Proposer] = {}
         self._unavailable: dict[str, str] = {}
+        # "a+b" names built on first use (``resolve``); they share a's and b's instances.
+        self._composites: dict[str, Proposer] = {}
         for name in registry.names():
             self._build(name)
 
@@ -97,6 +99,7 @@ class ProposerPool:
     def register(self, name: str, factory: ProposerFactory, *, replace: bool = False) -> None:
         """Register ``factory`` under ``name`` and build it; raise if it cannot be built."""
         self._registry.register(name, factory, replace=replace)
+        self._composites.clear()  # they may hold the replaced instance
         old = self._proposers.pop(name, None)
         if old is not None:
             old.close()
@@ -107,14 +110,25 @@ class ProposerPool:
             )
 
     def available(self) -> list[str]:
-        return sorted(self._proposers)
+        """The built proposers, and each composition ``a+b`` of one that composes with one
+        that does not (``grammar+ngram``)."""
+        names = sorted(self._proposers)
+        heads = [n for n in names if type(self._proposers[n]).compose is not Proposer.compose]
+        return names + [f"{a}+{b}" for a in heads for b in names if b not in heads]
 
     def unavailable(self) -> dict[str, str]:
         """Registered proposers that could not be built, with the reason."""
         return dict(self._unavailable)
 
     def resolve(self, name: str) -> Proposer:
-        """The proposer ``name``; InvalidRequestError when it is unknown or unavailable."""
+        """The proposer ``name``; InvalidRequestError when it is unknown or unavailable.
+
+        ``"a+b"`` is ``a`` composed with ``b`` (``Proposer.compose``: ``a`` drafts, then ``b``
+        continues in the same round), built on first use and kept; any registered proposer
+        that composes may come first, any other after it (``grammar+ngram``).
+        """
+        if "+" in name:
+            return self._composite(name)
         if name in self._unavailable:
             raise InvalidRequestError(
                 f"proposer: {name!r} is not available: {self._unavailable[name]}", "proposer"
@@ -123,8 +137,23 @@ class ProposerPool:
             self._registry.factory(name)  # raises the error that lists the known names
         return self._proposers[name]
 
+    def _composite(self, name: str) -> Proposer:
+        if name not in self._composites:
+            head, _, rest = name.partition("+")
+            outer, inner = self.resolve(head), self.resolve(rest)
+            composed = outer.compose(inner)
+            check(
+                composed is not None,
+                "proposer",
+                f"{head!r} does not compose with another proposer, so {name!r} names nothing",
+            )
+            assert composed is not None
+            self._composites[name] = composed
+        return self._composites[name]
+
     def __getitem__(self, name: str) -> Proposer:
-        return self._proposers[name]
+        composite = self._composites.get(name)
+        return composite if composite is not None else self._proposers[name]
 
     def propose(
         self, decode: Sequence[Request], num_drafts: Callable[[Request, Proposer], int]
@@ -140,7 +169,7 @@ class ProposerPool:
         failed: list[tuple[Request, str]] = []
         eos = frozenset(self._context.eos_token_ids)
         for name, requests in groups.items():
-            proposer = self._proposers[name]
+            proposer = self[name]
             asks = [
                 ProposeRequest(
                     r.seq_id,
@@ -150,6 +179,7 @@ class ProposerPool:
                     r.generator,
                     len(r.prompt_token_ids),
                     r.stop_ids(eos),
+                    r.constraint,
                 )
                 for r in requests
             ]
@@ -162,7 +192,7 @@ class ProposerPool:
                 )
                 for ask, proposal in zip(asks, got, strict=True):
                     self._check(proposer, proposal, ask.max_num_drafts)
-                    proposals[ask.seq_id] = proposal
+                    proposals[ask.seq_id] = _allowed(proposal, ask.constraint)
             except Exception as exc:
                 logger.exception("proposer %r failed", name)
                 failed += [(request, f"proposer: {exc}") for request in requests]
@@ -183,6 +213,19 @@ class ProposerPool:
         )
 
     def close(self) -> None:
+        self._composites.clear()
         for proposer in self._proposers.values():
             proposer.close()
         self._proposers.clear()
+
+
+def _allowed(proposal: Proposal, constraint: TokenConstraint | None) -> Proposal:
+    """``proposal`` cut before its first draft that the request's grammar forbids: the
+    verifier's masks at later positions would follow text the grammar cannot produce."""
+    if constraint is None or not proposal.num_drafts:
+        return proposal
+    n = constraint.num_allowed(proposal.token_ids)
+    if n == proposal.num_drafts:
+        return proposal
+    probs = None if proposal.probs is None else proposal.probs[:n]
+    return Proposal(proposal.token_ids[:n], probs if n else None)

@@ -20,7 +20,13 @@ from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.logprobs import MAX_LOGPROBS, Logprobs, score
 from hybridspec.engine.speculation import SpeculationState
 from hybridspec.errors import check
-from hybridspec.types import GenerationStats, SamplingParams, TokenHistory
+from hybridspec.types import (
+    GenerationStats,
+    GrammarSpec,
+    SamplingParams,
+    TokenHistory,
+)
+from hybridspec.verifier.grammar import GrammarState
 from hybridspec.verifier.uniforms import key_of
 
 MAX_STOP_STRINGS = 16
@@ -45,7 +51,8 @@ class GenerationParams:
     has none). Both are under the request's sampling transforms (``engine.logprobs``).
     ``max_new_tokens`` may be 0 when ``prompt_logprobs`` is asked: the prompt is scored, and
     nothing generated. ``stop_token_ids`` end the request as EOS does (left out of the text,
-    held back by ``min_tokens``), ``ignore_eos`` or not.
+    held back by ``min_tokens``), ``ignore_eos`` or not. ``grammar``: what the output must
+    match (structured output, ``verifier.grammar``); None for free text.
     """
 
     max_new_tokens: int = 256
@@ -57,6 +64,7 @@ class GenerationParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -110,6 +118,11 @@ class GenerationParams:
             f"expected a tuple of at most {MAX_STOP_TOKEN_IDS} token ids, "
             f"got {self.stop_token_ids!r}",
         )
+        check(
+            self.grammar is None or isinstance(self.grammar, GrammarSpec),
+            "grammar",
+            f"expected None or a GrammarSpec, got {type(self.grammar).__name__}",
+        )
 
     @classmethod
     def create(
@@ -133,6 +146,7 @@ class GenerationParams:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         stop_token_ids: Sequence[int] = (),
+        grammar: GrammarSpec | None = None,
     ) -> GenerationParams:
         """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
         ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds)."""
@@ -164,6 +178,7 @@ class GenerationParams:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             stop_token_ids=tuple(stop_token_ids),
+            grammar=grammar,
         )
 
 
@@ -270,6 +285,8 @@ class Request:
     prompt_logprobs_sent: bool = False
     # The choices of its prompt, until they share its prefill (``engine.choices``); else None.
     group: ChoiceGroup | None = None
+    # The grammar's matcher at the committed position (``params.grammar``), None for none.
+    constraint: GrammarState | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -281,12 +298,15 @@ class Request:
 
     def history(self, eos_token_ids: frozenset[int]) -> TokenHistory | None:
         """What the request's sampling controls count (``verifier.controls``): its committed
-        tokens, and the EOS ids that ``min_tokens`` masks unless it ignores EOS. None when it
-        has no controls."""
-        if not self.params.sampling.has_controls:
+        tokens, the EOS ids that ``min_tokens`` masks unless it ignores EOS, and its grammar.
+        None when it has neither controls nor a grammar."""
+        if not self.params.sampling.has_controls and self.constraint is None:
             return None
         return TokenHistory(
-            self.token_ids, len(self.prompt_token_ids), self.stop_ids(eos_token_ids)
+            self.token_ids,
+            len(self.prompt_token_ids),
+            self.stop_ids(eos_token_ids),
+            self.constraint,
         )
 
     def stop_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:

@@ -106,9 +106,19 @@ class Proposer(ABC):
     # hands it their rows at its sequences' committed positions in ``CommitInfo.hidden_states``
     # (``engine.features``); () asks for none and costs nothing.
     hidden_layers: tuple[int, ...] = ()
+    # True for a proposer that drafts after ``ProposeRequest.draft_prefix`` (drafts chosen
+    # before it was asked: a grammar's forced tokens); one that declares False is asked for no
+    # drafts in a round that has a prefix, as its drafts would follow the committed context.
+    continues_prefix: bool = False
 
     def __init__(self, context: ProposerContext) -> None:
         self.context = context
+
+    def compose(self, inner: Proposer) -> Proposer | None:
+        """A proposer that drafts with this one and then lets ``inner`` continue in the same
+        round (what a request names ``"this+inner"``, e.g. ``grammar+ngram``), or None when
+        this proposer does not compose (the default)."""
+        return None
 
     def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:  # noqa: B027
         """Begin tracking a sequence whose context starts with ``prompt_token_ids``."""
@@ -129,6 +139,8 @@ class Proposer(ABC):
 
 class NoProposer(Proposer):
     """Proposes nothing: every round is one plain decoding step of the target."""
+
+    continues_prefix = True  # nothing, after any prefix
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
         return [Proposal(token_ids=()) for _ in requests]

@@ -83,6 +83,7 @@ class DraftModelProposer(Proposer):
     """
 
     samples_drafts = True  # sampled requests get drafts drawn from q, returned as probs
+    continues_prefix = True  # it feeds the prefix after the committed tokens, then drafts
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
@@ -138,14 +139,22 @@ class DraftModelProposer(Proposer):
                     f"the draft tracked {seq.committed_len}; commit() was missed",
                     "seq_id",
                 )
-        # The draft's cache ends at len(context) + k - 1 (the last draft is never fed).
+        # The draft's cache ends at len(context) + len(prefix) + k - 1 (the last draft is
+        # never fed).
         room = self.runtime.max_seq_len + 1
-        wanted = [max(0, min(r.max_num_drafts, room - len(r.token_ids))) for r in requests]
+        wanted = [
+            max(0, min(r.max_num_drafts, room - len(r.token_ids) - len(r.draft_prefix)))
+            for r in requests
+        ]
         drafted: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i, k in enumerate(wanted) if k > 0]
         feed = {
-            i: list(requests[i].token_ids[self.runtime.seq_len(seqs[i].slot) :]) for i in active
+            i: [
+                *requests[i].token_ids[self.runtime.seq_len(seqs[i].slot) :],
+                *requests[i].draft_prefix,
+            ]
+            for i in active
         }
         while active:
             logits = self.runtime.forward(
@@ -161,7 +170,7 @@ class DraftModelProposer(Proposer):
                 logits,
                 [requests[i].sampling for i in active],
                 [requests[i].history() for i in active],
-                [drafted[i] for i in active],
+                [[*requests[i].draft_prefix, *drafted[i]] for i in active],
                 [1] * len(active),
             )
             for row, i in enumerate(active):
@@ -171,8 +180,9 @@ class DraftModelProposer(Proposer):
                     probs[i].append(q)
                 feed[i] = [token]
             active = [i for i in active if len(drafted[i]) < wanted[i]]
-        for seq, tokens in zip(seqs, drafted, strict=True):
-            seq.num_drafted_fed = max(0, len(tokens) - 1)
+        for seq, request, tokens in zip(seqs, requests, drafted, strict=True):
+            # Fed: the prefix and every draft but the last, in the proposal's order.
+            seq.num_drafted_fed = len(request.draft_prefix) + len(tokens) - 1 if tokens else 0
         return [
             Proposal(tokens, torch.stack(p) if p else None)
             for tokens, p in zip(drafted, probs, strict=True)

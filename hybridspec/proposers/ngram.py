@@ -89,8 +89,11 @@ class NgramProposer(Proposer):
 
     Its options are the engine configuration's ``ngram`` part (``context.config.ngram``).
     Each started sequence holds one slot of a pool of preallocated tables; ``propose`` serves a
-    whole batch with one compiled call.
+    whole batch with one compiled call. It continues a ``ProposeRequest.draft_prefix``: the
+    prefix ends the context it matches, and what it copies or predicts follows it.
     """
+
+    continues_prefix = True
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
@@ -156,12 +159,18 @@ class NgramProposer(Proposer):
             num_drafts.append(k)
         out_token_ids = np.empty((len(requests), max(num_drafts)), np.int64)
         out_num_drafts = np.empty(len(requests), np.int64)
+        prefix_lengths = np.array([len(r.draft_prefix) for r in requests], np.int64)
+        prefixes = np.zeros((len(requests), max(1, int(prefix_lengths.max()))), np.int64)
+        for i, request in enumerate(requests):
+            prefixes[i, : len(request.draft_prefix)] = request.draft_prefix
         propose_batch(
             self._tables,
             self.config.min_order,
             self.config.continuation == "copy",
             np.array(slots, np.int64),
             np.array(num_drafts, np.int64),
+            prefixes,
+            prefix_lengths,
             out_token_ids,
             out_num_drafts,
         )

@@ -288,22 +288,30 @@ def _best_next_token(tables, slot, o, order, context, start, by_count):
 
 
 @njit(cache=True)
-def _load_context(tables, min_order, slot, context):
-    """``context[:n]`` = the last ``n = min(L, max_order)`` committed tokens; returns (L, n)."""
+def _load_context(tables, min_order, slot, context, prefix, num_prefix):
+    """``context[:n]`` = the last ``n = min(L + num_prefix, max_order)`` tokens of the committed
+    ones followed by ``prefix[:num_prefix]`` (drafts chosen before the proposer, which it
+    continues); returns (L, n). Example: committed ``... 4 5``, prefix ``[6]``, max_order 3:
+    the context is ``4 5 6``."""
     window = tables.history.shape[1]
     max_order = min_order + tables.keys.shape[1] - 1
     length = tables.num_tokens[slot]
-    num_context = min(length, max_order)
+    total = length + num_prefix
+    num_context = min(total, max_order)
     for j in range(num_context):
-        context[j] = tables.history[slot, (length - num_context + j) % window]
+        pos = total - num_context + j
+        if pos < length:
+            context[j] = tables.history[slot, pos % window]
+        else:
+            context[j] = prefix[pos - length]
     return length, num_context
 
 
 @njit(cache=True)
-def _copy_one(tables, min_order, slot, num_drafts, context, out):
+def _copy_one(tables, min_order, slot, num_drafts, context, prefix, num_prefix, out):
     """Copy what followed the latest occurrence of the longest matching context into ``out``."""
     window = tables.history.shape[1]
-    length, num_context = _load_context(tables, min_order, slot, context)
+    length, num_context = _load_context(tables, min_order, slot, context, prefix, num_prefix)
     if num_drafts == 0:
         return 0
     for order in range(num_context, min_order - 1, -1):
@@ -321,11 +329,12 @@ def _copy_one(tables, min_order, slot, num_drafts, context, out):
 
 
 @njit(cache=True)
-def _propose_one(tables, min_order, slot, num_drafts, context, out):
+def _propose_one(tables, min_order, slot, num_drafts, context, prefix, num_prefix, out):
     """Chain up to ``num_drafts`` predictions into ``out``; returns how many were made."""
     max_order = min_order + tables.keys.shape[1] - 1
-    # context[:num_context] = the last max_order committed tokens, then the predictions so far.
-    _, num_context = _load_context(tables, min_order, slot, context)
+    # context[:num_context] = the last max_order committed (and prefix) tokens, then the
+    # predictions so far.
+    _, num_context = _load_context(tables, min_order, slot, context, prefix, num_prefix)
     for k in range(num_drafts):
         found, token = False, 0
         for order in range(min(max_order, num_context), min_order - 1, -1):
@@ -343,25 +352,37 @@ def _propose_one(tables, min_order, slot, num_drafts, context, out):
 
 
 @njit(cache=True)
-def propose_batch(tables, min_order, copy, slots, num_drafts, out_token_ids, out_num_drafts):
+def propose_batch(
+    tables,
+    min_order,
+    copy,
+    slots,
+    num_drafts,
+    prefixes,
+    prefix_lengths,
+    out_token_ids,
+    out_num_drafts,
+):
     """Propose for every sequence of a batch in one call.
 
     copy: True for the "copy" continuation, False for "frequency";
     slots: [num_seqs] int64; num_drafts: [num_seqs] int64, each <= max_k;
+    prefixes: [num_seqs, max_prefix] int64, row i's first prefix_lengths[i] are drafts chosen
+    before this proposer (``ProposeRequest.draft_prefix``), which it continues;
+    prefix_lengths: [num_seqs] int64;
     out_token_ids: [num_seqs, max_k] int64 (row i valid up to out_num_drafts[i]);
     out_num_drafts: [num_seqs] int64.
     """
     max_order = min_order + tables.keys.shape[1] - 1
     context = np.empty(max_order + out_token_ids.shape[1], np.int64)
+    out = out_token_ids
     for i in range(len(slots)):
+        slot, k, prefix, num_prefix = slots[i], num_drafts[i], prefixes[i], prefix_lengths[i]
         if copy:
-            out_num_drafts[i] = _copy_one(
-                tables, min_order, slots[i], num_drafts[i], context, out_token_ids[i]
-            )
+            n = _copy_one(tables, min_order, slot, k, context, prefix, num_prefix, out[i])
         else:
-            out_num_drafts[i] = _propose_one(
-                tables, min_order, slots[i], num_drafts[i], context, out_token_ids[i]
-            )
+            n = _propose_one(tables, min_order, slot, k, context, prefix, num_prefix, out[i])
+        out_num_drafts[i] = n
 
 
 def warmup() -> None:
@@ -382,6 +403,8 @@ def warmup() -> None:
             copy,
             np.zeros(1, np.int64),
             np.full(1, 2, np.int64),
+            np.ones((1, 1), np.int64),
+            np.ones(1, np.int64),
             out_token_ids,
             out_num_drafts,
         )

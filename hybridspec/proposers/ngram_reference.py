@@ -39,13 +39,19 @@ def ngram_counts(token_ids: Sequence[int], order: int, window: int) -> NgramCoun
     return counts
 
 
-def reference_proposal(token_ids: Sequence[int], num_tokens: int, config: NgramConfig) -> list[int]:
-    """Up to ``num_tokens`` next tokens predicted from the committed context ``token_ids``."""
+def reference_proposal(
+    token_ids: Sequence[int],
+    num_tokens: int,
+    config: NgramConfig,
+    prefix: Sequence[int] = (),
+) -> list[int]:
+    """Up to ``num_tokens`` next tokens predicted from the committed context ``token_ids``,
+    continuing ``prefix`` (drafts chosen before: they end the matched context, uncounted)."""
     orders = range(config.max_order, config.min_order - 1, -1)
     tables = {order: ngram_counts(token_ids, order, config.window) for order in orders}
     if config.continuation == "copy":
-        return _copy(tables, token_ids, num_tokens)
-    context = list(token_ids)
+        return _copy(tables, token_ids, [*token_ids, *prefix], num_tokens)
+    context = [*token_ids, *prefix]
     proposal: list[int] = []
     while len(proposal) < num_tokens:
         next_token = _predict(tables, context)
@@ -78,9 +84,15 @@ def _predict(tables: dict[int, NgramCounts], context: list[int]) -> int | None:
     return max(continuations, key=continuations.__getitem__)
 
 
-def _copy(tables: dict[int, NgramCounts], token_ids: Sequence[int], num_tokens: int) -> list[int]:
-    """The tokens after the latest occurrence of the longest context that has one."""
-    continuations = _longest_match(tables, token_ids)
+def _copy(
+    tables: dict[int, NgramCounts],
+    token_ids: Sequence[int],
+    context: Sequence[int],
+    num_tokens: int,
+) -> list[int]:
+    """The committed tokens after the latest occurrence of the longest end of ``context`` that
+    has one."""
+    continuations = _longest_match(tables, context)
     if num_tokens == 0 or continuations is None:
         return []
     latest = max(pos for _, pos in continuations.values())

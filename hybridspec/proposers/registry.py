@@ -1,9 +1,10 @@
 """Proposer names: the one place a name is mapped to the factory that builds the proposer.
 
 ``default_registry()`` gives every new engine the built-in proposers (``none``, ``ngram``,
-``draft``, ``eagle``, ``hybrid``) plus those registered process-wide with
-``register_proposer``; an engine's own ``Engine.register_proposer`` adds to that engine alone.
-No code below this module compares proposer names.
+``draft``, ``eagle``, ``hybrid``, ``grammar``, which composes: ``grammar+ngram``) plus those
+registered process-wide with ``register_proposer``; an engine's own
+``Engine.register_proposer`` adds to that engine alone. No code below this module compares
+proposer names.
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ class ProposerRegistry:
 def _builtin_registry() -> ProposerRegistry:
     from hybridspec.proposers.draft import DraftModelProposer
     from hybridspec.proposers.eagle import EagleProposer
+    from hybridspec.proposers.grammar import GrammarProposer
     from hybridspec.proposers.hybrid import HybridProposer
     from hybridspec.proposers.ngram import NgramProposer
 
     registry = ProposerRegistry()
     registry.register("none", NoProposer)
+    registry.register("grammar", GrammarProposer)
     registry.register("ngram", NgramProposer)
     registry.register("draft", DraftModelProposer)
     registry.register("eagle", EagleProposer)

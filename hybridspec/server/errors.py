@@ -7,6 +7,7 @@ exception                           status  type                     code
 ==================================  ======  =======================  =====================
 UnknownModelError                   404     invalid_request_error    model_not_found
 ContextLengthError                  400     invalid_request_error    context_length_exceeded
+GrammarError                        400     invalid_request_error    invalid_grammar
 InvalidRequestError                 400     invalid_request_error    invalid_value
 RequestValidationError (pydantic)   400     invalid_request_error    invalid_type / ...
 CapacityError                       503     server_error             overloaded (Retry-After)
@@ -38,6 +39,7 @@ from starlette.exceptions import HTTPException
 from hybridspec.errors import (
     CapacityError,
     ContextLengthError,
+    GrammarError,
     HybridSpecError,
     InvalidRequestError,
     UnknownModelError,
@@ -144,7 +146,13 @@ def exception_response(exc: Exception, retry_after_s: int = 1) -> JSONResponse:
         return error_response(404, str(exc), param=exc.param or "model", code="model_not_found")
     if isinstance(exc, InvalidRequestError):
         param = PARAM_NAMES.get(exc.param, exc.param) if exc.param else None
-        code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
+        code = (
+            "context_length_exceeded"
+            if isinstance(exc, ContextLengthError)
+            else "invalid_grammar"
+            if isinstance(exc, GrammarError)
+            else "invalid_value"
+        )
         return error_response(400, str(exc), param=param, code=code)
     if isinstance(exc, CapacityError):
         return error_response(

@@ -48,9 +48,11 @@ from hybridspec.server.protocol import (
     CompletionResponse,
     FinishReasonName,
     SpeculationStats,
+    ToolCall,
     Usage,
 )
 from hybridspec.server.state import ServerState
+from hybridspec.server.structured import ToolPlan, grammar_of, tool_calls, tool_plan
 from hybridspec.types import GenerationStats
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -73,6 +75,12 @@ class PreparedRequest:
     # A completion's echoed prompt (``echo``); its logprobs come when ``params.logprobs`` is set.
     echo_text: str | None = None
     n: int = 1  # choices of this prompt
+    tools: ToolPlan | None = None  # a chat request's tools (``server.structured``)
+
+    @property
+    def calls_tools(self) -> bool:
+        """True when the answer may be ``tool_calls`` rather than text."""
+        return self.tools is not None and self.tools.mode != "none"
 
     @property
     def echo_logprobs(self) -> bool:
@@ -162,10 +170,13 @@ async def prepare(
     tokenizing, as the engine checks them (``engine.choices.check_choices``)."""
     model = state.model.resolve(body.model)
     _reject_unsupported(body)
-    prompts = prompts_of(body)
+    renders = state.prompts.renders_tools
+    tools = tool_plan(body, renders) if isinstance(body, ChatCompletionRequest) else None
+    prompts = prompts_of(body, tools, renders)
     n = body.n if body.n is not None else 1
     check_choices(n, len(prompts), state.model.max_choices, state.model.max_queue_size)
     params = _params(body, state.model.vocab_size)
+    grammar = grammar_of(body, tools)
     proposer = state.model.resolve_proposer(params.proposer)
     k = params.num_speculative_tokens or state.model.default_num_speculative_tokens
     options = body.stream_options
@@ -180,7 +191,7 @@ async def prepare(
             PreparedRequest(
                 model=model,
                 prompt_token_ids=ids,
-                params=dataclasses.replace(params, max_new_tokens=max_tokens),
+                params=dataclasses.replace(params, max_new_tokens=max_tokens, grammar=grammar),
                 proposer=proposer,
                 num_speculative_tokens=k,
                 stream=body.stream,
@@ -191,6 +202,7 @@ async def prepare(
                 chat=isinstance(body, ChatCompletionRequest),
                 echo_text=echo_text,
                 n=n,
+                tools=tools,
             )
         )
     return prepared
@@ -280,6 +292,14 @@ async def next_output(outputs: AsyncIterator[Indexed]) -> Indexed:
     return await outputs.__anext__()
 
 
+def answer_calls(prepared: PreparedRequest, output: RequestOutput) -> list[ToolCall] | None:
+    """The tool calls a finished chat request answers with, or None for a text answer."""
+    if not prepared.calls_tools or output.finish_reason is not FinishReason.STOP:
+        return None
+    assert prepared.tools is not None and output.result is not None
+    return tool_calls(prepared.tools, output.result.text)
+
+
 def finish_reason(output: RequestOutput) -> FinishReasonName:
     return "length" if output.finish_reason is FinishReason.LENGTH else "stop"
 
@@ -362,7 +382,11 @@ async def response_body(
             "logprobs": logprobs,
         }
         if one.chat:
-            choice["message"] = AssistantMessage(content=result.text)
+            calls = answer_calls(one, output)
+            if calls is not None:
+                choice["finish_reason"] = "tool_calls"
+            message = AssistantMessage(content=None, tool_calls=calls) if calls else None
+            choice["message"] = message or AssistantMessage(content=result.text)
         else:
             choice["text"] = (one.echo_text or "") + result.text
         choices.append(choice)

@@ -27,8 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from hybridspec.engine.prompts import renders_tools
 from hybridspec.errors import ContextLengthError, check
-from hybridspec.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from hybridspec.server.protocol import ChatCompletionRequest, CompletionRequest
+from hybridspec.server.structured import ToolPlan, tool_messages
 
 COMPLETION_MAX_TOKENS = 16  # as in the OpenAI legacy completions API
 TOKENIZER_THREADS = 2
@@ -36,12 +38,14 @@ TOKENIZER_THREADS = 2
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """What to tokenize (exactly one of the three) and the requested completion budget."""
+    """What to tokenize (exactly one of the three) and the requested completion budget;
+    ``tools``: the tools the chat template shows the model (None: none)."""
 
     text: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     token_ids: list[int] | None
     max_tokens: int | None  # None: the rest of the context
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def num_chars(self) -> int:
@@ -50,28 +54,22 @@ class Prompt:
         return sum(len(m["content"]) for m in self.messages or ())
 
 
-def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """OpenAI messages as the {role, content} strings that the chat template takes; a
-    ``developer`` message (OpenAI's newer name for instructions) becomes a ``system`` one."""
-    out = []
-    for message in messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        role = "system" if message.role == "developer" else message.role
-        out.append({"role": role, "content": content or ""})
-    return out
-
-
-def prompts_of(body: CompletionRequest | ChatCompletionRequest) -> list[Prompt]:
-    """The body's prompts: one chat, or a completion's text or token ids, one or a list."""
+def prompts_of(
+    body: CompletionRequest | ChatCompletionRequest,
+    tools: ToolPlan | None = None,
+    renders_tools: bool = False,
+) -> list[Prompt]:
+    """The body's prompts: one chat (with its tools: ``structured.tool_messages``), or a
+    completion's text or token ids, one or a list."""
     if isinstance(body, ChatCompletionRequest):
         for name in ("max_tokens", "max_completion_tokens"):
             value = getattr(body, name)
             check(value is None or value >= 1, name, f"expected an integer >= 1, got {value}")
         chosen = body.max_completion_tokens
         max_tokens = chosen if chosen is not None else body.max_tokens
-        return [Prompt(None, chat_messages(body.messages), None, max_tokens)]
+        messages = tool_messages(body.messages, tools, renders_tools)
+        shown = tools.schemas() if tools is not None and renders_tools else None
+        return [Prompt(None, messages, None, max_tokens, shown)]
     raw = body.prompt
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_MAX_TOKENS
     check(
@@ -88,7 +86,7 @@ def prompts_of(body: CompletionRequest | ChatCompletionRequest) -> list[Prompt]:
     ]
 
 
-Encode = Callable[[str | None, list[dict[str, str]] | None], list[int]]
+Encode = Callable[[str | None, list[dict[str, Any]] | None, list[dict[str, Any]] | None], list[int]]
 CheckPrompt = Callable[[Sequence[int]], None]
 
 
@@ -111,6 +109,8 @@ class PromptEncoder:
         tokenizer: Any = None,
     ) -> None:
         self._tokenizer = tokenizer  # for decoding (echo, logprobs' token texts); None: none
+        # Whether the chat template shows tools to the model (``structured``).
+        self.renders_tools = renders_tools(tokenizer)
         self._encode = encode
         self._check_prompt = check_prompt
         self.max_prompt_tokens = max_prompt_tokens
@@ -140,7 +140,7 @@ class PromptEncoder:
     def _run(self, prompt: Prompt) -> list[int]:
         ids = prompt.token_ids
         if ids is None:
-            ids = self._encode(prompt.text, prompt.messages)
+            ids = self._encode(prompt.text, prompt.messages, prompt.tools)
         self._check_count(len(ids), "prompt" if prompt.messages is None else "messages")
         self._check_prompt(ids)
         return ids

@@ -4,9 +4,9 @@ Request bodies are strict (no string-to-number coercion) and refuse unknown fiel
 OpenAI API does; value ranges are checked by the engine's own parameter classes, so that every
 bound lives in one place (``hybridspec.config``, ``hybridspec.types``). Extension fields in a
 request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos``,
-``repetition_penalty``, ``min_p``, ``min_tokens``, ``stop_token_ids``. In a response:
-``hybridspec`` (the request's speculation statistics, its choices' together; in a stream, each
-choice's on its final chunk).
+``repetition_penalty``, ``min_p``, ``min_tokens``, ``stop_token_ids``, ``guided_regex``,
+``guided_grammar``. In a response: ``hybridspec`` (the request's speculation statistics, its
+choices' together; in a stream, each choice's on its final chunk).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hybridspec.types import (
     MIN_REPETITION_PENALTY,
 )
 
-FinishReasonName = Literal["stop", "length"]
+FinishReasonName = Literal["stop", "length", "tool_calls"]
 MAX_COMPLETION_LOGPROBS = 5  # as in the OpenAI legacy completions API
 # A token id as a ``logit_bias`` key: a decimal integer without leading zeros. The served
 # document narrows it to the model's vocabulary (``openapi``).
@@ -64,6 +64,12 @@ class StreamOptions(_Body):
     # carries the usage so far, not only the last one.
     continuous_usage_stats: bool = False
 
+
+# A source the engine compiles (``guided_*``): empty is refused (``types.GrammarSpec``).
+NON_EMPTY_STRING_OR_NULL: list[dict[str, Any]] = [
+    {"type": "string", "minLength": 1},
+    {"type": "null"},
+]
 
 # ``stream_options`` only with ``stream: true``, as in the OpenAI API.
 STREAM_OPTIONS_NEED_STREAM: dict[str, Any] = {
@@ -178,6 +184,15 @@ class _SamplingFields(_Body):
         items={"type": "integer", "minimum": 0},
         description="Token ids that end the text as EOS does, left out of it (extension).",
     )
+    guided_regex: str | None = documented(
+        anyOf=NON_EMPTY_STRING_OR_NULL,
+        description="The output matches this regular expression (extension, as vLLM's).",
+    )
+    guided_grammar: str | None = documented(
+        anyOf=NON_EMPTY_STRING_OR_NULL,
+        description="The output matches this EBNF grammar, start rule 'root' (extension, as "
+        "vLLM's; xgrammar's syntax, that of llama.cpp's GBNF).",
+    )
 
 
 class CompletionRequest(_SamplingFields):
@@ -230,19 +245,72 @@ class TextContentPart(BaseModel):
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class FunctionCall(BaseModel):
+    """A function call: its name and its arguments as JSON text (OpenAI's format)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     """An input message; extra keys that clients echo back (``refusal``...) are ignored. A
-    ``developer`` message is a ``system`` one."""
+    ``developer`` message is a ``system`` one; an assistant message may carry the
+    ``tool_calls`` it made, and a ``tool`` message answers one (``tool_call_id``)."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: ChatRole
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(json_schema_extra={"pattern": "^[a-zA-Z0-9_-]{1,64}$"})
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(_Body):
-    type: Literal["text"]
+    """``text`` (free), ``json_object`` (any JSON object) or ``json_schema`` (JSON matching
+    ``json_schema.schema``; without a schema, any JSON object). Output is constrained by the
+    grammar in every case, ``strict`` or not."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(json_schema_extra={"pattern": "^[a-zA-Z0-9_-]{1,64}$"})
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -259,6 +327,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: JsonInt | None = documented(minimum=0, maximum=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, json_schema_extra={"maxItems": 64})
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None,
+        description="'required' or a named function: the output is a call, constrained to the "
+        "functions' parameters. 'auto' (the default with tools) needs a chat template that "
+        "shows tools to the model.",
+    )
     store: bool | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
@@ -341,7 +416,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -361,9 +437,24 @@ class ChatCompletionResponse(BaseModel):
     hybridspec: SpeculationStats
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: the first of each call carries its id and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -9,7 +9,10 @@ chunk carries its finish reason and its ``hybridspec`` statistics; after every c
 ``continuous_usage_stats`` too (vLLM's extension), every chunk also carries the usage so far.
 A request that asks for logprobs gets those of each chunk's tokens on that chunk (a chunk may
 carry tokens whose text is held back, with empty text); an echoed prompt, with its logprobs,
-comes first, on the first text chunk.
+comes first, on the first text chunk. A chat request with tools holds each choice's text
+back: at that choice's end it sends its calls (one chunk per call, OpenAI's ``tool_calls``
+delta with the call's id, name and whole arguments; finish reason ``tool_calls``) or, when it
+made none, its text.
 
 ``stream_events`` is independent of the web framework: it turns a request's engine outputs
 into the event strings; ``EventStreamResponse`` is the Starlette response that sends them.
@@ -30,6 +33,7 @@ from hybridspec.server.errors import exception_response
 from hybridspec.server.generation import (
     Indexed,
     PreparedRequest,
+    answer_calls,
     check_not_failed,
     finish_reason,
     load_token_texts,
@@ -45,8 +49,11 @@ from hybridspec.server.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     Delta,
+    DeltaFunctionCall,
+    DeltaToolCall,
     FinishReasonName,
     SpeculationStats,
+    ToolCall,
     Usage,
 )
 from hybridspec.server.state import ServerState
@@ -117,6 +124,15 @@ class ChunkRenderer:
             choice.update(text=text, finish_reason=None)
         return self._event([choice], usage=usage)
 
+    def tool_calls(self, calls: list[ToolCall], index: int = 0) -> list[str]:
+        """One chunk per call of choice ``index``: the call's index, id, name and arguments."""
+        events = []
+        for i, call in enumerate(calls):
+            function = DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments)
+            delta = DeltaToolCall(index=i, id=call.id, type="function", function=function)
+            events.append(self._event([{"index": index, "delta": Delta(tool_calls=[delta])}]))
+        return events
+
     def final(
         self,
         reason: FinishReasonName,
@@ -164,6 +180,32 @@ class _Pieces:
             return None
         return self.render.text(text, usage, logprobs, self.index)
 
+    async def events(self, output: RequestOutput, usage: Usage | None) -> list[str]:
+        """The events of one output of this choice: its text chunk and, once it finished, its
+        final chunk. A choice that may call tools holds its text back until the end, then sends
+        its calls (finish reason ``tool_calls``) or, when it made none, its text."""
+        prepared, render, index = self.prepared, self.render, self.index
+        if prepared.calls_tools and not output.finished:
+            return []
+        events = []
+        reason = finish_reason(output)
+        calls = answer_calls(prepared, output) if output.finished else None
+        if calls is not None:
+            events += render.tool_calls(calls, index)
+            reason = "tool_calls"
+        elif prepared.calls_tools:
+            assert output.result is not None
+            events.append(render.text(output.result.text, usage, index=index))
+        else:
+            chunk = await self.chunk(output, usage)
+            if chunk is not None:
+                events.append(chunk)
+        if output.finished:
+            assert output.result is not None
+            stats = speculation_stats(prepared, output.result.stats)
+            events.append(render.final(reason, stats, usage, index))
+        return events
+
 
 async def stream_events(
     state: ServerState,
@@ -206,13 +248,9 @@ async def stream_events(
                 generated[index] = len(output.result.token_ids)
             else:
                 generated[index] += len(output.new_token_ids)
-            chunk = await pieces[index].chunk(output, so_far())
-            if chunk is not None:
-                yield chunk
+            for event in await pieces[index].events(output, so_far()):
+                yield event
             if output.finished:
-                assert output.result is not None
-                stats = speculation_stats(prepared[index // n], output.result.stats)
-                yield render.final(finish_reason(output), stats, so_far(), index)
                 finals.append(output)
                 if len(finals) == count:
                     break

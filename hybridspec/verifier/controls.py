@@ -12,12 +12,19 @@ The semantics are OpenAI's and vLLM's. For one row of logits ``z`` at a position
 this order (vLLM's):
 
 1. **logit_bias**: ``z[t] += bias[t]``.
-2. **min_tokens**: while fewer than ``min_tokens`` tokens are generated, ``z[s] = -inf`` for
-   every stop token ``s`` (the model's EOS ids, unless the request ignores EOS).
-3. **repetition_penalty** ``rho`` (Hugging Face, vLLM): where ``seen[t]``, ``z[t] / rho`` if
+2. **repetition_penalty** ``rho`` (Hugging Face, vLLM): where ``seen[t]``, ``z[t] / rho`` if
    ``z[t] > 0`` else ``z[t] * rho``.
-4. **frequency_penalty** ``f`` and **presence_penalty** ``r`` (OpenAI):
+3. **frequency_penalty** ``f`` and **presence_penalty** ``r`` (OpenAI):
    ``z[t] -= f * count[t] + r * (count[t] > 0)``.
+4. **grammar** (structured output, ``TokenHistory.constraint``): ``z[t] = -inf`` for every
+   token the grammar forbids after the committed tokens and the drafted prefix
+   (``verifier.grammar``).
+5. **min_tokens**: while fewer than ``min_tokens`` tokens are generated, ``z[s] = -inf`` for
+   every stop token ``s`` (the model's EOS ids, unless the request ignores EOS), except where
+   the grammar allows nothing else (the output must end there to match it).
+
+The -inf masks (4, 5) commute with 1-3, so this order is vLLM's (bias, min_tokens, penalties)
+in effect.
 
 Position-aware: at verify row j (after the committed tokens and drafts ``d_1 .. d_j``) the
 drafts count as generated. Worked example: prompt ``[5, 6]``, generated ``[7, 7]``, drafts
@@ -27,10 +34,10 @@ drafts count as generated. Worked example: prompt ``[5, 6]``, generated ``[7, 7]
 with ``rho`` they are seen). With ``min_tokens = 4`` EOS is masked at rows 0 and 1 (2 and 3
 generated) and allowed from row 2 on.
 
-Requests without controls (``SamplingParams.has_controls``) cost nothing: their rows are not
-touched, and a batch without any is returned as it came, without a copy. Counts are built with
-one ``bincount`` per batch over the controlled sequences' generated tokens, then each verify
-row adds its drafted prefix.
+Requests without controls (``SamplingParams.has_controls``, and no grammar) cost nothing: their
+rows are not touched, and a batch without any is returned as it came, without a copy. Counts
+are built with one ``bincount`` per batch over the controlled sequences' generated tokens, then
+each verify row adds its drafted prefix.
 
 Dimensions: ``num_seqs`` sequences, ``num_rows`` rows of logits (each sequence's consecutive),
 ``vocab_size``.
@@ -67,6 +74,11 @@ class _Rows:
     num_generated: list[int]  # [num_rows]: generated tokens before the row, drafts included
 
 
+def is_controlled(params: SamplingParams, history: TokenHistory | None) -> bool:
+    """True when a sequence's logits change under its controls or its grammar."""
+    return params.has_controls or (history is not None and history.constraint is not None)
+
+
 def apply_controls(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -86,7 +98,11 @@ def apply_controls(
     Returns ``logits`` itself when no sequence has controls; else a new float32 tensor (float64
     stays float64) in which only the controlled sequences' rows differ.
     """
-    controlled = [i for i, p in enumerate(params) if p.has_controls]
+    controlled = [
+        i
+        for i, p in enumerate(params)
+        if is_controlled(p, histories[i] if i < len(histories) else None)
+    ]
     if not controlled:
         return logits
     counts = [len(d) + 1 for d in drafts] if num_rows is None else list(num_rows)
@@ -141,15 +157,6 @@ def _apply_(
             torch.tensor(values, dtype=logits.dtype, device=logits.device),
             accumulate=True,
         )
-    masked = [
-        (r, t)
-        for r, (s, n) in enumerate(zip(seq_of_row, layout.num_generated, strict=True))
-        if n < params[s].min_tokens
-        for t in histories[s].stop_token_ids
-    ]
-    if masked:
-        r_index, t_index = zip(*masked, strict=True)
-        logits[list(r_index), list(t_index)] = float("-inf")
     penalised = [
         s
         for s, p in enumerate(params)
@@ -157,6 +164,32 @@ def _apply_(
     ]
     if penalised:
         _penalise_(logits, params, histories, layout, penalised)
+    row = 0
+    for history, tokens, n in zip(histories, drafts, num_rows, strict=True):
+        if history.constraint is not None:
+            history.constraint.mask_(logits[row : row + n], tokens)
+        row += n
+    masked = [
+        (r, t)
+        for r, (s, n) in enumerate(zip(seq_of_row, layout.num_generated, strict=True))
+        if n < params[s].min_tokens
+        for t in histories[s].stop_token_ids
+    ]
+    if masked:
+        _hold_back_stops_(logits, masked)
+
+
+def _hold_back_stops_(logits: torch.Tensor, masked: list[tuple[int, int]]) -> None:
+    """``min_tokens``: -inf at each (row, stop token) of ``masked``, except in a row where that
+    would leave no token at all (a grammar that allows only EOS there: it wins)."""
+    r_index = torch.tensor([r for r, _ in masked], device=logits.device)
+    t_index = torch.tensor([t for _, t in masked], device=logits.device)
+    saved = logits[r_index, t_index].clone()
+    logits[r_index, t_index] = float("-inf")
+    dead = ~torch.isfinite(logits).any(dim=1)  # [num_rows]
+    keep = dead[r_index]
+    if keep.any():
+        logits[r_index[keep], t_index[keep]] = saved[keep]
 
 
 def _layout(

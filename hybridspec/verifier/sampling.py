@@ -129,9 +129,12 @@ def _check_sampled(params: SamplingParams, param: str) -> None:
 
 def _transform(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, min-p, softmax, top-p; ``params`` has one entry, or one per row."""
-    temperatures = [p.temperature for p in params]
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # half-precision softmax sums would miss 1 by ~1e-3
+    # A temperature past the dtype's largest number would become inf, and a masked logit
+    # (-inf: a grammar's, min_tokens') NaN; at the largest one, every finite logit is ~0 alike.
+    largest = torch.finfo(logits.dtype).max
+    temperatures = [min(p.temperature, largest) for p in params]
     # Dividing makes a new tensor, so the in-place steps below never touch the caller's logits.
     if len(temperatures) == 1:
         scaled = logits / temperatures[0]

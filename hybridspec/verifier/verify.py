@@ -43,7 +43,7 @@ from hybridspec.verifier.acceptance import (
 )
 from hybridspec.verifier.batch import VerifyInput, VerifyKind, VerifyOutput
 from hybridspec.verifier.checks import check_probs_values
-from hybridspec.verifier.controls import apply_controls
+from hybridspec.verifier.controls import apply_controls, is_controlled
 from hybridspec.verifier.sampling import (
     greedy_token_ids,
     logits_to_probs,
@@ -55,7 +55,7 @@ from hybridspec.verifier.uniforms import KeyedUniforms
 
 def verify(inp: VerifyInput) -> VerifyOutput:
     """Verify every sequence's drafts: greedy, keyed or rejection sampling (module docstring)."""
-    if not any(params.has_controls for params in inp.sampling):
+    if not any(map(is_controlled, inp.sampling, inp.histories)):
         return _verify(inp, inp.target_logits)
     flat = inp.draft_token_ids.tolist()
     offsets = list(itertools.accumulate(inp.num_drafts, initial=0))

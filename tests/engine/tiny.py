@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from hybridspec import DraftConfig, Engine, EngineConfig, ModelConfig
 from hybridspec.model import LlamaWeights
@@ -25,19 +25,26 @@ PROMPTS = [
 
 
 def tiny_loaded(
-    seed: int, noise_from: LoadedModel | None = None, quantize_bits: int | None = None
+    seed: int,
+    noise_from: LoadedModel | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    quantize_bits: int | None = None,
 ) -> LoadedModel:
     """A tiny random Llama; with ``noise_from``, that model's weights plus small noise (a draft
-    that mostly agrees with it); with ``quantize_bits``, quantized at load (bfloat16 compute)."""
+    that mostly agrees with it); with ``quantize_bits``, quantized at load (bfloat16 compute).
+    With a ``tokenizer`` (the suite's byte-level one, for grammars) its vocabulary is the
+    tokenizer's and EOS its EOS; else ``VOCAB`` ids, no text."""
+    vocab = VOCAB if tokenizer is None else len(tokenizer)
+    eos = EOS if tokenizer is None else tokenizer.eos_token_id
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        eos_token_id=EOS,
+        eos_token_id=eos,
         bos_token_id=0,
         tie_word_embeddings=False,
     )
@@ -53,12 +60,12 @@ def tiny_loaded(
     else:  # sharpen the output so greedy text has structure worth speculating on, and keep
         # EOS (logit 0, below the largest of 63 others) out of greedy output.
         state["lm_head.weight"] = state["lm_head.weight"] * 8
-        state["lm_head.weight"][EOS] = 0
+        state["lm_head.weight"][eos] = 0
     dtype = torch.float32 if quantize_bits is None else torch.bfloat16
     weights = LlamaWeights.from_hf_state_dict(
         state, config, dtype=dtype, quantize_bits=quantize_bits
     )
-    return LoadedModel(weights, None, config, dtype, (EOS,), f"tiny:{seed}")  # type: ignore[arg-type]
+    return LoadedModel(weights, tokenizer, config, dtype, (eos,), f"tiny:{seed}")  # type: ignore[arg-type]
 
 
 def make_engine(target: LoadedModel, draft: LoadedModel | None = None, **config: object) -> Engine:

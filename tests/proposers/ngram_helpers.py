@@ -31,9 +31,15 @@ def commit(
     proposer.commit(CommitInfo(seq_id, token_ids, num_accepted))
 
 
-def request(seq_id: int, token_ids: Sequence[int], k: int) -> ProposeRequest:
+def request(
+    seq_id: int, token_ids: Sequence[int], k: int, prefix: Sequence[int] = ()
+) -> ProposeRequest:
     return ProposeRequest(
-        seq_id=seq_id, token_ids=token_ids, max_num_drafts=k, sampling=SamplingParams()
+        seq_id=seq_id,
+        token_ids=token_ids,
+        max_num_drafts=k,
+        sampling=SamplingParams(),
+        draft_prefix=tuple(prefix),
     )
 
 

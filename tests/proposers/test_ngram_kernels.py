@@ -109,8 +109,9 @@ def test_hash_collision_is_caught_by_reading_the_context_back():
     tables.num_used[0, 0] += 1
     out_token_ids, out_num_tokens = np.empty((1, 1), np.int64), np.empty(1, np.int64)
     slots, ks = np.zeros(1, np.int64), np.ones(1, np.int64)
+    no_prefix = (np.zeros((1, 1), np.int64), np.zeros(1, np.int64))
     for copy in (True, False):  # not the forged entry: likelier (42) and more recent (at 4)
-        kernels.propose_batch(tables, 2, copy, slots, ks, out_token_ids, out_num_tokens)
+        kernels.propose_batch(tables, 2, copy, slots, ks, *no_prefix, out_token_ids, out_num_tokens)
         assert out_token_ids[0, : out_num_tokens[0]].tolist() == [9]
 
 
@@ -167,8 +168,9 @@ def scenarios(draw):
     config = NgramConfig(min_order, max_order, window, capacity, continuation)
     tokens = st.integers(0, draw(st.integers(2, 5)) - 1)
     prompts = draw(st.lists(st.lists(tokens, max_size=50), min_size=1, max_size=3))
-    # Each round: per sequence, the K to propose, then the tokens to commit.
-    step = st.tuples(st.integers(0, 16), st.lists(tokens, max_size=9))
+    # Each round: per sequence, the K to propose, the drafts chosen before the proposer
+    # (``draft_prefix``), then the tokens to commit.
+    step = st.tuples(st.integers(0, 16), st.lists(tokens, max_size=4), st.lists(tokens, max_size=9))
     num_seqs = len(prompts)
     rounds = draw(st.lists(st.lists(step, min_size=num_seqs, max_size=num_seqs), max_size=10))
     return config, prompts, rounds
@@ -184,15 +186,15 @@ def test_proposals_equal_the_reference(scenario):
     histories = [list(prompt) for prompt in prompts]
     for seq_id, prompt in enumerate(prompts):
         proposer.start(seq_id, prompt)
-    for steps in [[(16, [])] * len(prompts), *rounds]:
+    for steps in [[(16, [], [])] * len(prompts), *rounds]:
         requests = [
-            request(i, history, k)
-            for i, (history, (k, _)) in enumerate(zip(histories, steps, strict=True))
+            request(i, history, k, prefix)
+            for i, (history, (k, prefix, _)) in enumerate(zip(histories, steps, strict=True))
         ]
         proposals = proposer.propose(requests)
-        for history, (k, _), proposal in zip(histories, steps, proposals, strict=True):
-            assert list(proposal.token_ids) == reference_proposal(history, k, config)
-        for seq_id, (_, committed) in enumerate(steps):
+        for history, (k, prefix, _), proposal in zip(histories, steps, proposals, strict=True):
+            assert list(proposal.token_ids) == reference_proposal(history, k, config, prefix)
+        for seq_id, (_, _, committed) in enumerate(steps):
             commit(proposer, seq_id, committed, num_accepted=0)
             histories[seq_id] += committed
 

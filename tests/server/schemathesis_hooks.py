@@ -1,10 +1,12 @@
 """Schemathesis hooks for the OpenAPI test (loaded through ``SCHEMATHESIS_HOOKS``).
 
 ``positive_data_acceptance_but_context`` is schemathesis' own ``positive_data_acceptance`` with
-one exemption: a schema-valid prompt that tokenizes to more tokens than the context holds. No
-JSON Schema can state that limit (it depends on how the text tokenizes, and on all messages
-together), so the server answers it with a 400 whose code, OpenAI's
-``context_length_exceeded``, says so; every other refusal of schema-valid data still fails.
+two exemptions that no JSON Schema can state: a schema-valid prompt that tokenizes to more
+tokens than the context holds (it depends on how the text tokenizes, and on all messages
+together), answered with a 400 whose code, OpenAI's ``context_length_exceeded``, says so; and
+a grammar, regex or JSON schema (``guided_*``, ``response_format``, tools' parameters) that
+does not compile, or tools the chat template cannot show, answered with code
+``invalid_grammar``. Every other refusal of schema-valid data still fails.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def positive_data_acceptance_but_context(ctx: Any, response: Any, case: Any) -> 
             code = response.json()["error"]["code"]
         except (ValueError, KeyError, TypeError):
             code = None
-        if code == "context_length_exceeded":
+        if code in ("context_length_exceeded", "invalid_grammar"):
             return None
     result: bool | None = positive_data_acceptance(ctx, response, case)
     return result

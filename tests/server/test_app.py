@@ -110,7 +110,8 @@ def test_startup_logs_one_ready_line(
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]
     assert len(ready) == 1, caplog.text
     pattern = (
-        r"ready: tiny-llama \(transformers \S+ -> float32\), \d+ threads, proposers ngram,none; "
+        r"ready: tiny-llama \(transformers \S+ -> float32\), \d+ threads, "
+        r"proposers grammar,ngram,none,grammar\+ngram,grammar\+none; "
         r"load \d+\.\d s, warm-up \d+\.\d s"
     )
     assert re.fullmatch(pattern, ready[0]), ready[0]

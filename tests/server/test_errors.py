@@ -114,7 +114,7 @@ def test_wrong_types_are_400_not_422(client: TestClient, body: dict[str, Any], p
         ({"max_completion_tokens": -1}, "max_completion_tokens"),
         ({"max_completion_tokens": 4, "max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs

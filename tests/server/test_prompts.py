@@ -31,7 +31,7 @@ STREAM_ROUND_S = 0.02
 def encoder(
     encode: Any = None, max_prompt_tokens: int = 10, chars: int | None = 3
 ) -> PromptEncoder:
-    def refuse(text: str | None, messages: Any) -> list[int]:
+    def refuse(text: str | None, messages: Any, tools: Any) -> list[int]:
         raise AssertionError("tokenized a prompt that its size alone rules out")
 
     return PromptEncoder(encode or refuse, lambda ids: None, max_prompt_tokens, chars)
@@ -62,7 +62,7 @@ def test_too_many_token_ids_are_refused() -> None:
 def test_tokenizing_runs_on_a_worker_thread_and_counts_tokens() -> None:
     threads: list[str] = []
 
-    def encode(text: str | None, messages: Any) -> list[int]:
+    def encode(text: str | None, messages: Any, tools: Any) -> list[int]:
         threads.append(threading.current_thread().name)
         return [1] * len(text or "")
 

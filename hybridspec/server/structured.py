@@ -1,0 +1,237 @@
+"""Structured output and tools: from a request's fields to the grammar its output must match,
+and from the output back to OpenAI's ``tool_calls``.
+
+One grammar per request, from (at most one of) ``response_format`` ``json_object`` /
+``json_schema``, ``guided_regex``, ``guided_grammar`` (extensions) or ``tools`` with a
+``tool_choice`` that asks for a call:
+
+- ``required``: a JSON array of one or more calls (one when ``parallel_tool_calls`` is false),
+  each ``{"name": <one of the tools>, "arguments": <that tool's parameters>}``;
+- a named function: the output is that function's arguments, a JSON object of its parameters;
+- ``auto`` (the default with tools): free text, where the model's chat template shows the tools
+  to the model, and a call is returned when the text is one (Hermes' ``<tool_call>`` blocks or
+  the ``required`` format); a template that does not show tools is refused (400), as the model
+  could not know them;
+- ``none``: free text, no call.
+
+With ``required`` or a named function and a template that does not show tools, the tools are
+described to the model in a system message instead (``tool_messages``): the grammar forces the
+call's form, the description says what the functions are for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hybridspec.errors import GrammarError
+from hybridspec.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    FunctionCall,
+    Tool,
+    ToolCall,
+)
+from hybridspec.types import GrammarSpec
+
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
+def _require(condition: bool, param: str, message: str) -> None:
+    """GrammarError (code ``invalid_grammar``) unless ``condition``: what tools, tool_choice
+    and the constraint fields ask together, which no request schema states."""
+    if not condition:
+        raise GrammarError(f"{param}: {message}", param)
+
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How a request's ``tools`` shape its output and its answer."""
+
+    mode: ToolMode
+    tools: tuple[Tool, ...]
+    named: str | None = None  # the function of a named tool_choice
+
+    @property
+    def constrains(self) -> bool:
+        """True when the output is a call (``required`` or a named function)."""
+        return self.mode in ("required", "named")
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools as chat templates take them (OpenAI's ``tools`` entries)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+
+def tool_plan(body: ChatCompletionRequest, renders_tools: bool) -> ToolPlan | None:
+    """The request's tool plan; None without tools. Raises for a choice it cannot serve."""
+    choice = body.tool_choice
+    if not body.tools:
+        _require(choice in (None, "none"), "tool_choice", "a tool_choice needs tools")
+        return None
+    names = [tool.function.name for tool in body.tools]
+    _require(len(set(names)) == len(names), "tools", f"function names repeat: {names}")
+    if choice is None or isinstance(choice, str):
+        mode: ToolMode = choice or "auto"
+        if mode == "auto" and not renders_tools:
+            raise GrammarError(
+                "tool_choice: 'auto' needs a chat template that shows tools to the model, and "
+                "this model's does not; use tool_choice 'required' or a named function (the "
+                "output is then constrained to a call)",
+                "tool_choice",
+            )
+        return ToolPlan(mode, tuple(body.tools))
+    named = choice.function.name
+    _require(
+        named in names, "tool_choice", f"names {named!r}, which is not among the tools {names}"
+    )
+    return ToolPlan("named", tuple(body.tools), named)
+
+
+def _parameters(tool: Tool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def grammar_of(
+    body: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None
+) -> GrammarSpec | None:
+    """The grammar the output must match, or None for free text."""
+    specs: dict[str, GrammarSpec] = {}
+    if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
+        form = body.response_format
+        schema = form.json_schema.schema_ if form.json_schema is not None else None
+        _require(
+            form.type == "json_schema" or form.json_schema is None,
+            "response_format",
+            f"json_schema is only allowed with type 'json_schema', not {form.type!r}",
+        )
+        _require(
+            form.type != "json_schema" or form.json_schema is not None,
+            "response_format",
+            "type 'json_schema' needs a json_schema object",
+        )
+        if form.type == "json_object" or (form.type == "json_schema" and schema is None):
+            specs["response_format"] = GrammarSpec("json_object")
+        elif form.type == "json_schema":
+            specs["response_format"] = GrammarSpec("json_schema", json.dumps(schema))
+    if body.guided_regex is not None:
+        specs["guided_regex"] = GrammarSpec("regex", body.guided_regex)
+    if body.guided_grammar is not None:
+        specs["guided_grammar"] = GrammarSpec("grammar", body.guided_grammar)
+    if tools is not None and tools.constrains:
+        parallel = isinstance(body, ChatCompletionRequest) and body.parallel_tool_calls is not False
+        specs["tool_choice"] = GrammarSpec("json_schema", json.dumps(_call_schema(tools, parallel)))
+    _require(
+        len(specs) <= 1,
+        sorted(specs)[-1] if specs else "response_format",
+        f"at most one of {sorted(specs)} may constrain the output",
+    )
+    return next(iter(specs.values()), None)
+
+
+def _call_schema(tools: ToolPlan, parallel: bool) -> dict[str, Any]:
+    if tools.mode == "named":
+        [tool] = [t for t in tools.tools if t.function.name == tools.named]
+        return _parameters(tool)
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"enum": [tool.function.name]},
+                "arguments": _parameters(tool),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools.tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def tool_messages(
+    messages: list[ChatMessage], tools: ToolPlan | None, renders_tools: bool
+) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: ``tool_calls`` with their arguments as
+    objects, ``tool_call_id`` on tool results; a ``developer`` message is a ``system`` one.
+    Where the template does not show tools (or calls), a constrained request's tools are
+    described in a system message and earlier calls are written as their JSON."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        entry: dict[str, Any] = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": content or "",
+        }
+        if message.tool_calls:
+            calls = [_call_dict(call) for call in message.tool_calls]
+            entry["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+            if not renders_tools and not content:
+                entry["content"] = json.dumps(calls)
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    if tools is not None and tools.constrains and not renders_tools:
+        functions = [tool.function.model_dump(exclude_none=True) for tool in tools.tools]
+        described = json.dumps(functions, separators=(",", ":"))
+        out.insert(0, {"role": "system", "content": f"You can call these functions: {described}"})
+    return out
+
+
+def _call_dict(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    return {"name": call.function.name, "arguments": arguments}
+
+
+def tool_calls(tools: ToolPlan, text: str) -> list[ToolCall] | None:
+    """The calls that ``text`` makes, or None when it makes none (free text, or output cut
+    short by max_tokens)."""
+    try:
+        if tools.mode == "named":
+            assert tools.named is not None
+            return [_tool_call(tools.named, json.loads(text))]
+        if tools.mode == "required":
+            return [_tool_call(call["name"], call["arguments"]) for call in json.loads(text)]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+    if tools.mode == "auto":
+        return _free_calls(tools, text)
+    return None
+
+
+def _free_calls(tools: ToolPlan, text: str) -> list[ToolCall] | None:
+    """Calls in free text: Hermes' ``<tool_call>{...}</tool_call>`` blocks, or the whole text
+    in the ``required`` format; each must name one of the tools."""
+    names = {tool.function.name for tool in tools.tools}
+    found = [m.group(1) for m in HERMES_CALL.finditer(text)] or [text]
+    calls = []
+    for piece in found:
+        try:
+            value = json.loads(piece)
+        except json.JSONDecodeError:
+            return None
+        for call in value if isinstance(value, list) else [value]:
+            if not isinstance(call, dict) or call.get("name") not in names:
+                return None
+            calls.append(_tool_call(call["name"], call.get("arguments", {})))
+    return calls or None
+
+
+def _tool_call(name: str, arguments: Any) -> ToolCall:
+    return ToolCall(
+        id=f"call_{uuid.uuid4().hex[:24]}",
+        function=FunctionCall(name=name, arguments=json.dumps(arguments)),
+    )
