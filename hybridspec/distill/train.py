@@ -119,6 +119,10 @@ def sample_batch(sequences: list[Sequence_], options: TrainOptions, rng: random.
 
 
 def windows(picked: list[Sequence_], window: int, rng: random.Random | None) -> Batch:
+    """One window of ``window`` pairs per sequence, padded: at a random start with ``rng``,
+    else each sequence's last (held-out evaluation): an answer's last window is the target's
+    own text, where its first is the chat template that every answer shares and the head
+    learns by heart (a first-window estimate read 0.60 where the answers alone gave 0.46)."""
     d = picked[0][1].shape[1]
     b = len(picked)
     features = torch.zeros(b, window, d)
@@ -127,7 +131,8 @@ def windows(picked: list[Sequence_], window: int, rng: random.Random | None) -> 
     mask = torch.zeros(b, window, dtype=torch.bool)
     for row, (ids, feats) in enumerate(picked):
         pairs = ids.numel() - 1
-        start = rng.randint(0, max(0, pairs - window)) if rng is not None else 0
+        last = max(0, pairs - window)
+        start = rng.randint(0, last) if rng is not None else last
         n = min(window, pairs - start)
         features[row, :n] = feats[start : start + n].float()
         targets[row, :n] = feats[start + 1 : start + n + 1].float()

@@ -119,3 +119,21 @@ def test_no_bench_prompt_is_in_the_distillation_data() -> None:
         # a long piece of every bench message, and the whole of it, appear nowhere in the data
         probe = bench[:120]
         assert not any(probe in text or text in bench for text in data), probe
+
+
+def test_held_out_windows_are_each_sequences_last_and_training_ones_lie_inside() -> None:
+    # Pairs of a 10-token sequence: features f_0..f_8 with next tokens x_1..x_9.
+    ids = torch.arange(10, dtype=torch.int32)
+    features = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2)
+    short = (ids[:3], features[:3])  # 2 pairs: shorter than the window, padded
+    held = windows([(ids, features), short], 4, None)
+    assert held.next_token_ids.tolist() == [[6, 7, 8, 9], [1, 2, 0, 0]]
+    assert held.features[0, :, 0].tolist() == [5, 6, 7, 8]
+    assert held.targets[0, :, 0].tolist() == [6, 7, 8, 9]
+    assert held.mask.tolist() == [[True] * 4, [True, True, False, False]]
+    rng = random.Random(0)
+    for _ in range(20):
+        batch = windows([(ids, features)], 4, rng)
+        first = int(batch.next_token_ids[0, 0])
+        assert 1 <= first <= 6
+        assert batch.next_token_ids[0].tolist() == list(range(first, first + 4))
