@@ -52,7 +52,7 @@ from hybridspec.server.protocol import (
     Usage,
 )
 from hybridspec.server.state import ServerState
-from hybridspec.server.structured import ToolPlan, grammar_of, tool_calls, tool_plan
+from hybridspec.server.structured import ToolPlan, cut_calls, grammar_of, tool_calls, tool_plan
 from hybridspec.types import GenerationStats
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -292,12 +292,23 @@ async def next_output(outputs: AsyncIterator[Indexed]) -> Indexed:
     return await outputs.__anext__()
 
 
+CALL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
+
+
 def answer_calls(prepared: PreparedRequest, output: RequestOutput) -> list[ToolCall] | None:
-    """The tool calls a finished chat request answers with, or None for a text answer."""
-    if not prepared.calls_tools or output.finish_reason is not FinishReason.STOP:
+    """The tool calls a finished chat request answers with, or None for a text answer: the
+    calls of its text when it stopped, the complete ones when max_tokens cut it short."""
+    if not prepared.calls_tools or output.finish_reason not in CALL_ENDS:
         return None
     assert prepared.tools is not None and output.result is not None
+    if output.finish_reason is FinishReason.LENGTH:
+        return cut_calls(prepared.tools, output.result.text)
     return tool_calls(prepared.tools, output.result.text)
+
+
+def calls_reason(output: RequestOutput) -> FinishReasonName:
+    """The finish reason of an answer made of calls: ``tool_calls``, or ``length`` when cut."""
+    return "length" if output.finish_reason is FinishReason.LENGTH else "tool_calls"
 
 
 def finish_reason(output: RequestOutput) -> FinishReasonName:
@@ -384,7 +395,7 @@ async def response_body(
         if one.chat:
             calls = answer_calls(one, output)
             if calls is not None:
-                choice["finish_reason"] = "tool_calls"
+                choice["finish_reason"] = calls_reason(output)
             message = AssistantMessage(content=None, tool_calls=calls) if calls else None
             choice["message"] = message or AssistantMessage(content=result.text)
         else:

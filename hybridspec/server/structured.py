@@ -212,6 +212,31 @@ def tool_calls(tools: ToolPlan, text: str) -> list[ToolCall] | None:
     return None
 
 
+def cut_calls(tools: ToolPlan, text: str) -> list[ToolCall] | None:
+    """The complete calls at the head of a ``required`` array that max_tokens cut short, or
+    None when there is none. A small model may repeat calls until its budget runs out; the
+    calls it finished are still calls (the answer keeps finish reason ``length``)."""
+    if tools.mode != "required":
+        return None
+    decoder, calls = json.JSONDecoder(), []
+    position = text.find("[") + 1
+    while position > 0:
+        try:
+            call, end = decoder.raw_decode(text, _skip_space(text, position))
+            calls.append(_tool_call(call["name"], call["arguments"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break
+        position = _skip_space(text, end)
+        if not text.startswith(",", position):
+            break
+        position += 1
+    return calls or None
+
+
+def _skip_space(text: str, position: int) -> int:
+    return len(text) - len(text[position:].lstrip())
+
+
 def _free_calls(tools: ToolPlan, text: str) -> list[ToolCall] | None:
     """Calls in free text: Hermes' ``<tool_call>{...}</tool_call>`` blocks, or the whole text
     in the ``required`` format; each must name one of the tools."""

@@ -16,6 +16,8 @@ from hybridspec.config import ModelConfig
 from hybridspec.engine import Engine
 from hybridspec.model.loader import load_model
 from hybridspec.server import ServerConfig, create_app
+from hybridspec.server.protocol import Tool
+from hybridspec.server.structured import ToolPlan, cut_calls
 from tests.conftest import save_tiny_llama
 from tests.server.conftest import TINY_MODEL_NAME, tiny_engine_config
 
@@ -139,12 +141,17 @@ def test_tool_choice_required_answers_calls(long_client: TestClient) -> None:
     assert {"lamp": "room", "beep": "n"}[call["function"]["name"]] in arguments
     assert arguments in ({"room": "hall"}, {"room": "attic"}, {"n": 1}, {"n": 2})
     # Parallel calls: an array the random model may go on with until max_tokens cuts it, when
-    # the answer is the text so far (finish_reason length), as OpenAI answers.
-    parallel = chat(long_client, tools=TOOLS, tool_choice="required")["choices"][0]
-    if parallel["finish_reason"] == "length":
-        assert parallel["message"]["content"].startswith('[{"name": "')
-    else:
-        assert parallel["finish_reason"] == "tool_calls"
+    # the answer is the calls it finished (finish_reason length), or the text so far when it
+    # finished none.
+    for max_tokens in (8, 60):
+        parallel = chat(long_client, tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
+        choice = parallel["choices"][0]
+        if choice["message"]["tool_calls"]:
+            assert choice["finish_reason"] in ("tool_calls", "length")
+            assert choice["message"]["content"] is None
+        else:
+            assert choice["finish_reason"] == "length"
+            assert '[{"name": "'.startswith(choice["message"]["content"][:11])
 
 
 def test_a_named_function_streams_its_call_as_deltas(long_client: TestClient) -> None:
@@ -267,3 +274,27 @@ def test_each_choice_answers_and_streams_its_own_calls(long_client: TestClient) 
         assert calls[0]["function"] == plain[index]["message"]["tool_calls"][0]["function"]
         assert not any(c["delta"].get("content") for c in mine)
         assert mine[-1]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[{"name": "lamp", "arguments": {"room": "hall"}}, {"name": "lamp", "argu', ["hall"]),
+        (
+            '[ {"name": "lamp", "arguments": {"room": "hall"}} ,\n {"name": "lamp", '
+            '"arguments": {"room": "attic"}}, {',
+            ["hall", "attic"],
+        ),
+        ('[{"name": "lamp", "arguments": {"room": "ha', None),
+        ("[", None),
+        ("", None),
+    ],
+)
+def test_a_cut_required_array_answers_its_complete_calls(
+    text: str, expected: list[str] | None
+) -> None:
+    plan = ToolPlan("required", tuple(Tool.model_validate(t) for t in TOOLS))
+    calls = cut_calls(plan, text)
+    rooms = None if calls is None else [json.loads(c.function.arguments)["room"] for c in calls]
+    assert rooms == expected
+    assert cut_calls(ToolPlan("named", plan.tools, "lamp"), text) is None
