@@ -16,9 +16,10 @@ from hybridspec.model import ForwardBatch, LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers.eagle import EagleProposer
 from hybridspec.proposers.eagle_head import HeadCache, forward_cached
+from tests.engine import test_controls as controls
 from tests.engine import test_losslessness as lossless
 from tests.engine.tiny import PROMPTS, make_engine, plain, run_joining, tiny_loaded
-from tests.proposers.eagle_helpers import random_head, use_head
+from tests.proposers.eagle_helpers import random_head, use_head, use_hybrid
 
 FREE = EagleConfig(cost_per_token=0.0)  # the tiny head costs what the tiny target does
 
@@ -26,7 +27,9 @@ FREE = EagleConfig(cost_per_token=0.0)  # the tiny head costs what the tiny targ
 @pytest.fixture(scope="module")
 def engine(target: LoadedModel) -> Engine:
     engine = make_engine(target, eagle=FREE)
-    use_head(engine, random_head(target, 48))
+    head = random_head(target, 48)
+    use_head(engine, head)
+    use_hybrid(engine, head)
     return engine
 
 
@@ -39,6 +42,17 @@ def test_greedy_eagle_equals_plain_decoding(engine: Engine, k: int) -> None:
         assert result.token_ids == plain(engine, prompt)
         drafted += result.stats.draft_tokens_proposed
     assert drafted > 0
+
+
+@pytest.mark.parametrize("control", ["penalties", "logit-bias", "min-tokens", "all"])
+def test_greedy_text_with_controls_is_the_same_with_eagle_and_hybrid(
+    engine: Engine, control: str
+) -> None:
+    """The head's drafts go under the request's controls as the target's rows do."""
+    options = controls.CONTROLS[control]
+    expected = controls.texts(engine, "none", None, **options)
+    for proposer in ("eagle", "hybrid"):
+        assert controls.texts(engine, proposer, 4, **options) == expected, proposer
 
 
 def test_mixed_batch_with_eagle_equals_solo(engine: Engine) -> None:

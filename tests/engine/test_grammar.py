@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 
 from hybridspec import Engine, GenerationParams, InvalidRequestError
+from hybridspec.config import EagleConfig
 from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers.grammar import GrammarProposer
 from hybridspec.types import GrammarSpec
 from tests.conftest import tiny_tokenizer
 from tests.engine.tiny import make_engine, tiny_loaded
+from tests.proposers.eagle_helpers import random_head, use_head, use_hybrid
 
 SCHEMA = {
     "type": "object",
@@ -44,9 +46,10 @@ GRAMMARS = {
 }
 PROMPTS = ["Extract the invoice as JSON: paid 120 EUR for rent.", "x"]
 DETERMINISTIC = [("none", None), ("ngram", 4), ("grammar", 8), ("grammar+ngram", 8)]
-# The draft model is the slow one on CPU: its proposers run on the schema only.
+# The model proposers are the slow ones on CPU: they run on the schema only.
+MODELS = [("draft", 3), ("grammar+draft", 5), ("eagle", 4), ("grammar+eagle", 4), ("hybrid", 4)]
 PROPOSERS = {
-    "schema": [*DETERMINISTIC, ("draft", 3), ("grammar+draft", 5)],
+    "schema": [*DETERMINISTIC, *MODELS, ("grammar+hybrid", 6)],
     "regex": DETERMINISTIC,
     "ebnf": DETERMINISTIC,
 }
@@ -60,7 +63,11 @@ def text_target() -> LoadedModel:
 @pytest.fixture(scope="module")
 def text_engine(text_target: LoadedModel) -> Engine:
     draft = tiny_loaded(1, noise_from=text_target, tokenizer=tiny_tokenizer())
-    return make_engine(text_target, draft)
+    engine = make_engine(text_target, draft, eagle=EagleConfig(cost_per_token=0.0))
+    head = random_head(text_target, 48)
+    use_head(engine, head)
+    use_hybrid(engine, head)
+    return engine
 
 
 def texts(engine: Engine, proposer: str, k: int | None, grammar: str, **options: Any) -> list:

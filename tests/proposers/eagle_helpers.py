@@ -26,3 +26,15 @@ def use_head(engine: Engine, head: EagleHead) -> EagleProposer:
     proposer = engine.resolve_proposer("eagle")
     assert isinstance(proposer, EagleProposer)
     return proposer
+
+
+def use_hybrid(engine: Engine, head: EagleHead) -> None:
+    """Make ``engine``'s ``hybrid`` proposer pair n-gram with an ``eagle`` drafting with
+    ``head``."""
+    from hybridspec.proposers.hybrid import HybridProposer
+
+    engine.register_proposer(
+        "hybrid",
+        lambda context: HybridProposer(context, EagleProposer(context, head)),
+        replace=True,
+    )
