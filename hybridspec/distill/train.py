@@ -121,8 +121,8 @@ def sample_batch(sequences: list[Sequence_], options: TrainOptions, rng: random.
 def windows(picked: list[Sequence_], window: int, rng: random.Random | None) -> Batch:
     """One window of ``window`` pairs per sequence, padded: at a random start with ``rng``,
     else each sequence's last (held-out evaluation): an answer's last window is the target's
-    own text, where its first is the chat template that every answer shares and the head
-    learns by heart (a first-window estimate read 0.60 where the answers alone gave 0.46)."""
+    own text, where its first is mostly the chat template that every answer shares, which the
+    head learns by heart and which would inflate the estimate."""
     d = picked[0][1].shape[1]
     b = len(picked)
     features = torch.zeros(b, window, d)
