@@ -24,7 +24,6 @@ import argparse
 import json
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -224,9 +223,9 @@ def main() -> int:
     parser.add_argument("--api-key", default="unused")
     args = parser.parse_args()
     client = OpenAI(base_url=args.base_url, api_key=args.api_key, timeout=300, max_retries=0)
-    models = client.models.list().data
-    model = models[0].id
-    served = _served(args.base_url, args.api_key)
+    card = client.models.list().data[0]
+    model = card.id
+    served = {p["name"] for p in card.model_dump()["hybridspec"]["proposers"]}
     proposers = [p for p in ("none", "ngram", "eagle", "hybrid", "draft") if p in served]
     checks = Checks()
     openai_checks(client, model, proposers, checks)
@@ -235,36 +234,6 @@ def main() -> int:
         f"{len(checks.failed)} failed" + (f": {', '.join(checks.failed)}" if checks.failed else "")
     )
     return 1 if checks.failed else 0
-
-
-def _served(base_url: str, api_key: str) -> list[str]:
-    """The proposers the server names in its OpenAPI document's ``proposer`` enum."""
-    root = base_url.rstrip("/").removesuffix("/v1")
-    request = urllib.request.Request(
-        f"{root}/openapi.json", headers={"Authorization": f"Bearer {api_key}"}
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        document = json.loads(response.read())
-    found: list[str] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            if "proposer" in node.get("properties", {}):
-                found.extend(_enum(node["properties"]["proposer"]))
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(document)
-    return sorted(set(found))
-
-
-def _enum(schema: dict[str, Any]) -> list[str]:
-    if "enum" in schema:
-        return list(schema["enum"])
-    return [v for option in schema.get("anyOf", []) for v in option.get("enum", [])]
 
 
 if __name__ == "__main__":

@@ -292,27 +292,22 @@ async def next_output(outputs: AsyncIterator[Indexed]) -> Indexed:
     return await outputs.__anext__()
 
 
-CALL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
-
-
 def answer_calls(prepared: PreparedRequest, output: RequestOutput) -> list[ToolCall] | None:
     """The tool calls a finished chat request answers with, or None for a text answer: the
     calls of its text when it stopped, the complete ones when max_tokens cut it short."""
-    if not prepared.calls_tools or output.finish_reason not in CALL_ENDS:
+    if not prepared.calls_tools:
         return None
     assert prepared.tools is not None and output.result is not None
+    if output.finish_reason is FinishReason.STOP:
+        return tool_calls(prepared.tools, output.result.text)
     if output.finish_reason is FinishReason.LENGTH:
         return cut_calls(prepared.tools, output.result.text)
-    return tool_calls(prepared.tools, output.result.text)
+    return None
 
 
-def calls_reason(output: RequestOutput) -> FinishReasonName:
-    """The finish reason of an answer made of calls: ``tool_calls``, or ``length`` when cut."""
-    return "length" if output.finish_reason is FinishReason.LENGTH else "tool_calls"
-
-
-def finish_reason(output: RequestOutput) -> FinishReasonName:
-    return "length" if output.finish_reason is FinishReason.LENGTH else "stop"
+def finish_reason(output: RequestOutput, stopped: FinishReasonName = "stop") -> FinishReasonName:
+    """``length`` when max_tokens cut the output, else ``stopped`` (``tool_calls`` for calls)."""
+    return "length" if output.finish_reason is FinishReason.LENGTH else stopped
 
 
 def usage(prepared: Sequence[PreparedRequest], outputs: Sequence[RequestOutput]) -> Usage:
@@ -395,7 +390,7 @@ async def response_body(
         if one.chat:
             calls = answer_calls(one, output)
             if calls is not None:
-                choice["finish_reason"] = calls_reason(output)
+                choice["finish_reason"] = finish_reason(output, "tool_calls")
             message = AssistantMessage(content=None, tool_calls=calls) if calls else None
             choice["message"] = message or AssistantMessage(content=result.text)
         else:

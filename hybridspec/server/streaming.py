@@ -34,7 +34,6 @@ from hybridspec.server.generation import (
     Indexed,
     PreparedRequest,
     answer_calls,
-    calls_reason,
     check_not_failed,
     finish_reason,
     load_token_texts,
@@ -193,7 +192,7 @@ class _Pieces:
         calls = answer_calls(prepared, output) if output.finished else None
         if calls is not None:
             events += render.tool_calls(calls, index)
-            reason = calls_reason(output)
+            reason = finish_reason(output, "tool_calls")
         elif prepared.calls_tools:
             assert output.result is not None
             events.append(render.text(output.result.text, usage, index=index))
