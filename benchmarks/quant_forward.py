@@ -1,5 +1,5 @@
 """One forward of the embedded target with 1, 4 and 9 new tokens after a 200-token context:
-``--quantize none`` (bfloat16) against ``gguf`` (the file's blocks through the int4 kernel) and
+``--quantize none`` (bfloat16) against ``gguf`` (the file's blocks through the block kernel) and
 ``gguf`` with a dense bfloat16 LM head, interleaved, medians of 15 rounds. Run::
 
     .venv/bin/python benchmarks/quant_forward.py --threads 1

@@ -87,10 +87,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         default=target.quantize,
         choices=QUANTIZE,
-        help="group-quantized weight matrices, run by torch's CPU int4 kernel in bfloat16: "
+        help="group-quantized weight matrices, multiplied in blocks on CPU in bfloat16: "
         "'gguf' keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks, 'int4'/'int8' also quantize dense "
-        "matrices at load, 'auto' is 'gguf' where the kernel runs "
-        f"(default {target.quantize})",
+        "matrices at load, 'auto' is 'gguf' for a GGUF file where the block kernel builds, "
+        f"'none' dequantizes (default {target.quantize})",
     )
     group.add_argument("--device", default=target.device, help="torch device, e.g. cpu or cuda")
     group.add_argument(

@@ -18,8 +18,8 @@ MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_VERIFY_TOKEN_COST = 0.03
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "gguf": keep a GGUF file's Q4_0/Q4_1/Q8_0 matrices as they are stored; "int4"/"int8": also
-# quantize the dense matrices at load; "auto": "gguf" where the quantized kernel runs (see
-# model.loader.resolve_quantize).
+# quantize the dense matrices at load; "auto" (the default): "gguf" for a GGUF file where the
+# block kernel runs, else "none" (model.loader.resolve_quantize).
 QUANTIZE = ("auto", "none", "gguf", "int4", "int8")
 MAX_DRAFT_COST_PER_TOKEN = 10.0  # a draft ten times the target's cost never pays
 
@@ -91,7 +91,7 @@ class ModelConfig:
     device: str = "cpu"
     max_seq_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 8  # KV-cache slots: the most sequences alive at once
-    quantize: str = "none"  # one of QUANTIZE: weight matrices kept or made group-quantized
+    quantize: str = "auto"  # one of QUANTIZE: weight matrices kept or made group-quantized
 
     def __post_init__(self) -> None:
         check(self.dtype in DTYPES, "dtype", f"expected one of {DTYPES}, got {self.dtype!r}")

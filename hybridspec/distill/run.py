@@ -48,8 +48,13 @@ def distill(args: argparse.Namespace) -> int:
     random.seed(args.seed)
     started = time.monotonic()
     config = EngineConfig(
-        target=ModelConfig(
-            args.target, args.dtype, args.device, max_seq_len=2048, max_num_seqs=args.max_num_seqs
+        target=ModelConfig(  # dequantized: the head learns the target's own features
+            args.target,
+            args.dtype,
+            args.device,
+            max_seq_len=2048,
+            max_num_seqs=args.max_num_seqs,
+            quantize="none",
         ),
         default_proposer="ngram",
     )

@@ -12,8 +12,10 @@ q and k are rotated in one op (they sit side by side in the fused projection); g
 attention folds the ``rep`` query heads of a key/value head into extra query rows, so keys and
 values are never repeated; a single sequence attends to slice views of its cache (no gathers);
 the LM head runs only at ``logits_indices``. Quantized matrices (``model.quant``) run through
-torch's CPU int4 kernel (``model.quant_linear``); the embedding looks up and dequantizes only
-the rows of the batch's tokens.
+the block kernel (``model.qgemm``), which also takes each RMSNorm, the MLP's
+``silu(gate) * up`` and the residual adds into its matmuls (three calls and the attention per
+layer), or, where that kernel cannot be built, torch's CPU int4 kernel (``model.quant_linear``);
+the embedding looks up and dequantizes only the rows of the batch's tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from hybridspec.model.attention import (
 from hybridspec.model.kv_cache import KVCache
 from hybridspec.model.linear import PackedLinear
 from hybridspec.model.llama_weights import LlamaLayerWeights, LlamaWeights, Matrix
+from hybridspec.model.qgemm import BlockLinear, kernel
 from hybridspec.model.quant import QuantizedWeight
 from hybridspec.model.quant_linear import Int4Linear, Int8Linear, quantized_linear
 from hybridspec.model.runtime import (
@@ -44,13 +47,15 @@ from hybridspec.model.runtime import (
     read_batch,
 )
 
-Linear = PackedLinear | Int4Linear | Int8Linear
+Linear = PackedLinear | BlockLinear | Int4Linear | Int8Linear
 
 
 def build_linear(weight: Matrix, prepack: bool) -> Linear:
-    """The matmul for ``weight``: the quantized kernel, or a (maybe prepacked) dense one."""
+    """The matmul for ``weight``: a quantized kernel (the block kernel where it builds, else
+    torch's int4 one), or a (maybe prepacked) dense one."""
     if isinstance(weight, QuantizedWeight):
-        return quantized_linear(weight)
+        block = kernel() if weight.device.type == "cpu" else None
+        return BlockLinear(weight, block) if block is not None else quantized_linear(weight)
     return PackedLinear(weight, prepack=prepack)
 
 
@@ -225,12 +230,18 @@ class LlamaRuntime:
             hidden_states = torch.stack([kept[i] for i in host.hidden_layers], dim=1)
         if host.logits_indices is not None:
             x = x[host.logits_indices.to(device, non_blocking=True)]
-        x = F.rms_norm(x, self._norm_shape, self.weights.norm, self.weights.dims.rms_norm_eps)
-        return ForwardOutput(self._lm_head(x).float(), hidden_states)  # [num_logits, V]
+        eps = self.weights.dims.rms_norm_eps
+        if isinstance(self._lm_head, BlockLinear):
+            logits = self._lm_head.after_norm(x, self.weights.norm, eps)
+        else:
+            logits = self._lm_head(F.rms_norm(x, self._norm_shape, self.weights.norm, eps))
+        return ForwardOutput(logits.float(), hidden_states)  # [num_logits, V]
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings ``[T, D]`` of ``token_ids [T]`` (quantized: those rows dequantized)."""
         embed = self.weights.embed
+        if embed is self.weights.lm_head and isinstance(self._lm_head, BlockLinear):
+            return self._lm_head.rows(token_ids)  # the same values, from the packed copy
         if isinstance(embed, QuantizedWeight):
             return embed.dequantize_rows(token_ids, self.weights.dtype)
         return F.embedding(token_ids, embed)
@@ -245,12 +256,23 @@ class LlamaRuntime:
         attention: Attention,
     ) -> torch.Tensor:
         dims, eps = self.weights.dims, self.weights.dims.rms_norm_eps
-        h = F.rms_norm(x, self._norm_shape, layer.attn_norm, eps)
-        qkv = layer.wqkv(h)  # [T, (H + 2 KV) hd]
+        wqkv = layer.wqkv
+        fused = isinstance(wqkv, BlockLinear)  # then so is every matrix of the layer
+        if isinstance(wqkv, BlockLinear):
+            qkv = wqkv.after_norm(x, layer.attn_norm, eps)  # [T, (H + 2 KV) hd]
+        else:
+            qkv = wqkv(F.rms_norm(x, self._norm_shape, layer.attn_norm, eps))
         qk = qkv[:, : self._qk_width].view(-1, dims.num_heads + dims.num_kv_heads, dims.head_dim)
         qk = apply_rope(qk, cos, sin)  # [T, H + KV, hd]
         v = qkv[:, self._qk_width :].view(-1, dims.num_kv_heads, dims.head_dim)
         attn = attention(i, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)  # [T, H hd]
+        if fused:  # residual adds, norm and silu * up inside the block kernel's calls
+            assert isinstance(layer.wo, BlockLinear)
+            assert isinstance(layer.w_gate_up, BlockLinear)
+            assert isinstance(layer.w_down, BlockLinear)
+            x = layer.wo(attn, residual=x)
+            h = layer.w_gate_up.after_norm(x, layer.mlp_norm, eps)  # [T, 2 I]
+            return layer.w_down.after_silu_mul(h, residual=x)
         x = x + layer.wo(attn)
         h = F.rms_norm(x, self._norm_shape, layer.mlp_norm, eps)
         gate, up = layer.w_gate_up(h).chunk(2, dim=-1)  # [T, I] each

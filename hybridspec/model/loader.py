@@ -30,7 +30,7 @@ import torch
 
 from hybridspec.config import ModelConfig
 from hybridspec.errors import ModelLoadError
-from hybridspec.model import weight_cache
+from hybridspec.model import qgemm, weight_cache
 from hybridspec.model.gguf import load_gguf_tokenizer, read_gguf
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
@@ -224,20 +224,23 @@ def load_model(config: ModelConfig) -> LoadedModel:
 def resolve_quantize(quantize: str, dtype: str, device: torch.device, is_gguf: bool) -> str:
     """``ModelConfig.quantize`` made concrete: "none", "gguf", "int4" or "int8".
 
-    Quantized matrices need torch's CPU int4 kernel, which computes in bfloat16: on another
-    device, or with a dtype other than "auto"/"bfloat16", an explicit choice is an error and
-    "auto" means "none". "auto" keeps a GGUF file's blocks where the kernel runs and the CPU
-    has native bfloat16; "gguf" for a checkpoint that is not a GGUF file is an error.
+    Quantized matrices run on CPU in bfloat16 (the block kernel of ``model.qgemm``, or torch's
+    int4 kernel where that cannot be built): on another device, or with a dtype other than
+    "auto"/"bfloat16", an explicit choice is an error and "auto" means "none". "auto" (the
+    default) keeps a GGUF file's blocks where the block kernel builds and the CPU has native
+    bfloat16; "gguf" for a checkpoint that is not a GGUF file is an error.
     """
     if quantize == "none":
         return quantize
-    runs = device.type == "cpu" and dtype in ("auto", "bfloat16") and int4_kernel_available()
+    on_cpu = device.type == "cpu" and dtype in ("auto", "bfloat16")
+    runs = on_cpu and (int4_kernel_available() or qgemm.kernel() is not None)
     if quantize == "auto":
-        return "gguf" if runs and is_gguf and cpu_has_native_bf16() else "none"
+        fast = on_cpu and is_gguf and cpu_has_native_bf16() and qgemm.kernel() is not None
+        return "gguf" if fast else "none"
     if not runs:
         raise ModelLoadError(
-            f"quantize {quantize!r}: quantized weights run on CPU in bfloat16 (torch's int4 "
-            f"kernel); got device {device.type!r}, dtype {dtype!r}"
+            f"quantize {quantize!r}: quantized weights run on CPU in bfloat16; got device "
+            f"{device.type!r}, dtype {dtype!r}"
         )
     if quantize == "gguf" and not is_gguf:
         raise ModelLoadError(

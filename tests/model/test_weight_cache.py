@@ -42,7 +42,7 @@ def forbid_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def load(path: Path, dtype: str = "bfloat16") -> LoadedModel:
-    return load_model(ModelConfig(str(path), dtype=dtype))
+    return load_model(ModelConfig(str(path), dtype=dtype, quantize="none"))  # dense: cached as is
 
 
 @pytest.mark.parametrize("tied", [False, True])

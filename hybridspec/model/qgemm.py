@@ -1,0 +1,277 @@
+"""The block-quantized matmul kernel (``csrc/qgemm.c``): built once per machine, called by ctypes.
+
+``BlockLinear`` computes ``y = x @ W.T`` straight from a ``QuantizedWeight``'s codes, scales
+and offsets, with activations quantized to 8 bits per row and group of 32 as llama.cpp does
+(Q8_1), so each group's dot product is an integer one (AVX512-VNNI, AVX2, or portable C: the
+same integers, hence the same results). It reads each weight block once for up to 8 rows of
+``x``, where torch's int4 kernel dequantizes the weights again for every 4 rows, so verifying
+drafts costs little more than decoding one token. Its fused forms take a layer's RMSNorm, or
+the MLP's ``silu(gate) * up``, as the prologue and the residual add as the epilogue: one call
+where the runtime would make four.
+
+Each output row is computed alike whatever rows share the call (one fixed order of summation,
+in one thread), so a token's logits do not depend on how many drafts it is verified with.
+
+Building: the C source is compiled with the system's C compiler (``$CC``, else ``cc``) with
+``-O3 -march=native -fopenmp`` into ``default_cache_dir()/kernels``, keyed by the source, the
+flags and the compiler, the first time it is needed (about a second). The library links the
+OpenMP runtime that torch has loaded (same soname), so it runs on torch's threads and follows
+``torch.set_num_threads``. Where no compiler works, ``kernel()`` is None and quantized weights
+fall back to torch's int4 kernel (``quant_linear``); ``HYBRIDSPEC_QGEMM=0`` forces that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybridspec.model.gguf import default_cache_dir
+from hybridspec.model.quant import GROUP_SIZE, QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
+ROWS = 8  # the kernel's tile of weight rows (csrc/qgemm.c)
+_ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "hs_qgemm": [
+        *(_ptr, _i64, _i64, _int, _ptr, ctypes.c_float),  # x, T, K, prologue, norm, eps
+        *(_ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _ptr),  # packed .. bits, N, residual, y
+    ],
+    "hs_pack": [_ptr, _ptr, _ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _ptr],
+    "hs_dequant_rows": [_ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr],
+}
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, else ``cc`` / ``gcc`` on PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> Path:
+    """Compile the kernel (or find it compiled) and return the shared library's path.
+
+    ``extra_flags`` are appended to ``FLAGS`` (the tests build each instruction-set path, e.g.
+    ``("-mno-avx512vnni",)``). Raises RuntimeError when there is no compiler or it fails.
+    """
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    flags = (*FLAGS, *extra_flags)
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join((shutil.which(cc) or cc, *flags)).encode())
+    folder = (cache_dir or default_cache_dir()) / "kernels"
+    target = folder / f"qgemm-{digest.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(dir=folder, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *flags, "-o", scratch, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()}")
+        os.replace(scratch, target)  # atomic: a concurrent build finds a whole library
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+    return target
+
+
+class Kernel:
+    """The loaded library and what it was compiled for (``isa``)."""
+
+    def __init__(self, path: Path) -> None:
+        torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so it is shared
+        self._lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            getattr(self._lib, name).argtypes = argtypes
+        self._lib.hs_qgemm.restype = ctypes.c_int
+        self._lib.hs_isa.restype = ctypes.c_char_p
+        self.path = path
+        self.isa: str = self._lib.hs_isa().decode()
+
+    def max_threads(self) -> int:
+        return int(self._lib.hs_max_threads())
+
+    def pack(self, weight: QuantizedWeight) -> PackedWeight:
+        """``weight`` in the kernel's tiled layout (csrc/qgemm.c)."""
+        if weight.device.type != "cpu":
+            raise ValueError(f"weight: the block kernel runs on CPU, not {weight.device.type}")
+        rows, cols = weight.shape
+        tiles, groups = -(-rows // ROWS), cols // GROUP_SIZE
+        per_group = ROWS * GROUP_SIZE // (2 if weight.bits == 4 else 1)
+        codes = weight.codes.contiguous()
+        scales = weight.scales.float().contiguous()
+        offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
+        packed = torch.empty((tiles, groups, per_group), dtype=torch.uint8)
+        packed_scales = torch.empty((tiles, groups, ROWS), dtype=torch.float32)
+        packed_offsets = None if offsets is None else torch.empty_like(packed_scales)
+        csum = torch.empty((tiles, groups, ROWS), dtype=torch.int32) if weight.bits == 8 else None
+        self._lib.hs_pack(
+            codes.data_ptr(),
+            scales.data_ptr(),
+            _data(offsets),
+            weight.bits,
+            rows,
+            cols,
+            packed.data_ptr(),
+            packed_scales.data_ptr(),
+            _data(packed_offsets),
+            _data(csum),
+        )
+        return PackedWeight(packed, packed_scales, packed_offsets, csum, weight.bits, rows, cols)
+
+    def qgemm(
+        self,
+        x: torch.Tensor,  # [T, K] bfloat16 ([T, 2 K] for PROLOGUE_SILU_MUL)
+        weight: PackedWeight,
+        prologue: int = PROLOGUE_NONE,
+        norm: torch.Tensor | None = None,  # [K] bfloat16, for PROLOGUE_RMSNORM
+        eps: float = 0.0,
+        residual: torch.Tensor | None = None,  # [T, N] bfloat16
+    ) -> torch.Tensor:
+        """``prologue(x) @ W.T (+ residual)`` in bfloat16, ``[T, N]`` (module docstring)."""
+        rows, cols = weight.rows, weight.cols
+        width = 2 * cols if prologue == PROLOGUE_SILU_MUL else cols
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != width:
+            raise ValueError(f"x: expected bfloat16 [T, {width}], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        if prologue == PROLOGUE_RMSNORM:
+            if norm is None or norm.shape != (cols,) or norm.dtype != torch.bfloat16:
+                raise ValueError(f"norm: expected bfloat16 [{cols}] for the RMSNorm prologue")
+            norm = norm.contiguous()
+        else:
+            norm = None
+        if residual is not None:
+            if residual.dtype != torch.bfloat16 or residual.shape != (x.shape[0], rows):
+                raise ValueError(f"residual: expected bfloat16 [{x.shape[0]}, {rows}]")
+            residual = residual.contiguous()
+        y = torch.empty((x.shape[0], rows), dtype=torch.bfloat16)
+        if x.shape[0] == 0:
+            return y
+        status = self._lib.hs_qgemm(
+            x.data_ptr(),
+            x.shape[0],
+            cols,
+            prologue,
+            _data(norm),
+            eps,
+            weight.codes.data_ptr(),
+            weight.scales.data_ptr(),
+            _data(weight.offsets),
+            _data(weight.csum),
+            weight.bits,
+            rows,
+            _data(residual),
+            y.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("qgemm: no scratch memory for the quantized activations")
+        return y
+
+    def dequantize_rows(self, weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of the matrix in bfloat16, ``[len(index), K]`` (an embedding lookup)."""
+        index = index.to(torch.int64).contiguous()
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= weight.rows):
+            raise IndexError(f"index out of range for {weight.rows} rows")
+        out = torch.empty((index.numel(), weight.cols), dtype=torch.bfloat16)
+        self._lib.hs_dequant_rows(
+            weight.codes.data_ptr(),
+            weight.scales.data_ptr(),
+            _data(weight.offsets),
+            weight.bits,
+            weight.cols,
+            index.data_ptr(),
+            index.numel(),
+            out.data_ptr(),
+        )
+        return out
+
+
+def _data(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A ``QuantizedWeight`` in the kernel's tiles: codes ``[N / 8, G, 8 * 32 * bits / 8]``,
+    scales and offsets ``[N / 8, G, 8]`` float32, ``csum`` (8 bits) ``-128 * sum`` of each
+    group's codes, int32 ``[N / 8, G, 8]``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    csum: torch.Tensor | None
+    bits: int
+    rows: int
+    cols: int
+
+
+def load(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> Kernel:
+    """Build (if needed) and load the kernel; raises RuntimeError where it cannot be built."""
+    return Kernel(build(extra_flags, cache_dir))
+
+
+@functools.cache
+def kernel() -> Kernel | None:
+    """The kernel for this machine, or None where it cannot be built or is turned off."""
+    if os.environ.get("HYBRIDSPEC_QGEMM", "1") == "0":
+        return None
+    try:
+        return load()
+    except (RuntimeError, OSError) as exc:
+        logger.warning("quantized matmul kernel unavailable, using torch's int4 kernel: %s", exc)
+        return None
+
+
+class BlockLinear:
+    """``y = x @ W.T`` for a ``QuantizedWeight`` through the block kernel; bfloat16 in and out.
+
+    Holds the weight only in the kernel's tiled layout (same size as the codes, scales and
+    offsets it came from).
+    """
+
+    __slots__ = ("_kernel", "weight")
+
+    def __init__(self, weight: QuantizedWeight, kernel: Kernel) -> None:
+        self.weight = kernel.pack(weight)
+        self._kernel = kernel
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self._kernel.qgemm(x, self.weight, residual=residual)
+
+    def after_norm(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+        """``(rms_norm(x) * norm) @ W.T``, the norm computed in float32 inside the kernel."""
+        return self._kernel.qgemm(x, self.weight, PROLOGUE_RMSNORM, norm, eps)
+
+    def after_silu_mul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """``(silu(x[:, :K]) * x[:, K:]) @ W.T (+ residual)``: the MLP's down projection."""
+        return self._kernel.qgemm(x, self.weight, PROLOGUE_SILU_MUL, residual=residual)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """``W[index]`` in bfloat16: the embedding lookup of a tied matrix."""
+        return self._kernel.dequantize_rows(self.weight, index)
+
+
+assert GROUP_SIZE == 32  # csrc/qgemm.c's GS

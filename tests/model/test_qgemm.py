@@ -1,0 +1,156 @@
+"""The block-quantized matmul kernel: against the dequantized float32 reference, identical on
+every instruction-set path and thread count, row-invariant, its fused prologues and epilogue,
+the embedding lookup from the packed copy, refusals, and the fallback where it cannot build."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridspec.model import qgemm
+from hybridspec.model.llama import build_linear
+from hybridspec.model.qgemm import BlockLinear, Kernel
+from hybridspec.model.quant import QuantizedWeight, quantize
+from hybridspec.model.quant_linear import Int4Linear
+from tests.engine.tiny import VOCAB, tiny_loaded
+from tests.model.test_invariance import (
+    assert_logits_alike_decoded_verified_and_batched,
+    assert_rows_alike,
+)
+
+pytestmark = pytest.mark.skipif(qgemm.kernel() is None, reason="no C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Kernel:
+    built = qgemm.kernel()
+    assert built is not None
+    return built
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory: pytest.TempPathFactory) -> list[Kernel]:
+    """The kernel built for each instruction-set path this compiler can target."""
+    folder = tmp_path_factory.mktemp("kernels")
+    return [qgemm.load(flags, folder) for flags in ((), ("-mno-avx512vnni",), ("-mno-avx2",))]
+
+
+def weight(bits: int, rows: int, cols: int, seed: int) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(rows, cols, generator=gen) * 0.05, bits)
+
+
+def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize(("bits", "rows"), [(4, 96), (4, 43), (8, 96), (8, 43)])  # 43: padded
+def test_matches_the_dequantized_float32_reference(kernel: Kernel, bits: int, rows: int) -> None:
+    w = weight(bits, rows, 128, 0)
+    x = activations(11, 128, 1)
+    got = BlockLinear(w, kernel)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (11, rows)
+    # 8-bit activations (a relative 2**-8 per group) and a bfloat16 output
+    assert relative_error(got, x.float() @ w.dequantize().T) < 1e-2
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_instruction_set_path_and_thread_count_computes_the_same(
+    variants: list[Kernel], bits: int
+) -> None:
+    w, x = weight(bits, 61, 256, 2), activations(13, 256, 3)
+    residual = activations(13, 61, 4)
+    outs = [k.qgemm(x, k.pack(w), residual=residual) for k in variants]
+    assert all(torch.equal(outs[0], out) for out in outs[1:]), [k.isa for k in variants]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert variants[0].max_threads() == 1  # torch's OpenMP runtime, shared
+        assert torch.equal(variants[0].qgemm(x, variants[0].pack(w), residual=residual), outs[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_comes_out_alike_alone_and_among_others(kernel: Kernel, bits: int) -> None:
+    linear = BlockLinear(weight(bits, 200, 1536, 5), kernel)
+    assert_rows_alike(linear, 1536, torch.Generator().manual_seed(6))
+
+
+def test_fused_prologues_and_the_residual_epilogue(kernel: Kernel) -> None:
+    w = weight(4, 72, 96, 7)
+    linear, reference = BlockLinear(w, kernel), w.dequantize()
+    x, norm = activations(9, 96, 8), activations(1, 96, 9)[0]
+    normed = F.rms_norm(x.float(), (96,), norm.float(), 1e-5)
+    assert relative_error(linear.after_norm(x, norm, 1e-5), normed @ reference.T) < 1e-2
+    gate_up = activations(9, 192, 10)
+    act = F.silu(gate_up[:, :96].float()) * gate_up[:, 96:].float()
+    residual = activations(9, 72, 11)
+    fused = linear.after_silu_mul(gate_up, residual)
+    assert relative_error(fused, act @ reference.T + residual.float()) < 1e-2
+    # the residual is added to the bfloat16 product, as a bfloat16 add would
+    assert torch.equal(linear(x, residual), (linear(x).float() + residual.float()).bfloat16())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_of_the_packed_copy_are_the_weights_rows(kernel: Kernel, bits: int) -> None:
+    w = weight(bits, 37, 64, 12)
+    index = torch.tensor([36, 0, 9, 9, 17])
+    got = BlockLinear(w, kernel).rows(index)
+    assert torch.equal(got, w.dequantize_rows(index, torch.bfloat16))
+    with pytest.raises(IndexError):
+        kernel.dequantize_rows(kernel.pack(w), torch.tensor([37]))
+
+
+def test_bad_input_is_refused_before_the_kernel_runs(kernel: Kernel) -> None:
+    packed = kernel.pack(weight(4, 16, 64, 13))
+    with pytest.raises(ValueError, match=r"x: expected bfloat16 \[T, 64\]"):
+        kernel.qgemm(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
+    with pytest.raises(ValueError, match="x: expected bfloat16"):
+        kernel.qgemm(torch.zeros(2, 64), packed)
+    with pytest.raises(ValueError, match=r"x: expected bfloat16 \[T, 128\]"):
+        kernel.qgemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed, qgemm.PROLOGUE_SILU_MUL)
+    with pytest.raises(ValueError, match="norm"):
+        kernel.qgemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed, qgemm.PROLOGUE_RMSNORM)
+    with pytest.raises(ValueError, match="residual"):
+        kernel.qgemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed, residual=torch.zeros(2, 16))
+    assert kernel.qgemm(torch.zeros(0, 64, dtype=torch.bfloat16), packed).shape == (0, 16)
+
+
+@pytest.fixture
+def no_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("HYBRIDSPEC_QGEMM", "0")
+    qgemm.kernel.cache_clear()
+    yield
+    qgemm.kernel.cache_clear()
+
+
+def test_without_the_kernel_quantized_weights_run_through_torchs(no_kernel: None) -> None:
+    assert qgemm.kernel() is None
+    assert isinstance(build_linear(weight(4, 32, 64, 14), prepack=True), Int4Linear)
+    runtime = tiny_loaded(0, quantize_bits=4).create_runtime(4, 256)
+    ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert_logits_alike_decoded_verified_and_batched(runtime, ids)
+
+
+def test_a_compiler_that_fails_is_reported_and_falls_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(qgemm, "compiler", lambda: "false")  # exits 1
+    with pytest.raises(RuntimeError, match="failed to build"):
+        qgemm.build(cache_dir=tmp_path)
+    monkeypatch.setenv("HYBRIDSPEC_CACHE_DIR", str(tmp_path))
+    qgemm.kernel.cache_clear()
+    try:
+        assert qgemm.kernel() is None
+    finally:
+        qgemm.kernel.cache_clear()
+    assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library left
