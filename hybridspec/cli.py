@@ -74,7 +74,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--eagle-head",
         default=ENGINE_DEFAULTS.eagle.head,
         help="draft head directory of the 'eagle' and 'hybrid' proposers, as written by "
-        "`hybridspec distill` (default: the head shipped for the target, if any)",
+        "`hybridspec distill`, or a published EAGLE head (config.json and weights) "
+        "(default: the head shipped for the target, if any)",
     )
     target = ENGINE_DEFAULTS.target
     group.add_argument(

@@ -276,6 +276,8 @@ class KernelAttention:
         self.single: tuple[int, int] | None = None
         if len(slots) == 1:
             self.single = (slots[0], starts[0])
+            self.positions = torch.arange(starts[0], starts[0] + num_new[0])  # [T]
+            self.token_slots = torch.full((num_new[0],), slots[0], dtype=torch.int64)
         else:
             self.positions = torch.cat(
                 [torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
@@ -287,22 +289,28 @@ class KernelAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         # q [T, H, hd], k and v [T, KV, hd] -> [T, H hd]
-        num_tokens, num_heads, hd = q.shape
         if self.single is not None:
             slot, start = self.single
             self.cache.write(layer, slot, start, k, v)
         else:
             self.cache.scatter(layer, self.token_slots, self.positions, k, v)
+        return self.attend_stored(layer, q.float().contiguous()).to(q.dtype)
+
+    def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q [T, H, hd]`` float32 (contiguous) over keys and values the caller
+        has already stored at this batch's ``token_slots`` and ``positions`` (the quantized
+        runtime's ``hs_rope_store``); ``[T, H hd]`` float32."""
+        num_tokens, num_heads, hd = q.shape
         out = np.empty((num_tokens, num_heads, hd), dtype=np.float32)
         attend(
-            numpy_view(q.float().contiguous()),
+            numpy_view(q),
             self.cache.kernel_keys[layer],
             self.cache.kernel_values[layer],
             self.items,
             self.scale,
             out,
         )
-        return torch.from_numpy(out).view(num_tokens, num_heads * hd).to(q.dtype)
+        return torch.from_numpy(out).view(num_tokens, num_heads * hd)
 
 
 Attention = OneSequenceAttention | PaddedAttention | RaggedAttention | KernelAttention

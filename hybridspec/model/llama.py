@@ -13,8 +13,9 @@ attention folds the ``rep`` query heads of a key/value head into extra query row
 values are never repeated; a single sequence attends to slice views of its cache (no gathers);
 the LM head runs only at ``logits_indices``. Quantized matrices (``model.quant``) run through
 the block kernel (``model.qgemm``), which also takes each RMSNorm, the MLP's
-``silu(gate) * up`` and the residual adds into its matmuls (three calls and the attention per
-layer), or, where that kernel cannot be built, torch's CPU int4 kernel (``model.quant_linear``);
+``silu(gate) * up``, the residual adds, rope and the KV-cache writes into its calls (four calls
+and the attention per layer), or, where that kernel cannot be built, torch's CPU int4 kernel
+(``model.quant_linear``);
 the embedding looks up and dequantizes only the rows of the batch's tokens.
 """
 
@@ -145,6 +146,21 @@ class LlamaRuntime:
         self._slots = self._cache.slots
         self._observers = ForwardObservers(weights.device)
         self._rope = rope_tables(weights.inv_freq, max_seq_len, weights.dtype)  # [2, S, 1, hd]
+        # The block kernel rotates q and k and stores k and v itself where attention runs
+        # through the row-invariant kernel: it takes cos and sin in float32, [S, hd / 2, 2].
+        self._block = None
+        wqkv = self._layers[0].wqkv if self._layers else None
+        if isinstance(wqkv, BlockLinear) and invariant_attention:
+            self._block = wqkv.kernel
+            half = rope_tables(weights.inv_freq, max_seq_len, torch.float32)[:, :, 0]
+            half = half[..., : dims.head_dim // 2]  # [2, S, hd / 2]: cos, sin
+            self._rope_pairs = half.permute(1, 2, 0).contiguous()
+            self._cache_layouts = [
+                self._block.cache_layout(keys, values)
+                for keys, values in zip(
+                    self._cache.layer_keys, self._cache.layer_values, strict=True
+                )
+            ]
         self._rep = dims.num_heads // dims.num_kv_heads
         self._qk_width = (dims.num_heads + dims.num_kv_heads) * dims.head_dim
         self._norm_shape = (dims.hidden_size,)
@@ -262,10 +278,25 @@ class LlamaRuntime:
             qkv = wqkv.after_norm(x, layer.attn_norm, eps)  # [T, (H + 2 KV) hd]
         else:
             qkv = wqkv(F.rms_norm(x, self._norm_shape, layer.attn_norm, eps))
-        qk = qkv[:, : self._qk_width].view(-1, dims.num_heads + dims.num_kv_heads, dims.head_dim)
-        qk = apply_rope(qk, cos, sin)  # [T, H + KV, hd]
-        v = qkv[:, self._qk_width :].view(-1, dims.num_kv_heads, dims.head_dim)
-        attn = attention(i, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)  # [T, H hd]
+        if self._block is not None and isinstance(attention, KernelAttention):
+            q = self._block.rope_store_unchecked(  # rope, k and v into the cache: one call
+                qkv,
+                dims.num_heads,
+                dims.num_kv_heads,
+                dims.head_dim,
+                self._rope_pairs,
+                attention.token_slots,
+                attention.positions,
+                self._cache_layouts[i],
+            )
+            attn = attention.attend_stored(i, q)  # [T, H hd] float32, into wo as it is
+        else:
+            qk = qkv[:, : self._qk_width].view(
+                -1, dims.num_heads + dims.num_kv_heads, dims.head_dim
+            )
+            qk = apply_rope(qk, cos, sin)  # [T, H + KV, hd]
+            v = qkv[:, self._qk_width :].view(-1, dims.num_kv_heads, dims.head_dim)
+            attn = attention(i, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)
         if fused:  # residual adds, norm and silu * up inside the block kernel's calls
             assert isinstance(layer.wo, BlockLinear)
             assert isinstance(layer.w_gate_up, BlockLinear)

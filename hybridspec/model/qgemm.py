@@ -1,13 +1,14 @@
 """The block-quantized matmul kernel (``csrc/qgemm.c``): built once per machine, called by ctypes.
 
 ``BlockLinear`` computes ``y = x @ W.T`` straight from a ``QuantizedWeight``'s codes, scales
-and offsets, with activations quantized to 8 bits per row and group of 32 as llama.cpp does
-(Q8_1), so each group's dot product is an integer one (AVX512-VNNI, AVX2, or portable C: the
-same integers, hence the same results). It reads each weight block once for up to 8 rows of
-``x``, where torch's int4 kernel dequantizes the weights again for every 4 rows, so verifying
-drafts costs little more than decoding one token. Its fused forms take a layer's RMSNorm, or
-the MLP's ``silu(gate) * up``, as the prologue and the residual add as the epilogue: one call
-where the runtime would make four.
+and offsets (repacked once into tiles of 16 rows), with activations quantized to 8 bits per row
+and group of 32 as llama.cpp does (Q8_1), so each group's dot product is an integer one
+(AVX512-VNNI, AVX2, or portable C: the same integers and float operations, hence the same
+results). It reads each weight block once for up to 8 rows of ``x``, where torch's int4 kernel
+dequantizes the weights again for every 4 rows. Its fused forms take a layer's RMSNorm, or the
+MLP's ``silu(gate) * up``, as the prologue and the residual add as the epilogue, and
+``Kernel.rope_store`` rotates q and k and writes k and v into the KV cache in one call: a layer
+is three matmul calls, that one and the attention.
 
 Each output row is computed alike whatever rows share the call (one fixed order of summation,
 in one thread), so a token's logits do not depend on how many drafts it is verified with.
@@ -43,15 +44,20 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
-ROWS = 8  # the kernel's tile of weight rows (csrc/qgemm.c)
+ROWS = 16  # the kernel's tile of weight rows (csrc/qgemm.c)
+_X_DTYPES = (torch.bfloat16, torch.float32)
 _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "hs_qgemm": [
-        *(_ptr, _i64, _i64, _int, _ptr, ctypes.c_float),  # x, T, K, prologue, norm, eps
+        *(_ptr, _int, _i64, _i64, _int, _ptr, ctypes.c_float),  # x, f32, T, K, prologue, norm
         *(_ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _ptr),  # packed .. bits, N, residual, y
     ],
     "hs_pack": [_ptr, _ptr, _ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _ptr],
     "hs_dequant_rows": [_ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr],
+    "hs_rope_store": [
+        *(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr),  # qkv, T, H, KV, hd, rope, slots, pos
+        *(_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr),  # keys, values, q_out
+    ],
 }
 
 
@@ -144,7 +150,7 @@ class Kernel:
 
     def qgemm(
         self,
-        x: torch.Tensor,  # [T, K] bfloat16 ([T, 2 K] for PROLOGUE_SILU_MUL)
+        x: torch.Tensor,  # [T, K] bfloat16 or float32 ([T, 2 K] bfloat16 for PROLOGUE_SILU_MUL)
         weight: PackedWeight,
         prologue: int = PROLOGUE_NONE,
         norm: torch.Tensor | None = None,  # [K] bfloat16, for PROLOGUE_RMSNORM
@@ -154,7 +160,8 @@ class Kernel:
         """``prologue(x) @ W.T (+ residual)`` in bfloat16, ``[T, N]`` (module docstring)."""
         rows, cols = weight.rows, weight.cols
         width = 2 * cols if prologue == PROLOGUE_SILU_MUL else cols
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != width:
+        dtypes = (torch.bfloat16,) if prologue == PROLOGUE_SILU_MUL else _X_DTYPES
+        if x.dtype not in dtypes or x.dim() != 2 or x.shape[1] != width:
             raise ValueError(f"x: expected bfloat16 [T, {width}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
         if prologue == PROLOGUE_RMSNORM:
@@ -172,6 +179,7 @@ class Kernel:
             return y
         status = self._lib.hs_qgemm(
             x.data_ptr(),
+            x.dtype == torch.float32,
             x.shape[0],
             cols,
             prologue,
@@ -189,6 +197,80 @@ class Kernel:
         if status != 0:
             raise MemoryError("qgemm: no scratch memory for the quantized activations")
         return y
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 KV) hd] bfloat16
+        num_heads: int,
+        rope: torch.Tensor,  # [S, hd / 2, 2] float32: cos, sin
+        slots: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64, each below S
+        keys: torch.Tensor,  # [slots, KV, hd, S] bfloat16 (one layer, transposed)
+        values: torch.Tensor,  # [slots, KV, S, hd] bfloat16
+    ) -> torch.Tensor:
+        """q and k rotated by rope, k and v stored at each token's slot and position, q
+        returned ``[T, H, hd]`` float32 (csrc/qgemm.c, ``hs_rope_store``)."""
+        _, num_kv, head_dim, seq_len = keys.shape
+        tokens = qkv.shape[0]
+        if (
+            qkv.dtype != torch.bfloat16
+            or tuple(qkv.shape) != (tokens, (num_heads + 2 * num_kv) * head_dim)
+            or keys.dtype != torch.bfloat16
+            or values.dtype != torch.bfloat16
+            or keys.stride(3) != 1
+            or values.stride(3) != 1
+            or tuple(rope.shape) != (seq_len, head_dim // 2, 2)
+            or rope.dtype != torch.float32
+            or slots.shape != (tokens,)
+            or positions.shape != (tokens,)
+        ):
+            raise ValueError("rope_store: tensors of unexpected shapes or dtypes")
+        slots, positions = slots.to(torch.int64), positions.to(torch.int64)
+        return self.rope_store_unchecked(
+            qkv.contiguous(),
+            num_heads,
+            num_kv,
+            head_dim,
+            rope.contiguous(),
+            slots.contiguous(),
+            positions.contiguous(),
+            self.cache_layout(keys, values),
+        )
+
+    @staticmethod
+    def cache_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, ...]:
+        """One layer's cache as ``rope_store_unchecked`` takes it: pointers and element strides
+        (keys ``[slots, KV, hd, S]``, values ``[slots, KV, S, hd]``, the last stride 1)."""
+        return (keys.data_ptr(), *keys.stride()[:3], values.data_ptr(), *values.stride()[:3])
+
+    def rope_store_unchecked(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv: int,
+        head_dim: int,
+        rope: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        cache: tuple[int, ...],
+    ) -> torch.Tensor:
+        """``rope_store`` for the runtime, which builds every argument to fit (contiguous
+        bfloat16 ``qkv``, contiguous int64 ``slots`` and ``positions`` within the cache,
+        ``cache`` from ``cache_layout``): no checks, the least work per layer."""
+        q = torch.empty((qkv.shape[0], num_heads, head_dim), dtype=torch.float32)
+        self._lib.hs_rope_store(
+            qkv.data_ptr(),
+            qkv.shape[0],
+            num_heads,
+            num_kv,
+            head_dim,
+            rope.data_ptr(),
+            slots.data_ptr(),
+            positions.data_ptr(),
+            *cache,
+            q.data_ptr(),
+        )
+        return q
 
     def dequantize_rows(self, weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` of the matrix in bfloat16, ``[len(index), K]`` (an embedding lookup)."""
@@ -215,9 +297,9 @@ def _data(tensor: torch.Tensor | None) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
-    """A ``QuantizedWeight`` in the kernel's tiles: codes ``[N / 8, G, 8 * 32 * bits / 8]``,
-    scales and offsets ``[N / 8, G, 8]`` float32, ``csum`` (8 bits) ``-128 * sum`` of each
-    group's codes, int32 ``[N / 8, G, 8]``."""
+    """A ``QuantizedWeight`` in the kernel's tiles of 16 rows: codes ``[N / 16, G, 16 * 32 *
+    bits / 8]``, scales and offsets ``[N / 16, G, 16]`` float32, ``csum`` (8 bits) ``-128 *
+    sum`` of each group's codes, int32 ``[N / 16, G, 16]``."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -258,7 +340,12 @@ class BlockLinear:
         self.weight = kernel.pack(weight)
         self._kernel = kernel
 
+    @property
+    def kernel(self) -> Kernel:
+        return self._kernel
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ residual)``: x bfloat16 or float32, the result bfloat16."""
         return self._kernel.qgemm(x, self.weight, residual=residual)
 
     def after_norm(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:

@@ -47,6 +47,7 @@ from hybridspec.proposers.eagle_head import (
     load_head,
     target_fingerprint,
 )
+from hybridspec.proposers.eagle_import import is_eagle_checkpoint, load_eagle_checkpoint
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.controls import apply_controls
 from hybridspec.verifier.sampling import logits_to_probs
@@ -128,7 +129,9 @@ class EagleProposer(Proposer):
             if context.target is None:
                 raise InvalidRequestError("proposer: 'eagle' needs the target model", "proposer")
             parts = target_parts(context.target)
-            head = load_head(find_head(context.config.eagle.head, parts), parts)
+            path = find_head(context.config.eagle.head, parts)
+            load = load_eagle_checkpoint if is_eagle_checkpoint(path) else load_head
+            head = load(path, parts)
         if head.config.vocab_size != context.vocab_size:
             raise InvalidRequestError(
                 f"proposer: the eagle head's vocabulary ({head.config.vocab_size}) differs from "
@@ -281,7 +284,7 @@ class EagleProposer(Proposer):
                     f"expected {expected}",
                     "seq_id",
                 )
-            seq.features.append(info.hidden_states[:, 0])
+            seq.features.append(self.head.target_features(info.hidden_states[:, 0]))
         seq.committed_len += len(info.token_ids)
 
     def finish(self, seq_id: int) -> None:

@@ -57,6 +57,12 @@ class HeadConfig:
     # ``target_fingerprint`` of the target it was trained on: how a shipped head is found
     target_fingerprint: str = ""
     format: str = FORMAT
+    # Variants for heads trained elsewhere (``eagle_import``: EAGLE's own checkpoints):
+    input_norm: bool = True  # False: the layer reads the fused input as it is (no RMSNorm)
+    fc_bias: bool = False  # the fusion layer has a bias
+    # True: the head reads the target's features after its final norm and its outputs go to
+    # the LM head as they are; False: before the norm, which the head applies to its outputs
+    normed_features: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
@@ -131,8 +137,8 @@ class EagleHead(nn.Module):
         )
         self.config = c
         d, q_width, kv_width = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.fc = nn.Linear(2 * d, d, bias=False)  # cat(embed(x_{t+1}), f_t) -> D
-        self.input_norm = nn.Parameter(torch.ones(d))
+        self.fc = nn.Linear(2 * d, d, bias=c.fc_bias)  # cat(embed(x_{t+1}), f_t) -> D
+        self.input_norm = nn.Parameter(torch.ones(d)) if c.input_norm else None
         self.wqkv = nn.Linear(d, q_width + 2 * kv_width, bias=False)
         self.wo = nn.Linear(q_width, d, bias=False)
         self.mlp_norm = nn.Parameter(torch.ones(d))
@@ -162,7 +168,9 @@ class EagleHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused inputs ``[..., D]`` -> q ``[..., H, hd]``, k, v ``[..., KV, hd]`` (rotated)."""
         c = self.config
-        h = F.rms_norm(x, (c.hidden_size,), self.input_norm, c.rms_norm_eps)
+        h = x
+        if self.input_norm is not None:
+            h = F.rms_norm(x, (c.hidden_size,), self.input_norm, c.rms_norm_eps)
         qkv = self.wqkv(h)
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
@@ -181,12 +189,22 @@ class EagleHead(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary ``[..., S]`` of features ``[..., D]`` (the target's
-        final norm and LM head rows; for the target's own features, its logits there)."""
-        c = self.config
-        h = F.rms_norm(
-            features.to(self.draft_lm_head.dtype), (c.hidden_size,), self.parts.norm, c.rms_norm_eps
-        )
+        final norm, unless the features are normed already, and its LM head rows; for the
+        target's own features, its logits there)."""
+        h = features.to(self.draft_lm_head.dtype)
+        if not self.config.normed_features:
+            h = self.target_norm(h)
         return F.linear(h, self.draft_lm_head)
+
+    def target_norm(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's final RMSNorm of ``features [..., D]``."""
+        c = self.config
+        return F.rms_norm(features, (c.hidden_size,), self.parts.norm, c.rms_norm_eps)
+
+    def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's inputs from the target's last-layer outputs ``[..., D]`` (before its final
+        norm, as the runtime hands them): normed where the head reads normed features."""
+        return self.target_norm(hidden) if self.config.normed_features else hidden
 
     # ---------------------------------------------------------------- training
 

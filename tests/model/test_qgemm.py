@@ -16,6 +16,7 @@ from hybridspec.model.llama import build_linear
 from hybridspec.model.qgemm import BlockLinear, Kernel
 from hybridspec.model.quant import QuantizedWeight, quantize
 from hybridspec.model.quant_linear import Int4Linear
+from hybridspec.model.runtime import ForwardBatch
 from tests.engine.tiny import VOCAB, tiny_loaded
 from tests.model.test_invariance import (
     assert_logits_alike_decoded_verified_and_batched,
@@ -100,6 +101,62 @@ def test_fused_prologues_and_the_residual_epilogue(kernel: Kernel) -> None:
     assert torch.equal(linear(x, residual), (linear(x).float() + residual.float()).bfloat16())
 
 
+def test_float32_activations_are_read_as_they_are(kernel: Kernel) -> None:
+    linear = BlockLinear(weight(4, 40, 64, 15), kernel)
+    x = activations(5, 64, 16)
+    assert torch.equal(linear(x.float()), linear(x))  # the same values, widened exactly
+
+
+def test_rope_store_rotates_q_and_k_and_stores_k_and_v_at_each_tokens_slot(kernel: Kernel) -> None:
+    heads, kv_heads, hd, seq, tokens = 4, 2, 16, 32, 5
+    gen = torch.Generator().manual_seed(17)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * hd, generator=gen).bfloat16()
+    angles = torch.rand(seq, hd // 2, generator=gen) * 6
+    pairs = torch.stack((angles.cos(), angles.sin()), dim=-1)  # [S, hd / 2, 2]
+    slots, positions = torch.tensor([1, 1, 0, 2, 1]), torch.tensor([3, 4, 0, 31, 5])
+    keys = torch.zeros(3, kv_heads, hd, seq, dtype=torch.bfloat16)
+    values = torch.zeros(3, kv_heads, seq, hd, dtype=torch.bfloat16)
+    q = kernel.rope_store(qkv, heads, pairs, slots, positions, keys, values)
+    # the reference: rotate-half rope in float32 on the bfloat16 projections
+    cos = torch.cat((pairs[..., 0], pairs[..., 0]), -1)[positions][:, None]  # [T, 1, hd]
+    sin = torch.cat((pairs[..., 1], pairs[..., 1]), -1)[positions][:, None]
+    x = qkv.float().view(tokens, heads + 2 * kv_heads, hd)[:, : heads + kv_heads]
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = x * cos + torch.cat((-x2, x1), -1) * sin
+    torch.testing.assert_close(q, rotated[:, :heads], rtol=1e-6, atol=1e-6)
+    v = qkv.view(tokens, heads + 2 * kv_heads, hd)[:, heads + kv_heads :]
+    for t, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
+        torch.testing.assert_close(
+            keys[slot, :, :, pos].float(), rotated[t, heads:].bfloat16().float(), rtol=0, atol=0
+        )
+        assert torch.equal(values[slot, :, pos], v[t])
+    written = torch.zeros(3, seq, dtype=torch.bool)
+    written[slots, positions] = True
+    assert (
+        not keys.permute(0, 3, 1, 2)[~written].any() and not values.transpose(1, 2)[~written].any()
+    )
+    with pytest.raises(ValueError, match="rope_store"):
+        kernel.rope_store(qkv.float(), heads, pairs, slots, positions, keys, values)
+
+
+def test_the_fused_runtime_agrees_with_the_unfused_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block kernel's forward (norms, rope, cache writes fused) against the same weights
+    through torch's int4 kernel and torch ops: the same model, up to 8-bit activations."""
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(18)).tolist()
+    loaded = tiny_loaded(0, quantize_bits=4)
+    fused = loaded.create_runtime(1, 64)
+    monkeypatch.setattr("hybridspec.model.llama.kernel", lambda: None)
+    unfused = loaded.create_runtime(1, 64)
+    logits = []
+    for runtime in (fused, unfused):
+        runtime.allocate()
+        batch = ForwardBatch.from_lists([0], [ids[:30]])
+        runtime.forward(batch)
+        logits.append(runtime.forward(ForwardBatch.from_lists([0], [ids[30:]])).logits)
+    assert relative_error(logits[0], logits[1].float()) < 5e-2
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.8
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_rows_of_the_packed_copy_are_the_weights_rows(kernel: Kernel, bits: int) -> None:
     w = weight(bits, 37, 64, 12)
@@ -115,7 +172,9 @@ def test_bad_input_is_refused_before_the_kernel_runs(kernel: Kernel) -> None:
     with pytest.raises(ValueError, match=r"x: expected bfloat16 \[T, 64\]"):
         kernel.qgemm(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
     with pytest.raises(ValueError, match="x: expected bfloat16"):
-        kernel.qgemm(torch.zeros(2, 64), packed)
+        kernel.qgemm(torch.zeros(2, 64, dtype=torch.float16), packed)
+    with pytest.raises(ValueError, match="x: expected bfloat16"):  # silu * up reads bfloat16
+        kernel.qgemm(torch.zeros(2, 128), packed, qgemm.PROLOGUE_SILU_MUL)
     with pytest.raises(ValueError, match=r"x: expected bfloat16 \[T, 128\]"):
         kernel.qgemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed, qgemm.PROLOGUE_SILU_MUL)
     with pytest.raises(ValueError, match="norm"):

@@ -2,9 +2,9 @@
  *
  * W [N, K] holds codes c and, per row and group of 32 columns, a float32 scale d and (4 bits)
  * an offset m: W[n, 32 g + j] = d c + m (``hybridspec.model.quant``; 4-bit codes 0..15, 8-bit
- * codes -128..127 with no offset). ``hs_pack`` reorders them into tiles of 8 rows (``ROWS``):
- * for each tile and group, 8 quads of 4 columns, each quad as 8 rows x 4 bytes (one 256-bit
- * vector whose int32 lane r is row r). A 4-bit tile stores quads u and u + 4 in one vector, in
+ * codes -128..127 with no offset). ``hs_pack`` reorders them into tiles of 16 rows (``ROWS``):
+ * for each tile and group, 8 quads of 4 columns, each quad as 16 rows x 4 bytes (one 512-bit
+ * vector whose int32 lane r is row r, or two 256-bit halves of 8 rows). A 4-bit tile stores quads u and u + 4 in one vector, in
  * the low and the high nibbles. Scales and offsets are stored [tiles, G, 8].
  *
  * The activations are quantized per row and group of 32 to 8 bits (llama.cpp's Q8_1: scale
@@ -29,7 +29,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HS_SIMD 1
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define HS_VNNI 1
 #define TILE_T 8 /* rows of x against one tile of W: accumulators kept in registers */
 #else
@@ -40,8 +40,9 @@
 #endif
 
 #define GS 32
-#define ROWS 8
+#define ROWS 16 /* rows of W per tile: one 512-bit vector of int32 lanes, or two 256-bit ones */
 #define QUADS (GS / 4)
+#define QB (ROWS * 4) /* bytes of one quad of columns for a tile's rows */
 
 enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SILU_MUL = 2 };
 
@@ -79,12 +80,12 @@ int hs_max_threads(void) {
 }
 
 /* Bytes of packed codes per tile and group. */
-static inline int64_t tile_bytes(int bits) { return bits == 4 ? ROWS * GS / 2 : ROWS * GS; }
+static inline int64_t tile_bytes(int bits) { return bits == 4 ? QUADS / 2 * QB : QUADS * QB; }
 
 /* The packed layout (top of file) of codes [N, K] as ``quant`` keeps them: 4 bits two a byte in
- * column order (low nibble first), 8 bits one a byte. out: [ceil(N / 8), G, tile_bytes];
- * scales_out, offsets_out [ceil(N / 8), G, 8] (offsets may be NULL); csum_out (8 bits only)
- * [ceil(N / 8), G, 8]: -128 * sum of the group's codes. Rows past N are zero. */
+ * column order (low nibble first), 8 bits one a byte. out: [ceil(N / 16), G, tile_bytes];
+ * scales_out, offsets_out [ceil(N / 16), G, 16] (offsets may be NULL); csum_out (8 bits only)
+ * [ceil(N / 16), G, 16]: -128 * sum of the group's codes. Rows past N are zero. */
 void hs_pack(const uint8_t *codes, const float *scales, const float *offsets, int bits,
              int64_t N, int64_t K, uint8_t *out, float *scales_out, float *offsets_out,
              int32_t *csum_out) {
@@ -106,10 +107,10 @@ void hs_pack(const uint8_t *codes, const float *scales, const float *offsets, in
                 int u = j / 4, e = j % 4;
                 if (bits == 4) {
                     uint8_t c = (codes[n * (K / 2) + k / 2] >> (4 * (k % 2))) & 15;
-                    dst[(u % 4) * 32 + r * 4 + e] |= (uint8_t)(c << (4 * (u / 4)));
+                    dst[(u % 4) * QB + r * 4 + e] |= (uint8_t)(c << (4 * (u / 4)));
                 } else {
                     uint8_t c = codes[n * K + k];
-                    dst[u * 32 + r * 4 + e] = c;
+                    dst[u * QB + r * 4 + e] = c;
                     sum += (int8_t)c;
                 }
             }
@@ -131,40 +132,69 @@ void hs_dequant_rows(const uint8_t *packed, const float *scales, const float *of
             float d = scales[at], m = offsets ? offsets[at] : 0.0f;
             for (int j = 0; j < GS; j++) {
                 int u = j / 4, e = j % 4;
-                float c = bits == 4 ? (float)((src[(u % 4) * 32 + r * 4 + e] >> (4 * (u / 4))) & 15)
-                                    : (float)(int8_t)src[u * 32 + r * 4 + e];
+                float c = bits == 4 ? (float)((src[(u % 4) * QB + r * 4 + e] >> (4 * (u / 4))) & 15)
+                                    : (float)(int8_t)src[u * QB + r * 4 + e];
                 out[i * K + g * GS + j] = f32_to_bf16(offsets ? fmaf(d, c, m) : d * c);
             }
         }
     }
 }
 
-/* One row of activations: the prologue in float32, then 8-bit codes per group. */
-static void quantize_row(const uint16_t *x, int64_t K, int prologue, const uint16_t *norm_w,
-                         float eps, float *a, int8_t *q, float *dx, float *sx) {
+/* exp(x) in float32 (Cephes expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), for
+ * x clamped to [-87, 88]. Plain arithmetic with no library call, so that the compiler
+ * vectorizes the loops that use it, lane for lane the same operations as a scalar build. */
+static inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* nearest integer */
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * (r * r) + r) + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* One row of activations: the prologue in float32, then 8-bit codes per group. The rounding
+ * to the nearest integer (even on ties) adds and subtracts 1.5 * 2^23, exact for |v| < 2^22. */
+static void quantize_row(const uint16_t *x, const float *x32, int64_t K, int prologue,
+                         const uint16_t *norm_w, float eps, float *a, int8_t *q, float *dx,
+                         float *sx) {
     if (prologue == PRO_SILU_MUL) {
         for (int64_t k = 0; k < K; k++) {
             float g = bf16_to_f32(x[k]);
-            a[k] = g / (1.0f + expf(-g)) * bf16_to_f32(x[K + k]);
+            a[k] = g / (1.0f + fast_exp(-g)) * bf16_to_f32(x[K + k]);
         }
+    } else if (x32) {
+        memcpy(a, x32, sizeof(float) * (size_t)K);
     } else {
         for (int64_t k = 0; k < K; k++) a[k] = bf16_to_f32(x[k]);
-        if (prologue == PRO_RMSNORM) {
-            float ss = 0.0f;
-            for (int64_t k = 0; k < K; k++) ss = fmaf(a[k], a[k], ss);
-            float r = 1.0f / sqrtf(ss / (float)K + eps);
-            for (int64_t k = 0; k < K; k++) a[k] = a[k] * r * bf16_to_f32(norm_w[k]);
-        }
+    }
+    if (prologue == PRO_RMSNORM) {
+        float ss = 0.0f;
+        for (int64_t k = 0; k < K; k++) ss = fmaf(a[k], a[k], ss);
+        float r = 1.0f / sqrtf(ss / (float)K + eps);
+        for (int64_t k = 0; k < K; k++) a[k] = a[k] * r * bf16_to_f32(norm_w[k]);
     }
     for (int64_t g = 0; g < K / GS; g++) {
-        const float *ag = a + g * GS;
+        float *ag = a + g * GS;
         float amax = 0.0f;
-        for (int j = 0; j < GS; j++) amax = fmaxf(amax, fabsf(ag[j]));
+        for (int j = 0; j < GS; j++) {
+            float v = fabsf(ag[j]);
+            amax = v > amax ? v : amax;
+        }
         float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t *qg = q + g * GS;
         int sum = 0;
         for (int j = 0; j < GS; j++) {
-            int v = (int)nearbyintf(ag[j] * id);
-            q[g * GS + j] = (int8_t)v;
+            int v = (int)((ag[j] * id + 12582912.0f) - 12582912.0f);
+            qg[j] = (int8_t)v;
             sum += v;
         }
         dx[g] = d;
@@ -172,83 +202,102 @@ static void quantize_row(const uint16_t *x, int64_t K, int prologue, const uint1
     }
 }
 
-/* out[i][r] for rows t0 + i of x (tt of them) against one tile of 8 rows of W. */
+/* out[i][r] for rows t0 + i of x (tt of them) against one tile of 16 rows of W. */
 static inline __attribute__((always_inline)) void tile_dot(
     const uint8_t *codes, const float *dw, const float *mw, const int32_t *csum, int bits,
     int64_t G, int64_t K, const int8_t *q, const float *dx, const float *sx, int tt,
     float out[][ROWS]) {
-#ifdef HS_SIMD
-    __m256 acc[TILE_T];
-    for (int i = 0; i < tt; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
     const int64_t tb = tile_bytes(bits);
+#if defined(HS_VNNI)
+    __m512 acc[TILE_T];
+    for (int i = 0; i < tt; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *src = codes + g * tb;
-        __m256i c[QUADS];
+        __m512i c[QUADS];
         if (bits == 4) {
             for (int p = 0; p < 4; p++) {
-                __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32 * p));
-                c[p] = _mm256_and_si256(b, low4);
-                c[p + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+                __m512i b = _mm512_loadu_si512((const void *)(src + QB * p));
+                c[p] = _mm512_and_si512(b, low4);
+                c[p + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
             }
         } else {
-            for (int u = 0; u < QUADS; u++) {
-                c[u] = _mm256_loadu_si256((const __m256i *)(src + 32 * u));
-#ifndef HS_VNNI
-                c[u] = _mm256_sign_epi8(c[u], c[u]); /* |c| (the sign goes to q below) */
-#endif
-            }
+            for (int u = 0; u < QUADS; u++) c[u] = _mm512_loadu_si512((const void *)(src + QB * u));
         }
-        const __m256 d = _mm256_loadu_ps(dw + g * ROWS);
-        const __m256 m = mw ? _mm256_loadu_ps(mw + g * ROWS) : _mm256_setzero_ps();
-#ifdef HS_VNNI
-        const __m256i init = bits == 8 ? _mm256_loadu_si256((const __m256i *)(csum + g * ROWS))
-                                       : _mm256_setzero_si256();
-#endif
-        __m256i s[TILE_T];
-#ifdef HS_VNNI
+        const __m512 d = _mm512_loadu_ps(dw + g * ROWS);
+        const __m512 m = mw ? _mm512_loadu_ps(mw + g * ROWS) : _mm512_setzero_ps();
+        const __m512i init = bits == 8 ? _mm512_loadu_si512((const void *)(csum + g * ROWS))
+                                       : _mm512_setzero_si512();
+        __m512i s[TILE_T];
         for (int i = 0; i < tt; i++) s[i] = init;
-        for (int u = 0; u < QUADS; u++) { /* rows innermost: tt independent dpbusd chains */
+        for (int u = 0; u < QUADS; u++) { /* rows of x innermost: tt independent chains */
             for (int i = 0; i < tt; i++) {
                 int32_t quad;
                 memcpy(&quad, q + i * K + g * GS + 4 * u, 4);
-                __m256i qb = _mm256_set1_epi32(quad);
+                __m512i qb = _mm512_set1_epi32(quad);
                 if (bits == 4) {
-                    s[i] = _mm256_dpbusd_epi32(s[i], c[u], qb); /* codes u8 x q s8 */
+                    s[i] = _mm512_dpbusd_epi32(s[i], c[u], qb); /* codes u8 x q s8 */
                 } else {
-                    qb = _mm256_add_epi8(qb, _mm256_set1_epi8((char)0x80)); /* q + 128 as u8 */
-                    s[i] = _mm256_dpbusd_epi32(s[i], qb, c[u]); /* + init: -128 sum c */
+                    qb = _mm512_add_epi8(qb, _mm512_set1_epi8((char)0x80)); /* q + 128 as u8 */
+                    s[i] = _mm512_dpbusd_epi32(s[i], qb, c[u]); /* + init: -128 sum c */
                 }
             }
         }
-#else
-        (void)csum;
-        const __m256i ones = _mm256_set1_epi16(1);
-        for (int i = 0; i < tt; i++) s[i] = _mm256_setzero_si256();
-        for (int u = 0; u < QUADS; u++) {
-            for (int i = 0; i < tt; i++) {
-                int32_t quad;
-                memcpy(&quad, q + i * K + g * GS + 4 * u, 4);
-                __m256i qb = _mm256_set1_epi32(quad);
-                if (bits == 8) { /* |c| (u8) x sign(q, c) (s8): pairs stay within int16 */
-                    __m256i raw = _mm256_loadu_si256((const __m256i *)(src + 32 * u));
-                    qb = _mm256_sign_epi8(qb, raw);
-                }
-                s[i] = _mm256_add_epi32(
-                    s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c[u], qb), ones));
-            }
-        }
-#endif
         for (int i = 0; i < tt; i++) {
-            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[i * G + g]));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
-            acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[i * G + g]), acc[i]);
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[i * G + g]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), scale, acc[i]);
+            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * G + g]), acc[i]);
         }
     }
-    for (int i = 0; i < tt; i++) _mm256_storeu_ps(out[i], acc[i]);
+    for (int i = 0; i < tt; i++) _mm512_storeu_ps(out[i], acc[i]);
+#elif defined(HS_SIMD)
+    (void)csum;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; half++) { /* rows 0..7, then 8..15 */
+        __m256 acc[TILE_T];
+        for (int i = 0; i < tt; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *src = codes + g * tb + 32 * half;
+            __m256i c[QUADS];
+            if (bits == 4) {
+                for (int p = 0; p < 4; p++) {
+                    __m256i b = _mm256_loadu_si256((const __m256i *)(src + QB * p));
+                    c[p] = _mm256_and_si256(b, low4);
+                    c[p + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+                }
+            } else {
+                for (int u = 0; u < QUADS; u++) {
+                    c[u] = _mm256_loadu_si256((const __m256i *)(src + QB * u));
+                    c[u] = _mm256_sign_epi8(c[u], c[u]); /* |c| (the sign goes to q below) */
+                }
+            }
+            const __m256 d = _mm256_loadu_ps(dw + g * ROWS + 8 * half);
+            const __m256 m = mw ? _mm256_loadu_ps(mw + g * ROWS + 8 * half) : _mm256_setzero_ps();
+            __m256i s[TILE_T];
+            for (int i = 0; i < tt; i++) s[i] = _mm256_setzero_si256();
+            for (int u = 0; u < QUADS; u++) {
+                for (int i = 0; i < tt; i++) {
+                    int32_t quad;
+                    memcpy(&quad, q + i * K + g * GS + 4 * u, 4);
+                    __m256i qb = _mm256_set1_epi32(quad);
+                    if (bits == 8) { /* |c| (u8) x sign(q, c) (s8): pairs stay within int16 */
+                        __m256i raw = _mm256_loadu_si256((const __m256i *)(src + QB * u));
+                        qb = _mm256_sign_epi8(qb, raw);
+                    }
+                    s[i] = _mm256_add_epi32(
+                        s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c[u], qb), ones));
+                }
+            }
+            for (int i = 0; i < tt; i++) {
+                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[i * G + g]));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
+                acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[i * G + g]), acc[i]);
+            }
+        }
+        for (int i = 0; i < tt; i++) _mm256_storeu_ps(out[i] + 8 * half, acc[i]);
+    }
 #else
     (void)csum;
-    const int64_t tb = tile_bytes(bits);
     for (int i = 0; i < tt; i++) {
         for (int r = 0; r < ROWS; r++) {
             float acc = 0.0f;
@@ -258,8 +307,8 @@ static inline __attribute__((always_inline)) void tile_dot(
                 int32_t s = 0;
                 for (int j = 0; j < GS; j++) {
                     int u = j / 4, e = j % 4;
-                    int c = bits == 4 ? (src[(u % 4) * 32 + r * 4 + e] >> (4 * (u / 4))) & 15
-                                      : (int)(int8_t)src[u * 32 + r * 4 + e];
+                    int c = bits == 4 ? (src[(u % 4) * QB + r * 4 + e] >> (4 * (u / 4))) & 15
+                                      : (int)(int8_t)src[u * QB + r * 4 + e];
                     s += c * qg[j];
                 }
                 float m = mw ? mw[g * ROWS + r] : 0.0f;
@@ -287,8 +336,9 @@ static void tile_dot_rows(const uint8_t *codes, const float *dw, const float *mw
 }
 
 /* y [T, N] = prologue(x) @ W.T (+ residual), W packed by hs_pack. x [T, Kx] bfloat16 with
- * Kx = K (2 K for PRO_SILU_MUL). Returns 0, or -1 when scratch memory cannot be had. */
-int hs_qgemm(const uint16_t *x, int64_t T, int64_t K, int prologue, const uint16_t *norm_w,
+ * Kx = K (2 K for PRO_SILU_MUL), or float32 when x_f32 (not with PRO_SILU_MUL). Returns 0, or
+ * -1 when scratch memory cannot be had. */
+int hs_qgemm(const void *x, int x_f32, int64_t T, int64_t K, int prologue, const uint16_t *norm_w,
              float eps, const uint8_t *packed, const float *scales, const float *offsets,
              const int32_t *csum, int bits, int64_t N, const uint16_t *residual, uint16_t *y) {
     int64_t G = K / GS, Kx = prologue == PRO_SILU_MUL ? 2 * K : K;
@@ -307,7 +357,10 @@ int hs_qgemm(const uint16_t *x, int64_t T, int64_t K, int prologue, const uint16
             }
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
-                if (a) quantize_row(x + t * Kx, K, prologue, norm_w, eps, a, q + t * K, dx + t * G, sx + t * G);
+                if (a)
+                    quantize_row(x_f32 ? NULL : (const uint16_t *)x + t * Kx,
+                                 x_f32 ? (const float *)x + t * Kx : NULL, K, prologue, norm_w,
+                                 eps, a, q + t * K, dx + t * G, sx + t * G);
             free(a);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < tiles; b++) {
@@ -336,4 +389,44 @@ int hs_qgemm(const uint16_t *x, int64_t T, int64_t K, int prologue, const uint16
     free(dx);
     free(sx);
     return failed ? -1 : 0;
+}
+
+/* The attention's inputs from the fused q/k/v projection ``qkv [T, (H + 2 KV) hd]`` bfloat16:
+ * q and k rotated by rope (rotate-half convention, float32: out[i] = x[i] c - x[i + hd/2] s,
+ * out[i + hd/2] = x[i + hd/2] c + x[i] s with c, s = ``rope[pos, i]``), q written to ``q_out
+ * [T, H, hd]`` float32, k (rounded to bfloat16) and v (as they are) into the cache at token t's
+ * ``slots[t]`` and ``positions[t]``: keys transposed, ``keys[slot, kv, d, pos]`` at element
+ * offset slot ks_slot + kv ks_head + d ks_dim + pos; values ``values[slot, kv, pos, d]`` at
+ * slot vs_slot + kv vs_head + pos vs_pos + d. ``rope [S, hd / 2, 2]`` float32 (cos, sin). */
+void hs_rope_store(const uint16_t *qkv, int64_t T, int64_t H, int64_t KV, int64_t hd,
+                   const float *rope, const int64_t *slots, const int64_t *positions,
+                   uint16_t *keys, int64_t ks_slot, int64_t ks_head, int64_t ks_dim,
+                   uint16_t *values, int64_t vs_slot, int64_t vs_head, int64_t vs_pos,
+                   float *q_out) {
+    int64_t width = (H + 2 * KV) * hd, half = hd / 2;
+#pragma omp parallel for schedule(static) if (T > 16)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *row = qkv + t * width;
+        int64_t slot = slots[t], pos = positions[t];
+        const float *cs = rope + pos * hd;
+        for (int64_t h = 0; h < H + KV; h++) {
+            const uint16_t *x = row + h * hd;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
+                float c = cs[2 * i], s = cs[2 * i + 1];
+                float r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
+                if (h < H) {
+                    q_out[(t * H + h) * hd + i] = r1;
+                    q_out[(t * H + h) * hd + i + half] = r2;
+                } else {
+                    uint16_t *k = keys + slot * ks_slot + (h - H) * ks_head + pos;
+                    k[i * ks_dim] = f32_to_bf16(r1);
+                    k[(i + half) * ks_dim] = f32_to_bf16(r2);
+                }
+            }
+        }
+        for (int64_t kv = 0; kv < KV; kv++)
+            memcpy(values + slot * vs_slot + kv * vs_head + pos * vs_pos,
+                   row + (H + KV) * hd + kv * hd, sizeof(uint16_t) * (size_t)hd);
+    }
 }
