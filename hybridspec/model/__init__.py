@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from hybridspec.model.llama_weights import LlamaWeights, dense
+    from hybridspec.model.llama_weights import LlamaWeights, dense, rope_inv_freq
     from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
     from hybridspec.model.runtime import (
         ForwardBatch,
@@ -37,13 +37,14 @@ __all__ = [
     "fastest_forward_seconds",
     "load_model",
     "median_forward_seconds",
+    "rope_inv_freq",
 ]
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
     globals(),
     {
-        "hybridspec.model.llama_weights": ("LlamaWeights", "dense"),
+        "hybridspec.model.llama_weights": ("LlamaWeights", "dense", "rope_inv_freq"),
         "hybridspec.model.loader": ("LoadedModel", "embedded_model_path", "load_model"),
         "hybridspec.model.runtime": (
             "ForwardBatch",

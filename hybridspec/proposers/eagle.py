@@ -39,7 +39,7 @@ from hybridspec.model import LlamaWeights, LoadedModel, dense
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.proposers.eagle_head import (
     CONFIG_FILE,
-    EagleHead,
+    DraftHead,
     HeadCache,
     HeadConfig,
     TargetParts,
@@ -55,7 +55,6 @@ from hybridspec.verifier.sampling import logits_to_probs
 logger = logging.getLogger(__name__)
 
 SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "heads"
-FEATURE_LAYERS = (-1,)  # the last decoder layer's output, before the final norm
 TIMING_REPEATS = 5
 
 
@@ -121,17 +120,20 @@ class EagleProposer(Proposer):
     """
 
     samples_drafts = True
-    hidden_layers = FEATURE_LAYERS
+    hidden_layers: tuple[int, ...] = (-1,)  # the head's ``feature_layers``, set when it loads
 
-    def __init__(self, context: ProposerContext, head: EagleHead | None = None) -> None:
+    def __init__(self, context: ProposerContext, head: DraftHead | None = None) -> None:
         super().__init__(context)
         if head is None:
             if context.target is None:
                 raise InvalidRequestError("proposer: 'eagle' needs the target model", "proposer")
             parts = target_parts(context.target)
             path = find_head(context.config.eagle.head, parts)
-            load = load_eagle_checkpoint if is_eagle_checkpoint(path) else load_head
-            head = load(path, parts)
+            if is_eagle_checkpoint(path):
+                layers = int(context.target.hf_config.num_hidden_layers)
+                head = load_eagle_checkpoint(path, parts, layers)
+            else:
+                head = load_head(path, parts)
         if head.config.vocab_size != context.vocab_size:
             raise InvalidRequestError(
                 f"proposer: the eagle head's vocabulary ({head.config.vocab_size}) differs from "
@@ -139,6 +141,7 @@ class EagleProposer(Proposer):
                 "proposer",
             )
         self.head = head
+        self.hidden_layers = head.feature_layers
         self.cache = HeadCache(head.config, head.parts.embed.dtype, head.parts.embed.device)
         self._seqs: dict[int, _EagleSeq] = {}
         configured = context.config.eagle.cost_per_token
@@ -284,7 +287,7 @@ class EagleProposer(Proposer):
                     f"expected {expected}",
                     "seq_id",
                 )
-            seq.features.append(self.head.target_features(info.hidden_states[:, 0]))
+            seq.features.append(self.head.target_features(info.hidden_states))
         seq.committed_len += len(info.token_ids)
 
     def finish(self, seq_id: int) -> None:

@@ -28,6 +28,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +111,41 @@ def target_fingerprint(embed: torch.Tensor) -> str:
     return hashlib.sha256(rows.numpy().tobytes()).hexdigest()[:16]
 
 
+class DraftHead(Protocol):
+    """What the ``eagle`` proposer drafts with: ``EagleHead``, or a published EAGLE-3 head
+    (``eagle_import.Eagle3Head``). One drafting step is ``x = fuse(features, next_ids)``,
+    ``q, k, v = qkv(x, positions)``, attention over the head's cache, ``finish(x, attended)``
+    (predicted features, fed back as the next step's ``features``), ``logits`` of those over
+    ``draft_vocab``. ``target_features`` turns the target's hidden states of
+    ``feature_layers`` (``[rows, len(feature_layers), D_target]``) into ``features [rows, D]``."""
+
+    config: HeadConfig
+    parts: TargetParts
+    draft_vocab: torch.Tensor
+    feature_layers: tuple[int, ...]
+
+    def fuse(self, features: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def qkv(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor: ...
+
+    def target_features(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[..., 1, hd]`` at integer ``positions [...]`` for ``inv_freq [hd // 2]``."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
+    angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rope, rotate-half convention: ``x [..., heads, hd]``, ``cos, sin [..., 1, hd]``."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -120,6 +156,7 @@ class EagleHead(nn.Module):
     """Fusion FC, one decoder layer, and logits over the draft vocabulary (module docstring)."""
 
     draft_vocab: torch.Tensor  # [S] int64: the target's ids of the draft vocabulary, sorted
+    feature_layers: tuple[int, ...] = (-1,)  # the last decoder layer's output, before the norm
 
     def __init__(self, config: HeadConfig, parts: TargetParts, draft_vocab: torch.Tensor) -> None:
         super().__init__()
@@ -159,9 +196,7 @@ class EagleHead(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin ``[..., 1, hd]`` at integer ``positions [...]``."""
-        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
-        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return rope_cos_sin(self.inv_freq, positions, dtype)
 
     def qkv(
         self, x: torch.Tensor, positions: torch.Tensor
@@ -202,9 +237,11 @@ class EagleHead(nn.Module):
         return F.rms_norm(features, (c.hidden_size,), self.parts.norm, c.rms_norm_eps)
 
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's inputs from the target's last-layer outputs ``[..., D]`` (before its final
-        norm, as the runtime hands them): normed where the head reads normed features."""
-        return self.target_norm(hidden) if self.config.normed_features else hidden
+        """The head's inputs ``[rows, D]`` from the target's last-layer outputs ``[rows, 1,
+        D]`` (before its final norm, as the runtime hands them): normed where the head reads
+        normed features."""
+        last = hidden[:, 0]
+        return self.target_norm(last) if self.config.normed_features else last
 
     # ---------------------------------------------------------------- training
 
@@ -323,7 +360,7 @@ class HeadCache:
 
 
 def forward_cached(
-    head: EagleHead,
+    head: DraftHead,
     cache: HeadCache,
     slots: list[int],
     features: torch.Tensor,
