@@ -14,6 +14,8 @@ from hybridspec.lazy import lazy_exports
 if TYPE_CHECKING:
     from hybridspec.model.llama_weights import LlamaWeights, dense, rope_inv_freq
     from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
+    from hybridspec.model.qgemm import BlockLinear, Kernel, block_kernel
+    from hybridspec.model.quant import quantize
     from hybridspec.model.runtime import (
         ForwardBatch,
         ForwardOutput,
@@ -26,17 +28,21 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "BlockLinear",
     "ForwardBatch",
     "ForwardOutput",
+    "Kernel",
     "LlamaWeights",
     "LoadedModel",
     "ModelRuntime",
     "ObserverHandle",
+    "block_kernel",
     "dense",
     "embedded_model_path",
     "fastest_forward_seconds",
     "load_model",
     "median_forward_seconds",
+    "quantize",
     "rope_inv_freq",
 ]
 
@@ -46,6 +52,8 @@ __getattr__, __dir__ = lazy_exports(
     {
         "hybridspec.model.llama_weights": ("LlamaWeights", "dense", "rope_inv_freq"),
         "hybridspec.model.loader": ("LoadedModel", "embedded_model_path", "load_model"),
+        "hybridspec.model.qgemm": ("BlockLinear", "Kernel", "block_kernel"),
+        "hybridspec.model.quant": ("quantize",),
         "hybridspec.model.runtime": (
             "ForwardBatch",
             "ForwardOutput",

@@ -327,6 +327,9 @@ def kernel() -> Kernel | None:
         return None
 
 
+block_kernel = kernel  # the name ``hybridspec.model`` exports
+
+
 class BlockLinear:
     """``y = x @ W.T`` for a ``QuantizedWeight`` through the block kernel; bfloat16 in and out.
 

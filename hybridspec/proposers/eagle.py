@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from hybridspec.errors import InvalidRequestError
-from hybridspec.model import LlamaWeights, LoadedModel, dense
+from hybridspec.model import LlamaWeights, LoadedModel, block_kernel, dense
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.proposers.eagle_head import (
     CONFIG_FILE,
@@ -45,6 +45,7 @@ from hybridspec.proposers.eagle_head import (
     TargetParts,
     forward_cached,
     load_head,
+    quantize_matmuls,
     target_fingerprint,
 )
 from hybridspec.proposers.eagle_import import is_eagle_checkpoint, load_eagle_checkpoint
@@ -140,6 +141,10 @@ class EagleProposer(Proposer):
                 f"the target's ({context.vocab_size})",
                 "proposer",
             )
+        embed = head.parts.embed
+        kernel = block_kernel()
+        if kernel is not None and embed.device.type == "cpu" and embed.dtype == torch.bfloat16:
+            quantize_matmuls(head, kernel)  # type: ignore[arg-type]  # a DraftHead is a Module
         self.head = head
         self.hidden_layers = head.feature_layers
         self.cache = HeadCache(head.config, head.parts.embed.dtype, head.parts.embed.device)

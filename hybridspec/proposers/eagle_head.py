@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridspec.errors import check
+from hybridspec.model import BlockLinear, Kernel, quantize
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "head.safetensors"
@@ -137,6 +138,43 @@ class DraftHead(Protocol):
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+class QuantizedLinear(nn.Module):
+    """An ``nn.Linear`` that drafts on CPU through the model's block kernel: its weight also
+    kept in 8-bit groups of 32 (Q8_0's scheme), half of what a bfloat16 weight streams. It
+    keeps the linear's own ``weight`` and ``bias`` (the state dict is unchanged), and computes
+    with them exactly where gradients are wanted."""
+
+    def __init__(self, linear: nn.Linear, kernel: Kernel) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.matmul = BlockLinear(quantize(linear.weight.detach().float(), 8), kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = self.matmul(flat).view(*x.shape[:-1], self.weight.shape[0]).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+QUANTIZED_MATMULS = ("fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head")
+
+
+def quantize_matmuls(head: nn.Module, kernel: Kernel) -> None:
+    """Replace ``head``'s matmuls (``QUANTIZED_MATMULS``, those it has, and an ``EagleHead``'s
+    draft-vocabulary rows of the target's LM head) by ``QuantizedLinear``s, in place; those
+    already replaced are kept. The head's state dict is unchanged: each keeps its weight."""
+    for name in QUANTIZED_MATMULS:
+        module = getattr(head, name, None)
+        if isinstance(module, nn.Linear):
+            setattr(head, name, QuantizedLinear(module, kernel))
+    if isinstance(head, EagleHead) and head.draft_lm is None:
+        rows = nn.Linear(head.config.hidden_size, head.config.draft_vocab_size, bias=False)
+        rows.weight = nn.Parameter(head.draft_lm_head, requires_grad=False)
+        quantized = QuantizedLinear(rows, kernel)
+        object.__setattr__(head, "draft_lm", quantized)  # not a submodule: not in the state
+
+
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +222,7 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=True)
         self.parts = parts
         self.draft_lm_head = parts.lm_head[draft_vocab.to(parts.lm_head.device)]  # [S, D]
+        self.draft_lm: QuantizedLinear | None = None  # its 8-bit form (``quantize_matmuls``)
         half = torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim
         self.inv_freq = 1.0 / (c.rope_theta**half)  # [hd // 2]
 
@@ -229,6 +268,8 @@ class EagleHead(nn.Module):
         h = features.to(self.draft_lm_head.dtype)
         if not self.config.normed_features:
             h = self.target_norm(h)
+        if self.draft_lm is not None:
+            return self.draft_lm(h)
         return F.linear(h, self.draft_lm_head)
 
     def target_norm(self, features: torch.Tensor) -> torch.Tensor:

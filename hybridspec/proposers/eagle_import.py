@@ -197,7 +197,7 @@ class Eagle3Head(nn.Module):
 
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """``fc`` of the target's layers side by side: ``[rows, 3, D_t]`` -> ``[rows, D]``."""
-        return self.fc(hidden.flatten(1).to(self.fc.weight.dtype))
+        return self.fc(hidden.flatten(1).to(self.norm.dtype))
 
     def fuse(self, features: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
         table = self.embed if self.embed is not None else self.parts.embed

@@ -8,14 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridspec.model import block_kernel
 from hybridspec.proposers.eagle import target_parts
 from hybridspec.proposers.eagle_head import (
     HeadCache,
     HeadConfig,
+    QuantizedLinear,
     forward_cached,
     load_head,
+    quantize_matmuls,
     save_head,
 )
+from tests.engine.test_eagle import bf16_target
 from tests.engine.tiny import tiny_loaded
 from tests.proposers.eagle_helpers import random_head
 
@@ -104,3 +108,33 @@ def test_bad_configs_raise_value_error_naming_the_field(head, field: str, value:
         HeadConfig(**data)
     with pytest.raises(ValueError, match="unknown"):
         HeadConfig.from_json('{"colour": 1}')
+
+
+@pytest.mark.skipif(block_kernel() is None, reason="no C compiler")
+def test_quantized_matmuls_draft_nearly_alike_and_leave_the_state_dict() -> None:
+    """Drafting through 8-bit matmuls (``quantize_matmuls``): predictions within the 8-bit
+    weights' and activations' error of the bfloat16 head's, the saved state unchanged."""
+    head = random_head(bf16_target(), 48)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    torch.manual_seed(2)
+    features, tokens = torch.randn(9, 64).bfloat16(), torch.randint(0, 64, (9,))
+
+    def draft() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = HeadCache(head.config, torch.bfloat16, torch.device("cpu"))
+        with torch.no_grad():
+            out = forward_cached(head, cache, [cache.allocate()], features, tokens, [9])
+            return out.float(), head.logits(out).float()
+
+    dense_out, dense_logits = draft()
+    kernel = block_kernel()
+    assert kernel is not None
+    quantize_matmuls(head, kernel)
+    quantize_matmuls(head, kernel)  # a second call keeps the first's
+    assert isinstance(head.fc, QuantizedLinear) and isinstance(head.draft_lm, QuantizedLinear)
+    out, logits = draft()
+    assert float((out - dense_out).norm() / dense_out.norm()) < 3e-2
+    assert float((logits - dense_logits).norm() / dense_logits.norm()) < 3e-2
+    assert (logits.argmax(-1) == dense_logits.argmax(-1)).float().mean() >= 0.75
+    after = head.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
