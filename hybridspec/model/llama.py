@@ -15,8 +15,8 @@ the LM head runs only at ``logits_indices``. Quantized matrices (``model.quant``
 the block kernel (``model.qgemm``), which also takes each RMSNorm, the MLP's
 ``silu(gate) * up``, the residual adds, rope and the KV-cache writes into its calls (four calls
 and the attention per layer), or, where that kernel cannot be built, torch's CPU int4 kernel
-(``model.quant_linear``);
-the embedding looks up and dequantizes only the rows of the batch's tokens.
+(``model.quant_linear``); the embedding looks up and dequantizes only the rows of the batch's
+tokens.
 """
 
 from __future__ import annotations

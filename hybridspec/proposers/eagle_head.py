@@ -139,15 +139,15 @@ class DraftHead(Protocol):
 
 
 class QuantizedLinear(nn.Module):
-    """An ``nn.Linear`` that drafts on CPU through the model's block kernel: its weight also
-    kept in 8-bit groups of 32 (Q8_0's scheme), half of what a bfloat16 weight streams. It
-    keeps the linear's own ``weight`` and ``bias`` (the state dict is unchanged), and computes
-    with them exactly where gradients are wanted."""
+    """A linear map that drafts on CPU through the model's block kernel: ``weight`` also kept
+    in 8-bit groups of 32 (Q8_0's scheme), half of what a bfloat16 weight streams. It keeps
+    ``weight`` and ``bias`` as they are (an ``nn.Linear``'s parameters stay its parameters, so
+    the state dict is unchanged), and computes with them exactly where gradients are wanted."""
 
-    def __init__(self, linear: nn.Linear, kernel: Kernel) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernel) -> None:
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.matmul = BlockLinear(quantize(linear.weight.detach().float(), 8), kernel)
+        self.weight, self.bias = weight, bias
+        self.matmul = BlockLinear(quantize(weight.detach().float(), 8), kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
@@ -167,12 +167,10 @@ def quantize_matmuls(head: nn.Module, kernel: Kernel) -> None:
     for name in QUANTIZED_MATMULS:
         module = getattr(head, name, None)
         if isinstance(module, nn.Linear):
-            setattr(head, name, QuantizedLinear(module, kernel))
+            setattr(head, name, QuantizedLinear(module.weight, module.bias, kernel))
     if isinstance(head, EagleHead) and head.draft_lm is None:
-        rows = nn.Linear(head.config.hidden_size, head.config.draft_vocab_size, bias=False)
-        rows.weight = nn.Parameter(head.draft_lm_head, requires_grad=False)
-        quantized = QuantizedLinear(rows, kernel)
-        object.__setattr__(head, "draft_lm", quantized)  # not a submodule: not in the state
+        # a plain tensor, not a parameter: the submodule adds nothing to the state dict
+        head.draft_lm = QuantizedLinear(head.draft_lm_head, None, kernel)
 
 
 def rope_cos_sin(
@@ -190,7 +188,46 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class EagleHead(nn.Module):
+class DecoderLayerHead(nn.Module):
+    """What EAGLE-style heads share: a Llama decoder layer's q/k/v projection with rope, and
+    its rest after attention (``wo``, the residual add, the MLP and its add). The subclass
+    builds the modules named below; ``inv_freq`` is its rope's."""
+
+    config: HeadConfig
+    inv_freq: torch.Tensor
+    wqkv: nn.Module
+    wo: nn.Module
+    mlp_norm: nn.Parameter
+    w_gate_up: nn.Module
+    w_down: nn.Module
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin ``[..., 1, hd]`` at integer ``positions [...]``."""
+        return rope_cos_sin(self.inv_freq, positions, dtype)
+
+    def project(
+        self, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's input ``h`` -> q ``[..., H, hd]``, k, v ``[..., KV, hd]`` (rotated)."""
+        c = self.config
+        qkv = self.wqkv(h)
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        cos, sin = self.rope(positions, h.dtype)
+        q = rotate(q.unflatten(-1, (c.num_heads, c.head_dim)), cos, sin)
+        k = rotate(k.unflatten(-1, (c.num_kv_heads, c.head_dim)), cos, sin)
+        return q, k, v.unflatten(-1, (c.num_kv_heads, c.head_dim))
+
+    def layer_rest(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """``residual + wo(attended)``, then the MLP and its add: the layer's output."""
+        c = self.config
+        x = residual + self.wo(attended.flatten(-2))
+        h = F.rms_norm(x, (c.hidden_size,), self.mlp_norm, c.rms_norm_eps)
+        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class EagleHead(DecoderLayerHead):
     """Fusion FC, one decoder layer, and logits over the draft vocabulary (module docstring)."""
 
     draft_vocab: torch.Tensor  # [S] int64: the target's ids of the draft vocabulary, sorted
@@ -233,10 +270,6 @@ class EagleHead(nn.Module):
         embedded = F.embedding(next_token_ids, self.parts.embed)
         return self.fc(torch.cat((embedded, features.to(embedded.dtype)), dim=-1))
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos, sin ``[..., 1, hd]`` at integer ``positions [...]``."""
-        return rope_cos_sin(self.inv_freq, positions, dtype)
-
     def qkv(
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -245,21 +278,11 @@ class EagleHead(nn.Module):
         h = x
         if self.input_norm is not None:
             h = F.rms_norm(x, (c.hidden_size,), self.input_norm, c.rms_norm_eps)
-        qkv = self.wqkv(h)
-        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-        cos, sin = self.rope(positions, x.dtype)
-        q = rotate(q.unflatten(-1, (c.num_heads, c.head_dim)), cos, sin)
-        k = rotate(k.unflatten(-1, (c.num_kv_heads, c.head_dim)), cos, sin)
-        return q, k, v.unflatten(-1, (c.num_kv_heads, c.head_dim))
+        return self.project(h, positions)
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The layer's rest: ``x + wo(attended)``, then the MLP; predicted features [..., D]."""
-        c = self.config
-        x = x + self.wo(attended.flatten(-2))
-        h = F.rms_norm(x, (c.hidden_size,), self.mlp_norm, c.rms_norm_eps)
-        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        return self.layer_rest(x, attended)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary ``[..., S]`` of features ``[..., D]`` (the target's

@@ -37,6 +37,7 @@ does). HASS heads (``add_para_norm``) are refused with a message saying so.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -50,12 +51,11 @@ from hybridspec.errors import InvalidRequestError, check
 from hybridspec.model import rope_inv_freq
 from hybridspec.proposers.eagle_head import (
     CONFIG_FILE,
+    DecoderLayerHead,
     DraftHead,
     EagleHead,
     HeadConfig,
     TargetParts,
-    rope_cos_sin,
-    rotate,
 )
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -106,46 +106,31 @@ def load_eagle_checkpoint(directory: Path, parts: TargetParts, target_layers: in
     check(layers == 1, "head", f"{source}: expected one decoder layer, got {layers!r}")
     tensors = read_weights(directory)
     eagle3 = any(name.startswith("midlayer.") for name in tensors)
-    head = (_eagle3 if eagle3 else _eagle)(data, tensors, parts, target_layers, source)
+    if eagle3:
+        head: DraftHead = _eagle3(data, tensors, parts, target_layers, source)
+    else:
+        head = _eagle(data, tensors, parts, source)
+    assert isinstance(head, nn.Module)
     return head.to(dtype=parts.embed.dtype, device=parts.embed.device).eval()
 
 
 def _eagle(
-    data: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
-    parts: TargetParts,
-    target_layers: int,
-    source: str,
+    data: dict[str, Any], tensors: dict[str, torch.Tensor], parts: TargetParts, source: str
 ) -> EagleHead:
     layer = "layers.0."
-    needed = (
-        "fc.weight",
-        *(layer + n for n in (*_ATTENTION, *_MLP)),
-        f"{layer}post_attention_layernorm.weight",
-    )
+    needed = ("fc.weight", *_layer_names(layer))
     optional = ("fc.bias", "embed_tokens.weight", f"{layer}input_layernorm.weight")
     _check_names(tensors, needed, optional, source)
-    q, k, v, o = (tensors[layer + name] for name in _ATTENTION)
-    gate, up, down = (tensors[layer + name] for name in _MLP)
+    state = _layer_state(tensors, layer)
     has_bias = "fc.bias" in tensors
-    config = _head_config(data, parts, int(gate.shape[0]), int(parts.embed.shape[0]), source)
-    config = HeadConfig(
-        **{
-            **{name: getattr(config, name) for name in HeadConfig.__dataclass_fields__},
-            "input_norm": False,
-            "fc_bias": has_bias,
-            "normed_features": True,
-        }
+    config = dataclasses.replace(
+        _head_config(data, parts, state, int(parts.embed.shape[0]), source),
+        input_norm=False,
+        fc_bias=has_bias,
+        normed_features=True,
     )
-    state = {
-        "fc.weight": tensors["fc.weight"],
-        "wqkv.weight": torch.cat((q, k, v)),
-        "wo.weight": o,
-        "mlp_norm": tensors[f"{layer}post_attention_layernorm.weight"],
-        "w_gate_up.weight": torch.cat((gate, up)),
-        "w_down.weight": down,
-        "draft_vocab": torch.arange(config.vocab_size),
-    }
+    state["fc.weight"] = tensors["fc.weight"]
+    state["draft_vocab"] = torch.arange(config.vocab_size)
     if has_bias:
         state["fc.bias"] = tensors["fc.bias"]
     head = EagleHead(config, parts, state["draft_vocab"])
@@ -154,7 +139,7 @@ def _eagle(
     return head
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DecoderLayerHead):
     """An EAGLE-3 head (module docstring) behind the ``DraftHead`` protocol.
 
     ``fuse`` returns the normed embedding, the normed features and the features side by side
@@ -210,20 +195,11 @@ class Eagle3Head(nn.Module):
     def qkv(
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.config
-        qkv = self.wqkv(x[..., : 2 * c.hidden_size])
-        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        q = rotate(q.unflatten(-1, (c.num_heads, c.head_dim)), cos, sin)
-        k = rotate(k.unflatten(-1, (c.num_kv_heads, c.head_dim)), cos, sin)
-        return q, k, v.unflatten(-1, (c.num_kv_heads, c.head_dim))
+        return self.project(x[..., : 2 * self.config.hidden_size], positions)
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Predicted features before the final norm (what is fed back)."""
-        residual = x[..., 2 * self.config.hidden_size :] + self.wo(attended.flatten(-2))
-        gate, up = self.w_gate_up(self._rms(residual, self.mlp_norm)).chunk(2, dim=-1)
-        return residual + self.w_down(F.silu(gate) * up)
+        return self.layer_rest(x[..., 2 * self.config.hidden_size :], attended)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._rms(features.to(self.norm.dtype), self.norm))
@@ -237,19 +213,13 @@ def _eagle3(
     source: str,
 ) -> Eagle3Head:
     layer = "midlayer."
-    norms = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
-    needed = (
-        "fc.weight",
-        "norm.weight",
-        "lm_head.weight",
-        *(layer + n for n in (*_ATTENTION, *_MLP, *(f"{m}.weight" for m in norms))),
-    )
+    norms = (f"{layer}input_layernorm.weight", f"{layer}hidden_norm.weight")
+    needed = ("fc.weight", "norm.weight", "lm_head.weight", *_layer_names(layer), *norms)
     _check_names(tensors, needed, ("d2t", "t2d", "embed_tokens.weight"), source)
-    q, k, v, o = (tensors[layer + name] for name in _ATTENTION)
-    gate, up, down = (tensors[layer + name] for name in _MLP)
+    state = _layer_state(tensors, layer)
     draft_size = int(tensors["lm_head.weight"].shape[0])
     vocab = int(parts.embed.shape[0])
-    config = _head_config(data, parts, int(gate.shape[0]), draft_size, source)
+    config = _head_config(data, parts, state, draft_size, source)
     if "d2t" in tensors:
         draft_vocab = torch.arange(draft_size) + tensors["d2t"].long()
     else:
@@ -281,19 +251,16 @@ def _eagle3(
         embed,
         bool(data.get("norm_before_residual", False)),
     )
-    state = {
-        "fc.weight": tensors["fc.weight"],
-        "input_norm": tensors[f"{layer}input_layernorm.weight"],
-        "hidden_norm": tensors[f"{layer}hidden_norm.weight"],
-        "wqkv.weight": torch.cat((q, k, v)),
-        "wo.weight": o,
-        "mlp_norm": tensors[f"{layer}post_attention_layernorm.weight"],
-        "w_gate_up.weight": torch.cat((gate, up)),
-        "w_down.weight": down,
-        "norm": tensors["norm.weight"],
-        "lm_head.weight": tensors["lm_head.weight"],
-        "draft_vocab": draft_vocab,
-    }
+    state.update(
+        {
+            "fc.weight": tensors["fc.weight"],
+            "input_norm": tensors[norms[0]],
+            "hidden_norm": tensors[norms[1]],
+            "norm": tensors["norm.weight"],
+            "lm_head.weight": tensors["lm_head.weight"],
+            "draft_vocab": draft_vocab,
+        }
+    )
     if embed is not None:
         state["embed"] = embed
     expected_fc = len(ids) * int(parts.embed.shape[1])
@@ -306,6 +273,24 @@ def _eagle3(
     _load_state(head, state, source)
     head.inv_freq = _inv_freq(data, source)
     return head
+
+
+def _layer_names(layer: str) -> tuple[str, ...]:
+    """The tensors of a Llama decoder layer under ``layer`` that both formats need."""
+    return (*(layer + n for n in (*_ATTENTION, *_MLP)), f"{layer}post_attention_layernorm.weight")
+
+
+def _layer_state(tensors: dict[str, torch.Tensor], layer: str) -> dict[str, torch.Tensor]:
+    """The decoder layer under ``layer`` as the heads hold it: q/k/v and gate/up stacked."""
+    q, k, v, o = (tensors[layer + name] for name in _ATTENTION)
+    gate, up, down = (tensors[layer + name] for name in _MLP)
+    return {
+        "wqkv.weight": torch.cat((q, k, v)),
+        "wo.weight": o,
+        "mlp_norm": tensors[f"{layer}post_attention_layernorm.weight"],
+        "w_gate_up.weight": torch.cat((gate, up)),
+        "w_down.weight": down,
+    }
 
 
 def _check_names(
@@ -334,7 +319,7 @@ def _load_state(head: nn.Module, state: dict[str, torch.Tensor], source: str) ->
 def _head_config(
     data: dict[str, Any],
     parts: TargetParts,
-    intermediate_size: int,
+    layer_state: dict[str, torch.Tensor],
     draft_vocab_size: int,
     source: str,
 ) -> HeadConfig:
@@ -343,7 +328,7 @@ def _head_config(
         raise _refused(f"{source}: config.json needs integer hidden_size and num_attention_heads")
     return HeadConfig(
         hidden_size=hidden,
-        intermediate_size=intermediate_size,
+        intermediate_size=int(layer_state["w_down.weight"].shape[1]),
         num_heads=heads,
         num_kv_heads=_number(data.get("num_key_value_heads", heads), int, source),
         head_dim=_number(data.get("head_dim") or hidden // heads, int, source),

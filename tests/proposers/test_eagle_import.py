@@ -110,14 +110,19 @@ def test_greedy_text_with_a_published_head_equals_plain_decoding(
 ) -> None:
     layer = eagle_layer(target)
     fc = nn.Linear(2 * layer.config.hidden_size, layer.config.hidden_size, bias=False)
-    directory = write_eagle_head(tmp_path / "head", target, layer, fc)
-    engine = make_engine(target, eagle=EagleConfig(head=str(directory), cost_per_token=0.0))
+    assert_drafts_losslessly(target, write_eagle_head(tmp_path / "head", target, layer, fc), (4,))
+
+
+def assert_drafts_losslessly(target: LoadedModel, head: Path, ks: tuple[int, ...]) -> None:
+    """Greedy ``eagle`` text with the head in ``head`` equals plain decoding, and it drafts."""
+    engine = make_engine(target, eagle=EagleConfig(head=str(head), cost_per_token=0.0))
     drafted = 0
     for prompt in PROMPTS[:4]:
-        params = GenerationParams(max_new_tokens=30, proposer="eagle", num_speculative_tokens=4)
-        result = engine.generate(prompt_token_ids=prompt, params=params)
-        assert result.token_ids == plain(engine, prompt, 30)
-        drafted += result.stats.draft_tokens_proposed
+        for k in ks:
+            params = GenerationParams(max_new_tokens=30, proposer="eagle", num_speculative_tokens=k)
+            result = engine.generate(prompt_token_ids=prompt, params=params)
+            assert result.token_ids == plain(engine, prompt, 30)
+            drafted += result.stats.draft_tokens_proposed
     assert drafted > 0
 
 
@@ -297,15 +302,7 @@ def test_greedy_text_with_an_eagle3_head_equals_plain_decoding(
     target: LoadedModel, tmp_path: Path
 ) -> None:
     directory, _ = write_eagle3_head(tmp_path / "head", target, 48, [1, 2, 2])
-    engine = make_engine(target, eagle=EagleConfig(head=str(directory), cost_per_token=0.0))
-    drafted = 0
-    for prompt in PROMPTS[:4]:
-        for k in (2, 5):
-            params = GenerationParams(max_new_tokens=30, proposer="eagle", num_speculative_tokens=k)
-            result = engine.generate(prompt_token_ids=prompt, params=params)
-            assert result.token_ids == plain(engine, prompt, 30)
-            drafted += result.stats.draft_tokens_proposed
-    assert drafted > 0
+    assert_drafts_losslessly(target, directory, (2, 5))
 
 
 def test_eagle3_heads_that_do_not_fit_are_refused_by_name(
