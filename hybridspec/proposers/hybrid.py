@@ -2,25 +2,36 @@
 
 n-gram speculation is nearly free and often right where the output copies its context; a
 model (the ``eagle`` head, or the ``draft`` model when the target has no head) costs a few
-percent of a forward per draft and wins on open text. Each round, each request takes the one
-whose *expected accepted drafts* is larger, from its own measured acceptance:
+percent of a forward per draft and wins on open text. Each round, each request takes the
+proposal with the larger *expected value*: accepted drafts expected, less what drafting and
+verifying them costs (in target forwards, as adaptive speculation counts it):
 
     gain(alpha, k) = alpha + alpha^2 + ... + alpha^k
+    value(ngram) = gain(alpha_n, k_n) - c k_n
+    value(model) = gain(alpha_m, k_m) - (c + cost) k_m
 
-with ``k`` the drafts the proposer would give (the n-gram proposal's length; the model's: the
-number asked) and ``alpha`` the request's running acceptance of that proposer (an exponential
-average of accepted / drafted over the rounds it drafted; ``NGRAM_PRIOR`` and ``MODEL_PRIOR``
-before the first). The model's gain is reduced by its cost (``cost_per_token`` per draft, in
-forwards, as adaptive speculation counts it). A request with no n-gram match always takes the
-model. Both proposers follow every sequence (``start``, ``commit``, ``finish``) whichever
-drafted, so that either can take over the next round.
+with ``c`` the verification cost of one more token (``EngineConfig.verify_token_cost``; its
+default where the engine measures it),
+``cost`` the model's ``cost_per_token``, ``k_n`` the n-gram proposal's length and ``k_m`` the
+model drafts worth asking for: those ``j`` (up to the round's ``max_num_drafts``) with
+``alpha_m^j >= c + cost``, which is also how many the model is asked for. ``alpha`` is the
+request's acceptance of that proposer, each draft kept given the one before: decayed counts of
+the drafts it had accepted over its *trials* (accepted drafts, plus the rejection that ended a
+round early), as ``engine.speculation`` estimates it, started at ``NGRAM_PRIOR`` and
+``MODEL_PRIOR`` worth ``PRIOR_TRIALS`` trials. (The share of drafts accepted would understate
+the acceptance of long proposals: 2 kept of 8 is 2 trials out of 3, not a quarter.) With no
+n-gram match and no model draft worth its cost, the request decodes plainly this round. Both
+proposers follow every sequence (``start``, ``commit``, ``finish``) whichever drafted, so
+that either can take over the next round.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from hybridspec.config import DEFAULT_VERIFY_TOKEN_COST
 from hybridspec.errors import HybridSpecError, InvalidRequestError
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.proposers.draft import DraftModelProposer
@@ -30,7 +41,8 @@ from hybridspec.types import CommitInfo, Proposal, ProposeRequest
 
 NGRAM_PRIOR = 0.6  # a fresh request's n-gram acceptance estimate
 MODEL_PRIOR = 0.5
-DECAY = 0.6  # weight of the past in the running acceptance
+PRIOR_TRIALS = 2.0  # how many trials a prior counts for
+DECAY = 0.7  # weight of a proposer's past evidence each time it drafts again
 
 
 def gain(alpha: float, k: int) -> float:
@@ -38,10 +50,39 @@ def gain(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(1, k + 1))
 
 
+def drafts_worth(alpha: float, price: float, limit: int) -> int:
+    """How many drafts (at most ``limit``) each pay their ``price``: ``j`` with
+    ``alpha ** j >= price``."""
+    k = 0
+    while k < limit and alpha ** (k + 1) >= price:
+        k += 1
+    return k
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """One proposer's acceptance for one request: decayed counts of accepted drafts and of
+    trials (module docstring)."""
+
+    prior: float
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + self.prior * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        """Learn from a round in which ``num_accepted`` of ``num_drafts`` drafts were kept."""
+        kept = min(num_accepted, num_drafts)
+        self.accepted = DECAY * self.accepted + kept
+        self.trials = DECAY * self.trials + kept + (1 if kept < num_drafts else 0)
+
+
 @dataclass(slots=True)
 class _Choice:
-    ngram_alpha: float = NGRAM_PRIOR
-    model_alpha: float = MODEL_PRIOR
+    ngram: Acceptance = field(default_factory=lambda: Acceptance(NGRAM_PRIOR))
+    model: Acceptance = field(default_factory=lambda: Acceptance(MODEL_PRIOR))
     used_model: bool | None = None  # last round's pick; None: it drafted nothing
     num_drafts: int = 0
 
@@ -70,6 +111,8 @@ class HybridProposer(Proposer):
             )
         self.hidden_layers = self.model.hidden_layers
         self.cost_per_token = self.model.cost_per_token
+        measured = context.config.verify_token_cost
+        self.verify_token_cost = DEFAULT_VERIFY_TOKEN_COST if measured is None else measured
         self._choices: dict[int, _Choice] = {}
 
     def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
@@ -83,13 +126,16 @@ class HybridProposer(Proposer):
         ngram = self.ngram.propose(requests)
         model_asks = []
         picks: list[bool] = []
+        c = self.verify_token_cost
+        model_price = c + self.model.cost_per_token
         for request, proposal in zip(requests, ngram, strict=True):
             choice = self._choices[request.seq_id]
-            k = request.max_num_drafts
-            model_gain = gain(choice.model_alpha, k) - self.model.cost_per_token * k
-            use_model = k > 0 and gain(choice.ngram_alpha, proposal.num_drafts) < model_gain
+            alpha_m, k_n = choice.model.alpha, proposal.num_drafts
+            k_m = drafts_worth(alpha_m, model_price, request.max_num_drafts)
+            model_value = gain(alpha_m, k_m) - model_price * k_m
+            use_model = k_m > 0 and model_value > gain(choice.ngram.alpha, k_n) - c * k_n
             picks.append(use_model)
-            model_asks.append(request if use_model else _no_drafts(request))
+            model_asks.append(_asking(request, k_m if use_model else 0))
         # The model sees every request (it catches up on the features of all of them), and
         # drafts for those it was picked for.
         model = self.model.propose(model_asks)
@@ -110,11 +156,8 @@ class HybridProposer(Proposer):
         self.model.commit(info)
         choice = self._choices[info.seq_id]
         if choice.used_model is not None and choice.num_drafts:
-            rate = min(info.num_accepted, choice.num_drafts) / choice.num_drafts
-            if choice.used_model:
-                choice.model_alpha = DECAY * choice.model_alpha + (1 - DECAY) * rate
-            else:
-                choice.ngram_alpha = DECAY * choice.ngram_alpha + (1 - DECAY) * rate
+            used = choice.model if choice.used_model else choice.ngram
+            used.update(choice.num_drafts, info.num_accepted)
         choice.used_model = None
 
     def finish(self, seq_id: int) -> None:
@@ -129,13 +172,8 @@ class HybridProposer(Proposer):
             self.model.close()
 
 
-def _no_drafts(request: ProposeRequest) -> ProposeRequest:
-    return ProposeRequest(
-        request.seq_id,
-        request.token_ids,
-        0,
-        request.sampling,
-        request.generator,
-        request.num_prompt_tokens,
-        request.stop_token_ids,
-    )
+def _asking(request: ProposeRequest, num_drafts: int) -> ProposeRequest:
+    """``request``, asking for ``num_drafts`` drafts."""
+    if num_drafts == request.max_num_drafts:
+        return request
+    return dataclasses.replace(request, max_num_drafts=num_drafts)

@@ -12,7 +12,7 @@ import torch
 
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
 from hybridspec.config import EagleConfig
-from hybridspec.distill.data import FeatureReader, local_snippets
+from hybridspec.distill.data import FeatureReader, answer_prompts, local_snippets
 from hybridspec.distill.sources import chat_prompts
 from hybridspec.distill.train import (
     TrainOptions,
@@ -27,6 +27,7 @@ from hybridspec.distill.train import (
 )
 from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers.eagle_head import EagleHead
+from tests.conftest import tiny_tokenizer
 from tests.engine.tiny import EOS, PROMPTS, make_engine, plain, tiny_loaded
 from tests.proposers.eagle_helpers import use_head
 
@@ -113,12 +114,30 @@ def test_no_bench_prompt_is_in_the_distillation_data() -> None:
     workload = load_workload(DEFAULT_WORKLOAD)
     bench_texts = [m["content"] for p in workload.prompts for m in p.messages]
     snippets = local_snippets(seed=0, limit=400)
-    prompts = chat_prompts(snippets, 400, random.Random(0))
-    data = prompts + [s.text for s in snippets]
+    chats = chat_prompts(snippets, 400, random.Random(0))
+    assert any(len(turns) == 2 for turns in chats)  # follow-ups are part of what is checked
+    data = [turn for turns in chats for turn in turns] + [s.text for s in snippets]
     for bench in bench_texts:
         # a long piece of every bench message, and the whole of it, appear nowhere in the data
         probe = bench[:120]
         assert not any(probe in text or text in bench for text in data), probe
+
+
+def test_a_follow_up_goes_after_the_first_answer_and_the_exchange_is_yielded_once() -> None:
+    tokenizer = tiny_tokenizer()
+    engine = make_engine(tiny_loaded(0, tokenizer=tokenizer), max_seq_len=256)
+    chats = [("Tell me about tea.", "Why is that?"), ("Say hello.",)]
+    got = dict(answer_prompts(engine, chats, 120.0, 6, seed=0))
+    assert sorted(got) == [0, 1]
+    two = tokenizer.decode(got[0])
+    first_answer = two.index("<|im_start|>assistant")
+    assert "Tell me about tea." in two[:first_answer]
+    assert "Why is that?" in two[first_answer:]
+    assert two.count("<|im_start|>assistant") == 2  # the first answer sent back, then the second
+    one = tokenizer.decode(got[1])
+    assert one.count("<|im_start|>user") == 1 and "Say hello." in one
+    prompt = engine.encode(messages=[{"role": "user", "content": "Say hello."}])
+    assert got[1][: len(prompt)] == list(prompt) and len(got[1]) == len(prompt) + 6
 
 
 def test_held_out_windows_are_each_sequences_last_and_training_ones_lie_inside() -> None:
