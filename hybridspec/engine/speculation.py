@@ -6,10 +6,10 @@ the ``k <= K`` drafts that are expected to pay for themselves:
 - Acceptance: a request's drafts are modelled as accepted one after another with a constant
   probability ``alpha`` each (Leviathan et al. 2023, section 3.3), so draft ``j`` (1-based) is
   kept with probability ``alpha ** j``. ``SpeculationState`` tracks ``alpha`` per request from
-  its own recent rounds: a round that proposed drafts adds its accepted drafts to the accepted
-  count and one to the rejected count if it stopped before the end of the proposal; both
-  counts decay by ``DECAY`` every round, and a prior of one accept and one reject keeps the
-  estimate defined (0.5 with no history).
+  its own recent rounds (``verifier.estimate.AcceptanceEstimate``): a round that proposed
+  drafts adds its accepted drafts to the accepted count and one to the rejected count if it
+  stopped before the end of the proposal; both counts decay by 0.8 every round, and a prior of
+  one accept and one reject keeps the estimate defined (0.5 with no history).
 - Cost: a target forward over ``T`` tokens costs about ``a (1 + c T)``: a fixed part (reading
   the weights) plus ``c`` per token, ``c`` being ``verify_token_cost``. A proposer adds its own
   ``cost_per_token`` (relative to ``a``) for each draft it makes.
@@ -48,53 +48,26 @@ import math
 from dataclasses import dataclass
 
 from hybridspec.model import ModelRuntime, median_forward_seconds
+from hybridspec.verifier.estimate import AcceptanceEstimate, drafts_worth_asking
 
-DECAY = 0.8  # weight of a round's evidence after each later round
-PRIOR_ACCEPTED = 1.0
-PRIOR_REJECTED = 1.0
 CALIBRATION_TOKENS = 16  # extra tokens of the calibration forward
 # A measured cost above this is timing noise (a loaded machine); real ones are ~0.03 on CPU.
 MAX_VERIFY_TOKEN_COST = 0.1
 
 
 @dataclass(slots=True)
-class SpeculationState:
-    """One request's evidence: decayed counts of accepted and rejected drafts, and its own
-    last round (see the module docstring)."""
+class SpeculationState(AcceptanceEstimate):
+    """One request's evidence (``AcceptanceEstimate``: its ``rate``), and its own last round
+    (see the module docstring)."""
 
-    accepted: float = 0.0
-    rejected: float = 0.0
     last_committed: int = 1  # before any round: as if one plain decoding step
     last_verified: int = 1
 
-    @property
-    def rate(self) -> float:
-        """The estimated probability ``alpha`` that a draft is accepted, given its predecessor."""
-        return (self.accepted + PRIOR_ACCEPTED) / (
-            self.accepted + self.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED
-        )
-
     def update(self, num_drafts: int, num_accepted: int, num_committed: int) -> None:
         """Learn from a round that proposed, accepted and committed so many tokens."""
-        self.accepted *= DECAY
-        self.rejected *= DECAY
-        if num_drafts > 0:
-            self.accepted += num_accepted
-            self.rejected += 1.0 if num_accepted < num_drafts else 0.0
+        self.observe(num_drafts, num_accepted)
         if num_committed > 0:
             self.last_committed, self.last_verified = num_committed, num_drafts + 1
-
-
-def drafts_worth_asking(rate: float, threshold: float, max_drafts: int) -> int:
-    """The largest ``k <= max_drafts`` with ``rate ** k >= threshold`` (0 if even k = 1 fails).
-
-    Example: rate 0.8, threshold 0.094, max_drafts 8: 0.8 ** 8 = 0.168 >= 0.094, so 8.
-    """
-    if max_drafts <= 0 or rate <= 0.0 or rate < threshold:
-        return 0
-    if rate >= 1.0 or threshold <= 0.0:
-        return max_drafts
-    return min(max_drafts, int(math.log(threshold) / math.log(rate) + 1e-9))
 
 
 def draft_threshold(

@@ -17,9 +17,10 @@ model drafts worth asking for: those ``j`` (up to the round's ``max_num_drafts``
 ``alpha_m^j >= c + cost``, which is also how many the model is asked for. ``alpha`` is the
 request's acceptance of that proposer, each draft kept given the one before: decayed counts of
 the drafts it had accepted over its *trials* (accepted drafts, plus the rejection that ended a
-round early), as ``engine.speculation`` estimates it, started at ``NGRAM_PRIOR`` and
-``MODEL_PRIOR`` worth ``PRIOR_TRIALS`` trials. (The share of drafts accepted would understate
-the acceptance of long proposals: 2 kept of 8 is 2 trials out of 3, not a quarter.) With no
+round early; ``verifier.estimate.AcceptanceEstimate``, as adaptive speculation keeps it),
+started at ``NGRAM_PRIOR`` and ``MODEL_PRIOR`` worth ``PRIOR_TRIALS`` trials. (The share of
+drafts accepted would understate the acceptance of long proposals: 2 kept of 8 is 2 trials out
+of 3, not a quarter.) With no
 n-gram match and no model draft worth its cost, the request decodes plainly this round. Both
 proposers follow every sequence (``start``, ``commit``, ``finish``) whichever drafted, so
 that either can take over the next round.
@@ -38,6 +39,7 @@ from hybridspec.proposers.draft import DraftModelProposer
 from hybridspec.proposers.eagle import EagleProposer
 from hybridspec.proposers.ngram import NgramProposer
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest
+from hybridspec.verifier.estimate import AcceptanceEstimate, drafts_worth_asking
 
 NGRAM_PRIOR = 0.6  # a fresh request's n-gram acceptance estimate
 MODEL_PRIOR = 0.5
@@ -50,39 +52,19 @@ def gain(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(1, k + 1))
 
 
-def drafts_worth(alpha: float, price: float, limit: int) -> int:
-    """How many drafts (at most ``limit``) each pay their ``price``: ``j`` with
-    ``alpha ** j >= price``."""
-    k = 0
-    while k < limit and alpha ** (k + 1) >= price:
-        k += 1
-    return k
-
-
-@dataclass(slots=True)
-class Acceptance:
-    """One proposer's acceptance for one request: decayed counts of accepted drafts and of
-    trials (module docstring)."""
-
-    prior: float
-    accepted: float = 0.0
-    trials: float = 0.0
-
-    @property
-    def alpha(self) -> float:
-        return (self.accepted + self.prior * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
-
-    def update(self, num_drafts: int, num_accepted: int) -> None:
-        """Learn from a round in which ``num_accepted`` of ``num_drafts`` drafts were kept."""
-        kept = min(num_accepted, num_drafts)
-        self.accepted = DECAY * self.accepted + kept
-        self.trials = DECAY * self.trials + kept + (1 if kept < num_drafts else 0)
+def acceptance(prior: float) -> AcceptanceEstimate:
+    """A fresh estimate at ``prior``, worth ``PRIOR_TRIALS`` trials."""
+    return AcceptanceEstimate(
+        decay=DECAY,
+        prior_accepted=prior * PRIOR_TRIALS,
+        prior_rejected=(1 - prior) * PRIOR_TRIALS,
+    )
 
 
 @dataclass(slots=True)
 class _Choice:
-    ngram: Acceptance = field(default_factory=lambda: Acceptance(NGRAM_PRIOR))
-    model: Acceptance = field(default_factory=lambda: Acceptance(MODEL_PRIOR))
+    ngram: AcceptanceEstimate = field(default_factory=lambda: acceptance(NGRAM_PRIOR))
+    model: AcceptanceEstimate = field(default_factory=lambda: acceptance(MODEL_PRIOR))
     used_model: bool | None = None  # last round's pick; None: it drafted nothing
     num_drafts: int = 0
 
@@ -130,10 +112,10 @@ class HybridProposer(Proposer):
         model_price = c + self.model.cost_per_token
         for request, proposal in zip(requests, ngram, strict=True):
             choice = self._choices[request.seq_id]
-            alpha_m, k_n = choice.model.alpha, proposal.num_drafts
-            k_m = drafts_worth(alpha_m, model_price, request.max_num_drafts)
+            alpha_m, k_n = choice.model.rate, proposal.num_drafts
+            k_m = drafts_worth_asking(alpha_m, model_price, request.max_num_drafts)
             model_value = gain(alpha_m, k_m) - model_price * k_m
-            use_model = k_m > 0 and model_value > gain(choice.ngram.alpha, k_n) - c * k_n
+            use_model = k_m > 0 and model_value > gain(choice.ngram.rate, k_n) - c * k_n
             picks.append(use_model)
             model_asks.append(_asking(request, k_m if use_model else 0))
         # The model sees every request (it catches up on the features of all of them), and
@@ -157,7 +139,7 @@ class HybridProposer(Proposer):
         choice = self._choices[info.seq_id]
         if choice.used_model is not None and choice.num_drafts:
             used = choice.model if choice.used_model else choice.ngram
-            used.update(choice.num_drafts, info.num_accepted)
+            used.observe(choice.num_drafts, min(info.num_accepted, choice.num_drafts))
         choice.used_model = None
 
     def finish(self, seq_id: int) -> None:

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 from hybridspec.config import EngineConfig
 from hybridspec.proposers.base import Proposer, ProposerContext
-from hybridspec.proposers.hybrid import Acceptance, HybridProposer, drafts_worth, gain
+from hybridspec.proposers.hybrid import HybridProposer, acceptance, gain
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
+from hybridspec.verifier.estimate import drafts_worth_asking
 
 VOCAB = 100
 REPEATING = [5, 6, 7, 8, 9] * 4  # the n-gram proposer continues this from its context
@@ -42,17 +43,14 @@ def ask(proposer: HybridProposer, tokens: list[int], k: int) -> Proposal:
 
 
 def test_acceptance_counts_trials_not_the_share_of_drafts_kept() -> None:
-    estimate = Acceptance(prior=0.5)
-    estimate.update(num_drafts=8, num_accepted=2)  # kept 2, the third rejected: 2 of 3 trials
-    assert estimate.alpha == (2 + 0.5 * 2) / (3 + 2)
-    estimate.update(num_drafts=3, num_accepted=3)  # all kept: no rejection trial
-    assert estimate.accepted == 0.7 * 2 + 3 and estimate.trials == 0.7 * 3 + 3
+    estimate = acceptance(prior=0.5)
+    estimate.observe(num_drafts=8, num_accepted=2)  # kept 2, the third rejected: 2 of 3 trials
+    assert estimate.rate == (2 + 0.5 * 2) / (3 + 2)
+    estimate.observe(num_drafts=3, num_accepted=3)  # all kept: no rejection trial
+    assert estimate.accepted == 0.7 * 2 + 3 and estimate.rejected == 0.7 * 1
 
 
-def test_drafts_worth_their_price_and_gain() -> None:
-    assert drafts_worth(0.5, 0.1, 8) == 3  # 0.125 >= 0.1 > 0.0625
-    assert drafts_worth(0.9, 0.03, 4) == 4  # capped by the round's limit
-    assert drafts_worth(0.02, 0.03, 8) == 0
+def test_gain_is_the_expected_number_of_accepted_drafts() -> None:
     assert gain(0.5, 3) == 0.5 + 0.25 + 0.125
 
 
@@ -64,12 +62,12 @@ def test_the_proposal_worth_more_is_taken_and_the_model_asked_only_for_what_pays
     assert model.asked == [0]  # the model follows the sequence but drafts nothing
     proposer.commit(CommitInfo(0, [5, 6, 7, 8, 9], 4))
     tokens = [*REPEATING, 5, 6, 7, 8, 9]
-    proposer._choices[0].ngram = Acceptance(prior=0.1)  # as if its drafts had kept failing
+    proposer._choices[0].ngram = acceptance(prior=0.1)  # as if its drafts had kept failing
     proposal = ask(proposer, tokens, 4)
     # n-gram: 0.111 expected drafts for 4 x 0.03 of verification; the model at 0.5, asked only
     # for the drafts worth c + cost = 0.08 (0.5 ** 3 >= 0.08): 0.875 for 3 x 0.08
     assert list(proposal.token_ids) == [1, 1, 1]
-    assert model.asked[-1] == drafts_worth(0.5, 0.08, 4) == 3
+    assert model.asked[-1] == drafts_worth_asking(0.5, 0.08, 4) == 3
 
 
 def test_a_model_not_worth_its_cost_drafts_nothing_without_an_n_gram_match() -> None:
