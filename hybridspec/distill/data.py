@@ -83,7 +83,7 @@ class ShardWriter:
 
     def add(self, tokens: list[int], features: torch.Tensor) -> None:
         self._tokens.append(torch.tensor(tokens, dtype=torch.int32))
-        self._features.append(features.to(torch.bfloat16))
+        self._features.append(features.to(device="cpu", dtype=torch.bfloat16))
         if sum(t.numel() for t in self._tokens) >= SHARD_TOKENS:
             self.flush()
 

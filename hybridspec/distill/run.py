@@ -26,6 +26,7 @@ from hybridspec.distill.train import (
     init_head,
     mean_accepted_length,
     target_top,
+    to_device,
     train,
     windows,
 )
@@ -71,7 +72,7 @@ def distill(args: argparse.Namespace) -> int:
         head_cfg = dataclasses.replace(head_cfg, target=EMBEDDED_TARGET)
     parts = distill_parts(dense, torch.float32, args.device)
     head = init_head(head_cfg, parts, vocab).to(args.device)
-    eval_batch = windows(held_out[:EVAL_WINDOWS], args.window, None)
+    eval_batch = to_device(windows(held_out[:EVAL_WINDOWS], args.window, None), args.device)
     tops = target_top(parts, eval_batch, head_cfg.rms_norm_eps)
     options = TrainOptions(
         budget_s=60 * args.train_minutes,
@@ -86,7 +87,7 @@ def distill(args: argparse.Namespace) -> int:
     state = train(head, training, options, args.work_dir, _progress(head, eval_batch, tops))
     sys.stderr.write("\n")
     rates = acceptance(head, eval_batch, tops, options.num_steps)
-    coverage = float(torch.isin(tops[eval_batch.mask], vocab).float().mean())
+    coverage = float(torch.isin(tops[eval_batch.mask], vocab.to(tops.device)).float().mean())
     save_head(head, args.out)
     report = {
         "acceptance_per_step": rates,

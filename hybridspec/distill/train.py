@@ -261,7 +261,7 @@ def train(
         if options.max_steps is None and state.elapsed_s >= options.budget_s:
             break
         start = time.monotonic()
-        batch = _to(sample_batch(train_seqs, options, rng), device)
+        batch = to_device(sample_batch(train_seqs, options, rng), device)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(options, state)
         with autocast:
@@ -285,8 +285,9 @@ def train(
     return state
 
 
-def _to(batch: Batch, device: torch.device) -> Batch:
-    if device.type == "cpu":
+def to_device(batch: Batch, device: torch.device | str) -> Batch:
+    """``batch`` on ``device`` (itself on the CPU, where windows are cut)."""
+    if torch.device(device).type == "cpu":
         return batch
     fields = (batch.features, batch.next_token_ids, batch.targets, batch.mask)
     return Batch(*(t.to(device) for t in fields))

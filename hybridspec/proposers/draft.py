@@ -36,7 +36,7 @@ from hybridspec.model import (
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.controls import apply_controls
-from hybridspec.verifier.sampling import logits_to_probs
+from hybridspec.verifier.sampling import draw_token, logits_to_probs
 
 logger = logging.getLogger(__name__)
 
@@ -222,5 +222,5 @@ def _sample(
     if sampling.is_greedy:
         return int(torch.argmax(logits)), None
     q = logits_to_probs(logits.unsqueeze(0), sampling)[0]  # [vocab_size]
-    token = int(torch.multinomial(q, 1, generator=generator))
+    token = draw_token(q, generator)
     return token, q

@@ -51,7 +51,7 @@ from hybridspec.proposers.eagle_head import (
 from hybridspec.proposers.eagle_import import is_eagle_checkpoint, load_eagle_checkpoint
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.controls import apply_controls
-from hybridspec.verifier.sampling import logits_to_probs
+from hybridspec.verifier.sampling import draw_token, logits_to_probs
 
 logger = logging.getLogger(__name__)
 
@@ -162,14 +162,19 @@ class EagleProposer(Proposer):
             return 0.0
         requests = [ProposeRequest(-1, [0, 0], 1, SamplingParams())]
         seq = _EagleSeq(self.cache.allocate(), committed_len=2)
-        feature = torch.zeros(1, self.head.config.hidden_size, dtype=self.head.parts.embed.dtype)
+        embed = self.head.parts.embed
+        feature = torch.zeros(
+            1, self.head.config.hidden_size, dtype=embed.dtype, device=embed.device
+        )
         best = float("inf")
         try:
             for _ in range(TIMING_REPEATS):
                 seq.features, seq.num_real = [feature], 0
                 self.cache.truncate(seq.slot, 0)
+                _synchronize(embed.device)
                 start = time.perf_counter()
                 self._draft(requests, [seq], [1])
+                _synchronize(embed.device)
                 best = min(best, time.perf_counter() - start)
         finally:
             self.cache.free(seq.slot)
@@ -223,8 +228,9 @@ class EagleProposer(Proposer):
             rows.append(new.shape[0])
             seq.num_real += new.shape[0]
             seq.features = []
+        device = self.head.parts.embed.device
         feature_in = torch.cat(features)
-        token_in = torch.cat(tokens)
+        token_in = torch.cat(tokens).to(device)
         with torch.inference_mode():
             while active:
                 predicted = forward_cached(
@@ -235,12 +241,13 @@ class EagleProposer(Proposer):
                     token_in,
                     rows,
                 )
-                last = torch.tensor(rows).cumsum(0) - 1
+                last = torch.tensor(rows, device=device).cumsum(0) - 1
                 predicted = predicted[last]  # [len(active), D]
                 next_tokens = self._sample(requests, active, drafted, probs, predicted)
                 keep = [j for j, i in enumerate(active) if len(drafted[i]) < wanted[i]]
                 active = [active[j] for j in keep]
-                feature_in, token_in = predicted[keep], torch.tensor(next_tokens)[keep]
+                feature_in = predicted[keep]
+                token_in = torch.tensor(next_tokens, device=device)[keep]
                 rows = [1] * len(active)
         return [
             Proposal(tokens_i, torch.stack(p) if p else None)
@@ -275,7 +282,7 @@ class EagleProposer(Proposer):
                 token = int(torch.argmax(logits[row]))
             else:
                 q = logits_to_probs(logits[row : row + 1], sampling)[0]  # [V]
-                token = int(torch.multinomial(q, 1, generator=requests[i].generator))
+                token = draw_token(q, requests[i].generator)
                 probs[i].append(q)
             drafted[i].append(token)
             tokens.append(token)
@@ -303,3 +310,9 @@ class EagleProposer(Proposer):
     def close(self) -> None:
         for seq_id in list(self._seqs):
             self.finish(seq_id)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timing an accelerator's asynchronous kernels)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

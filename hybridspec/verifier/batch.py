@@ -52,7 +52,7 @@ class VerifyInput:
     draft_probs: Sequence[torch.Tensor | None]  # per seq: q [k_i, vocab_size], None = deterministic
     target_logits: torch.Tensor  # [total_num_drafts + num_seqs, vocab_size] float
     sampling: Sequence[SamplingParams]  # per seq
-    generators: Sequence[torch.Generator | None]  # per seq, on target_logits' device
+    generators: Sequence[torch.Generator | None]  # per seq; draws move to the logits' device
     # per seq: position-keyed randomness, used when its drafts are deterministic; () = all None
     keyed: Sequence[KeyedUniforms | None] = ()
     # per seq: the tokens before its round, which its sampling controls count (``controls``);

@@ -183,10 +183,10 @@ def _verify_sampled(
     target_probs = _target_probs(target_logits, seqs)  # [num_rows, vocab_size]
     uniforms = torch.cat(
         [
-            torch.rand(k + 1, generator=gen, dtype=torch.float64, device=device)
+            torch.rand(k + 1, generator=gen, dtype=torch.float64, device=_device_of(gen))
             for k, gen in zip(nums, seqs.generators, strict=True)
         ]
-    )  # [num_rows]: each sequence's k_i acceptance draws, then its final-token draw
+    ).to(device)  # [num_rows]: each sequence's k_i acceptance draws, then its final-token draw
     p_at_draft = target_probs[layout.draft_rows, draft_token_ids]  # [total_num_drafts]
     draft_q = _gather_draft_q(draft_token_ids, seqs)
     q_at_draft = None if draft_q is None else draft_q.at_draft
@@ -287,3 +287,9 @@ _STEPS = {
     VerifyKind.KEYED: _verify_keyed,
     VerifyKind.SAMPLED: _verify_sampled,
 }
+
+
+def _device_of(generator: torch.Generator | None) -> torch.device:
+    """Where ``generator`` draws: requests' own are CPU ones (the same stream on every device);
+    None is torch's global CPU generator."""
+    return torch.device("cpu") if generator is None else generator.device

@@ -4,6 +4,7 @@ bench prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from hybridspec.distill.train import (
     head_config,
     init_head,
     target_top,
+    to_device,
     train,
     windows,
 )
@@ -39,7 +41,12 @@ def target() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def sequences(target: LoadedModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The tiny target's own greedy continuations of random prompts, with their features."""
+    return own_sequences(target)
+
+
+def own_sequences(target: LoadedModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tiny target's own greedy continuations of random prompts, with their features (on
+    the CPU, as the data shards hold them)."""
     engine = make_engine(target)
     reader = FeatureReader(target, 256)
     rng = random.Random(0)
@@ -47,7 +54,7 @@ def sequences(target: LoadedModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
     for _ in range(12):
         prompt = [rng.randrange(1, EOS) for _ in range(rng.randint(3, 12))]
         ids = prompt + plain(engine, prompt, 40)
-        out.append((torch.tensor(ids, dtype=torch.int32), reader(ids).to(torch.bfloat16)))
+        out.append((torch.tensor(ids, dtype=torch.int32), reader(ids).cpu().to(torch.bfloat16)))
     return out
 
 
@@ -156,3 +163,29 @@ def test_held_out_windows_are_each_sequences_last_and_training_ones_lie_inside()
         first = int(batch.next_token_ids[0, 0])
         assert 1 <= first <= 6
         assert batch.next_token_ids[0].tolist() == list(range(first, first + 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_training_on_the_device_lowers_the_loss_and_the_head_drafts_there(
+    tmp_path: Path,
+) -> None:
+    target = tiny_loaded(0, device="cuda")
+    engine = make_engine(target)
+    seqs = own_sequences(target)
+    torch.manual_seed(0)
+    vocab = draft_vocabulary(seqs, 48, (EOS,))
+    parts = distill_parts(target, torch.float32, "cuda")
+    head = init_head(head_config(target, 48), parts, vocab).to("cuda")
+    held_out = to_device(windows(seqs[:4], 32, None), "cuda")
+    tops = target_top(parts, held_out, head.config.rms_norm_eps)
+    losses: list[float] = []
+    options = dataclasses.replace(OPTIONS, device="cuda", bfloat16=True)
+    train(head, seqs[4:], options, tmp_path, lambda s: losses.append(s.last_loss))
+    assert sum(losses[-5:]) < 0.9 * sum(losses[:5])
+    assert acceptance(head, held_out, tops, 2)[0] > 0
+    eagle_engine = make_engine(target, eagle=EagleConfig(cost_per_token=0.0))
+    use_head(eagle_engine, head.eval())
+    for prompt in PROMPTS:
+        result = eagle_engine.generate(prompt_token_ids=prompt, proposer="eagle", max_new_tokens=30)
+        assert result.token_ids == plain(engine, prompt, 30)

@@ -1,4 +1,5 @@
-"""Tiny random Llama models for the engine's tests (float32, CPU), and engines over them."""
+"""Tiny random Llama models for the engine's tests (float32, CPU unless asked), and engines
+over them."""
 
 from __future__ import annotations
 
@@ -29,11 +30,12 @@ def tiny_loaded(
     noise_from: LoadedModel | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     quantize_bits: int | None = None,
+    device: str = "cpu",
 ) -> LoadedModel:
     """A tiny random Llama; with ``noise_from``, that model's weights plus small noise (a draft
     that mostly agrees with it); with ``quantize_bits``, quantized at load (bfloat16 compute).
     With a ``tokenizer`` (the suite's byte-level one, for grammars) its vocabulary is the
-    tokenizer's and EOS its EOS; else ``VOCAB`` ids, no text."""
+    tokenizer's and EOS its EOS; else ``VOCAB`` ids, no text. ``device`` holds the weights."""
     vocab = VOCAB if tokenizer is None else len(tokenizer)
     eos = EOS if tokenizer is None else tokenizer.eos_token_id
     config = LlamaConfig(
@@ -63,7 +65,7 @@ def tiny_loaded(
         state["lm_head.weight"][eos] = 0
     dtype = torch.float32 if quantize_bits is None else torch.bfloat16
     weights = LlamaWeights.from_hf_state_dict(
-        state, config, dtype=dtype, quantize_bits=quantize_bits
+        state, config, dtype=dtype, device=device, quantize_bits=quantize_bits
     )
     return LoadedModel(weights, tokenizer, config, dtype, (eos,), f"tiny:{seed}")  # type: ignore[arg-type]
 

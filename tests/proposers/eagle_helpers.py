@@ -17,7 +17,7 @@ def random_head(target: LoadedModel, draft_vocab_size: int, seed: int = 0) -> Ea
     config = head_config(target, draft_vocab_size)
     parts = target_parts(target)
     head = init_head(config, parts, torch.arange(draft_vocab_size))
-    return head.to(parts.embed.dtype).eval()
+    return head.to(dtype=parts.embed.dtype, device=parts.embed.device).eval()
 
 
 def use_head(engine: Engine, head: EagleHead) -> EagleProposer:
