@@ -20,7 +20,10 @@ the drafts it had accepted over its *trials* (accepted drafts, plus the rejectio
 round early; ``verifier.estimate.AcceptanceEstimate``, as adaptive speculation keeps it),
 started at ``NGRAM_PRIOR`` and ``MODEL_PRIOR`` worth ``PRIOR_TRIALS`` trials. (The share of
 drafts accepted would understate the acceptance of long proposals: 2 kept of 8 is 2 trials out
-of 3, not a quarter.) With no
+of 3, not a quarter.) The n-gram's estimate also learns from the rounds the model drafted: its
+proposal, made anyway and free to score, is checked against the tokens the target committed
+(kept while equal to them), so that a request the model took over goes back to n-gram as soon
+as its text starts copying again; the model's estimate learns only when it drafts. With no
 n-gram match and no model draft worth its cost, the request decodes plainly this round. Both
 proposers follow every sequence (``start``, ``commit``, ``finish``) whichever drafted, so
 that either can take over the next round.
@@ -67,6 +70,7 @@ class _Choice:
     model: AcceptanceEstimate = field(default_factory=lambda: acceptance(MODEL_PRIOR))
     used_model: bool | None = None  # last round's pick; None: it drafted nothing
     num_drafts: int = 0
+    ngram_drafts: Sequence[int] = ()  # the n-gram's proposal in a round the model drafted
 
 
 class HybridProposer(Proposer):
@@ -118,8 +122,8 @@ class HybridProposer(Proposer):
             use_model = k_m > 0 and model_value > gain(choice.ngram.rate, k_n) - c * k_n
             picks.append(use_model)
             model_asks.append(_asking(request, k_m if use_model else 0))
-        # The model sees every request (it catches up on the features of all of them), and
-        # drafts for those it was picked for.
+        # The model sees every request (it checks that it follows each), and drafts for those
+        # it was picked for: one asked for none catches up only when it is next asked.
         model = self.model.propose(model_asks)
         out = []
         for request, use_model, from_ngram, from_model in zip(
@@ -129,6 +133,7 @@ class HybridProposer(Proposer):
             choice = self._choices[request.seq_id]
             choice.used_model = use_model if proposal.num_drafts else None
             choice.num_drafts = proposal.num_drafts
+            choice.ngram_drafts = from_ngram.token_ids if use_model else ()
             out.append(proposal)
         return out
 
@@ -140,7 +145,9 @@ class HybridProposer(Proposer):
         if choice.used_model is not None and choice.num_drafts:
             used = choice.model if choice.used_model else choice.ngram
             used.observe(choice.num_drafts, min(info.num_accepted, choice.num_drafts))
-        choice.used_model = None
+        if choice.ngram_drafts:
+            choice.ngram.observe(*_would_have_kept(choice.ngram_drafts, info.token_ids))
+        choice.used_model, choice.ngram_drafts = None, ()
 
     def finish(self, seq_id: int) -> None:
         self.ngram.finish(seq_id)
@@ -152,6 +159,20 @@ class HybridProposer(Proposer):
         self.ngram.close()
         if self.model is not None:
             self.model.close()
+
+
+def _would_have_kept(drafts: Sequence[int], committed: Sequence[int]) -> tuple[int, int]:
+    """(drafts, accepted) as the n-gram's proposal would have fared in a round the model
+    drafted: its drafts are kept while they equal the committed tokens (the target's own
+    tokens: greedy, or sampled with position-keyed uniforms, see ``verifier.verify``). Past the
+    committed tokens nothing is known, so a proposal that matched all of them counts as that
+    many drafts, all kept."""
+    kept = 0
+    for draft, token in zip(drafts, committed, strict=False):
+        if draft != token:
+            return len(drafts), kept
+        kept += 1
+    return kept, kept
 
 
 def _asking(request: ProposeRequest, num_drafts: int) -> ProposeRequest:

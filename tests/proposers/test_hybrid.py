@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from hybridspec.config import EngineConfig
 from hybridspec.proposers.base import Proposer, ProposerContext
-from hybridspec.proposers.hybrid import HybridProposer, acceptance, gain
+from hybridspec.proposers.hybrid import HybridProposer, _would_have_kept, acceptance, gain
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.estimate import drafts_worth_asking
 
@@ -75,3 +75,23 @@ def test_a_model_not_worth_its_cost_drafts_nothing_without_an_n_gram_match() -> 
     proposer.start(0, [1, 2, 3])
     assert list(ask(proposer, [1, 2, 3], 4).token_ids) == []
     assert model.asked == [0]
+
+
+def test_the_n_gram_learns_from_the_rounds_the_model_drafted() -> None:
+    proposer, _ = hybrid(cost_per_token=0.05)
+    proposer.start(0, REPEATING)
+    proposer._choices[0].ngram = acceptance(prior=0.1)  # as if its drafts had kept failing
+    assert list(ask(proposer, REPEATING, 4).token_ids) == [1, 1, 1]  # the model drafts
+    before = proposer._choices[0].ngram.rate
+    # The target rejected the model's drafts and wrote what the n-gram had proposed: 5, 6, ...
+    proposer.commit(CommitInfo(0, [5], 0))
+    after = proposer._choices[0].ngram
+    assert after.rate > before  # its draft 5 would have been kept, with no rejection seen
+    assert after.accepted == 1 and after.rejected == 0
+
+
+def test_an_n_gram_proposal_not_taken_is_scored_against_the_committed_tokens() -> None:
+    assert _would_have_kept([5, 6, 7], [5, 6, 1]) == (3, 2)  # kept 2, the third rejected
+    assert _would_have_kept([5, 6, 7], [1]) == (3, 0)
+    assert _would_have_kept([5, 6, 7], [5, 6]) == (2, 2)  # past the committed: unknown
+    assert _would_have_kept([5, 6], [5, 6, 7, 8]) == (2, 2)
