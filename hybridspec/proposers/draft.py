@@ -35,8 +35,9 @@ from hybridspec.model import (
 )
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
+from hybridspec.verifier.acceptance import draw_token
 from hybridspec.verifier.controls import apply_controls
-from hybridspec.verifier.sampling import draw_token, logits_to_probs
+from hybridspec.verifier.sampling import logits_to_probs
 
 logger = logging.getLogger(__name__)
 

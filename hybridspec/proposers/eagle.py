@@ -50,8 +50,9 @@ from hybridspec.proposers.eagle_head import (
 )
 from hybridspec.proposers.eagle_import import is_eagle_checkpoint, load_eagle_checkpoint
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
+from hybridspec.verifier.acceptance import draw_token
 from hybridspec.verifier.controls import apply_controls
-from hybridspec.verifier.sampling import draw_token, logits_to_probs
+from hybridspec.verifier.sampling import logits_to_probs_by_row
 
 logger = logging.getLogger(__name__)
 
@@ -275,13 +276,18 @@ class EagleProposer(Proposer):
             [drafted[i] for i in active],
             [1] * len(active),
         )
+        sampled = [row for row, i in enumerate(active) if not requests[i].sampling.is_greedy]
+        qs = iter(
+            logits_to_probs_by_row(logits[sampled], [requests[active[r]].sampling for r in sampled])
+            if sampled
+            else ()
+        )  # [len(sampled), V], in one pass
         tokens = []
         for row, i in enumerate(active):
-            sampling = requests[i].sampling
-            if sampling.is_greedy:
+            if requests[i].sampling.is_greedy:
                 token = int(torch.argmax(logits[row]))
             else:
-                q = logits_to_probs(logits[row : row + 1], sampling)[0]  # [V]
+                q = next(qs)
                 token = draw_token(q, requests[i].generator)
                 probs[i].append(q)
             drafted[i].append(token)

@@ -171,3 +171,13 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     targets = uniforms.unsqueeze(1) * cdf[:, -1:]  # [n, 1]
     token_ids = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     return token_ids.clamp_(max=probs.shape[-1] - 1)
+
+
+def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` [vocab_size], by inverse CDF (``sample_from_probs``) of one
+    float64 uniform from ``generator``, as the verifier samples: a cumulative sum, where
+    ``torch.multinomial`` costs milliseconds over a large vocabulary on a CPU. Requests'
+    generators live on the CPU (``engine.request.new_generator``), so that a seed draws the
+    same numbers on every device; the uniform moves to ``probs``' device."""
+    uniform = torch.rand(1, generator=generator, dtype=torch.float64)
+    return int(sample_from_probs(probs.unsqueeze(0), uniform.to(probs.device))[0])

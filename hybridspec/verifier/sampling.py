@@ -74,16 +74,6 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return _transform(logits, [params])
 
 
-def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token drawn from ``probs`` [vocab_size] with a request's generator.
-
-    Requests' generators live on the CPU (``engine.request.new_generator``), so that a seed
-    gives the same stream on every device: rows on an accelerator are drawn on the CPU.
-    """
-    rows = probs if probs.device.type == "cpu" else probs.float().cpu()
-    return int(torch.multinomial(rows, 1, generator=generator))
-
-
 def logits_to_probs_by_row(
     logits: torch.Tensor, row_params: Sequence[SamplingParams]
 ) -> torch.Tensor:
