@@ -278,10 +278,8 @@ class EagleProposer(Proposer):
         )
         sampled = [row for row, i in enumerate(active) if not requests[i].sampling.is_greedy]
         qs = iter(
-            logits_to_probs_by_row(logits[sampled], [requests[active[r]].sampling for r in sampled])
-            if sampled
-            else ()
-        )  # [len(sampled), V], in one pass
+            self._draft_probs(logits[sampled], [requests[active[r]].sampling for r in sampled])
+        )
         tokens = []
         for row, i in enumerate(active):
             if requests[i].sampling.is_greedy:
@@ -293,6 +291,22 @@ class EagleProposer(Proposer):
             drafted[i].append(token)
             tokens.append(token)
         return tokens
+
+    def _draft_probs(self, logits: torch.Tensor, sampling: list[SamplingParams]) -> torch.Tensor:
+        """q [n, V] of controlled ``logits`` [n, V] under each row's sampling transforms.
+
+        Outside the draft vocabulary every logit is -inf (controls add to finite logits and
+        mask), so the transforms run on the draft vocabulary's columns alone, a sixth of the
+        target's vocabulary for the shipped head: softmax and top-k/top-p over -inf columns
+        give them probability 0, so this is the same distribution, for less work.
+        """
+        if not sampling:
+            return logits.new_zeros(0, logits.shape[1])
+        vocab = self.head.draft_vocab
+        probs = logits_to_probs_by_row(logits[:, vocab], sampling)  # [n, S]
+        q = probs.new_zeros(logits.shape[0], logits.shape[1])
+        q[:, vocab] = probs
+        return q
 
     def commit(self, info: CommitInfo) -> None:
         seq = self._seq(info.seq_id)

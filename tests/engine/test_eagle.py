@@ -229,3 +229,23 @@ def test_hybrid_is_unavailable_without_a_head_or_a_draft(target: LoadedModel) ->
     engine = make_engine(target)
     assert "eagle" in engine.unavailable_proposers()
     assert "hybrid" in engine.unavailable_proposers()
+
+
+def test_draft_probabilities_on_the_draft_vocabulary_equal_the_whole_vocabulary_s(
+    target: LoadedModel,
+) -> None:
+    from hybridspec.verifier.sampling import logits_to_probs_by_row
+
+    engine = make_engine(target, eagle=EagleConfig(cost_per_token=0.0))
+    proposer = use_head(engine, random_head(target, 48))
+    vocab = proposer.head.draft_vocab
+    logits = torch.full((4, target.vocab_size), float("-inf"))
+    logits[:, vocab] = torch.randn(4, len(vocab), generator=torch.Generator().manual_seed(3))
+    sampling = [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=0.7, top_p=0.6),
+        SamplingParams(temperature=1.0, top_k=60, min_p=0.05, top_p=0.9),
+    ]
+    whole = logits_to_probs_by_row(logits, sampling)
+    torch.testing.assert_close(proposer._draft_probs(logits, sampling), whole)
