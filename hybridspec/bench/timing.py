@@ -14,15 +14,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 from torch import nn
 
-from hybridspec.model import ForwardBatch, ModelRuntime, ObserverHandle
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from hybridspec.model import ForwardBatch, ModelRuntime, ObserverHandle, synchronize
 
 
 class EngineForwardTimer:
@@ -98,9 +92,9 @@ class ModuleForwardTimer:
     def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         self.input_tokens.append(0 if input_ids is None else int(input_ids.shape[-1]))
-        _sync(self._device)
+        synchronize(self._device)
         self._start = time.perf_counter()
 
     def _after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        _sync(self._device)
+        synchronize(self._device)
         self.seconds += time.perf_counter() - self._start

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         ForwardOutput,
         ModelRuntime,
         ObserverHandle,
+        synchronize,
     )
     from hybridspec.model.timing import (
         fastest_forward_seconds,
@@ -44,6 +45,7 @@ __all__ = [
     "median_forward_seconds",
     "quantize",
     "rope_inv_freq",
+    "synchronize",
 ]
 
 __getattr__, __dir__ = lazy_exports(
@@ -59,6 +61,7 @@ __getattr__, __dir__ = lazy_exports(
             "ForwardOutput",
             "ModelRuntime",
             "ObserverHandle",
+            "synchronize",
         ),
         "hybridspec.model.timing": (
             "fastest_forward_seconds",

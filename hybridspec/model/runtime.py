@@ -120,18 +120,21 @@ class ForwardObservers:
         """``forward(batch)``, timed and reported to every observer when there are any."""
         if not self._observers:
             return forward(batch)
-        self._sync()
+        synchronize(self._device)
         start = time.perf_counter()
         output = forward(batch)
-        self._sync()
+        synchronize(self._device)
         seconds = time.perf_counter() - start
         for observer in tuple(self._observers.values()):  # one may remove itself
             observer(batch, seconds)
         return output
 
-    def _sync(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work, so that a clock read next counts it: a CUDA device
+    runs kernels asynchronously; a CPU is synchronous already."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class ModelRuntime(Protocol):

@@ -10,9 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import torch
-
-from hybridspec.model.runtime import ForwardBatch, ModelRuntime
+from hybridspec.model.runtime import ForwardBatch, ModelRuntime, synchronize
 
 REPEATS = 3  # timings per size, after one warm-up; the median is kept
 TIMING_CONTEXT = 128  # cached tokens before the timed forwards: a short chat turn
@@ -70,8 +68,7 @@ def _timings(
     for i in range(repeats + 1):
         start = time.perf_counter()
         logits = runtime.forward(batch).logits
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)
+        synchronize(logits.device)
         if i > 0:  # the first is a warm-up
             timings.append(time.perf_counter() - start)
         runtime.truncate(slot, context)

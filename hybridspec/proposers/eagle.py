@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from hybridspec.errors import InvalidRequestError
-from hybridspec.model import LlamaWeights, LoadedModel, block_kernel, dense
+from hybridspec.model import LlamaWeights, LoadedModel, block_kernel, dense, synchronize
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.proposers.eagle_head import (
     CONFIG_FILE,
@@ -172,10 +172,10 @@ class EagleProposer(Proposer):
             for _ in range(TIMING_REPEATS):
                 seq.features, seq.num_real = [feature], 0
                 self.cache.truncate(seq.slot, 0)
-                _synchronize(embed.device)
+                synchronize(embed.device)
                 start = time.perf_counter()
                 self._draft(requests, [seq], [1])
-                _synchronize(embed.device)
+                synchronize(embed.device)
                 best = min(best, time.perf_counter() - start)
         finally:
             self.cache.free(seq.slot)
@@ -330,9 +330,3 @@ class EagleProposer(Proposer):
     def close(self) -> None:
         for seq_id in list(self._seqs):
             self.finish(seq_id)
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (timing an accelerator's asynchronous kernels)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
