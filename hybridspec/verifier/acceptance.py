@@ -173,11 +173,20 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return token_ids.clamp_(max=probs.shape[-1] - 1)
 
 
+def draw_uniforms(n: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``n`` float64 uniforms in [0, 1) from ``generator``, on the device it draws on.
+
+    Requests' generators live on the CPU (``engine.request.new_generator``), so that a seed
+    draws the same numbers on every device; callers move the draws to their logits' device.
+    None is torch's global CPU generator.
+    """
+    device = torch.device("cpu") if generator is None else generator.device
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=device)
+
+
 def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from ``probs`` [vocab_size], by inverse CDF (``sample_from_probs``) of one
-    float64 uniform from ``generator``, as the verifier samples: a cumulative sum, where
-    ``torch.multinomial`` costs milliseconds over a large vocabulary on a CPU. Requests'
-    generators live on the CPU (``engine.request.new_generator``), so that a seed draws the
-    same numbers on every device; the uniform moves to ``probs``' device."""
-    uniform = torch.rand(1, generator=generator, dtype=torch.float64)
-    return int(sample_from_probs(probs.unsqueeze(0), uniform.to(probs.device))[0])
+    uniform from ``generator`` (``draw_uniforms``), as the verifier samples: a cumulative sum,
+    where ``torch.multinomial`` costs milliseconds over a large vocabulary on a CPU."""
+    uniform = draw_uniforms(1, generator).to(probs.device)
+    return int(sample_from_probs(probs.unsqueeze(0), uniform)[0])

@@ -35,6 +35,7 @@ import torch
 from hybridspec.types import SamplingParams
 from hybridspec.verifier.acceptance import (
     DraftLayout,
+    draw_uniforms,
     greedy_accept,
     one_hot_residual_probs,
     rejection_accept,
@@ -182,10 +183,7 @@ def _verify_sampled(
     layout = DraftLayout.from_counts(nums, device)
     target_probs = _target_probs(target_logits, seqs)  # [num_rows, vocab_size]
     uniforms = torch.cat(
-        [
-            torch.rand(k + 1, generator=gen, dtype=torch.float64, device=_device_of(gen))
-            for k, gen in zip(nums, seqs.generators, strict=True)
-        ]
+        [draw_uniforms(k + 1, gen) for k, gen in zip(nums, seqs.generators, strict=True)]
     ).to(device)  # [num_rows]: each sequence's k_i acceptance draws, then its final-token draw
     p_at_draft = target_probs[layout.draft_rows, draft_token_ids]  # [total_num_drafts]
     draft_q = _gather_draft_q(draft_token_ids, seqs)
@@ -287,9 +285,3 @@ _STEPS = {
     VerifyKind.KEYED: _verify_keyed,
     VerifyKind.SAMPLED: _verify_sampled,
 }
-
-
-def _device_of(generator: torch.Generator | None) -> torch.device:
-    """Where ``generator`` draws: requests' own are CPU ones (the same stream on every device);
-    None is torch's global CPU generator."""
-    return torch.device("cpu") if generator is None else generator.device
