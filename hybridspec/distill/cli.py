@@ -34,12 +34,29 @@ def add_distill_command(commands: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="per answer")
     p.add_argument("--max-num-seqs", type=int, default=16, help="answers written at once")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
+    p.add_argument(
+        "--feature-layers",
+        type=_layers,
+        default=(-1,),
+        metavar="I,J,...",
+        help="the target's layers the head reads, e.g. 2,15,-1 (EAGLE-3's low, middle and "
+        "last); -1, the last, must be among them (default: -1)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--steps", type=int, default=None, help="fixed optimiser steps (tests)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run_distill)
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer indices, got {text!r}"
+        ) from None
 
 
 def run_distill(args: argparse.Namespace) -> int:

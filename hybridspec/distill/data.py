@@ -9,10 +9,11 @@ Two phases, each bounded by its own time budget and resumable (``Manifest``):
 2. *reading*: local text, tokenized raw, teacher-forced.
 
 Every sequence (conversation, or a text chunk) then goes through one teacher-forced forward of
-the dense target (``features_model``) that keeps the last decoder layer's output at every
-position (the feature the head reads, and through the target's LM head its label), stored in
-bfloat16 shards: ``tokens [N] int32``, ``features [N, D]``,
-``offsets [num_seqs + 1]``. Dimensions: ``N`` tokens of a shard, ``D`` the target's width.
+the dense target (``features_model``) that keeps the outputs of the head's ``feature_layers`` at
+every position (what the head reads; the last decoder layer's, always among them, gives the
+label through the target's LM head), stored in bfloat16 shards: ``tokens [N] int32``,
+``features [N, L, D]``, ``offsets [num_seqs + 1]``. Dimensions: ``N`` tokens of a shard, ``L``
+layers kept, ``D`` the target's width.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Manifest:
     reading_done: int = 0  # snippets read
     reading_finished: bool = False
     num_tokens: int = 0
+    feature_layers: list[int] = field(default_factory=lambda: [-1])  # the shards' layers
 
     @staticmethod
     def load(directory: Path) -> Manifest:
@@ -109,11 +111,15 @@ class ShardWriter:
 
 
 class FeatureReader:
-    """Teacher-forced features of many sequences with one runtime (its cache reused)."""
+    """Teacher-forced features of many sequences with one runtime (its cache reused): the
+    outputs of ``layers`` at every position, ``[n, len(layers), D]``."""
 
-    def __init__(self, model: LoadedModel, max_seq_len: int) -> None:
+    def __init__(
+        self, model: LoadedModel, max_seq_len: int, layers: tuple[int, ...] = (-1,)
+    ) -> None:
         self.runtime = model.create_runtime(1, max_seq_len)
         self.max_seq_len = max_seq_len
+        self.layers = layers
 
     def __call__(self, token_ids: list[int]) -> torch.Tensor:
         token_ids = token_ids[: self.max_seq_len]
@@ -122,10 +128,10 @@ class FeatureReader:
         try:
             for start in range(0, len(token_ids), FEATURE_CHUNK):
                 chunk = token_ids[start : start + FEATURE_CHUNK]
-                batch = ForwardBatch.from_lists([slot], [chunk], [len(chunk) - 1], (-1,))
+                batch = ForwardBatch.from_lists([slot], [chunk], [len(chunk) - 1], self.layers)
                 hidden = self.runtime.forward(batch).hidden_states
                 assert hidden is not None
-                rows.append(hidden[:, 0])
+                rows.append(hidden)
         finally:
             self.runtime.free(slot)
         return torch.cat(rows)
@@ -229,14 +235,22 @@ def make_data(
     seed: int,
     progress: Progress,
     features_model: LoadedModel | None = None,
+    feature_layers: tuple[int, ...] = (-1,),
 ) -> Manifest:
     """Run (or resume) both data phases into ``directory``; the manifest of what is there.
-    Features come from ``features_model`` (default: the engine's target)."""
+    Features are the outputs of ``feature_layers`` of ``features_model`` (default: the
+    engine's target); a directory begun with other layers is refused."""
     directory.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.load(directory)
+    if manifest.shards and tuple(manifest.feature_layers) != feature_layers:
+        raise ValueError(
+            f"work dir {directory} holds features of layers {manifest.feature_layers}, "
+            f"not {list(feature_layers)}: use another work dir"
+        )
+    manifest.feature_layers = list(feature_layers)
     snippets = local_snippets(seed)
     writer = ShardWriter(directory, manifest)
-    reader = FeatureReader(features_model or engine.target, engine.max_seq_len)
+    reader = FeatureReader(features_model or engine.target, engine.max_seq_len, feature_layers)
     if not manifest.answers_finished:
         prompts = chat_prompts(snippets, budget.num_prompts, random.Random(seed))
         start, done = time.monotonic(), manifest.answers_done
@@ -272,13 +286,17 @@ def _tokens(writer: ShardWriter) -> int:
 
 
 def load_sequences(directory: Path, shards: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every sequence of ``shards``: (tokens ``[n]`` int32, features ``[n, D]`` bfloat16)."""
+    """Every sequence of ``shards``: (tokens ``[n]`` int32, features ``[n, L, D]`` bfloat16;
+    shards of one layer written as ``[n, D]`` read as ``L = 1``)."""
     from safetensors.torch import load_file
 
     out = []
     for name in shards:
         shard = load_file(str(directory / name))
         offsets = shard["offsets"].tolist()
+        features = shard["features"]
+        if features.dim() == 2:
+            features = features.unsqueeze(1)
         for start, end in itertools.pairwise(offsets):
-            out.append((shard["tokens"][start:end], shard["features"][start:end]))
+            out.append((shard["tokens"][start:end], features[start:end]))
     return out

@@ -24,7 +24,9 @@ from hybridspec.distill.train import (
     draft_vocabulary,
     head_config,
     init_head,
+    label_column,
     mean_accepted_length,
+    resolve_layers,
     target_top,
     to_device,
     train,
@@ -56,8 +58,16 @@ def distill(args: argparse.Namespace) -> int:
     dense = engine.target  # the head learns the dense target's own features
     if dense.is_native and dense.weights.is_quantized:
         dense = load_model(dataclasses.replace(target, quantize="none", max_num_seqs=1))
+    num_layers = int(dense.hf_config.get_text_config().num_hidden_layers)
+    try:
+        layers = resolve_layers(tuple(args.feature_layers), num_layers)
+    except ValueError as exc:
+        raise SystemExit(f"hybridspec: error: distill: {exc}") from None
     budget = DataBudget(60 * args.answers_minutes, 60 * args.reading_minutes, args.max_new_tokens)
-    manifest = make_data(engine, args.work_dir, budget, args.seed, _status, dense)
+    try:
+        manifest = make_data(engine, args.work_dir, budget, args.seed, _status, dense, layers)
+    except ValueError as exc:
+        raise SystemExit(f"hybridspec: error: distill: {exc}") from None
     data_s = time.monotonic() - started
     sequences = load_sequences(args.work_dir, manifest.shards)
     held_out = sequences[::HELD_OUT_EVERY]
@@ -67,12 +77,13 @@ def distill(args: argparse.Namespace) -> int:
             "hybridspec: error: distill: no training data was made (budget too small?)"
         )
     vocab = draft_vocabulary(training, args.draft_vocab, dense.eos_token_ids)
-    head_cfg = head_config(dense, args.draft_vocab)
+    head_cfg = head_config(dense, args.draft_vocab, layers)
     if args.target is None:  # a name that holds on every machine, not this one's path
         head_cfg = dataclasses.replace(head_cfg, target=EMBEDDED_TARGET)
     parts = distill_parts(dense, torch.float32, args.device)
     head = init_head(head_cfg, parts, vocab).to(args.device)
-    eval_batch = to_device(windows(held_out[:EVAL_WINDOWS], args.window, None), args.device)
+    label = label_column(layers)
+    eval_batch = to_device(windows(held_out[:EVAL_WINDOWS], args.window, None, label), args.device)
     tops = target_top(parts, eval_batch, head_cfg.rms_norm_eps)
     options = TrainOptions(
         budget_s=60 * args.train_minutes,

@@ -8,7 +8,11 @@ position), later steps weighted less. The acceptance estimate is greedy: the sha
 held-out positions where the head's top token at step ``s`` equals the target's top token
 over its whole vocabulary, which is what greedy verification keeps.
 
-Dimensions: ``B`` windows of ``T`` positions, ``D`` hidden size, ``S`` draft vocabulary.
+The cached features are the outputs of the head's ``feature_layers`` (``data``); the label's
+feature is the last decoder layer's output, which is always among them (``label_column``).
+
+Dimensions: ``B`` windows of ``T`` positions, ``L`` layers cached, ``D`` hidden size, ``S``
+draft vocabulary.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ STEP_DECAY = 0.8  # weight of drafting step s: STEP_DECAY ** (s - 1)
 WARMUP_STEPS = 30
 TIMING_STEPS = 10  # steps timed to fix the run's length from its budget
 CHECKPOINT_EVERY_S = 60.0
-Sequence_ = tuple[torch.Tensor, torch.Tensor]  # tokens [n] int, features [n, D] bfloat16
+Sequence_ = tuple[torch.Tensor, torch.Tensor]  # tokens [n] int, features [n, L, D] bfloat16
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +53,11 @@ class TrainOptions:
     bfloat16: bool = False
 
 
-def head_config(model: LoadedModel, draft_vocab_size: int) -> HeadConfig:
-    """A head of the target's width, heads and MLP size, for ``model``."""
+def head_config(
+    model: LoadedModel, draft_vocab_size: int, feature_layers: tuple[int, ...] = (-1,)
+) -> HeadConfig:
+    """A head of the target's width, heads and MLP size, for ``model``, reading the outputs
+    of ``feature_layers``."""
     text = model.hf_config.get_text_config()
     num_heads = text.num_attention_heads
     rope = getattr(text, "rope_parameters", None) or {}
@@ -68,7 +75,33 @@ def head_config(model: LoadedModel, draft_vocab_size: int) -> HeadConfig:
         draft_vocab_size=min(draft_vocab_size, int(parts.embed.shape[0])),
         target=model.source,
         target_fingerprint=target_fingerprint(parts.embed),
+        feature_layers=feature_layers,
     )
+
+
+def resolve_layers(layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """``layers`` as indices in ``[0, num_layers)`` (negative ones count from the last), a
+    single ``-1`` kept as it is (the shipped heads' form); the last layer must be among them,
+    for the label."""
+    if layers == (-1,):
+        return layers
+    resolved = tuple(i + num_layers if i < 0 else i for i in layers)
+    if any(not 0 <= i < num_layers for i in resolved) or len(set(resolved)) != len(resolved):
+        raise ValueError(
+            f"feature layers: expected distinct indices in [{-num_layers}, {num_layers}), "
+            f"got {list(layers)}"
+        )
+    if num_layers - 1 not in resolved:
+        raise ValueError(
+            f"feature layers: the last layer (-1 or {num_layers - 1}) must be among them, as "
+            f"the label's feature; got {list(layers)}"
+        )
+    return resolved
+
+
+def label_column(layers: tuple[int, ...]) -> int:
+    """Which of the cached ``layers`` (resolved, ``resolve_layers``) is the last one's."""
+    return layers.index(-1) if -1 in layers else layers.index(max(layers))
 
 
 def distill_parts(model: LoadedModel, dtype: torch.dtype, device: str = "cpu") -> TargetParts:
@@ -100,32 +133,41 @@ def init_head(config: HeadConfig, parts: TargetParts, vocab: torch.Tensor) -> Ea
     with torch.no_grad():
         head.fc.weight.normal_(0.0, 0.02)
         head.fc.weight[:, d:] += torch.eye(d)
+        if head.feature_fc is not None:  # starts as the last layer's output alone
+            last = label_column(config.feature_layers)
+            head.feature_fc.weight.zero_()
+            head.feature_fc.weight[:, last * d : (last + 1) * d] = torch.eye(d)
     return head
 
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    features: torch.Tensor  # [B, T, D]
+    features: torch.Tensor  # [B, T, L, D]: the cached layers' outputs
     next_token_ids: torch.Tensor  # [B, T]
     targets: torch.Tensor  # [B, T, D]: the feature of the next position
     mask: torch.Tensor  # [B, T] bool: real positions
 
 
-def sample_batch(sequences: list[Sequence_], options: TrainOptions, rng: random.Random) -> Batch:
+def sample_batch(
+    sequences: list[Sequence_], options: TrainOptions, rng: random.Random, label: int = 0
+) -> Batch:
     """``B`` windows from random sequences (chosen by length), padded to ``T``."""
     weights = [max(0, t.numel() - 1) for t, _ in sequences]
     chosen = rng.choices(range(len(sequences)), weights=weights, k=options.batch_size)
-    return windows([sequences[i] for i in chosen], options.window, rng)
+    return windows([sequences[i] for i in chosen], options.window, rng, label)
 
 
-def windows(picked: list[Sequence_], window: int, rng: random.Random | None) -> Batch:
+def windows(
+    picked: list[Sequence_], window: int, rng: random.Random | None, label: int = 0
+) -> Batch:
     """One window of ``window`` pairs per sequence, padded: at a random start with ``rng``,
     else each sequence's last (held-out evaluation): an answer's last window is the target's
     own text, where its first is mostly the chat template that every answer shares, which the
-    head learns by heart and which would inflate the estimate."""
-    d = picked[0][1].shape[1]
+    head learns by heart and which would inflate the estimate. ``label``: the column of the
+    cached layers that is the last layer's (``label_column``)."""
+    layers, d = picked[0][1].shape[1:]
     b = len(picked)
-    features = torch.zeros(b, window, d)
+    features = torch.zeros(b, window, layers, d)
     targets = torch.zeros(b, window, d)
     tokens = torch.zeros(b, window, dtype=torch.long)
     mask = torch.zeros(b, window, dtype=torch.bool)
@@ -135,7 +177,7 @@ def windows(picked: list[Sequence_], window: int, rng: random.Random | None) -> 
         start = rng.randint(0, last) if rng is not None else last
         n = min(window, pairs - start)
         features[row, :n] = feats[start : start + n].float()
-        targets[row, :n] = feats[start + 1 : start + n + 1].float()
+        targets[row, :n] = feats[start + 1 : start + n + 1, label].float()
         tokens[row, :n] = ids[start + 1 : start + n + 1].long()
         mask[row, :n] = True
     return Batch(features, tokens, targets, mask)
@@ -145,7 +187,8 @@ def step_losses(head: EagleHead, batch: Batch, num_steps: int) -> list[torch.Ten
     """Each unrolled step's soft cross-entropy against the target, over its valid positions."""
     with torch.no_grad():
         target_probs = torch.softmax(head.logits(batch.targets).float(), dim=-1)  # [B, T, S]
-    outs = head.unrolled(batch.features, batch.next_token_ids, num_steps)
+    features = head.target_features(batch.features)  # [B, T, D]
+    outs = head.unrolled(features, batch.next_token_ids, num_steps)
     losses = []
     for step, out in enumerate(outs):
         log_q = F.log_softmax(head.logits(out).float(), dim=-1)
@@ -161,7 +204,8 @@ def acceptance(
     head: EagleHead, batch: Batch, target_top: torch.Tensor, num_steps: int
 ) -> list[float]:
     """Greedy acceptance estimate per drafting step: head top == target top (``[B, T]``)."""
-    outs = head.unrolled(batch.features, batch.next_token_ids, num_steps)
+    features = head.target_features(batch.features)
+    outs = head.unrolled(features, batch.next_token_ids, num_steps)
     rates = []
     for step, out in enumerate(outs):
         top = head.draft_vocab[head.logits(out).argmax(-1)]
@@ -255,13 +299,14 @@ def train(
     if options.max_steps is not None:
         state.total_steps = options.max_steps
     device = torch.device(options.device)
+    label = label_column(head.feature_layers)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=options.bfloat16)
     last_save = time.monotonic()
     while state.total_steps is None or state.step < state.total_steps:
         if options.max_steps is None and state.elapsed_s >= options.budget_s:
             break
         start = time.monotonic()
-        batch = to_device(sample_batch(train_seqs, options, rng), device)
+        batch = to_device(sample_batch(train_seqs, options, rng, label), device)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(options, state)
         with autocast:

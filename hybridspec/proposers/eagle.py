@@ -319,7 +319,8 @@ class EagleProposer(Proposer):
                     f"expected {expected}",
                     "seq_id",
                 )
-            seq.features.append(self.head.target_features(info.hidden_states))
+            with torch.inference_mode():  # a head of several layers fuses them here
+                seq.features.append(self.head.target_features(info.hidden_states))
         seq.committed_len += len(info.token_ids)
 
     def finish(self, seq_id: int) -> None:

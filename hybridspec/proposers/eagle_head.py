@@ -2,8 +2,10 @@
 training-time test), its configuration and its files.
 
 The head reads the target's own hidden state ``f_t`` (the last decoder layer's output, before
-the final norm: ``ForwardBatch.hidden_layers = (-1,)``) and the embedding of the token that
-followed, ``x_{t+1}``; one fully-connected layer fuses them, one Llama decoder layer at the
+the final norm: ``ForwardBatch.hidden_layers = (-1,)``; or, as EAGLE-3 does, several layers'
+outputs at ``t``, low, middle and last, side by side through a linear map ``feature_fc`` to the
+target's width) and the embedding of the token that followed, ``x_{t+1}``; one
+fully-connected layer fuses them, one Llama decoder layer at the
 target's width (its own small KV cache) turns the sequence of fused inputs into predicted
 features ``h_t`` of position ``t + 1``, and the target's final norm and LM head, restricted to a
 frequency-ranked draft vocabulary (FR-Spec), turn ``h_t`` into logits of ``x_{t+2}``. The
@@ -65,8 +67,21 @@ class HeadConfig:
     # True: the head reads the target's features after its final norm and its outputs go to
     # the LM head as they are; False: before the norm, which the head applies to its outputs
     normed_features: bool = False
+    # The target's layers whose outputs the head reads (``ForwardBatch.hidden_layers``): one,
+    # read as it is; several (EAGLE-3's low, middle and high features), fused by ``feature_fc``
+    feature_layers: tuple[int, ...] = (-1,)
 
     def __post_init__(self) -> None:
+        layers = self.feature_layers
+        check(
+            isinstance(layers, (list, tuple))
+            and len(layers) >= 1
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+            and len(set(layers)) == len(layers),
+            "feature_layers",
+            f"expected distinct layer indices, got {layers!r}",
+        )
+        object.__setattr__(self, "feature_layers", tuple(layers))  # a list, from JSON
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, f"expected >= 1, got {value!r}")
@@ -231,7 +246,7 @@ class EagleHead(DecoderLayerHead):
     """Fusion FC, one decoder layer, and logits over the draft vocabulary (module docstring)."""
 
     draft_vocab: torch.Tensor  # [S] int64: the target's ids of the draft vocabulary, sorted
-    feature_layers: tuple[int, ...] = (-1,)  # the last decoder layer's output, before the norm
+    feature_layers: tuple[int, ...]  # ``HeadConfig.feature_layers``
 
     def __init__(self, config: HeadConfig, parts: TargetParts, draft_vocab: torch.Tensor) -> None:
         super().__init__()
@@ -249,6 +264,13 @@ class EagleHead(DecoderLayerHead):
         )
         self.config = c
         d, q_width, kv_width = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.feature_layers = c.feature_layers
+        # several layers' outputs side by side -> f_t [D]; None: the one layer's output is f_t
+        self.feature_fc = (
+            nn.Linear(len(c.feature_layers) * d, d, bias=False)
+            if len(c.feature_layers) > 1
+            else None
+        )
         self.fc = nn.Linear(2 * d, d, bias=c.fc_bias)  # cat(embed(x_{t+1}), f_t) -> D
         self.input_norm = nn.Parameter(torch.ones(d)) if c.input_norm else None
         self.wqkv = nn.Linear(d, q_width + 2 * kv_width, bias=False)
@@ -301,11 +323,14 @@ class EagleHead(DecoderLayerHead):
         return F.rms_norm(features, (c.hidden_size,), self.parts.norm, c.rms_norm_eps)
 
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's inputs ``[rows, D]`` from the target's last-layer outputs ``[rows, 1,
-        D]`` (before its final norm, as the runtime hands them): normed where the head reads
-        normed features."""
-        last = hidden[:, 0]
-        return self.target_norm(last) if self.config.normed_features else last
+        """The head's inputs ``[..., D]`` from the target's outputs of ``feature_layers``
+        ``[..., len(feature_layers), D]`` (before its final norm, as the runtime hands them):
+        one layer's as they are (normed where the head reads normed features), several fused
+        by ``feature_fc``."""
+        if self.feature_fc is not None:
+            return self.feature_fc(hidden.flatten(-2).to(self.draft_lm_head.dtype))
+        one = hidden[..., 0, :]
+        return self.target_norm(one) if self.config.normed_features else one
 
     # ---------------------------------------------------------------- training
 

@@ -13,7 +13,16 @@ import torch
 
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
 from hybridspec.config import EagleConfig
-from hybridspec.distill.data import FeatureReader, answer_prompts, local_snippets
+from hybridspec.distill.data import (
+    DataBudget,
+    FeatureReader,
+    Manifest,
+    ShardWriter,
+    answer_prompts,
+    load_sequences,
+    local_snippets,
+    make_data,
+)
 from hybridspec.distill.sources import chat_prompts
 from hybridspec.distill.train import (
     TrainOptions,
@@ -22,13 +31,15 @@ from hybridspec.distill.train import (
     draft_vocabulary,
     head_config,
     init_head,
+    label_column,
+    resolve_layers,
     target_top,
     to_device,
     train,
     windows,
 )
 from hybridspec.model.loader import LoadedModel
-from hybridspec.proposers.eagle_head import EagleHead
+from hybridspec.proposers.eagle_head import EagleHead, load_head, save_head
 from tests.conftest import tiny_tokenizer
 from tests.engine.tiny import EOS, PROMPTS, make_engine, plain, tiny_loaded
 from tests.proposers.eagle_helpers import use_head
@@ -44,11 +55,13 @@ def sequences(target: LoadedModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return own_sequences(target)
 
 
-def own_sequences(target: LoadedModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The tiny target's own greedy continuations of random prompts, with their features (on
-    the CPU, as the data shards hold them)."""
+def own_sequences(
+    target: LoadedModel, layers: tuple[int, ...] = (-1,)
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tiny target's own greedy continuations of random prompts, with the features of
+    ``layers`` (on the CPU, as the data shards hold them)."""
     engine = make_engine(target)
-    reader = FeatureReader(target, 256)
+    reader = FeatureReader(target, 256, layers)
     rng = random.Random(0)
     out = []
     for _ in range(12):
@@ -58,10 +71,15 @@ def own_sequences(target: LoadedModel) -> list[tuple[torch.Tensor, torch.Tensor]
     return out
 
 
-def new_head(target: LoadedModel, sequences: list) -> EagleHead:  # type: ignore[type-arg]
+def new_head(
+    target: LoadedModel,
+    sequences: list,  # type: ignore[type-arg]
+    layers: tuple[int, ...] = (-1,),
+) -> EagleHead:
     torch.manual_seed(0)
     vocab = draft_vocabulary(sequences, 48, (EOS,))
-    return init_head(head_config(target, 48), distill_parts(target, torch.float32), vocab)
+    config = head_config(target, 48, layers)
+    return init_head(config, distill_parts(target, torch.float32), vocab)
 
 
 OPTIONS = TrainOptions(budget_s=60.0, batch_size=4, window=32, lr=3e-3, max_steps=30)
@@ -82,14 +100,80 @@ def test_training_lowers_the_loss_and_the_head_drafts(
     assert sum(losses[-5:]) < 0.9 * sum(losses[:5])
     after = acceptance(head, held_out, tops, 2)
     assert after[0] > before[0]
+    assert drafts_losslessly(target, head) > 0
+
+
+def drafts_losslessly(target: LoadedModel, head: EagleHead) -> int:
+    """Drafts kept when ``head`` drafts for ``PROMPTS`` through the engine, each text checked
+    against plain decoding's."""
     engine = make_engine(target, eagle=EagleConfig(cost_per_token=0.0))
-    use_head(engine, head.eval())
+    proposer = use_head(engine, head.eval())
+    assert proposer.hidden_layers == head.feature_layers
     drafted = 0
     for prompt in PROMPTS:
         result = engine.generate(prompt_token_ids=prompt, proposer="eagle", max_new_tokens=30)
         assert result.token_ids == plain(engine, prompt, 30)
         drafted += result.stats.draft_tokens_accepted
-    assert drafted > 0
+    return drafted
+
+
+def test_a_head_of_several_layers_trains_from_the_last_layers_head_and_drafts(
+    target: LoadedModel,
+    tmp_path: Path,
+) -> None:
+    # EAGLE-3's fused features on the 2-layer target: layers 0 and 1 (the last, the label's)
+    layers = resolve_layers((0, -1), 2)
+    assert layers == (0, 1) and label_column(layers) == 1
+    seqs = own_sequences(target, layers)
+    assert seqs[0][1].shape[1:] == (2, 64)
+    head = new_head(target, seqs, layers)
+    assert head.feature_fc is not None and head.feature_layers == (0, 1)
+    # it starts as the one-layer head does: the last layer's output through the fusion
+    one_layer = new_head(target, [(ids, f[:, 1:]) for ids, f in seqs])
+    held = windows(seqs[:4], 32, None, label_column(layers))
+    held_one = windows([(ids, f[:, 1:]) for ids, f in seqs[:4]], 32, None)
+    assert torch.equal(held.targets, held_one.targets)
+    with torch.no_grad():
+        assert torch.allclose(
+            head.target_features(held.features), one_layer.target_features(held_one.features)
+        )
+    tops = target_top(distill_parts(target, torch.float32), held, head.config.rms_norm_eps)
+    before = acceptance(head, held, tops, 1)
+    losses: list[float] = []
+    train(head, seqs[4:], OPTIONS, tmp_path / "work", lambda s: losses.append(s.last_loss))
+    assert sum(losses[-5:]) < 0.9 * sum(losses[:5])
+    assert acceptance(head, held, tops, 1)[0] > before[0]
+    assert float(head.feature_fc.weight[:, :64].detach().abs().sum()) > 0  # layer 0 is read
+    save_head(head, tmp_path / "head")
+    loaded = load_head(tmp_path / "head", distill_parts(target, torch.float32))
+    assert loaded.config.feature_layers == (0, 1) and loaded.feature_layers == (0, 1)
+    assert torch.equal(loaded.feature_fc.weight, head.feature_fc.weight.to(torch.bfloat16).float())
+    assert drafts_losslessly(target, head) > 0
+
+
+def test_feature_layers_resolve_and_must_hold_the_last_one() -> None:
+    assert resolve_layers((-1,), 30) == (-1,)
+    assert resolve_layers((2, 15, -1), 30) == (2, 15, 29)
+    assert label_column((2, 15, 29)) == 2 and label_column((-1,)) == 0
+    for bad in ((2, 15), (2, 30), (2, -31), (29, -1)):
+        with pytest.raises(ValueError, match="feature layers"):
+            resolve_layers(bad, 30)
+
+
+def test_a_work_dir_of_other_layers_is_refused_and_one_layer_shards_read_as_one(
+    target: LoadedModel, tmp_path: Path
+) -> None:
+    manifest = Manifest()
+    writer = ShardWriter(tmp_path, manifest)
+    writer._tokens.append(torch.arange(5, dtype=torch.int32))  # a shard as written before
+    writer._features.append(torch.ones(5, 64, dtype=torch.bfloat16))  # layers: [n, D]
+    writer.flush()
+    ((ids, features),) = load_sequences(tmp_path, manifest.shards)
+    assert ids.tolist() == [0, 1, 2, 3, 4] and features.shape == (5, 1, 64)
+    engine = make_engine(target)
+    budget = DataBudget(1.0, 1.0, 4)
+    with pytest.raises(ValueError, match=r"layers \[-1\], not \[0, 1\]"):
+        make_data(engine, tmp_path, budget, 0, lambda text: None, None, (0, 1))
 
 
 def test_training_resumes_exactly_from_its_checkpoint(
@@ -150,11 +234,11 @@ def test_a_follow_up_goes_after_the_first_answer_and_the_exchange_is_yielded_onc
 def test_held_out_windows_are_each_sequences_last_and_training_ones_lie_inside() -> None:
     # Pairs of a 10-token sequence: features f_0..f_8 with next tokens x_1..x_9.
     ids = torch.arange(10, dtype=torch.int32)
-    features = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2)
+    features = torch.arange(10, dtype=torch.float32)[:, None, None].repeat(1, 1, 2)  # [n, 1, D]
     short = (ids[:3], features[:3])  # 2 pairs: shorter than the window, padded
     held = windows([(ids, features), short], 4, None)
     assert held.next_token_ids.tolist() == [[6, 7, 8, 9], [1, 2, 0, 0]]
-    assert held.features[0, :, 0].tolist() == [5, 6, 7, 8]
+    assert held.features[0, :, 0, 0].tolist() == [5, 6, 7, 8]
     assert held.targets[0, :, 0].tolist() == [6, 7, 8, 9]
     assert held.mask.tolist() == [[True] * 4, [True, True, False, False]]
     rng = random.Random(0)

@@ -99,7 +99,15 @@ def test_a_head_for_another_width_is_refused(head, tmp_path: Path) -> None:  # t
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("num_kv_heads", 3), ("draft_vocab_size", 0), ("hidden_size", 0), ("format", "x")],
+    [
+        ("num_kv_heads", 3),
+        ("draft_vocab_size", 0),
+        ("hidden_size", 0),
+        ("format", "x"),
+        ("feature_layers", ()),
+        ("feature_layers", (2, 2)),
+        ("feature_layers", ("2",)),
+    ],
 )
 def test_bad_configs_raise_value_error_naming_the_field(head, field: str, value: object) -> None:  # type: ignore[no-untyped-def]
     data = {name: getattr(head.config, name) for name in HeadConfig.__dataclass_fields__}
