@@ -37,6 +37,7 @@ from hybridspec.distill.sources import (
     stdlib_snippets,
 )
 from hybridspec.engine import Engine, GenerationParams
+from hybridspec.errors import InvalidRequestError
 from hybridspec.model import ForwardBatch, LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -243,9 +244,10 @@ def make_data(
     directory.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.load(directory)
     if manifest.shards and tuple(manifest.feature_layers) != feature_layers:
-        raise ValueError(
+        raise InvalidRequestError(
             f"work dir {directory} holds features of layers {manifest.feature_layers}, "
-            f"not {list(feature_layers)}: use another work dir"
+            f"not {list(feature_layers)}: use another work dir",
+            "feature_layers",
         )
     manifest.feature_layers = list(feature_layers)
     snippets = local_snippets(seed)

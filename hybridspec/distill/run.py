@@ -59,15 +59,9 @@ def distill(args: argparse.Namespace) -> int:
     if dense.is_native and dense.weights.is_quantized:
         dense = load_model(dataclasses.replace(target, quantize="none", max_num_seqs=1))
     num_layers = int(dense.hf_config.get_text_config().num_hidden_layers)
-    try:
-        layers = resolve_layers(tuple(args.feature_layers), num_layers)
-    except ValueError as exc:
-        raise SystemExit(f"hybridspec: error: distill: {exc}") from None
+    layers = resolve_layers(tuple(args.feature_layers), num_layers)
     budget = DataBudget(60 * args.answers_minutes, 60 * args.reading_minutes, args.max_new_tokens)
-    try:
-        manifest = make_data(engine, args.work_dir, budget, args.seed, _status, dense, layers)
-    except ValueError as exc:
-        raise SystemExit(f"hybridspec: error: distill: {exc}") from None
+    manifest = make_data(engine, args.work_dir, budget, args.seed, _status, dense, layers)
     data_s = time.monotonic() - started
     sequences = load_sequences(args.work_dir, manifest.shards)
     held_out = sequences[::HELD_OUT_EVERY]

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hybridspec.errors import InvalidRequestError
 from hybridspec.model import LoadedModel
 from hybridspec.proposers.eagle_head import EagleHead, HeadConfig, TargetParts, target_fingerprint
 
@@ -87,14 +88,16 @@ def resolve_layers(layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
         return layers
     resolved = tuple(i + num_layers if i < 0 else i for i in layers)
     if any(not 0 <= i < num_layers for i in resolved) or len(set(resolved)) != len(resolved):
-        raise ValueError(
+        raise InvalidRequestError(
             f"feature layers: expected distinct indices in [{-num_layers}, {num_layers}), "
-            f"got {list(layers)}"
+            f"got {list(layers)}",
+            "feature_layers",
         )
     if num_layers - 1 not in resolved:
-        raise ValueError(
+        raise InvalidRequestError(
             f"feature layers: the last layer (-1 or {num_layers - 1}) must be among them, as "
-            f"the label's feature; got {list(layers)}"
+            f"the label's feature; got {list(layers)}",
+            "feature_layers",
         )
     return resolved
 
