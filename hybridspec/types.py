@@ -280,6 +280,9 @@ class Proposal:
 
     token_ids: Sequence[int]  # [num_drafts]
     probs: torch.Tensor | None = None  # [num_drafts, vocab_size] float, rows sum to 1
+    # The registered name of the proposer that drafted, where a proposer delegates a round to
+    # another (``hybrid``); None: the request's proposer itself. Reported, never verified.
+    drafted_by: str | None = None
 
     @property
     def num_drafts(self) -> int:

@@ -24,6 +24,7 @@ step (with its fault containment) and the request API (``add_request``, ``add_ch
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -455,8 +456,12 @@ class Engine:
             tokens, self.eos_token_ids, self.max_seq_len
         )
         logprobs = request.score_committed(logits[:consumed], tokens[:consumed])
+        # The accepted drafts lead the round's tokens: the first ``num_drafted`` appended.
+        num_drafted = min(num_accepted, len(new_token_ids))
+        drafted_by = proposal.drafted_by or request.proposer_name
         if reason is not None:
-            return self._finish(request, reason, new_token_ids=new_token_ids, logprobs=logprobs)
+            output = self._finish(request, reason, new_token_ids=new_token_ids, logprobs=logprobs)
+            return dataclasses.replace(output, num_drafted=num_drafted, drafted_by=drafted_by)
         if request.constraint is not None:
             request.constraint.commit(new_token_ids)
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
@@ -477,6 +482,8 @@ class Engine:
             False,
             logprobs=logprobs,
             prompt_logprobs=request.take_prompt_logprobs(),
+            num_drafted=num_drafted,
+            drafted_by=drafted_by,
         )
 
     def _finish(

@@ -228,4 +228,4 @@ def _allowed(proposal: Proposal, constraint: TokenConstraint | None) -> Proposal
     if n == proposal.num_drafts:
         return proposal
     probs = None if proposal.probs is None else proposal.probs[:n]
-    return Proposal(proposal.token_ids[:n], probs if n else None)
+    return Proposal(proposal.token_ids[:n], probs if n else None, proposal.drafted_by)

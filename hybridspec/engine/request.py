@@ -220,6 +220,8 @@ class RequestOutput:
 
     ``logprobs`` scores ``new_token_ids`` (and the EOS that ended the request, if one did);
     ``prompt_logprobs`` comes once, on the first output after the prompt was scored.
+    The first ``num_drafted`` of ``new_token_ids`` are drafts the target accepted, proposed by
+    ``drafted_by`` (a registered proposer's name); the others are the target's own tokens.
     """
 
     request_id: str
@@ -230,6 +232,8 @@ class RequestOutput:
     result: GenerationResult | None = None  # set on the final output
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    num_drafted: int = 0
+    drafted_by: str | None = None
 
 
 def new_generator(seed: int | None) -> torch.Generator:

@@ -48,6 +48,15 @@ NGRAM_PRIOR = 0.6  # a fresh request's n-gram acceptance estimate
 MODEL_PRIOR = 0.5
 PRIOR_TRIALS = 2.0  # how many trials a prior counts for
 DECAY = 0.7  # weight of a proposer's past evidence each time it drafts again
+NGRAM_NAME = "ngram"  # the names a round's ``Proposal.drafted_by`` reports
+
+
+def _registered_name(model: Proposer) -> str:
+    """The registry's name of the model proposer (``eagle``, ``draft``), for
+    ``Proposal.drafted_by``; another proposer passed in is reported as ``model``."""
+    if isinstance(model, EagleProposer):
+        return "eagle"
+    return "draft" if isinstance(model, DraftModelProposer) else "model"
 
 
 def gain(alpha: float, k: int) -> float:
@@ -95,6 +104,7 @@ class HybridProposer(Proposer):
                 "proposer: 'hybrid' needs an eagle head or a draft model: " + "; ".join(reasons),
                 "proposer",
             )
+        self.model_name = _registered_name(self.model)
         self.hidden_layers = self.model.hidden_layers
         self.cost_per_token = self.model.cost_per_token
         measured = context.config.verify_token_cost
@@ -134,7 +144,8 @@ class HybridProposer(Proposer):
             choice.used_model = use_model if proposal.num_drafts else None
             choice.num_drafts = proposal.num_drafts
             choice.ngram_drafts = from_ngram.token_ids if use_model else ()
-            out.append(proposal)
+            drafter = self.model_name if use_model else NGRAM_NAME
+            out.append(dataclasses.replace(proposal, drafted_by=drafter))
         return out
 
     def commit(self, info: CommitInfo) -> None:

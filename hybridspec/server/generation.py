@@ -76,6 +76,7 @@ class PreparedRequest:
     echo_text: str | None = None
     n: int = 1  # choices of this prompt
     tools: ToolPlan | None = None  # a chat request's tools (``server.structured``)
+    include_drafts: bool = False  # stream each chunk's tokens and their origin
 
     @property
     def calls_tools(self) -> bool:
@@ -203,6 +204,7 @@ async def prepare(
                 echo_text=echo_text,
                 n=n,
                 tools=tools,
+                include_drafts=options is not None and options.include_drafts,
             )
         )
     return prepared

@@ -26,7 +26,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from hybridspec.server.protocol import ChatCompletionChunk, CompletionResponse, ErrorResponse
+from hybridspec.server.protocol import ChatCompletionChunk, CompletionChunk, ErrorResponse
 from hybridspec.server.state import ModelInfo
 
 REF = "#/components/schemas/"
@@ -52,7 +52,7 @@ GENERATION_ERRORS = error_responses(400, 404, 413, 500, 503)
 # The chunk model of each streamed route's events (a text completion streams CompletionResponse
 # chunks, as OpenAI's legacy API does).
 STREAM_CHUNKS: dict[str, type[BaseModel]] = {
-    "/v1/completions": CompletionResponse,
+    "/v1/completions": CompletionChunk,
     "/v1/chat/completions": ChatCompletionChunk,
 }
 

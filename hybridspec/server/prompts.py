@@ -34,6 +34,7 @@ from hybridspec.server.structured import ToolPlan, tool_messages
 
 COMPLETION_MAX_TOKENS = 16  # as in the OpenAI legacy completions API
 TOKENIZER_THREADS = 2
+REPLACEMENT = "\ufffd"  # what a tokenizer decodes part of a character to
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +168,14 @@ class PromptEncoder:
         texts = await self._run_on_worker(self._tokenizer.batch_decode, [[i] for i in token_ids])
         return [str(text) for text in texts]
 
+    async def decode_pieces(self, context: list[int], token_ids: list[int]) -> list[str]:
+        """Each of ``token_ids``' text as it reads after ``context`` and the tokens before it
+        (``server.drafts``), on a worker thread; ``token_id:N`` without a tokenizer."""
+        if self._tokenizer is None:
+            return [f"token_id:{i}" for i in token_ids]
+        pieces = await self._run_on_worker(text_pieces, self._tokenizer, context, token_ids)
+        return list(pieces)
+
     async def _run_on_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
@@ -183,3 +192,22 @@ def longest_token_chars(tokenizer: Any, vocab_size: int) -> int | None:
     size = min(vocab_size, len(tokenizer))  # ids past the tokenizer's never come from text
     texts = tokenizer.batch_decode([[i] for i in range(size)])
     return max((len(t) for t in texts), default=1)
+
+
+def text_pieces(tokenizer: Any, context: list[int], token_ids: list[int]) -> list[str]:
+    """The text each of ``token_ids`` adds after ``context``: decoding ``context + token_ids[:i
+    + 1]`` and taking what it adds, so that spaces a tokenizer drops at the start of a text and
+    characters split over tokens come out right. A token whose text ends inside a character
+    (U+FFFD) adds nothing: a later token adds its text once the character is complete or shown
+    broken (at the end of a text, a character left incomplete is dropped, as the engine's
+    detokenizer drops it)."""
+    done = tokenizer.decode(context)
+    pieces = []
+    for end in range(1, len(token_ids) + 1):
+        text = tokenizer.decode([*context, *token_ids[:end]])
+        if text.endswith(REPLACEMENT) or not text.startswith(done):
+            pieces.append("")
+            continue
+        pieces.append(text[len(done) :])
+        done = text
+    return pieces

@@ -63,6 +63,11 @@ class StreamOptions(_Body):
     # vLLM's extension, which load generators (guidellm) send: with include_usage, every chunk
     # carries the usage so far, not only the last one.
     continuous_usage_stats: bool = False
+    include_drafts: bool = Field(
+        default=False,
+        description="Each text chunk also carries its tokens and their origin: 'tokens' on "
+        "the chunk's choice (hybridspec extension; not with tools).",
+    )
 
 
 # A source the engine compiles (``guided_*``): empty is refused (``types.GrammarSpec``).
@@ -404,6 +409,23 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReasonName | None
 
 
+class DraftToken(BaseModel):
+    """A streamed token and its origin (``stream_options.include_drafts``). ``text``: the
+    token's text decoded after the tokens before it (empty while it holds part of a character,
+    which the next token's text completes)."""
+
+    id: int
+    text: str
+    drafted_by: str | None = Field(
+        description="The proposer whose draft the target accepted; null: the target's own "
+        "token (a round's bonus or correction token, or plain decoding)."
+    )
+
+
+class CompletionChunkChoice(CompletionChoice):
+    tokens: list[DraftToken] | None = None  # only with stream_options.include_drafts
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -412,6 +434,12 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     hybridspec: SpeculationStats | None = None
+
+
+class CompletionChunk(CompletionResponse):
+    """A streamed text completion's event (OpenAI streams the response's own shape)."""
+
+    choices: list[CompletionChunkChoice]  # type: ignore[assignment]  # a narrower choice
 
 
 class AssistantMessage(BaseModel):
@@ -462,6 +490,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName | None = None
+    tokens: list[DraftToken] | None = None  # only with stream_options.include_drafts
 
 
 class ChatCompletionChunk(BaseModel):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -46,11 +46,12 @@ from hybridspec.server.generation import (
 from hybridspec.server.protocol import (
     ChatCompletionChunk,
     ChatLogprobs,
+    CompletionChunk,
     CompletionLogprobs,
-    CompletionResponse,
     Delta,
     DeltaFunctionCall,
     DeltaToolCall,
+    DraftToken,
     FinishReasonName,
     SpeculationStats,
     ToolCall,
@@ -59,6 +60,9 @@ from hybridspec.server.protocol import (
 from hybridspec.server.state import ServerState
 
 DONE = "data: [DONE]\n\n"
+# Tokens decoded before a chunk's to find their texts (``prompts.text_pieces``): enough for a
+# character split over tokens, and for the space a tokenizer drops at the start of a text.
+DRAFT_TEXT_CONTEXT = 4
 
 
 class EventStreamResponse(StreamingResponse):
@@ -90,7 +94,7 @@ class ChunkRenderer:
     chat: bool
 
     def _event(self, choices: list[dict[str, object]], **extra: object) -> str:
-        schema = ChatCompletionChunk if self.chat else CompletionResponse
+        schema = ChatCompletionChunk if self.chat else CompletionChunk
         fields = {"id": self.id, "created": self.created, "model": self.model, **extra}
         chunk = schema.model_validate({**fields, "choices": choices})
         # As OpenAI does: a delta holds only what it carries; usage and the statistics appear
@@ -100,6 +104,8 @@ class ChunkRenderer:
             if data[key] is None:
                 del data[key]
         for choice in data["choices"]:
+            if choice.get("tokens", ()) is None:  # only on the streams that asked for them
+                del choice["tokens"]
             if "delta" in choice:
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
         return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
@@ -116,8 +122,9 @@ class ChunkRenderer:
         usage: Usage | None = None,
         logprobs: ChatLogprobs | CompletionLogprobs | None = None,
         index: int = 0,
+        tokens: list[DraftToken] | None = None,
     ) -> str:
-        choice: dict[str, object] = {"index": index, "logprobs": logprobs}
+        choice: dict[str, object] = {"index": index, "logprobs": logprobs, "tokens": tokens}
         if self.chat:
             choice["delta"] = Delta(content=text)
         else:
@@ -164,6 +171,8 @@ class _Pieces:
     echo: str | None  # the prompt's text until it is sent
     index: int = 0  # the choice's
     offset: int = 0  # completions: the text offset of the next token
+    context: list[int] = field(default_factory=list)  # include_drafts: the last tokens sent
+    held: list[int] = field(default_factory=list)  # and those after them whose text waits
 
     async def chunk(self, output: RequestOutput, usage: Usage | None) -> str | None:
         """The text chunk of ``output``; None when it carries neither text nor logprobs."""
@@ -176,9 +185,30 @@ class _Pieces:
             logprobs = rendered_logprobs(self.prepared, texts, output.logprobs, prompt, self.offset)
             if isinstance(logprobs, CompletionLogprobs) and logprobs.tokens:
                 self.offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        if not text and logprobs is None:
+        tokens = None
+        if self.prepared.include_drafts and output.new_token_ids:
+            tokens = await self._tokens(output)
+        if not text and logprobs is None and tokens is None:
             return None
-        return self.render.text(text, usage, logprobs, self.index)
+        return self.render.text(text, usage, logprobs, self.index, tokens)
+
+    async def _tokens(self, output: RequestOutput) -> list[DraftToken]:
+        """``output``'s tokens, their texts and their origin (``include_drafts``). Tokens whose
+        text is not complete yet (part of a character) are decoded again with the next ones,
+        and the first of those carries their text."""
+        ids, pending = output.new_token_ids, len(self.held)
+        seq = [*self.held, *ids]
+        pieces = await self.state.prompts.decode_pieces(self.context, seq)
+        written = max((i + 1 for i, piece in enumerate(pieces) if piece), default=0)
+        self.context = [*self.context, *seq[:written]][-DRAFT_TEXT_CONTEXT:]
+        self.held = seq[written:]
+        texts = ["".join(pieces[: pending + 1]), *pieces[pending + 1 :]]
+        return [
+            DraftToken(
+                id=i, text=t, drafted_by=output.drafted_by if j < output.num_drafted else None
+            )
+            for j, (i, t) in enumerate(zip(ids, texts, strict=True))
+        ]
 
     async def events(self, output: RequestOutput, usage: Usage | None) -> list[str]:
         """The events of one output of this choice: its text chunk and, once it finished, its
