@@ -24,7 +24,13 @@ from hybridspec.server.errors import error_response
 from hybridspec.server.metrics import UNMATCHED_PATH, ServerMetrics
 
 # (method, route template) pairs served without a key: the liveness probe.
-OPEN_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health")})
+# The playground page (``routes.playground``) is open too: a browser opening it sends no key;
+# the page sends the key it is given with each API call.
+OPEN_ROUTES = frozenset(
+    (method, path)
+    for method in ("GET", "HEAD")
+    for path in ("/health", "/", "/playground")
+)
 MISSING_KEY_MESSAGE = (
     "You didn't provide an API key. You need to provide your API key in an Authorization "
     "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."

@@ -150,7 +150,7 @@ def _require_bearer(schema: dict[str, Any]) -> None:
 def _add_model_facts(schema: dict[str, Any], model: ModelInfo) -> None:
     components = schema.get("components", {}).get("schemas", {})
     vocab_size = model.vocab_size
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
         properties = components.get(name, {}).get("properties", {})
         if "proposer" in properties:
             properties["proposer"]["anyOf"] = [
@@ -162,6 +162,9 @@ def _add_model_facts(schema: dict[str, Any], model: ModelInfo) -> None:
         for choice in properties.get("n", {}).get("anyOf", []):
             if choice.get("type") == "integer":
                 choice["maximum"] = model.max_choices
+    detokenize = components.get("DetokenizeRequest", {}).get("properties", {})
+    if "tokens" in detokenize:
+        detokenize["tokens"]["items"]["maximum"] = vocab_size - 1
     prompt = components.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})
     for choice in prompt.get("anyOf", []):
         items = choice.get("items", {})

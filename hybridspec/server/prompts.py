@@ -25,7 +25,7 @@ import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from hybridspec.engine.prompts import renders_tools
 from hybridspec.errors import ContextLengthError, check
@@ -35,6 +35,7 @@ from hybridspec.server.structured import ToolPlan, tool_messages
 COMPLETION_MAX_TOKENS = 16  # as in the OpenAI legacy completions API
 TOKENIZER_THREADS = 2
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes part of a character to
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +176,13 @@ class PromptEncoder:
             return [f"token_id:{i}" for i in token_ids]
         pieces = await self._run_on_worker(text_pieces, self._tokenizer, context, token_ids)
         return list(pieces)
+
+    async def with_tokenizer(self, field: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(tokenizer, *args)`` on a worker thread (``/tokenize``, ``/detokenize``);
+        InvalidRequestError naming ``field`` when the model has no tokenizer."""
+        check(self._tokenizer is not None, field, "this model has no tokenizer")
+        result: T = await self._run_on_worker(fn, self._tokenizer, *args)
+        return result
 
     async def _run_on_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,118 @@
+"""The playground page in headless Chromium (Playwright driving the system's ``chromium``; no
+browser is downloaded), served with the embedded model on a loopback socket: a message's tokens
+are colored by origin, a greedy race of ``ngram`` and ``none`` shows identical texts and both
+timings, and no request leaves the machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from fastapi.testclient import TestClient
+
+from hybridspec.config import EngineConfig, ModelConfig
+from hybridspec.engine import Engine
+from hybridspec.model.loader import LoadedModel
+from hybridspec.server import ServerConfig, create_app
+from tests.server.conftest import AppFactory, serve_in_thread
+
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+# Where the test also writes its screenshot (docs/playground.png is made this way).
+SCREENSHOT_ENV = "HYBRIDSPEC_PLAYGROUND_SCREENSHOT"
+PROMPT = "List the days of the week, one per line, then list them again."
+TIMEOUT_MS = 120_000
+
+
+def chromium_path() -> str:
+    for name in ("chromium", "chromium-browser"):
+        found = shutil.which(name)
+        if found is not None:
+            return found
+    pytest.skip("no chromium on PATH (apt-get install chromium); the browser test needs one")
+
+
+@pytest.fixture
+def browser_page(tmp_path: Path) -> Iterator[object]:
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')"
+    )
+    executable = chromium_path()
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
+        try:
+            yield browser.new_page(viewport={"width": 1200, "height": 820})
+        finally:
+            browser.close()
+
+
+def test_page_is_served_without_a_key(make_app: AppFactory) -> None:
+    with TestClient(make_app({"api_key": "k"})) as client:
+        for path in ("/", "/playground"):
+            response = client.get(path)
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/html")
+            assert "include_drafts" in response.text
+            assert "http://" not in response.text and "https://" not in response.text
+        assert client.get("/v1/models").status_code == 401
+
+
+def test_race_in_chromium(
+    embedded_float32: LoadedModel, browser_page: object, tmp_path: Path
+) -> None:
+    page = browser_page
+    engine = EngineConfig(target=ModelConfig(dtype="float32", max_seq_len=512, max_num_seqs=4))
+    config = ServerConfig(engine=engine, api_key="sk-page")
+    app = create_app(config, engine_factory=lambda cfg: Engine(cfg, target=embedded_float32))
+    with serve_in_thread(app, timeout_s=120) as url:
+        local = urlsplit(url).netloc
+        elsewhere: list[str] = []
+
+        def route(request_route: object) -> None:
+            request = request_route.request  # type: ignore[attr-defined]
+            if urlsplit(request.url).netloc == local:
+                request_route.continue_()  # type: ignore[attr-defined]
+            else:
+                elsewhere.append(request.url)
+                request_route.abort()  # type: ignore[attr-defined]
+
+        page.route("**/*", route)  # type: ignore[attr-defined]
+        page.goto(url + "/")  # type: ignore[attr-defined]
+        page.fill("#key", "sk-page")  # type: ignore[attr-defined]
+        page.dispatch_event("#key", "change")  # type: ignore[attr-defined]
+        page.wait_for_selector("#proposer option[value=ngram]", state="attached")  # type: ignore[attr-defined]
+        page.select_option("#proposer", "ngram")  # type: ignore[attr-defined]
+        page.check("#race")  # type: ignore[attr-defined]
+        page.select_option("#proposer2", "none")  # type: ignore[attr-defined]
+        page.fill("#max_tokens", "48")  # type: ignore[attr-defined]
+        page.fill("#prompt", PROMPT)  # type: ignore[attr-defined]
+        page.click("#send")  # type: ignore[attr-defined]
+        verdict = page.wait_for_selector(".verdict", timeout=TIMEOUT_MS)  # type: ignore[attr-defined]
+        text = verdict.inner_text()
+        boxes = page.query_selector_all(".answer")  # type: ignore[attr-defined]
+        texts = [box.query_selector(".text").inner_text() for box in boxes]
+        drafted = page.query_selector_all(".answer[data-proposer=ngram] .tok.draft")  # type: ignore[attr-defined]
+        plain = page.query_selector_all(".answer[data-proposer=none] .tok.draft")  # type: ignore[attr-defined]
+        page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)  # type: ignore[attr-defined]
+        if os.environ.get(SCREENSHOT_ENV):
+            page.screenshot(path=os.environ[SCREENSHOT_ENV])  # type: ignore[attr-defined]
+    assert text.startswith("identical texts"), text
+    assert "ngram" in text and "none" in text and text.count(" s") >= 2, text
+    assert len(texts) == 2 and texts[0] == texts[1] and texts[0].strip()
+    assert drafted, "no token of the ngram answer is marked as drafted"
+    assert all(span.get_attribute("data-p") == "ngram" for span in drafted)
+    assert not plain, "plain decoding has no drafts"
+    assert elsewhere == [], elsewhere
+    assert (tmp_path / "playground.png").stat().st_size > 0
