@@ -4,7 +4,8 @@ All three run before routing, so a request they refuse reaches no route and queu
 
 - ``RequestCountingMiddleware`` counts every HTTP response in the metrics, refusals included.
 - ``ApiKeyMiddleware`` (only with ``ServerConfig.api_key``) answers 401 to every request without
-  ``Authorization: Bearer <key>``, except the liveness probe (``OPEN_ROUTES``).
+  ``Authorization: Bearer <key>``, except the liveness probe and the playground page
+  (``OPEN_ROUTES``).
 - ``BodySizeLimitMiddleware`` answers 413 to a body over ``ServerConfig.max_body_bytes``: at once
   from its ``Content-Length``, or, without one (chunked), as soon as the bytes received pass it.
 """
@@ -27,9 +28,7 @@ from hybridspec.server.metrics import UNMATCHED_PATH, ServerMetrics
 # The playground page (``routes.playground``) is open too: a browser opening it sends no key;
 # the page sends the key it is given with each API call.
 OPEN_ROUTES = frozenset(
-    (method, path)
-    for method in ("GET", "HEAD")
-    for path in ("/health", "/", "/playground")
+    (method, path) for method in ("GET", "HEAD") for path in ("/health", "/", "/playground")
 )
 MISSING_KEY_MESSAGE = (
     "You didn't provide an API key. You need to provide your API key in an Authorization "
