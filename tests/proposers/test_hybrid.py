@@ -59,6 +59,7 @@ def test_the_proposal_worth_more_is_taken_and_the_model_asked_only_for_what_pays
     proposer.start(0, REPEATING)
     proposal = ask(proposer, REPEATING, 4)
     assert list(proposal.token_ids) == [5, 6, 7, 8]  # n-gram: prior 0.6 over 4 drafts beats 0.5
+    assert proposal.drafted_by == "ngram"  # reported in streams (include_drafts)
     assert model.asked == [0]  # the model follows the sequence but drafts nothing
     proposer.commit(CommitInfo(0, [5, 6, 7, 8, 9], 4))
     tokens = [*REPEATING, 5, 6, 7, 8, 9]
@@ -67,6 +68,7 @@ def test_the_proposal_worth_more_is_taken_and_the_model_asked_only_for_what_pays
     # n-gram: 0.111 expected drafts for 4 x 0.03 of verification; the model at 0.5, asked only
     # for the drafts worth c + cost = 0.08 (0.5 ** 3 >= 0.08): 0.875 for 3 x 0.08
     assert list(proposal.token_ids) == [1, 1, 1]
+    assert proposal.drafted_by == "model"  # a model neither eagle nor draft
     assert model.asked[-1] == drafts_worth_asking(0.5, 0.08, 4) == 3
 
 

@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -50,7 +51,7 @@ def chromium_path() -> str:
 
 
 @pytest.fixture
-def browser_page(tmp_path: Path) -> Iterator[object]:
+def browser_page() -> Iterator[Any]:
     sync_api = pytest.importorskip(
         "playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')"
     )
@@ -84,41 +85,41 @@ def served_app(make_app: AppFactory, request: pytest.FixtureRequest) -> FastAPI:
     return create_app(config, engine_factory=lambda cfg: Engine(cfg, target=embedded))
 
 
-def test_race_in_chromium(served_app: FastAPI, browser_page: object, tmp_path: Path) -> None:
+def test_race_in_chromium(served_app: FastAPI, browser_page: Any, tmp_path: Path) -> None:
     page, app = browser_page, served_app
     with serve_in_thread(app, timeout_s=120) as url:
         local = urlsplit(url).netloc
         elsewhere: list[str] = []
 
-        def route(request_route: object) -> None:
-            request = request_route.request  # type: ignore[attr-defined]
+        def route(request_route: Any) -> None:
+            request = request_route.request
             if urlsplit(request.url).netloc == local:
-                request_route.continue_()  # type: ignore[attr-defined]
+                request_route.continue_()
             else:
                 elsewhere.append(request.url)
-                request_route.abort()  # type: ignore[attr-defined]
+                request_route.abort()
 
-        page.route("**/*", route)  # type: ignore[attr-defined]
-        page.goto(url + "/")  # type: ignore[attr-defined]
-        page.fill("#key", "sk-page")  # type: ignore[attr-defined]
-        page.dispatch_event("#key", "change")  # type: ignore[attr-defined]
-        page.wait_for_selector("#proposer option[value=ngram]", state="attached")  # type: ignore[attr-defined]
-        page.select_option("#proposer", "ngram")  # type: ignore[attr-defined]
-        page.check("#race")  # type: ignore[attr-defined]
-        page.select_option("#proposer2", "none")  # type: ignore[attr-defined]
-        page.fill("#max_tokens", "48")  # type: ignore[attr-defined]
-        page.fill("#prompt", PROMPT)  # type: ignore[attr-defined]
-        page.click("#send")  # type: ignore[attr-defined]
-        verdict = page.wait_for_selector(".verdict", timeout=TIMEOUT_MS)  # type: ignore[attr-defined]
+        page.route("**/*", route)
+        page.goto(url + "/")
+        page.fill("#key", "sk-page")
+        page.dispatch_event("#key", "change")
+        page.wait_for_selector("#proposer option[value=ngram]", state="attached")
+        page.select_option("#proposer", "ngram")
+        page.check("#race")
+        page.select_option("#proposer2", "none")
+        page.fill("#max_tokens", "48")
+        page.fill("#prompt", PROMPT)
+        page.click("#send")
+        verdict = page.wait_for_selector(".verdict", timeout=TIMEOUT_MS)
         text = verdict.inner_text()
-        boxes = page.query_selector_all(".answer")  # type: ignore[attr-defined]
+        boxes = page.query_selector_all(".answer")
         texts = [box.query_selector(".text").inner_text() for box in boxes]
-        drafted = page.query_selector_all(".answer[data-proposer=ngram] .tok.draft")  # type: ignore[attr-defined]
-        plain = page.query_selector_all(".answer[data-proposer=none] .tok.draft")  # type: ignore[attr-defined]
-        page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)  # type: ignore[attr-defined]
+        drafted = page.query_selector_all(".answer[data-proposer=ngram] .tok.draft")
+        plain = page.query_selector_all(".answer[data-proposer=none] .tok.draft")
+        page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
         if os.environ.get(SCREENSHOT_ENV):
-            page.set_viewport_size({"width": 1200, "height": 560})  # type: ignore[attr-defined]
-            page.screenshot(path=os.environ[SCREENSHOT_ENV])  # type: ignore[attr-defined]
+            page.set_viewport_size({"width": 1200, "height": 560})
+            page.screenshot(path=os.environ[SCREENSHOT_ENV])
     assert text.startswith("identical texts"), text
     assert "ngram" in text and "none" in text and text.count(" s") >= 2, text
     assert len(texts) == 2 and texts[0] == texts[1] and texts[0].strip()
