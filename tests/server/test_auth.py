@@ -1,5 +1,5 @@
 """``ServerConfig.api_key``: every route the app registers wants ``Authorization: Bearer <key>``,
-except the liveness probe; refusals are OpenAI's 401s and count in the metrics."""
+except the liveness probe and the playground page; refusals are OpenAI's 401s and count in the metrics."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 KEY = "sk-hybridspec-test-5f1c0e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 WRONG = {"Authorization": f"Bearer {KEY}x"}
-OPEN = {("GET", "/health"), ("HEAD", "/health")}
+OPEN = {("GET", "/health"), ("HEAD", "/health"), ("GET", "/"), ("GET", "/playground")}
 # Routes this app must register; the enumeration below must find at least these.
 KNOWN = {
     ("GET", "/docs"),
@@ -41,6 +41,9 @@ KNOWN = {
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/completions": {"prompt": "hi", "max_tokens": 1},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 1},
+    "/tokenize": {"prompt": "hi"},
+    "/detokenize": {"tokens": [1]},
 }
 
 
