@@ -1,5 +1,6 @@
 """``ServerConfig.api_key``: every route the app registers wants ``Authorization: Bearer <key>``,
-except the liveness probe and the playground page; refusals are OpenAI's 401s and count in the metrics."""
+except the liveness probe and the playground page; refusals are OpenAI's 401s and count in the
+metrics."""
 
 from __future__ import annotations
 
