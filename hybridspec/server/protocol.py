@@ -235,8 +235,9 @@ class CompletionRequest(_SamplingFields):
         "prompt. Generation also ends when the context is full (finish_reason 'length').",
     )
     echo: bool | None = Field(default=None, description="Default false.")
-    suffix: str | None = Field(
-        default=None, description="Text after the completion: only null or empty is supported."
+    suffix: str | None = documented(
+        anyOf=[{"type": "string", "maxLength": 0}, {"type": "null"}],
+        description="Text after the completion: only null or empty is supported.",
     )
     logprobs: JsonInt | None = documented(
         minimum=0,

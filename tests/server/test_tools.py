@@ -167,7 +167,6 @@ def test_newer_fields_are_accepted_and_change_nothing(long_client: TestClient) -
     [
         ("chat/completions", {"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
         ("completions", {"prompt": "Hi", "suffix": "end"}, "suffix"),
-        ("chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
     ],
 )
 def test_what_cannot_be_served_is_an_invalid_value(
