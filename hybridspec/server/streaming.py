@@ -12,7 +12,9 @@ carry tokens whose text is held back, with empty text); an echoed prompt, with i
 comes first, on the first text chunk. A chat request with tools holds each choice's text
 back: at that choice's end it sends its calls (one chunk per call, OpenAI's ``tool_calls``
 delta with the call's id, name and whole arguments; finish reason ``tool_calls``) or, when it
-made none, its text.
+made none, its text. With ``auto`` on a template that does not show tools, the first character
+decides (``structured``): text streams on from there, a ``[`` is held back as calls, so a
+choice's deltas are all text or all ``tool_calls``.
 
 ``stream_events`` is independent of the web framework: it turns a request's engine outputs
 into the event strings; ``EventStreamResponse`` is the Starlette response that sends them.
@@ -164,6 +166,8 @@ class _Pieces:
     echo: str | None  # the prompt's text until it is sent
     index: int = 0  # the choice's
     offset: int = 0  # completions: the text offset of the next token
+    held: str = ""  # a choice that may call tools: its text so far, until it is known as text
+    texting: bool = False  # that choice's answer is known to be text: it streams on
 
     async def chunk(self, output: RequestOutput, usage: Usage | None) -> str | None:
         """The text chunk of ``output``; None when it carries neither text nor logprobs."""
@@ -185,15 +189,16 @@ class _Pieces:
         final chunk. A choice that may call tools holds its text back until the end, then sends
         its calls (finish reason ``tool_calls``) or, when it made none, its text."""
         prepared, render, index = self.prepared, self.render, self.index
-        if prepared.calls_tools and not output.finished:
-            return []
+        holding = prepared.calls_tools and not self.texting
+        if holding and not output.finished:
+            return self._decide(output, usage)
         events = []
         reason = finish_reason(output)
         calls = answer_calls(prepared, output) if output.finished else None
         if calls is not None:
             events += render.tool_calls(calls, index)
             reason = finish_reason(output, "tool_calls")
-        elif prepared.calls_tools:
+        elif holding:
             assert output.result is not None
             events.append(render.text(output.result.text, usage, index=index))
         else:
@@ -205,6 +210,18 @@ class _Pieces:
             stats = speculation_stats(prepared, output.result.stats)
             events.append(render.final(reason, stats, usage, index))
         return events
+
+    def _decide(self, output: RequestOutput, usage: Usage | None) -> list[str]:
+        """Hold a tool-calling choice's text until it is known to be text (``auto`` on a
+        template that does not show tools: a first character other than ``[``); then send
+        what was held, and stream on."""
+        self.held += output.new_text
+        tools = self.prepared.tools
+        assert tools is not None
+        if tools.mode != "auto" or not tools.answers_array or self.held[:1] in ("", "["):
+            return []
+        self.texting = True
+        return [self.render.text(self.held, usage, index=self.index)]
 
 
 async def stream_events(
