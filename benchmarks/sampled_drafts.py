@@ -23,7 +23,7 @@ Run from the repository root, after ``make install`` (about 8 minutes with the d
     python benchmarks/sampled_drafts.py --seeds 1 --prompts 4
 
 It prints tokens per verifying forward per seed (how much the text itself moves the figure),
-then the table of rounds. Numbers of a run are quoted in the top-level README.
+then the table of rounds. Numbers of a run are quoted in docs/benchmarks.md.
 """
 
 from __future__ import annotations

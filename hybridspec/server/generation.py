@@ -98,6 +98,14 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
     )
     if isinstance(body, CompletionRequest):
         check(body.best_of is None or body.best_of == 1, "best_of", "only best_of = 1 is supported")
+        check(not body.suffix, "suffix", "a suffix is not supported (only null or empty)")
+    else:
+        modalities = body.modalities or []
+        check(
+            all(m == "text" for m in modalities),
+            "modalities",
+            f"only 'text' output is supported, got {modalities}",
+        )
 
 
 def _logit_bias(
@@ -150,7 +158,7 @@ def _params(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) ->
         proposer=body.proposer,
         num_speculative_tokens=body.num_speculative_tokens,
         stop=body.stop,
-        ignore_eos=body.ignore_eos,
+        ignore_eos=bool(body.ignore_eos),
         stop_token_ids=body.stop_token_ids or (),
     )
 
@@ -195,16 +203,15 @@ async def prepare(
                 params=dataclasses.replace(params, max_new_tokens=max_tokens, grammar=grammar),
                 proposer=proposer,
                 num_speculative_tokens=k,
-                stream=body.stream,
-                include_usage=options is not None and options.include_usage,
+                stream=bool(body.stream),
+                include_usage=options is not None and bool(options.include_usage),
                 continuous_usage=options is not None
-                and options.include_usage
-                and options.continuous_usage_stats,
+                and bool(options.include_usage and options.continuous_usage_stats),
                 chat=isinstance(body, ChatCompletionRequest),
                 echo_text=echo_text,
                 n=n,
                 tools=tools,
-                include_drafts=options is not None and options.include_drafts,
+                include_drafts=options is not None and bool(options.include_drafts),
             )
         )
     return prepared
@@ -296,15 +303,16 @@ async def next_output(outputs: AsyncIterator[Indexed]) -> Indexed:
 
 def answer_calls(prepared: PreparedRequest, output: RequestOutput) -> list[ToolCall] | None:
     """The tool calls a finished chat request answers with, or None for a text answer: the
-    calls of its text when it stopped, the complete ones when max_tokens cut it short."""
+    calls of its text, or, for a call cut short by max_tokens or a stop string, the calls
+    with the arguments written so far (``structured.cut_calls``; [] when cut before a name)."""
     if not prepared.calls_tools:
         return None
     assert prepared.tools is not None and output.result is not None
-    if output.finish_reason is FinishReason.STOP:
-        return tool_calls(prepared.tools, output.result.text)
-    if output.finish_reason is FinishReason.LENGTH:
-        return cut_calls(prepared.tools, output.result.text)
-    return None
+    if output.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        return None
+    text = output.result.text
+    calls = tool_calls(prepared.tools, text) if output.finish_reason is FinishReason.STOP else None
+    return calls if calls is not None else cut_calls(prepared.tools, text)
 
 
 def finish_reason(output: RequestOutput, stopped: FinishReasonName = "stop") -> FinishReasonName:
@@ -393,8 +401,8 @@ async def response_body(
             calls = answer_calls(one, output)
             if calls is not None:
                 choice["finish_reason"] = finish_reason(output, "tool_calls")
-            message = AssistantMessage(content=None, tool_calls=calls) if calls else None
-            choice["message"] = message or AssistantMessage(content=result.text)
+            content = result.text if calls is None else None
+            choice["message"] = AssistantMessage(content=content, tool_calls=calls or None)
         else:
             choice["text"] = (one.echo_text or "") + result.text
         choices.append(choice)

@@ -7,6 +7,10 @@ request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos``,
 ``repetition_penalty``, ``min_p``, ``min_tokens``, ``stop_token_ids``, ``guided_regex``,
 ``guided_grammar``. In a response: ``hybridspec`` (the request's speculation statistics, its
 choices' together; in a stream, each choice's on its final chunk).
+
+Every optional field takes null and then means its default, as OpenAI's schema allows (clients
+that send every field send nulls); a field whose default is not null says it in its
+description.
 """
 
 from __future__ import annotations
@@ -59,14 +63,14 @@ def documented(**bounds: Any) -> Any:
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = Field(default=None, description="Default false.")
     # vLLM's extension, which load generators (guidellm) send: with include_usage, every chunk
     # carries the usage so far, not only the last one.
-    continuous_usage_stats: bool = False
-    include_drafts: bool = Field(
-        default=False,
+    continuous_usage_stats: bool | None = Field(default=None, description="Default false.")
+    include_drafts: bool | None = Field(
+        default=None,
         description="Each text chunk also carries its tokens and their origin: 'tokens' on "
-        "the chunk's choice (hybridspec extension; not with tools).",
+        "the chunk's choice (hybridspec extension; not with tools). Default false.",
     )
 
 
@@ -135,7 +139,7 @@ class _SamplingFields(_Body):
         description="Choices per prompt, sharing its prefill; at most the server's batch slots "
         "(the document states them). Choice i samples with seed + i.",
     )
-    stream: bool = False
+    stream: bool | None = Field(default=None, description="Default false.")
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = documented(
         minimum=-MAX_PENALTY,
@@ -173,7 +177,9 @@ class _SamplingFields(_Body):
     min_tokens: JsonInt | None = documented(
         minimum=0, description="EOS is not generated before this many tokens (extension)."
     )
-    user: str | None = None
+    user: str | None = Field(
+        default=None, description="Accepted; sticks a session to a replica (hybridspec.deploy)."
+    )
     # hybridspec extensions
     proposer: str | None = Field(
         default=None, description="The proposer (hybridspec extension); default: the server's."
@@ -183,7 +189,9 @@ class _SamplingFields(_Body):
         maximum=MAX_SPECULATIVE_TOKENS,
         description="K, the most drafts per round (hybridspec extension).",
     )
-    ignore_eos: bool = Field(default=False, description="Generate past EOS (extension).")
+    ignore_eos: bool | None = Field(
+        default=None, description="Generate past EOS (extension). Default false."
+    )
     stop_token_ids: list[JsonInt] | None = documented(
         maxItems=MAX_STOP_TOKEN_IDS,
         items={"type": "integer", "minimum": 0},
@@ -231,7 +239,11 @@ class CompletionRequest(_SamplingFields):
         description="At most this many tokens (default 16); 0 only with echo, to score the "
         "prompt. Generation also ends when the context is full (finish_reason 'length').",
     )
-    echo: bool = False
+    echo: bool | None = Field(default=None, description="Default false.")
+    suffix: str | None = documented(
+        anyOf=[{"type": "string", "maxLength": 0}, {"type": "null"}],
+        description="Text after the completion: only null or empty is supported.",
+    )
     logprobs: JsonInt | None = documented(
         minimum=0,
         maximum=MAX_COMPLETION_LOGPROBS,
@@ -319,9 +331,11 @@ class NamedToolChoice(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``. ``store``, ``metadata``, ``service_tier`` and
-    ``parallel_tool_calls`` are documented OpenAI fields that do not change the output: they
-    are accepted (clients send them) and change nothing here."""
+    """``POST /v1/chat/completions``. ``store``, ``metadata``, ``service_tier``,
+    ``prompt_cache_key``, ``safety_identifier``, ``reasoning_effort`` and ``verbosity`` are
+    documented OpenAI fields that do not change the output here: they are accepted (clients
+    send them) and change nothing (the model does not reason; the prefix cache needs no key).
+    ``modalities`` may only ask for text."""
 
     model_config = ConfigDict(
         json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, TOP_LOGPROBS_NEED_LOGPROBS]}
@@ -336,13 +350,27 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None,
         description="'required' or a named function: the output is a call, constrained to the "
-        "functions' parameters. 'auto' (the default with tools) needs a chat template that "
-        "shows tools to the model.",
+        "functions' parameters. 'auto' (the default with tools): text or calls, as the model "
+        "decides; where the chat template does not show tools, they are described to the "
+        "model and a grammar allows either text or the array of calls.",
     )
     store: bool | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = Field(default=None, description="Default true.")
+    prompt_cache_key: str | None = Field(default=None, description="Accepted and ignored.")
+    safety_identifier: str | None = Field(default=None, description="Accepted and ignored.")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        default=None, description="Accepted; no effect (the model does not reason)."
+    )
+    verbosity: Literal["low", "medium", "high"] | None = Field(
+        default=None, description="Accepted; no effect."
+    )
+    modalities: list[str] | None = Field(
+        default=None,
+        json_schema_extra={"items": {"const": "text"}},
+        description="Only ['text'] (or null) is supported.",
+    )
 
 
 # ---------------------------------------------------------------------------- responses

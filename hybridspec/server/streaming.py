@@ -12,7 +12,9 @@ carry tokens whose text is held back, with empty text); an echoed prompt, with i
 comes first, on the first text chunk. A chat request with tools holds each choice's text
 back: at that choice's end it sends its calls (one chunk per call, OpenAI's ``tool_calls``
 delta with the call's id, name and whole arguments; finish reason ``tool_calls``) or, when it
-made none, its text.
+made none, its text. With ``auto`` on a template that does not show tools, the first character
+decides (``structured``): text streams on from there, a ``[`` is held back as calls, so a
+choice's deltas are all text or all ``tool_calls``.
 
 ``stream_events`` is independent of the web framework: it turns a request's engine outputs
 into the event strings; ``EventStreamResponse`` is the Starlette response that sends them.
@@ -171,8 +173,11 @@ class _Pieces:
     echo: str | None  # the prompt's text until it is sent
     index: int = 0  # the choice's
     offset: int = 0  # completions: the text offset of the next token
-    context: list[int] = field(default_factory=list)  # include_drafts: the last tokens sent
-    held: list[int] = field(default_factory=list)  # and those after them whose text waits
+    held: str = ""  # a choice that may call tools: its text so far, until it is known as text
+    texting: bool = False  # that choice's answer is known to be text: it streams on
+    # include_drafts: the last tokens whose text was sent, and those after them whose text waits
+    draft_context: list[int] = field(default_factory=list)
+    draft_held: list[int] = field(default_factory=list)
 
     async def chunk(self, output: RequestOutput, usage: Usage | None) -> str | None:
         """The text chunk of ``output``; None when it carries neither text nor logprobs."""
@@ -186,7 +191,7 @@ class _Pieces:
             if isinstance(logprobs, CompletionLogprobs) and logprobs.tokens:
                 self.offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         tokens = None
-        if self.prepared.include_drafts and output.new_token_ids:
+        if self.prepared.include_drafts and not self.prepared.calls_tools and output.new_token_ids:
             tokens = await self._tokens(output)
         if not text and logprobs is None and tokens is None:
             return None
@@ -196,12 +201,12 @@ class _Pieces:
         """``output``'s tokens, their texts and their origin (``include_drafts``). Tokens whose
         text is not complete yet (part of a character) are decoded again with the next ones,
         and the first of those carries their text."""
-        ids, pending = output.new_token_ids, len(self.held)
-        seq = [*self.held, *ids]
-        pieces = await self.state.prompts.decode_pieces(self.context, seq)
+        ids, pending = output.new_token_ids, len(self.draft_held)
+        seq = [*self.draft_held, *ids]
+        pieces = await self.state.prompts.decode_pieces(self.draft_context, seq)
         written = max((i + 1 for i, piece in enumerate(pieces) if piece), default=0)
-        self.context = [*self.context, *seq[:written]][-DRAFT_TEXT_CONTEXT:]
-        self.held = seq[written:]
+        self.draft_context = [*self.draft_context, *seq[:written]][-DRAFT_TEXT_CONTEXT:]
+        self.draft_held = seq[written:]
         texts = ["".join(pieces[: pending + 1]), *pieces[pending + 1 :]]
         return [
             DraftToken(
@@ -215,15 +220,16 @@ class _Pieces:
         final chunk. A choice that may call tools holds its text back until the end, then sends
         its calls (finish reason ``tool_calls``) or, when it made none, its text."""
         prepared, render, index = self.prepared, self.render, self.index
-        if prepared.calls_tools and not output.finished:
-            return []
+        holding = prepared.calls_tools and not self.texting
+        if holding and not output.finished:
+            return self._decide(output, usage)
         events = []
         reason = finish_reason(output)
         calls = answer_calls(prepared, output) if output.finished else None
         if calls is not None:
             events += render.tool_calls(calls, index)
             reason = finish_reason(output, "tool_calls")
-        elif prepared.calls_tools:
+        elif holding:
             assert output.result is not None
             events.append(render.text(output.result.text, usage, index=index))
         else:
@@ -235,6 +241,18 @@ class _Pieces:
             stats = speculation_stats(prepared, output.result.stats)
             events.append(render.final(reason, stats, usage, index))
         return events
+
+    def _decide(self, output: RequestOutput, usage: Usage | None) -> list[str]:
+        """Hold a tool-calling choice's text until it is known to be text (``auto`` on a
+        template that does not show tools: a first character other than ``[``); then send
+        what was held, and stream on."""
+        self.held += output.new_text
+        tools = self.prepared.tools
+        assert tools is not None
+        if tools.mode != "auto" or not tools.answers_array or self.held[:1] in ("", "["):
+            return []
+        self.texting = True
+        return [self.render.text(self.held, usage, index=self.index)]
 
 
 async def stream_events(

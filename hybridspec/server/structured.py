@@ -8,15 +8,21 @@ One grammar per request, from (at most one of) ``response_format`` ``json_object
 - ``required``: a JSON array of one or more calls (one when ``parallel_tool_calls`` is false),
   each ``{"name": <one of the tools>, "arguments": <that tool's parameters>}``;
 - a named function: the output is that function's arguments, a JSON object of its parameters;
-- ``auto`` (the default with tools): free text, where the model's chat template shows the tools
-  to the model, and a call is returned when the text is one (Hermes' ``<tool_call>`` blocks or
-  the ``required`` format); a template that does not show tools is refused (400), as the model
-  could not know them;
+- ``auto`` (the default with tools), where the model's chat template shows the tools: free
+  text, and a call is returned when the text is one (Hermes' ``<tool_call>`` blocks or the
+  ``required`` format);
+- ``auto`` where the template does not show tools (SmolLM2's): either text that does not start
+  with ``[`` or whitespace, or the ``required`` array (``AUTO_TEXT``, joined to the array's
+  grammar), so the model decides and every answer parses: an answer that starts with ``[`` is
+  calls, any other is text;
 - ``none``: free text, no call.
 
-With ``required`` or a named function and a template that does not show tools, the tools are
-described to the model in a system message instead (``tool_messages``): the grammar forces the
-call's form, the description says what the functions are for.
+Where the template does not show tools, a constrained request's tools are described to the
+model in a system message instead (``tool_messages``): the grammar forces the call's form, the
+description says what the functions are for (and, for ``auto``, how to call one).
+
+A forced call cut short (by max_tokens or a stop string) is answered as OpenAI answers it: the
+calls with the arguments written so far (``cut_calls``).
 """
 
 from __future__ import annotations
@@ -49,6 +55,18 @@ def _require(condition: bool, param: str, message: str) -> None:
 
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+# A call of the ``required`` array, cut short: its name so far, whether the name is complete,
+# and its arguments so far (the grammar writes JSON with ``", "`` and ``": "``).
+CUT_CALL = re.compile(
+    r'\{"name": "(?P<name>[^"]*)(?P<closed>")?(?:, "arguments": (?P<args>.*))?', re.DOTALL
+)
+# ``auto`` without a template that shows tools: a text answer is empty or starts with anything
+# but ``[`` (which starts the call array) or whitespace (which would hide it).
+AUTO_TEXT = r'root ::= "" | [^\[ \t\r\n] [^]*'
+AUTO_INSTRUCTION = (
+    'To call functions, answer with only a JSON array of calls: [{"name": <a function>, '
+    '"arguments": <its arguments>}]. Otherwise answer in text.'
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +76,18 @@ class ToolPlan:
     mode: ToolMode
     tools: tuple[Tool, ...]
     named: str | None = None  # the function of a named tool_choice
+    shown: bool = False  # the chat template shows the tools to the model
 
     @property
     def constrains(self) -> bool:
-        """True when the output is a call (``required`` or a named function)."""
-        return self.mode in ("required", "named")
+        """True when a grammar shapes the output: ``required``, a named function, or ``auto``
+        where the template does not show the tools (text or the call array)."""
+        return self.mode in ("required", "named") or (self.mode == "auto" and not self.shown)
+
+    @property
+    def answers_array(self) -> bool:
+        """True when a call answer is the ``required`` array of calls."""
+        return self.mode == "required" or (self.mode == "auto" and not self.shown)
 
     def schemas(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's ``tools`` entries)."""
@@ -78,20 +103,12 @@ def tool_plan(body: ChatCompletionRequest, renders_tools: bool) -> ToolPlan | No
     names = [tool.function.name for tool in body.tools]
     _require(len(set(names)) == len(names), "tools", f"function names repeat: {names}")
     if choice is None or isinstance(choice, str):
-        mode: ToolMode = choice or "auto"
-        if mode == "auto" and not renders_tools:
-            raise GrammarError(
-                "tool_choice: 'auto' needs a chat template that shows tools to the model, and "
-                "this model's does not; use tool_choice 'required' or a named function (the "
-                "output is then constrained to a call)",
-                "tool_choice",
-            )
-        return ToolPlan(mode, tuple(body.tools))
+        return ToolPlan(choice or "auto", tuple(body.tools), shown=renders_tools)
     named = choice.function.name
     _require(
         named in names, "tool_choice", f"names {named!r}, which is not among the tools {names}"
     )
-    return ToolPlan("named", tuple(body.tools), named)
+    return ToolPlan("named", tuple(body.tools), named, shown=renders_tools)
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:
@@ -126,7 +143,11 @@ def grammar_of(
         specs["guided_grammar"] = GrammarSpec("grammar", body.guided_grammar)
     if tools is not None and tools.constrains:
         parallel = isinstance(body, ChatCompletionRequest) and body.parallel_tool_calls is not False
-        specs["tool_choice"] = GrammarSpec("json_schema", json.dumps(_call_schema(tools, parallel)))
+        calls = json.dumps(_call_schema(tools, parallel))
+        if tools.mode == "auto":
+            specs["tool_choice"] = GrammarSpec("grammar", _text_or_calls(calls))
+        else:
+            specs["tool_choice"] = GrammarSpec("json_schema", calls)
     _require(
         len(specs) <= 1,
         sorted(specs)[-1] if specs else "response_format",
@@ -157,6 +178,20 @@ def _call_schema(tools: ToolPlan, parallel: bool) -> dict[str, Any]:
     return schema
 
 
+def _text_or_calls(schema: str) -> str:
+    """The EBNF grammar of ``auto`` without a template that shows tools: ``AUTO_TEXT`` or the
+    call array of ``schema``, in the compact JSON that ``verifier.grammar`` compiles."""
+    import xgrammar as xgr  # on first use, as verifier.grammar does
+
+    try:
+        calls = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    except Exception as exc:  # xgrammar's errors have no common base class
+        raise GrammarError(
+            f"tools: the functions' parameters do not compile: {exc}", "tools"
+        ) from None
+    return str(xgr.Grammar.union(calls, xgr.Grammar.from_ebnf(AUTO_TEXT)))
+
+
 def tool_messages(
     messages: list[ChatMessage], tools: ToolPlan | None, renders_tools: bool
 ) -> list[dict[str, Any]]:
@@ -183,8 +218,10 @@ def tool_messages(
         out.append(entry)
     if tools is not None and tools.constrains and not renders_tools:
         functions = [tool.function.model_dump(exclude_none=True) for tool in tools.tools]
-        described = json.dumps(functions, separators=(",", ":"))
-        out.insert(0, {"role": "system", "content": f"You can call these functions: {described}"})
+        described = f"You can call these functions: {json.dumps(functions, separators=(',', ':'))}"
+        if tools.mode == "auto":
+            described += f" {AUTO_INSTRUCTION}"
+        out.insert(0, {"role": "system", "content": described})
     return out
 
 
@@ -197,30 +234,34 @@ def _call_dict(call: ToolCall) -> dict[str, Any]:
 
 
 def tool_calls(tools: ToolPlan, text: str) -> list[ToolCall] | None:
-    """The calls that ``text`` makes, or None when it makes none (free text, or output cut
-    short by max_tokens)."""
+    """The calls that ``text`` makes, or None when it makes none (free text, or a call cut
+    short: ``cut_calls``)."""
     try:
         if tools.mode == "named":
             assert tools.named is not None
             return [_tool_call(tools.named, json.loads(text))]
-        if tools.mode == "required":
+        if tools.answers_array and (tools.mode == "required" or text.startswith("[")):
             return [_tool_call(call["name"], call["arguments"]) for call in json.loads(text)]
     except (json.JSONDecodeError, KeyError, TypeError):
         return None
-    if tools.mode == "auto":
+    if tools.mode == "auto" and tools.shown:
         return _free_calls(tools, text)
     return None
 
 
 def cut_calls(tools: ToolPlan, text: str) -> list[ToolCall] | None:
-    """The complete calls at the head of a ``required`` array that max_tokens cut short, or
-    None when there is none. A small model may repeat calls until its budget runs out; the
-    calls it finished are still calls (the answer keeps finish reason ``length``)."""
-    if tools.mode != "required":
-        return None
+    """The calls of a forced call cut short (by max_tokens or a stop string), as OpenAI
+    answers one: the complete calls, then the cut one with its arguments written so far (a
+    prefix of JSON). [] when it was cut before its function's name was known; None when the
+    output is not a call (an ``auto`` text answer)."""
+    if tools.mode == "named":
+        assert tools.named is not None
+        return [_raw_call(tools.named, text)]
+    if not tools.answers_array or not text.startswith("["):
+        return None if tools.mode != "required" else []
     decoder, calls = json.JSONDecoder(), []
-    position = text.find("[") + 1
-    while position > 0:
+    position = 1
+    while True:
         try:
             call, end = decoder.raw_decode(text, _skip_space(text, position))
             calls.append(_tool_call(call["name"], call["arguments"]))
@@ -228,9 +269,16 @@ def cut_calls(tools: ToolPlan, text: str) -> list[ToolCall] | None:
             break
         position = _skip_space(text, end)
         if not text.startswith(",", position):
-            break
+            return calls
         position += 1
-    return calls or None
+    cut = CUT_CALL.match(text, _skip_space(text, position))
+    if cut is not None:
+        names = [t.function.name for t in tools.tools if t.function.name.startswith(cut["name"])]
+        if cut["closed"] or len(names) == 1:
+            # The grammar allows only the tools' names: a prefix of one of them is that one.
+            name = cut["name"] if cut["closed"] else names[0]
+            calls.append(_raw_call(name, cut["args"] or ""))
+    return calls
 
 
 def _skip_space(text: str, position: int) -> int:
@@ -256,7 +304,11 @@ def _free_calls(tools: ToolPlan, text: str) -> list[ToolCall] | None:
 
 
 def _tool_call(name: str, arguments: Any) -> ToolCall:
+    return _raw_call(name, json.dumps(arguments))
+
+
+def _raw_call(name: str, arguments: str) -> ToolCall:
+    """A call whose ``arguments`` are JSON text as written (a cut call's: a prefix of it)."""
     return ToolCall(
-        id=f"call_{uuid.uuid4().hex[:24]}",
-        function=FunctionCall(name=name, arguments=json.dumps(arguments)),
+        id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments)
     )

@@ -27,8 +27,8 @@ from hybridspec.types import GenerationStats
 from tests.server.conftest import AppFactory
 from tests.server.helpers import metric, parse_metrics
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-METRICS = {  # name: type, as documented in README.md
+README = Path(__file__).resolve().parents[2] / "docs" / "server.md"
+METRICS = {  # name: type, as documented in docs/server.md
     "hybridspec_http_requests_total": "counter",
     "hybridspec_requests_finished_total": "counter",
     "hybridspec_prompt_tokens_total": "counter",
@@ -54,7 +54,7 @@ def test_metric_names_and_types_are_kept_and_documented() -> None:
     assert exposed_types(text) == METRICS
     readme = README.read_text()
     for name in METRICS:
-        assert f"`{name}`" in readme, f"{name} is not documented in README.md"
+        assert f"`{name}`" in readme, f"{name} is not documented in docs/server.md"
 
 
 def test_mean_accepted_length_pools_tokens_over_forwards() -> None:
