@@ -47,7 +47,7 @@ from hybridspec.server.protocol import (
 NAME_PATTERN = "^[a-zA-Z0-9_-]{1,64}$"
 
 
-def _check_name(name: str | None, field: str) -> None:
+def check_name(name: str | None, field: str) -> None:
     check(
         name is None or re.search(NAME_PATTERN, name) is not None,
         field,
@@ -166,9 +166,9 @@ class ResponsesRequest(_Body):
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion that answers ``body``."""
     for index, tool in enumerate(body.tools or ()):
-        _check_name(tool.name, f"tools[{index}].name")
+        check_name(tool.name, f"tools[{index}].name")
     if body.text is not None and body.text.format is not None:
-        _check_name(body.text.format.name, "text.format.name")
+        check_name(body.text.format.name, "text.format.name")
     messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     if isinstance(body.input, str):
         messages.append(ChatMessage(role="user", content=body.input))

@@ -27,6 +27,7 @@ from hybridspec.server.protocol import (
     Tool,
     _Body,
 )
+from hybridspec.server.responses import check_name
 from hybridspec.server.state import State
 from hybridspec.server.structured import tool_plan
 
@@ -97,6 +98,8 @@ def _decode(tokenizer: Any, token_ids: list[int]) -> str:
 
 async def _chat_token_ids(body: TokenizeChatRequest, state: State) -> list[int]:
     """The messages' token ids as the chat route tokenizes them (its checks included)."""
+    for index, tool in enumerate(body.tools or ()):
+        check_name(tool.function.name, f"tools[{index}].function.name")  # the document's pattern
     chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
     renders = state.prompts.renders_tools
     (prompt,) = prompts_of(chat, tool_plan(chat, renders), renders)
