@@ -25,6 +25,7 @@ from hybridspec.engine import Engine, EngineLoop, warm_up
 from hybridspec.server.cluster import Cluster
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.errors import install_error_handlers
+from hybridspec.server.grammars import GrammarPool
 from hybridspec.server.metrics import ServerMetrics
 from hybridspec.server.middleware import (
     ApiKeyMiddleware,
@@ -90,13 +91,17 @@ def create_app(
         steps["load"] = time.perf_counter() - start
         loop: EngineLoop | None = None
         prompts: PromptEncoder | None = None
+        grammars: GrammarPool | None = None
         started = False
         try:
             steps["warm-up"] = warm_up(engine)
             model = ModelInfo.from_engine(engine, server_config)  # before the loop's thread runs
             prompts = prompt_encoder(engine, server_config)
+            grammars = GrammarPool(engine.grammars, server_config.grammar_timeout_s)
             loop = EngineLoop(engine)
-            state = ServerState(server_config, loop, model, metrics, prompts, cluster=cluster)
+            state = ServerState(
+                server_config, loop, model, metrics, prompts, grammars, cluster=cluster
+            )
             app.state.server = state
             if cluster is not None:
                 await cluster.start(lambda: metrics_snapshot(state))
@@ -108,6 +113,8 @@ def create_app(
                 await cluster.stop()
             if prompts is not None:
                 prompts.close()
+            if grammars is not None:
+                grammars.close()
             if loop is not None:
                 await _stop(loop)
             engine.close()

@@ -17,6 +17,7 @@ from hybridspec.engine import Engine, EngineLoop
 from hybridspec.errors import InvalidRequestError, UnknownModelError
 from hybridspec.server.cluster import Cluster
 from hybridspec.server.config import ServerConfig
+from hybridspec.server.grammars import GrammarPool
 from hybridspec.server.logprobs import TokenTexts
 from hybridspec.server.metrics import ServerMetrics
 from hybridspec.server.prompts import PromptEncoder
@@ -98,6 +99,7 @@ class ServerState:
     model: ModelInfo
     metrics: ServerMetrics
     prompts: PromptEncoder
+    grammars: GrammarPool  # compiles requests' grammars on worker threads
     token_texts: TokenTexts = field(default_factory=TokenTexts)  # for logprobs
     cluster: Cluster | None = None
 
