@@ -32,6 +32,7 @@ from hybridspec.server.middleware import (
     BodySizeLimitMiddleware,
     RequestCountingMiddleware,
     RouteTemplates,
+    TimeoutMiddleware,
 )
 from hybridspec.server.openapi import install_openapi
 from hybridspec.server.prompts import PromptEncoder, longest_token_chars
@@ -121,11 +122,16 @@ def create_app(
 
     app = FastAPI(title="hybridspec", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app, server_config.retry_after_s)
-    # Added innermost first: counting, then the key, then the body cap run before routing.
+    # Added innermost first: counting, timeouts, the key, then the body cap run before routing.
     templates = RouteTemplates(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=server_config.max_body_bytes)
     if server_config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=server_config.api_key, templates=templates)
+    app.add_middleware(
+        TimeoutMiddleware,
+        read_timeout_s=server_config.request_read_timeout_s,
+        write_timeout_s=server_config.stream_write_timeout_s,
+    )
     app.add_middleware(RequestCountingMiddleware, metrics=metrics, templates=templates)
     for router in ROUTERS:
         app.include_router(router)

@@ -21,6 +21,7 @@ from hybridspec.server.grammars import GrammarPool
 from hybridspec.server.logprobs import TokenTexts
 from hybridspec.server.metrics import ServerMetrics
 from hybridspec.server.prompts import PromptEncoder
+from hybridspec.server.shutdown import Shutdown
 
 T = TypeVar("T")
 
@@ -102,6 +103,7 @@ class ServerState:
     grammars: GrammarPool  # compiles requests' grammars on worker threads
     token_texts: TokenTexts = field(default_factory=TokenTexts)  # for logprobs
     cluster: Cluster | None = None
+    shutdown: Shutdown = field(default_factory=Shutdown)  # server.shutdown
 
     async def engine_call(self, fn: Callable[[Engine], T], timeout_s: float | None = None) -> T:
         """Run ``fn(engine)`` on the engine thread between steps (snapshots for /health)."""
