@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hybridspec.engine import Engine, FinishReason, RequestOutput
+from hybridspec.engine import Engine, EngineLoop, FinishReason, RequestOutput
 from hybridspec.errors import CapacityError
 
 if TYPE_CHECKING:
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
-    from hybridspec.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +82,8 @@ def _num_unfinished(engine: Engine) -> int:
     return engine.num_running + engine.num_waiting
 
 
-async def drain(state: ServerState, timeout_s: float) -> None:
+async def drain(shutdown: Shutdown, loop: EngineLoop, timeout_s: float) -> None:
     """Steps 2-4 of the module docstring."""
-    shutdown, loop = state.shutdown, state.loop
     shutdown.started = True
     deadline = time.monotonic() + timeout_s
     for request_id in await loop.call(_waiting):
@@ -106,7 +104,7 @@ def begin_shutdown(app: FastAPI) -> asyncio.Task[None] | None:
     state = getattr(app.state, "server", None)
     if state is None or state.shutdown.started:
         return None
-    return asyncio.ensure_future(drain(state, state.config.shutdown_timeout_s))
+    return asyncio.ensure_future(drain(state.shutdown, state.loop, state.config.shutdown_timeout_s))
 
 
 def draining_server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:

@@ -171,10 +171,12 @@ def test_sigterm_ends_streams_with_done_and_queued_requests_with_json_503(
     results: dict[int, tuple[int, str, str]] = {}
 
     def run(i: int, url: str) -> None:
-        with httpx.Client(base_url=url, timeout=30) as client:
-            with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                text = "".join(f"{line}\n" for line in response.iter_lines())
-                results[i] = (response.status_code, response.headers["content-type"], text)
+        with (
+            httpx.Client(base_url=url, timeout=30) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as response,
+        ):
+            text = "".join(f"{line}\n" for line in response.iter_lines())
+            results[i] = (response.status_code, response.headers["content-type"], text)
 
     with serving(tiny_model, tiny_model_dir, SlowEngine, shutdown_timeout_s=1.0) as (
         url,
@@ -196,7 +198,8 @@ def test_sigterm_ends_streams_with_done_and_queued_requests_with_json_503(
     assert len(streams) == 4 and len(refused) == 4, [r[:2] for r in results.values()]
     for _, _, text in streams:
         lines = [line for line in text.splitlines() if line]
-        assert lines[-1] == "data: [DONE]" and "shutting" in lines[-2] or "shutdown" in lines[-2]
+        assert lines[-1] == "data: [DONE]" and "shutdown timeout" in lines[-2]
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "overloaded"
     for status, content_type, text in refused:
         assert status == 503 and content_type == "application/json"
         assert json.loads(text)["error"]["code"] == "overloaded"
