@@ -23,6 +23,7 @@ from hybridspec.verifier.grammar_bounds import MAX_OPTIONAL, MAX_PROPERTIES
 from tests.server.conftest import TINY_MODEL_NAME, tiny_engine_config
 
 USER = [{"role": "user", "content": "Hi"}]
+JSON = {"content-type": "application/json"}
 
 
 def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
@@ -191,3 +192,11 @@ def test_a_grammar_after_refusals_still_serves(client: TestClient) -> None:
     )
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+def test_schemathesis_found_regex_is_not_a_500(client: TestClient) -> None:
+    """The surrogate pair schemathesis sent as ``guided_regex`` (issue 39): one character."""
+    body = b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, '
+    body += b'"guided_regex": "\\uda21\\udc62"}'
+    response = client.post("/v1/chat/completions", content=body, headers=JSON)
+    assert response.status_code in (200, 400), response.text
