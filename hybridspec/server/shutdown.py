@@ -12,6 +12,10 @@ On SIGTERM (or SIGINT) ``DrainingServer`` starts ``drain`` before uvicorn's own 
 
 uvicorn's own graceful timeout is one second longer, a backstop that cancels what is left; the
 process exits within the timeout plus about a second.
+
+The same server bounds each connection's kernel send buffer (``SEND_BUFFER_BYTES``), so that a
+client that stops reading blocks the server's writes after a bounded amount of its stream, and
+``middleware.TimeoutMiddleware``'s write timeout then aborts it.
 """
 
 from __future__ import annotations
@@ -28,8 +32,6 @@ from hybridspec.engine import Engine, EngineLoop, FinishReason, RequestOutput
 from hybridspec.errors import CapacityError
 
 if TYPE_CHECKING:
-    import socket
-
     import uvicorn
     from fastapi import FastAPI
 
@@ -38,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 Indexed = tuple[int, RequestOutput]
 POLL_S = 0.05
+# A connection's kernel send buffer (Linux doubles it): without a bound the kernel grows it to
+# megabytes, which an unread stream fills for minutes before the write timeout can see it.
+SEND_BUFFER_BYTES = 64 * 1024
 
 
 class ServerShuttingDown(CapacityError):
@@ -107,11 +112,23 @@ def begin_shutdown(app: FastAPI) -> asyncio.Task[None] | None:
     return asyncio.ensure_future(drain(state.shutdown, state.loop, state.config.shutdown_timeout_s))
 
 
-def draining_server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
-    """A uvicorn server that drains ``app`` (``drain``) before its own shutdown."""
+def draining_server(
+    config: uvicorn.Config, app: FastAPI, send_buffer_bytes: int = SEND_BUFFER_BYTES
+) -> uvicorn.Server:
+    """A uvicorn server that drains ``app`` (``drain``) before its own shutdown, and whose
+    connections have a send buffer of ``send_buffer_bytes`` (module docstring)."""
+    import socket
+
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            if sockets is None and self.config.uds is None and self.config.fd is None:
+                listener = self.config.bind_socket()  # accepted connections inherit the size
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+                sockets = [listener]
+            await super().startup(sockets)
+
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             begin_shutdown(app)
             await super().shutdown(sockets)
