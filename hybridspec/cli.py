@@ -399,6 +399,8 @@ def uvicorn_config(config: ServerConfig, app: FastAPI, log_level: str) -> uvicor
     """uvicorn's configuration for serving ``app`` as ``config`` says (address, TLS)."""
     import uvicorn
 
+    from hybridspec.server.connections import header_deadline_protocol
+
     return uvicorn.Config(
         app,
         host=config.host,
@@ -407,6 +409,7 @@ def uvicorn_config(config: ServerConfig, app: FastAPI, log_level: str) -> uvicor
         # The app ends its requests at shutdown_timeout_s (server.shutdown); this is a backstop.
         timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s) + 1,
         timeout_keep_alive=math.ceil(config.keep_alive_timeout_s),
+        http=header_deadline_protocol(config.request_read_timeout_s),
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile,
         ssl_keyfile_password=config.ssl_keyfile_password,

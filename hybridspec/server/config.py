@@ -38,8 +38,9 @@ class ServerConfig:
     ssl_keyfile_password: str | None = field(default=None, repr=False)
     # Robustness (docs/reliability.md): a grammar must compile within grammar_timeout_s (else
     # 400); at shutdown, running requests get shutdown_timeout_s to finish; a stream whose
-    # client reads nothing for stream_write_timeout_s is aborted; a request body must arrive
-    # within request_read_timeout_s (else 408); an idle keep-alive connection is closed after
+    # client reads nothing for stream_write_timeout_s is aborted; a request's headers, and its
+    # body, must each arrive within request_read_timeout_s (else the connection is closed, or a
+    # 408 for the body); an idle keep-alive connection is closed after
     # keep_alive_timeout_s.
     grammar_timeout_s: float = 5.0
     shutdown_timeout_s: float = 10.0

@@ -27,6 +27,7 @@ from hybridspec.config import EngineConfig, ModelConfig
 from hybridspec.engine import Engine
 from hybridspec.model.loader import LoadedModel
 from hybridspec.server import ServerConfig, create_app
+from hybridspec.server.connections import header_deadline_protocol
 from hybridspec.server.middleware import TimeoutMiddleware
 from hybridspec.server.shutdown import draining_server
 from tests.server.conftest import TINY_MODEL_NAME, free_port
@@ -66,7 +67,12 @@ def serving(
     timeout = int(config.shutdown_timeout_s) + 1
     server = draining_server(
         uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="error", timeout_graceful_shutdown=timeout
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="error",
+            timeout_graceful_shutdown=timeout,
+            http=header_deadline_protocol(config.request_read_timeout_s),
         ),
         app,
     )
@@ -220,6 +226,21 @@ def test_a_body_that_does_not_arrive_gets_a_408(
             answer = sock.recv(4096)
         assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
         assert b"request_timeout" in answer and time.monotonic() - start < 5
+
+
+@pytest.mark.skipif(header_deadline_protocol(1) == "auto", reason="needs httptools")
+def test_headers_that_do_not_arrive_close_the_connection(
+    tiny_model: LoadedModel, tiny_model_dir: Path
+) -> None:
+    with serving(tiny_model, tiny_model_dir, request_read_timeout_s=0.5) as (url, _, _):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            start = time.monotonic()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+            assert sock.recv(4096) == b""  # closed by the server
+            assert time.monotonic() - start < 5
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:
+            assert idle.recv(4096) == b""  # a connection that sends nothing is closed too
 
 
 def test_a_response_the_client_does_not_read_is_cut_and_its_stream_closed() -> None:
