@@ -68,7 +68,8 @@ def bitmask_of(tokens: Iterable[int], vocab_size: int) -> torch.Tensor:
 
 class Grammars:
     """Compiles ``GrammarSpec``s against one tokenizer; xgrammar keeps the compiled grammars
-    in a cache of at most ``cache_bytes`` (least recently used first out). Safe to call from
+    in a cache of ``cache_bytes`` (least recently used first out; it evicts after adding, so
+    it may pass the bound by up to one grammar). Safe to call from
     several threads at once (the server compiles on worker threads: ``server.grammars``);
     sources beyond ``verifier.grammar_bounds`` are refused before compiling.
 
