@@ -53,13 +53,7 @@ from hybridspec.server.protocol import (
     Usage,
 )
 from hybridspec.server.state import ServerState
-from hybridspec.server.structured import (
-    ToolPlan,
-    constraint_of,
-    cut_calls,
-    tool_calls,
-    tool_plan,
-)
+from hybridspec.server.structured import ToolPlan, constraint_of, cut_calls, tool_calls, tool_plan
 from hybridspec.types import GenerationStats
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -184,8 +178,8 @@ async def prepare(
     n = body.n if body.n is not None else 1
     check_choices(n, len(prompts), state.model.max_choices, state.model.max_queue_size)
     params = _params(body, state.model.vocab_size)
-    field, spec = constraint_of(body, tools)
-    grammar = await state.grammars.compile(spec, field)  # on worker threads, with a deadline
+    param, spec = constraint_of(body, tools)
+    grammar = await state.grammars.compile(spec, param)  # on worker threads, with a deadline
     proposer = state.model.resolve_proposer(params.proposer)
     k = params.num_speculative_tokens or state.model.default_num_speculative_tokens
     options = body.stream_options
