@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -302,6 +303,7 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         help="longer prompts get a 400, far longer ones before they are tokenized "
         "(default: the context but one token)",
     )
+    _add_reliability_options(serve)
     tls = serve.add_argument_group("TLS (passed to uvicorn; without a certificate: plain HTTP)")
     tls.add_argument("--ssl-certfile", default=None, help="certificate chain, PEM")
     tls.add_argument("--ssl-keyfile", default=None, help="its private key, PEM")
@@ -332,9 +334,47 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     serve.set_defaults(run=_serve)
 
 
+def _add_reliability_options(serve: argparse.ArgumentParser) -> None:
+    """Bounds in time and memory (docs/reliability.md)."""
+    group = serve.add_argument_group("reliability (docs/reliability.md)")
+    defaults = SERVER_DEFAULTS
+    for flag, default, text in (
+        ("--grammar-timeout", defaults.grammar_timeout_s, "a grammar compiling longer: 400"),
+        (
+            "--shutdown-timeout",
+            defaults.shutdown_timeout_s,
+            "at SIGTERM, running requests get this long to finish; then streams end with an "
+            "error event and [DONE]",
+        ),
+        (
+            "--stream-write-timeout",
+            defaults.stream_write_timeout_s,
+            "a stream whose client reads nothing this long is aborted, its slot freed",
+        ),
+        (
+            "--request-read-timeout",
+            defaults.request_read_timeout_s,
+            "a request body not received within this: 408",
+        ),
+        ("--keep-alive-timeout", defaults.keep_alive_timeout_s, "idle connections are closed"),
+    ):
+        group.add_argument(flag, type=float, default=default, help=f"{text} (default {default} s)")
+    group.add_argument(
+        "--grammar-cache-mb",
+        type=int,
+        default=ENGINE_DEFAULTS.grammar_cache_mb,
+        help="compiled grammars kept for reuse, in MiB, least recently used out "
+        f"(default {ENGINE_DEFAULTS.grammar_cache_mb})",
+    )
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The server's configuration from the options of ``serve``."""
-    engine = dataclasses.replace(engine_config(args), max_queue_size=args.max_queue_size)
+    engine = dataclasses.replace(
+        engine_config(args),
+        max_queue_size=args.max_queue_size,
+        grammar_cache_mb=args.grammar_cache_mb,
+    )
     return dataclasses.replace(
         SERVER_DEFAULTS,
         engine=engine,
@@ -347,6 +387,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         ssl_keyfile_password=args.ssl_keyfile_password,
+        grammar_timeout_s=args.grammar_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        stream_write_timeout_s=args.stream_write_timeout,
+        request_read_timeout_s=args.request_read_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
     )
 
 
@@ -354,12 +399,17 @@ def uvicorn_config(config: ServerConfig, app: FastAPI, log_level: str) -> uvicor
     """uvicorn's configuration for serving ``app`` as ``config`` says (address, TLS)."""
     import uvicorn
 
+    from hybridspec.server.connections import header_deadline_protocol
+
     return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         log_level=log_level,
-        timeout_graceful_shutdown=5,
+        # The app ends its requests at shutdown_timeout_s (server.shutdown); this is a backstop.
+        timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s) + 1,
+        timeout_keep_alive=math.ceil(config.keep_alive_timeout_s),
+        http=header_deadline_protocol(config.request_read_timeout_s),
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile,
         ssl_keyfile_password=config.ssl_keyfile_password,
@@ -368,9 +418,9 @@ def uvicorn_config(config: ServerConfig, app: FastAPI, log_level: str) -> uvicor
 
 def _serve(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    import uvicorn
 
     from hybridspec.server.app import create_app
+    from hybridspec.server.shutdown import draining_server
 
     import_s = time.perf_counter() - start
     # The server's own lines (the one ``ready:`` line at start) at uvicorn's level; the
@@ -385,9 +435,8 @@ def _serve(args: argparse.Namespace) -> int:
         return serve_replicas(
             config, args.replicas, ray_address=args.ray_address, log_level=args.log_level
         )
-    server = uvicorn.Server(
-        uvicorn_config(config, create_app(config, import_s=import_s), args.log_level)
-    )
+    app = create_app(config, import_s=import_s)
+    server = draining_server(uvicorn_config(config, app, args.log_level), app)
     server.run()
     return 0 if server.started else 1
 

@@ -187,6 +187,8 @@ class EngineConfig:
     # Verifying one more token, relative to a forward's fixed cost. The default was measured on
     # the development CPU; None times it at start-up (seeded sampled outputs then vary by machine).
     verify_token_cost: float | None = DEFAULT_VERIFY_TOKEN_COST
+    # The compiled structured-output grammars kept for reuse, in MiB (least recently used out).
+    grammar_cache_mb: int = 64
 
     def __post_init__(self) -> None:
         check(
@@ -216,6 +218,11 @@ class EngineConfig:
             _is_int(self.max_queue_size) and self.max_queue_size >= 1,
             "max_queue_size",
             f"expected an integer >= 1, got {self.max_queue_size!r}",
+        )
+        check(
+            _is_int(self.grammar_cache_mb) and self.grammar_cache_mb >= 0,
+            "grammar_cache_mb",
+            f"expected an integer >= 0, got {self.grammar_cache_mb!r}",
         )
         check(
             _is_int(self.prefill_chunk_size) and self.prefill_chunk_size >= 16,

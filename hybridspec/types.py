@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -179,6 +179,9 @@ class GrammarSpec:
 
     kind: GrammarKind
     source: str = ""
+    # The grammar compiled ahead (``verifier.grammar.Grammars.compile``, on a worker thread),
+    # so that the engine thread only builds its matcher; not part of the spec's identity.
+    compiled: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check(

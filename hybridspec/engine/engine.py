@@ -176,7 +176,8 @@ class Engine:
         )
         if self._grammars is None:
             eos = sorted(self.eos_token_ids)
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, eos)
+            cache_bytes = self.config.grammar_cache_mb * 1024 * 1024
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, eos, cache_bytes)
         return self._grammars
 
     # ------------------------------------------------------------------ requests

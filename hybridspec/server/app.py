@@ -25,12 +25,14 @@ from hybridspec.engine import Engine, EngineLoop, warm_up
 from hybridspec.server.cluster import Cluster
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.errors import install_error_handlers
+from hybridspec.server.grammars import GrammarPool
 from hybridspec.server.metrics import ServerMetrics
 from hybridspec.server.middleware import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
     RequestCountingMiddleware,
     RouteTemplates,
+    TimeoutMiddleware,
 )
 from hybridspec.server.openapi import install_openapi
 from hybridspec.server.prompts import PromptEncoder, longest_token_chars
@@ -90,13 +92,17 @@ def create_app(
         steps["load"] = time.perf_counter() - start
         loop: EngineLoop | None = None
         prompts: PromptEncoder | None = None
+        grammars: GrammarPool | None = None
         started = False
         try:
             steps["warm-up"] = warm_up(engine)
             model = ModelInfo.from_engine(engine, server_config)  # before the loop's thread runs
             prompts = prompt_encoder(engine, server_config)
+            grammars = GrammarPool(engine.grammars, server_config.grammar_timeout_s)
             loop = EngineLoop(engine)
-            state = ServerState(server_config, loop, model, metrics, prompts, cluster=cluster)
+            state = ServerState(
+                server_config, loop, model, metrics, prompts, grammars, cluster=cluster
+            )
             app.state.server = state
             if cluster is not None:
                 await cluster.start(lambda: metrics_snapshot(state))
@@ -108,17 +114,24 @@ def create_app(
                 await cluster.stop()
             if prompts is not None:
                 prompts.close()
+            if grammars is not None:
+                grammars.close()
             if loop is not None:
                 await _stop(loop)
             engine.close()
 
     app = FastAPI(title="hybridspec", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app, server_config.retry_after_s)
-    # Added innermost first: counting, then the key, then the body cap run before routing.
+    # Added innermost first: counting, timeouts, the key, then the body cap run before routing.
     templates = RouteTemplates(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=server_config.max_body_bytes)
     if server_config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=server_config.api_key, templates=templates)
+    app.add_middleware(
+        TimeoutMiddleware,
+        read_timeout_s=server_config.request_read_timeout_s,
+        write_timeout_s=server_config.stream_write_timeout_s,
+    )
     app.add_middleware(RequestCountingMiddleware, metrics=metrics, templates=templates)
     for router in ROUTERS:
         app.include_router(router)

@@ -36,6 +36,17 @@ class ServerConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_keyfile_password: str | None = field(default=None, repr=False)
+    # Robustness (docs/reliability.md): a grammar must compile within grammar_timeout_s (else
+    # 400); at shutdown, running requests get shutdown_timeout_s to finish; a stream whose
+    # client reads nothing for stream_write_timeout_s is aborted; a request's headers, and its
+    # body, must each arrive within request_read_timeout_s (else the connection is closed, or a
+    # 408 for the body); an idle keep-alive connection is closed after
+    # keep_alive_timeout_s.
+    grammar_timeout_s: float = 5.0
+    shutdown_timeout_s: float = 10.0
+    stream_write_timeout_s: float = 30.0
+    request_read_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         check(
@@ -85,6 +96,19 @@ class ServerConfig:
             "max_prompt_tokens",
             f"expected None or an integer >= 1, got {self.max_prompt_tokens!r}",
         )
+        for name in (
+            "grammar_timeout_s",
+            "shutdown_timeout_s",
+            "stream_write_timeout_s",
+            "request_read_timeout_s",
+            "keep_alive_timeout_s",
+        ):
+            value = getattr(self, name)
+            check(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                name,
+                f"expected a positive number of seconds, got {value!r}",
+            )
         self._check_tls()
 
     def _check_tls(self) -> None:

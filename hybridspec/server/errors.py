@@ -12,7 +12,8 @@ InvalidRequestError                 400     invalid_request_error    invalid_val
 RequestValidationError (pydantic)   400     invalid_request_error    invalid_type / ...
 CapacityError                       503     server_error             overloaded (Retry-After)
 ClientDisconnected                  499     invalid_request_error    client_disconnected
-HTTPException (404 route, 405...)   as is   invalid_request_error    None
+HTTPException (404 route, 405...)   as is   invalid_request_error    None (400: invalid_json,
+                                                                     408: request_timeout)
 GenerationFailed, any other         500     server_error             internal_error
 ==================================  ======  =======================  =====================
 
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 # Engine parameter names that the OpenAI schema spells differently.
 PARAM_NAMES = {"max_new_tokens": "max_tokens"}
 CLIENT_CLOSED_REQUEST = 499
+MAX_MESSAGE_CHARS = 1000
+HTTP_CODES = {400: "invalid_json", 408: "request_timeout"}
 
 
 class ClientDisconnected(Exception):
@@ -78,6 +81,8 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
+    if len(message) > MAX_MESSAGE_CHARS:  # never echo a huge input back whole
+        message = f"{message[:MAX_MESSAGE_CHARS]}... ({len(message)} characters, cut)"
     body = ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
@@ -165,7 +170,11 @@ def exception_response(exc: Exception, retry_after_s: int = 1) -> JSONResponse:
     if isinstance(exc, RequestValidationError):
         return validation_error_response(exc)
     if isinstance(exc, HTTPException):
-        return error_response(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+        # FastAPI's only 400 is a body it cannot parse (not UTF-8, say): as pydantic's JSON error;
+        # a 408 is a body that did not arrive in time (server.middleware.TimeoutMiddleware).
+        http_code = HTTP_CODES.get(exc.status_code)
+        headers = dict(exc.headers or {})
+        return error_response(exc.status_code, str(exc.detail), code=http_code, headers=headers)
     return internal_error_response(exc)
 
 

@@ -28,6 +28,7 @@ from hybridspec.engine import FinishReason, GenerationParams, Logprobs, RequestO
 from hybridspec.engine.choices import check_choices, combined_stats
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.server.errors import GenerationFailed
+from hybridspec.server.inputs import check_body
 from hybridspec.server.logprobs import (
     TokenTexts,
     chat_logprobs,
@@ -52,7 +53,7 @@ from hybridspec.server.protocol import (
     Usage,
 )
 from hybridspec.server.state import ServerState
-from hybridspec.server.structured import ToolPlan, cut_calls, grammar_of, tool_calls, tool_plan
+from hybridspec.server.structured import ToolPlan, constraint_of, cut_calls, tool_calls, tool_plan
 from hybridspec.types import GenerationStats
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -178,6 +179,7 @@ async def prepare(
     ``PreparedRequest`` per prompt. ``n`` and the number of prompts are checked before any
     tokenizing, as the engine checks them (``engine.choices.check_choices``)."""
     model = state.model.resolve(body.model)
+    check_body(body)
     _reject_unsupported(body)
     renders = state.prompts.renders_tools
     tools = tool_plan(body, renders) if isinstance(body, ChatCompletionRequest) else None
@@ -185,7 +187,8 @@ async def prepare(
     n = body.n if body.n is not None else 1
     check_choices(n, len(prompts), state.model.max_choices, state.model.max_queue_size)
     params = _params(body, state.model.vocab_size)
-    grammar = grammar_of(body, tools)
+    param, spec = constraint_of(body, tools)
+    grammar = await state.grammars.compile(spec, param)  # on worker threads, with a deadline
     proposer = state.model.resolve_proposer(params.proposer)
     k = params.num_speculative_tokens or state.model.default_num_speculative_tokens
     options = body.stream_options

@@ -1,8 +1,11 @@
-"""The app's ASGI middleware, outermost first: count, authenticate, cap the body.
+"""The app's ASGI middleware, outermost first: count, time out, authenticate, cap the body.
 
-All three run before routing, so a request they refuse reaches no route and queues no work:
+All four run before routing, so a request they refuse reaches no route and queues no work:
 
 - ``RequestCountingMiddleware`` counts every HTTP response in the metrics, refusals included.
+- ``TimeoutMiddleware`` answers 408 to a request whose body has not arrived within
+  ``ServerConfig.request_read_timeout_s``, and cuts a response whose client has not read any of
+  it for ``stream_write_timeout_s`` (a stream's engine request is then aborted, its slot freed).
 - ``ApiKeyMiddleware`` (only with ``ServerConfig.api_key``) answers 401 to every request without
   ``Authorization: Bearer <key>``, except the liveness probe and the playground page
   (``OPEN_ROUTES``).
@@ -12,17 +15,22 @@ All three run before routing, so a request they refuse reaches no route and queu
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import fastapi.routing
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridspec.server.errors import error_response
 from hybridspec.server.metrics import UNMATCHED_PATH, ServerMetrics
+
+logger = logging.getLogger(__name__)
 
 # (method, route template) pairs served without a key: the liveness probe.
 # The playground page (``routes.playground``) is open too: a browser opening it sends no key;
@@ -230,3 +238,70 @@ class BodySizeLimitMiddleware:
             code="request_too_large",
         )
         await response(scope, receive, send)
+
+
+class BodyReadTimeout(HTTPException):
+    """The request body did not arrive in time: a 408 (FastAPI passes HTTPExceptions on)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {timeout_s:g} s")
+
+
+class _WriteTimeout(Exception):
+    """The client read none of the response for the write timeout."""
+
+
+class TimeoutMiddleware:
+    """Deadlines on the two ends of an HTTP exchange that the client paces (module docstring).
+
+    The body's deadline runs from the request's start; once the body is in, ``receive`` waits
+    for the disconnect without one. The write timeout bounds each ``send``, which blocks only
+    while the connection's buffers are full: a client that reads slowly but steadily is
+    never cut.
+    """
+
+    def __init__(self, app: ASGIApp, read_timeout_s: float, write_timeout_s: float) -> None:
+        self.app = app
+        self.read_timeout_s = read_timeout_s
+        self.write_timeout_s = write_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.read_timeout_s
+        body_done, started = False, False
+
+        async def receive_timed() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(receive(), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise BodyReadTimeout(self.read_timeout_s) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def send_timed(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout_s)
+            except asyncio.TimeoutError:
+                raise _WriteTimeout() from None
+
+        try:
+            await self.app(scope, receive_timed, send_timed)
+        except BodyReadTimeout as exc:  # raised outside FastAPI (the body cap reads it)
+            if not started:
+                response = error_response(408, str(exc.detail), code="request_timeout")
+                await response(scope, receive, send)
+        except _WriteTimeout:
+            logger.warning(
+                "%s %s: the client read nothing for %g s; response cut",
+                scope["method"],
+                scope["path"],
+                self.write_timeout_s,
+            )

@@ -17,9 +17,11 @@ from hybridspec.engine import Engine, EngineLoop
 from hybridspec.errors import InvalidRequestError, UnknownModelError
 from hybridspec.server.cluster import Cluster
 from hybridspec.server.config import ServerConfig
+from hybridspec.server.grammars import GrammarPool
 from hybridspec.server.logprobs import TokenTexts
 from hybridspec.server.metrics import ServerMetrics
 from hybridspec.server.prompts import PromptEncoder
+from hybridspec.server.shutdown import Shutdown
 
 T = TypeVar("T")
 
@@ -98,8 +100,10 @@ class ServerState:
     model: ModelInfo
     metrics: ServerMetrics
     prompts: PromptEncoder
+    grammars: GrammarPool  # compiles requests' grammars on worker threads
     token_texts: TokenTexts = field(default_factory=TokenTexts)  # for logprobs
     cluster: Cluster | None = None
+    shutdown: Shutdown = field(default_factory=Shutdown)  # server.shutdown
 
     async def engine_call(self, fn: Callable[[Engine], T], timeout_s: float | None = None) -> T:
         """Run ``fn(engine)`` on the engine thread between steps (snapshots for /health)."""

@@ -59,6 +59,7 @@ from hybridspec.server.protocol import (
     ToolCall,
     Usage,
 )
+from hybridspec.server.shutdown import ServerShuttingDown
 from hybridspec.server.state import ServerState
 
 DONE = "data: [DONE]\n\n"
@@ -302,7 +303,12 @@ async def stream_events(
                 finals.append(output)
                 if len(finals) == count:
                     break
-            index, output = await next_output(outputs)
+            try:
+                index, output = await next_output(outputs)
+            except ServerShuttingDown as exc:  # its shutdown timeout passed
+                yield error_event(exc)
+                yield DONE
+                return
         if prepared[0].include_usage:
             yield render.usage(usage(prepared, finals))
         yield DONE

@@ -119,6 +119,14 @@ def grammar_of(
     body: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None
 ) -> GrammarSpec | None:
     """The grammar the output must match, or None for free text."""
+    return constraint_of(body, tools)[1]
+
+
+def constraint_of(
+    body: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None
+) -> tuple[str, GrammarSpec | None]:
+    """The field the output's grammar comes from (what its errors name) and the grammar, or
+    None for free text."""
     specs: dict[str, GrammarSpec] = {}
     if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
         form = body.response_format
@@ -153,7 +161,7 @@ def grammar_of(
         sorted(specs)[-1] if specs else "response_format",
         f"at most one of {sorted(specs)} may constrain the output",
     )
-    return next(iter(specs.values()), None)
+    return next(iter(specs.items()), ("response_format", None))
 
 
 def _call_schema(tools: ToolPlan, parallel: bool) -> dict[str, Any]:

@@ -23,8 +23,7 @@ tokenizer's), ``num_words = ceil(vocab_size / 32)`` of xgrammar's int32 bitmask.
 
 from __future__ import annotations
 
-import json
-import threading
+import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -32,12 +31,24 @@ import torch
 
 from hybridspec.errors import GrammarError, InvalidRequestError
 from hybridspec.types import GrammarSpec
+from hybridspec.verifier.grammar_bounds import check_bounds
 
 if TYPE_CHECKING:
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerBase
 
 _BITS = torch.arange(32, dtype=torch.int32)
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+# xgrammar's messages start with a time and its C++ source's path ("[03:08:30] /x/y.cc:12: ").
+_XGRAMMAR_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")
+
+
+def _clean(message: str) -> str:
+    """xgrammar's error message without its time and source path, first line, at most 300
+    characters."""
+    first = _XGRAMMAR_PREFIX.sub("", message.strip()).splitlines()[:1]
+    text = first[0] if first else "unknown error"
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -56,7 +67,11 @@ def bitmask_of(tokens: Iterable[int], vocab_size: int) -> torch.Tensor:
 
 
 class Grammars:
-    """Compiles ``GrammarSpec``s against one tokenizer (xgrammar caches compiled grammars).
+    """Compiles ``GrammarSpec``s against one tokenizer; xgrammar keeps the compiled grammars
+    in a cache of ``cache_bytes`` (least recently used first out; it evicts after adding, so
+    it may pass the bound by up to one grammar). Safe to call from
+    several threads at once (the server compiles on worker threads: ``server.grammars``);
+    sources beyond ``verifier.grammar_bounds`` are refused before compiling.
 
     ``stop_token_ids`` are the tokens that end the output once the grammar is complete (the
     model's EOS ids). JSON is compiled without free whitespace (xgrammar's compact separators
@@ -69,6 +84,7 @@ class Grammars:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         stop_token_ids: Sequence[int],
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         import xgrammar as xgr  # on first use: it imports transformers (hybridspec.lazy)
 
@@ -77,31 +93,34 @@ class Grammars:
         )
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._lock = threading.Lock()  # the server compiles on worker threads
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_bytes)
 
-    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """The compiled grammar; GrammarError (param ``grammar``) when it is invalid."""
-        with self._lock:
-            try:
-                return self._compile(spec)
-            except InvalidRequestError:
-                raise
-            except Exception as exc:  # xgrammar's errors have no common base class
-                raise GrammarError(
-                    f"grammar: the {spec.kind} does not compile: {exc}", "grammar"
-                ) from None
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the compiled grammars in the cache take now."""
+        return int(self._compiler.get_cache_size_bytes())
+
+    def compile(self, spec: GrammarSpec, param: str = "grammar") -> xgr.CompiledGrammar:
+        """The compiled grammar; GrammarError naming ``param`` (the field the grammar came
+        from) when it is beyond the bounds, invalid, or allows no output at all."""
+        if spec.compiled is not None:
+            return spec.compiled
+        check_bounds(spec, param)
+        try:
+            compiled = self._compile(spec)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # xgrammar's errors have no common base class
+            raise GrammarError(
+                f"{param}: the {spec.kind} does not compile: {_clean(str(exc))}", param
+            ) from None
+        _check_allows_output(compiled, spec, param)
+        return compiled
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "json_object":
             return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "json_schema":
-            try:
-                schema = json.loads(spec.source)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"the schema is not JSON: {exc}") from None
-            if not isinstance(schema, dict):
-                raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
             return self._compiler.compile_json_schema(spec.source, any_whitespace=False)
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.source)
@@ -110,6 +129,19 @@ class Grammars:
     def state(self, spec: GrammarSpec) -> GrammarState:
         """A fresh matcher of ``spec`` at the start of the output."""
         return GrammarState(self.compile(spec), self.tokenizer, self.vocab_size)
+
+
+def _check_allows_output(compiled: xgr.CompiledGrammar, spec: GrammarSpec, param: str) -> None:
+    """GrammarError unless the grammar allows some first token (one that allows none, such
+    as a character class of no characters or a ``$ref`` cycle, could never be answered)."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    words = (compiled.tokenizer_info.vocab_size + 31) // 32
+    bitmask = torch.zeros((1, words), dtype=torch.int32)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    if not bool(bitmask.any()) and not matcher.is_terminated():
+        raise GrammarError(f"{param}: the {spec.kind} allows no output at all", param)
 
 
 class GrammarState:

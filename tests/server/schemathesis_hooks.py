@@ -6,7 +6,9 @@ tokens than the context holds (it depends on how the text tokenizes, and on all 
 together), answered with a 400 whose code, OpenAI's ``context_length_exceeded``, says so; and
 a grammar, regex or JSON schema (``guided_*``, ``response_format``, tools' parameters) that
 does not compile, or tools the chat template cannot show, answered with code
-``invalid_grammar``. Every other refusal of schema-valid data still fails.
+``invalid_grammar``; and a ``tool`` message without ``tool_call_id`` (the schema has one message
+type for every role), answered with a 400 naming ``messages[i].tool_call_id``. Every other
+refusal of schema-valid data still fails.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def positive_data_acceptance_but_context(ctx: Any, response: Any, case: Any) -> 
         except (ValueError, KeyError, TypeError):
             code = None
         if code in ("context_length_exceeded", "invalid_grammar"):
+            return None
+        if str(response.json()["error"].get("param")).endswith(".tool_call_id"):
             return None
     result: bool | None = positive_data_acceptance(ctx, response, case)
     return result

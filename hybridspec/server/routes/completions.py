@@ -35,6 +35,7 @@ from hybridspec.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from hybridspec.server.shutdown import guard
 from hybridspec.server.state import ServerState, State
 from hybridspec.server.streaming import ChunkRenderer, EventStreamResponse, stream_events
 
@@ -50,7 +51,7 @@ async def _respond(
     chat, stream = prepared[0].chat, prepared[0].stream
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    outputs = observe(state, prepared)
+    outputs = guard(state.shutdown, observe(state, prepared))  # 503 once shutdown aborts it
     if stream:
         try:
             # Wait for the first output before answering, so that a refusal is an HTTP error.

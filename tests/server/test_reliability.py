@@ -1,0 +1,273 @@
+"""No request may stall, hang or grow the server (issue 39): a canary stream keeps its pace
+while hostile requests arrive, shutdown ends every request cleanly, and the connection
+deadlines hold. Served by uvicorn on a loopback port, on the shared tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridspec.config import EngineConfig, ModelConfig
+from hybridspec.engine import Engine
+from hybridspec.model.loader import LoadedModel
+from hybridspec.server import ServerConfig, create_app
+from hybridspec.server.connections import header_deadline_protocol
+from hybridspec.server.middleware import TimeoutMiddleware
+from hybridspec.server.shutdown import draining_server
+from tests.server.conftest import TINY_MODEL_NAME, free_port
+from tests.server.test_hostile_inputs import CHAT_CASES
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+class SlowEngine(Engine):
+    """The tiny model's engine at a pace a test can watch (a real model's rounds take ms)."""
+
+    pause_s = 0.02
+
+    def step(self) -> list[Any]:
+        time.sleep(self.pause_s)
+        return super().step()
+
+
+@contextlib.contextmanager
+def serving(
+    model: LoadedModel,
+    directory: Path,
+    engine: type[Engine] = Engine,
+    cache_mb: int = 64,
+    **options: Any,
+) -> Iterator[tuple[str, uvicorn.Server, threading.Thread]]:
+    target = ModelConfig(str(directory), dtype="float32", max_num_seqs=4)
+    config = ServerConfig(
+        engine=EngineConfig(
+            target=target, default_num_speculative_tokens=4, grammar_cache_mb=cache_mb
+        ),
+        served_model_name=TINY_MODEL_NAME,
+        **options,
+    )
+    app = create_app(config, engine_factory=lambda cfg: engine(cfg, target=model))
+    port = free_port()
+    timeout = int(config.shutdown_timeout_s) + 1
+    server = draining_server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="error",
+            timeout_graceful_shutdown=timeout,
+            http=header_deadline_protocol(config.request_read_timeout_s),
+        ),
+        app,
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", server, thread
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def stream_gaps(url: str, stop: threading.Event, gaps: list[float], errors: list[str]) -> None:
+    """The canary: stream answers one after another until ``stop``; every gap between two
+    events (and before a first one) goes to ``gaps``."""
+    body = {"messages": USER, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while not stop.is_set():
+            last = time.perf_counter()
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    errors.append(f"canary: {response.status_code}")
+                    return
+                for line in response.iter_lines():
+                    if line:
+                        now = time.perf_counter()
+                        gaps.append(now - last)
+                        last = now
+
+
+SCHEMAS = st.recursive(
+    st.sampled_from([{"type": t} for t in ("string", "integer", "number", "boolean", "null")]),
+    lambda inner: st.one_of(
+        st.builds(lambda items: {"type": "array", "items": items, "maxItems": 3}, inner),
+        st.builds(
+            lambda props: {"type": "object", "properties": props, "required": sorted(props)[:1]},
+            st.dictionaries(st.text("abcxyz", min_size=1, max_size=4), inner, max_size=4),
+        ),
+        st.builds(lambda alts: {"anyOf": alts}, st.lists(inner, min_size=1, max_size=3)),
+    ),
+    max_leaves=12,
+)
+REGEXES = st.text("ab01|()[]{}*+?.\\-^$,5", min_size=1, max_size=24)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc for memory")
+def test_the_canary_keeps_its_pace_through_hostile_requests(
+    tiny_model: LoadedModel, tiny_model_dir: Path
+) -> None:
+    statuses: list[tuple[str, int]] = []
+    with serving(tiny_model, tiny_model_dir, cache_mb=8) as (url, _, _):
+        stop, gaps, errors = threading.Event(), [], []
+        canary = threading.Thread(target=stream_gaps, args=(url, stop, gaps, errors))
+        with httpx.Client(base_url=url, timeout=30) as client:
+            client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
+            before = rss_bytes()
+            canary.start()
+
+            def send(name: str, body: dict[str, Any]) -> None:
+                data = json.dumps({"max_tokens": 8, **body})  # ASCII: lone surrogates escaped
+                headers = {"content-type": "application/json"}
+                response = client.post("/v1/chat/completions", content=data, headers=headers)
+                statuses.append((name, response.status_code))
+
+            for name, body, _, _ in CHAT_CASES:
+                send(name, body)
+
+            @settings(max_examples=25, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))  # fmt: skip
+            @given(schema=SCHEMAS, regex=REGEXES)
+            def fuzz(schema: dict[str, Any], regex: str) -> None:
+                form = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+                send("schema", {"messages": USER, "response_format": form})
+                send("regex", {"messages": USER, "guided_regex": regex})
+
+            fuzz()
+            growth = rss_bytes() - before
+            stop.set()
+            canary.join(30)
+    assert not errors, errors
+    assert [s for s in statuses if s[1] >= 500] == []
+    assert len(gaps) > 50 and max(gaps) < 0.5, sorted(gaps)[-5:]
+    assert growth < 200 * 2**20, growth
+
+
+def test_sigterm_ends_streams_with_done_and_queued_requests_with_json_503(
+    tiny_model: LoadedModel, tiny_model_dir: Path
+) -> None:
+    body = {"messages": USER, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    results: dict[int, tuple[int, str, str]] = {}
+
+    def run(i: int, url: str) -> None:
+        with (
+            httpx.Client(base_url=url, timeout=30) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as response,
+        ):
+            text = "".join(f"{line}\n" for line in response.iter_lines())
+            results[i] = (response.status_code, response.headers["content-type"], text)
+
+    with serving(tiny_model, tiny_model_dir, SlowEngine, shutdown_timeout_s=1.0) as (
+        url,
+        server,
+        thread,
+    ):
+        clients = [threading.Thread(target=run, args=(i, url)) for i in range(8)]
+        for client in clients:
+            client.start()
+        time.sleep(1.0)  # four streaming, four waiting for a slot
+        start = time.monotonic()
+        server.should_exit = True  # as SIGTERM does
+        thread.join(10)
+        exit_s = time.monotonic() - start
+        for client in clients:
+            client.join(10)
+    streams = [r for r in results.values() if r[0] == 200]
+    refused = [r for r in results.values() if r[0] != 200]
+    assert len(streams) == 4 and len(refused) == 4, [r[:2] for r in results.values()]
+    for _, _, text in streams:
+        lines = [line for line in text.splitlines() if line]
+        assert lines[-1] == "data: [DONE]" and "shutdown timeout" in lines[-2]
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "overloaded"
+    for status, content_type, text in refused:
+        assert status == 503 and content_type == "application/json"
+        assert json.loads(text)["error"]["code"] == "overloaded"
+    assert exit_s < 1.0 + 1.5
+
+
+def test_a_body_that_does_not_arrive_gets_a_408(
+    tiny_model: LoadedModel, tiny_model_dir: Path
+) -> None:
+    with serving(tiny_model, tiny_model_dir, request_read_timeout_s=0.5) as (url, _, _):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt":'
+            )
+            start = time.monotonic()
+            answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+        assert b"request_timeout" in answer and time.monotonic() - start < 5
+
+
+@pytest.mark.skipif(header_deadline_protocol(1) == "auto", reason="needs httptools")
+def test_headers_that_do_not_arrive_close_the_connection(
+    tiny_model: LoadedModel, tiny_model_dir: Path
+) -> None:
+    with serving(tiny_model, tiny_model_dir, request_read_timeout_s=0.5) as (url, _, _):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            start = time.monotonic()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+            assert sock.recv(4096) == b""  # closed by the server
+            assert time.monotonic() - start < 5
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:
+            assert idle.recv(4096) == b""  # a connection that sends nothing is closed too
+
+
+def test_a_response_the_client_does_not_read_is_cut_and_its_stream_closed() -> None:
+    closed = threading.Event()
+
+    async def events() -> Any:
+        try:
+            for _ in range(1000):
+                yield "data: x\n\n"
+        finally:
+            closed.set()
+
+    app = FastAPI()
+    app.get("/s")(lambda: StreamingResponse(events(), media_type="text/event-stream"))
+    wrapped = TimeoutMiddleware(app, read_timeout_s=5, write_timeout_s=0.2)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if len(sent) > 2:  # the client's buffers are full: sending blocks for good
+            await asyncio.Event().wait()
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "GET", "path": "/s", "headers": [], "query_string": b""}
+    start = time.monotonic()
+    asyncio.run(asyncio.wait_for(wrapped(scope, receive, send), 5))  # type: ignore[arg-type]
+    assert time.monotonic() - start < 2 and closed.is_set() and len(sent) == 3
