@@ -4,7 +4,8 @@ The server maps each class to an OpenAI-style error body (see ``hybridspec.serve
 
 - ``InvalidRequestError`` (a ``ValueError``): the caller's input is wrong, HTTP 400;
   ``ContextLengthError``, its prompt is too long; ``GrammarError``, its structured output
-  cannot be compiled.
+  cannot be compiled; ``IncompatibleFieldsError``, fields valid one by one that the request
+  cannot combine.
 - ``UnknownModelError``: a model name the engine does not serve, HTTP 404.
 - ``CapacityError``: no room for the request right now (queue or KV cache full), HTTP 503.
 - ``ModelLoadError``: a model or tokenizer could not be loaded or does not fit the target.
@@ -41,6 +42,14 @@ class GrammarError(InvalidRequestError):
     its tools' parameters) does not compile, or it names tools in a way the model cannot be
     shown. Its own class because no request schema can state it; servers answer it with the
     code ``invalid_grammar``.
+    """
+
+
+class IncompatibleFieldsError(InvalidRequestError):
+    """Fields each valid alone that one request cannot combine: a ``tool_choice`` without
+    ``tools``, a named function that is not among them, two tools of one name, two fields that
+    would each constrain the output. Its own class because no request schema can state it;
+    servers answer it with the code ``incompatible_fields``.
     """
 
 

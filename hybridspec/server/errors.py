@@ -8,6 +8,7 @@ exception                           status  type                     code
 UnknownModelError                   404     invalid_request_error    model_not_found
 ContextLengthError                  400     invalid_request_error    context_length_exceeded
 GrammarError                        400     invalid_request_error    invalid_grammar
+IncompatibleFieldsError             400     invalid_request_error    incompatible_fields
 InvalidRequestError                 400     invalid_request_error    invalid_value
 RequestValidationError (pydantic)   400     invalid_request_error    invalid_type / ...
 CapacityError                       503     server_error             overloaded (Retry-After)
@@ -42,6 +43,7 @@ from hybridspec.errors import (
     ContextLengthError,
     GrammarError,
     HybridSpecError,
+    IncompatibleFieldsError,
     InvalidRequestError,
     UnknownModelError,
 )
@@ -156,6 +158,8 @@ def exception_response(exc: Exception, retry_after_s: int = 1) -> JSONResponse:
             if isinstance(exc, ContextLengthError)
             else "invalid_grammar"
             if isinstance(exc, GrammarError)
+            else "incompatible_fields"
+            if isinstance(exc, IncompatibleFieldsError)
             else "invalid_value"
         )
         return error_response(400, str(exc), param=param, code=code)

@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hybridspec.errors import GrammarError
+from hybridspec.errors import GrammarError, IncompatibleFieldsError
 from hybridspec.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -48,10 +48,10 @@ ToolMode = Literal["none", "auto", "required", "named"]
 
 
 def _require(condition: bool, param: str, message: str) -> None:
-    """GrammarError (code ``invalid_grammar``) unless ``condition``: what tools, tool_choice
-    and the constraint fields ask together, which no request schema states."""
+    """IncompatibleFieldsError (code ``incompatible_fields``) unless ``condition``: what tools,
+    tool_choice and the constraint fields ask together, which no request schema states."""
     if not condition:
-        raise GrammarError(f"{param}: {message}", param)
+        raise IncompatibleFieldsError(f"{param}: {message}", param)
 
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)

@@ -5,8 +5,9 @@ two exemptions that no JSON Schema can state: a schema-valid prompt that tokeniz
 tokens than the context holds (it depends on how the text tokenizes, and on all messages
 together), answered with a 400 whose code, OpenAI's ``context_length_exceeded``, says so; and
 a grammar, regex or JSON schema (``guided_*``, ``response_format``, tools' parameters) that
-does not compile, or tools the chat template cannot show, answered with code
-``invalid_grammar``; and a ``tool`` message without ``tool_call_id`` (the schema has one message
+does not compile, answered with code ``invalid_grammar``; fields valid alone that a request
+cannot combine (a tool_choice without tools, two output constraints), answered with code
+``incompatible_fields``; and a ``tool`` message without ``tool_call_id`` (the schema has one message
 type for every role), answered with a 400 naming ``messages[i].tool_call_id``. Every other
 refusal of schema-valid data still fails.
 """
@@ -26,7 +27,7 @@ def positive_data_acceptance_but_context(ctx: Any, response: Any, case: Any) -> 
             code = response.json()["error"]["code"]
         except (ValueError, KeyError, TypeError):
             code = None
-        if code in ("context_length_exceeded", "invalid_grammar"):
+        if code in ("context_length_exceeded", "invalid_grammar", "incompatible_fields"):
             return None
         if str(response.json()["error"].get("param")).endswith(".tool_call_id"):
             return None

@@ -129,7 +129,7 @@ def test_a_grammar_that_does_not_compile_is_a_400(
 
 def test_two_constraints_at_once_are_a_400(client: TestClient) -> None:
     error = chat(client, 400, guided_regex="a+", response_format={"type": "json_object"})["error"]
-    assert "at most one" in error["message"]
+    assert "at most one" in error["message"] and error["code"] == "incompatible_fields"
 
 
 def test_tool_choice_required_answers_calls(long_client: TestClient) -> None:
