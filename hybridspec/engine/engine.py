@@ -73,6 +73,7 @@ from hybridspec.proposers import (
 from hybridspec.types import CommitInfo, Proposal
 from hybridspec.verifier import VerifyInput, VerifyOutput, check_logit_bias, verify
 from hybridspec.verifier.grammar import Grammars
+from hybridspec.verifier.layout import DraftLayout
 from hybridspec.verifier.uniforms import KeyedUniforms, key_of
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class _Round:
     step: StepBatch
     logits: torch.Tensor  # [num_logits, vocab_size]: the verified rows, then prompt rows
     hidden_states: torch.Tensor | None  # [num_tokens, len(batch.hidden_layers), hidden_size]
+    layout: DraftLayout | None  # the decoding requests' drafts and rows; None: none decodes
     verified: VerifyOutput | None  # None: no decoding request
 
 
@@ -326,41 +328,49 @@ class Engine:
         step = forward_batch(drafts, prefill, self.runtime.seq_len, forward_layers(fed))
         output = self.runtime.forward(step.batch)
         logits = output.logits[: step.num_verify_rows]  # the verified rows
-        verified = self._verify(drafts, logits) if drafts else None
-        return _Round(drafts, prefill, fed, step, output.logits, output.hidden_states, verified)
+        inp = self._verify_input(drafts, logits) if drafts else None
+        verified = verify(inp) if inp is not None else None
+        layout = inp.layout if inp is not None else None
+        hidden = output.hidden_states
+        return _Round(drafts, prefill, fed, step, output.logits, hidden, layout, verified)
 
     def _commit_all(self, round_: _Round) -> list[RequestOutput]:
         """Score prompts that asked, then commit each decoding request's verified tokens; a
         failure fails that request only."""
-        drafts, verified = round_.drafts, round_.verified
+        drafts, verified, layout = round_.drafts, round_.verified, round_.layout
         logits = round_.step.score_prompts(round_.logits)  # the verified rows
         accepted = verified.num_accepted.tolist() if verified is not None else []
+        num_drafts = layout.num_drafts if layout is not None else ()
         outputs: list[RequestOutput] = []
         if round_.hidden_states is not None:
-            rejected = [p.num_drafts - n for (_, p), n in zip(drafts, accepted, strict=True)]
+            rejected = [k - n for k, n in zip(num_drafts, accepted, strict=True)]
             requests = [r for r, _ in (*drafts, *round_.prefill)]
             rejected += [0] * len(round_.prefill)
             keep_committed_rows(
                 round_.step.batch, round_.hidden_states, requests, round_.fed, rejected
             )
-        if verified is None:
+        if verified is None or layout is None:
             return outputs
         if verified.controlled_logits is not None:  # what p was made from: logprobs read it too
             logits = verified.controlled_logits
-        committed, row = 0, 0
-        for (request, proposal), tokens, num_accepted in zip(
-            drafts, verified.output_token_ids, accepted, strict=True
-        ):
+        committed = 0
+        for (request, _), k, row, tokens, num_accepted in zip(
+            drafts,
+            num_drafts,
+            layout.row_offsets,
+            verified.output_token_ids,
+            accepted,
+            strict=False,
+        ):  # row_offsets has one entry more
             committed += len(tokens)
             rows = logits[row : row + len(tokens)]  # the rows that produced ``tokens``
-            row += proposal.num_drafts + 1
             try:
-                outputs.append(self._commit(request, tokens, num_accepted, proposal, rows))
+                outputs.append(self._commit(request, tokens, num_accepted, k, rows))
             except Exception:
                 logger.exception("committing request %s failed", request.request_id)
                 outputs.append(self._finish(request, FinishReason.ERROR, ROUND_FAILED))
         if self.speculation is not None:
-            self.speculation.record_step(committed, row)
+            self.speculation.record_step(committed, layout.num_rows)
         return outputs
 
     def _roll_back(self, cached: dict[int, int]) -> None:
@@ -397,18 +407,19 @@ class Engine:
             outputs += self._commit_all(verified)
         return outputs
 
-    def _verify(self, drafts: list[tuple[Request, Proposal]], logits: torch.Tensor) -> VerifyOutput:
-        """Verify every decoding request's drafts against ``logits`` [sum(k_i + 1), vocab_size]."""
-        return verify(
-            VerifyInput.from_proposals(
-                [p for _, p in drafts],
-                logits,
-                [r.params.sampling for r, _ in drafts],
-                [r.generator for r, _ in drafts],
-                [KeyedUniforms(r.uniform_key, len(r.token_ids)) for r, _ in drafts],
-                checked=True,  # by the proposer pool, where they entered
-                histories=[r.history(self.eos_token_ids) for r, _ in drafts],
-            )
+    def _verify_input(
+        self, drafts: list[tuple[Request, Proposal]], logits: torch.Tensor
+    ) -> VerifyInput:
+        """Every decoding request's drafts against ``logits`` [sum(k_i + 1), vocab_size], with
+        the round's ``DraftLayout`` (built here, once; the commit reads it too)."""
+        return VerifyInput.from_proposals(
+            [p for _, p in drafts],
+            logits,
+            [r.params.sampling for r, _ in drafts],
+            [r.generator for r, _ in drafts],
+            [KeyedUniforms(r.uniform_key, len(r.token_ids)) for r, _ in drafts],
+            checked=True,  # by the proposer pool, where they entered
+            histories=[r.history(self.eos_token_ids) for r, _ in drafts],
         )
 
     def _admit(self, outputs: list[RequestOutput]) -> None:
@@ -443,13 +454,13 @@ class Engine:
         request: Request,
         tokens: list[int],
         num_accepted: int,
-        proposal: Proposal,
+        num_drafts: int,
         logits: torch.Tensor,
     ) -> RequestOutput:
         """Append verified tokens, stopping at the first stop condition; roll caches back.
         ``logits`` [len(tokens), vocab_size]: the target's rows that produced ``tokens``."""
-        request.stats.record_round(proposal.num_drafts, num_accepted)
-        request.speculation.update(proposal.num_drafts, num_accepted, len(tokens))
+        request.stats.record_round(num_drafts, num_accepted)
+        request.speculation.update(num_drafts, num_accepted, len(tokens))
         assert request.detokenizer is not None and request.slot is not None
         new_token_ids, consumed, reason = request.append(
             tokens, self.eos_token_ids, self.max_seq_len
