@@ -56,6 +56,7 @@ from hybridspec.engine.request import (
     RequestOutput,
     new_generator,
 )
+from hybridspec.engine.resolution import ProposerCatalog
 from hybridspec.engine.scheduler import Scheduler, StepBatch, forward_batch
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
 from hybridspec.errors import HybridSpecError, check
@@ -130,7 +131,7 @@ class Engine:
         self.proposers = ProposerPool(
             registry if registry is not None else default_registry(), context
         )
-        self.proposers.resolve(self.config.default_proposer)
+        self.proposers.catalog.find(self.config.default_proposer)
         self._seq_ids = itertools.count()
         self._grammars: Grammars | None = None
         self.speculation: SpeculationPolicy | None = None
@@ -165,7 +166,13 @@ class Engine:
         return self.proposers.unavailable()
 
     def resolve_proposer(self, name: str) -> Proposer:
-        return self.proposers.resolve(name)
+        """The proposer ``name``; InvalidRequestError when it is unknown or unavailable."""
+        return self.proposers.catalog.find(name)
+
+    @property
+    def catalog(self) -> ProposerCatalog:
+        """What requests' proposers and K resolve against (``engine.resolution``)."""
+        return self.proposers.catalog
 
     def grammars(self) -> Grammars:
         """The compiler of structured-output grammars for this model's tokenizer (built on
@@ -246,8 +253,9 @@ class Engine:
             "stop_token_ids",
             f"expected token ids below the vocabulary size {self.vocab_size}",
         )
-        name = params.proposer or self.config.default_proposer
-        self.proposers.resolve(name)
+        resolved = params.resolved or self.catalog.resolve(
+            params.proposer, params.num_speculative_tokens
+        )
         check(
             not params.stop or self.tokenizer is not None,
             "stop",
@@ -259,9 +267,7 @@ class Engine:
             seq_id=next(self._seq_ids),
             prompt_token_ids=prompt,
             params=params,
-            proposer_name=name,
-            num_speculative_tokens=params.num_speculative_tokens
-            or self.config.default_num_speculative_tokens,
+            resolved=resolved,
             generator=new_generator(seed),
             uniform_key=key_of(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
@@ -324,7 +330,7 @@ class Engine:
     ) -> _Round:
         """One target forward over the decoding spans and prefill chunks, and verification of
         the drafts. Changes nothing but the fed sequences' target caches."""
-        fed = [self.proposers[r.proposer_name] for r, _ in (*drafts, *prefill)]
+        fed = [r.proposer for r, _ in (*drafts, *prefill)]
         step = forward_batch(drafts, prefill, self.runtime.seq_len, forward_layers(fed))
         output = self.runtime.forward(step.batch)
         logits = output.logits[: step.num_verify_rows]  # the verified rows
@@ -427,9 +433,7 @@ class Engine:
             request.slot = self.runtime.allocate()
             request.start_time = time.perf_counter()
             try:
-                self.proposers[request.proposer_name].start(
-                    request.seq_id, request.prompt_token_ids
-                )
+                request.proposer.start(request.seq_id, request.prompt_token_ids)
             except Exception as exc:  # a proposer's failure harms its own request only
                 logger.exception("proposer %r failed to start", request.proposer_name)
                 outputs.append(self._finish(request, FinishReason.ERROR, f"proposer: {exc}"))
@@ -473,7 +477,7 @@ class Engine:
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
         hidden_states, hidden_position = take_rows(request)
         try:
-            self.proposers[request.proposer_name].commit(
+            request.proposer.commit(
                 CommitInfo(request.seq_id, tokens, num_accepted, hidden_states, hidden_position)
             )
         except Exception as exc:
@@ -505,7 +509,7 @@ class Engine:
             self.runtime.free(request.slot)
             request.slot = None
             try:
-                self.proposers[request.proposer_name].finish(request.seq_id)
+                request.proposer.finish(request.seq_id)
             except Exception:
                 logger.exception("proposer %r failed to finish", request.proposer_name)
         leave(request)

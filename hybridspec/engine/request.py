@@ -12,12 +12,14 @@ import os
 import time
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridspec.config import check_num_speculative_tokens
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.logprobs import MAX_LOGPROBS, Logprobs, score
+from hybridspec.engine.resolution import ResolvedProposer
 from hybridspec.engine.speculation import SpeculationState
 from hybridspec.errors import check
 from hybridspec.types import (
@@ -28,6 +30,9 @@ from hybridspec.types import (
 )
 from hybridspec.verifier.grammar import GrammarState
 from hybridspec.verifier.uniforms import key_of
+
+if TYPE_CHECKING:  # the command line reads GenerationParams' defaults without transformers
+    from hybridspec.proposers import Proposer
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
@@ -52,7 +57,10 @@ class GenerationParams:
     ``max_new_tokens`` may be 0 when ``prompt_logprobs`` is asked: the prompt is scored, and
     nothing generated. ``stop_token_ids`` end the request as EOS does (left out of the text,
     held back by ``min_tokens``), ``ignore_eos`` or not. ``grammar``: what the output must
-    match (structured output, ``verifier.grammar``); None for free text.
+    match (structured output, ``verifier.grammar``); None for free text. ``resolved``: the
+    proposer and K already resolved against this engine's catalog where the request entered
+    (the server does; ``engine.resolution``), which the engine then takes as they are; None:
+    the engine resolves ``proposer`` and ``num_speculative_tokens`` when the request is added.
     """
 
     max_new_tokens: int = 256
@@ -65,6 +73,7 @@ class GenerationParams:
     prompt_logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     grammar: GrammarSpec | None = None
+    resolved: ResolvedProposer | None = None
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -122,6 +131,11 @@ class GenerationParams:
             self.grammar is None or isinstance(self.grammar, GrammarSpec),
             "grammar",
             f"expected None or a GrammarSpec, got {type(self.grammar).__name__}",
+        )
+        check(
+            self.resolved is None or isinstance(self.resolved, ResolvedProposer),
+            "resolved",
+            f"expected None or a ResolvedProposer, got {type(self.resolved).__name__}",
         )
 
     @classmethod
@@ -261,8 +275,7 @@ class Request:
     seq_id: int
     prompt_token_ids: list[int]
     params: GenerationParams
-    proposer_name: str
-    num_speculative_tokens: int
+    resolved: ResolvedProposer  # its proposer object and K, resolved once when it was added
     generator: torch.Generator
     # position-keyed randomness of sampled verification (verifier.uniforms); fresh by default
     uniform_key: int = field(default_factory=lambda: key_of(None))
@@ -291,6 +304,18 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.stats.prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def proposer(self) -> Proposer:
+        return self.resolved.proposer
+
+    @property
+    def proposer_name(self) -> str:
+        return self.resolved.name
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.resolved.num_speculative_tokens
 
     @property
     def num_generated(self) -> int:

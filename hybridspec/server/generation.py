@@ -66,7 +66,7 @@ class PreparedRequest:
     model: str  # the served name, echoed in responses
     prompt_token_ids: list[int]
     params: GenerationParams
-    proposer: str  # resolved: the request's or the engine's default
+    proposer: str  # resolved (``params.resolved``): the request's or the engine's default
     num_speculative_tokens: int  # resolved likewise
     stream: bool
     include_usage: bool
@@ -99,30 +99,30 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         check(body.best_of is None or body.best_of == 1, "best_of", "only best_of = 1 is supported")
 
 
-def _logit_bias(
-    body: CompletionRequest | ChatCompletionRequest, vocab_size: int
-) -> dict[int, float]:
-    """``logit_bias`` with integer keys: token ids of the vocabulary, written as in the schema.
+# Digits of a ``logit_bias`` key at most: far beyond any vocabulary, and short enough for int()
+# (which refuses strings of over 4300 digits). The vocabulary's bound is the engine's check
+# (``verifier.check_logit_bias``, when the request is added).
+MAX_TOKEN_ID_DIGITS = 18
+
+
+def _logit_bias(body: CompletionRequest | ChatCompletionRequest) -> dict[int, float]:
+    """``logit_bias`` with integer keys, written as in the schema.
 
     Keys are matched as JSON Schema validators match the document's ``pattern`` (``re.search``,
     whose ``$`` also matches before a final newline), so the server takes exactly what the
     document states.
     """
     bias = body.logit_bias or {}
-    bad = [key for key in bias if not re.search(TOKEN_ID_PATTERN, key)]
+    bad = [
+        key
+        for key in bias
+        if not re.search(TOKEN_ID_PATTERN, key) or len(key.strip()) > MAX_TOKEN_ID_DIGITS
+    ]
     check(not bad, "logit_bias", f"keys must be token ids (decimal integers), got {bad[:5]}")
-    ids = {key: key.removesuffix("\n") for key in bias}
-    # The length test first: int() refuses strings of over 4300 digits.
-    outside = [k for k, d in ids.items() if len(d) > len(str(vocab_size)) or int(d) >= vocab_size]
-    check(
-        not outside,
-        "logit_bias",
-        f"token ids must be below the vocabulary size {vocab_size}, got {outside[:5]}",
-    )
-    return {int(ids[key]): value for key, value in bias.items()}
+    return {int(key.removesuffix("\n")): value for key, value in bias.items()}
 
 
-def _params(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> GenerationParams:
+def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams:
     """The body's generation options; ``max_new_tokens`` is set once the prompt is tokenized."""
     temperature = body.temperature
     check(
@@ -130,7 +130,7 @@ def _params(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) ->
         "seed",
         f"expected an integer in [0, 2**53), got {body.seed}",
     )
-    logit_bias = _logit_bias(body, vocab_size)
+    logit_bias = _logit_bias(body)
     logprobs, prompt_logprobs = logprobs_options(body)
     return GenerationParams.create(
         max_new_tokens=1,
@@ -175,10 +175,9 @@ async def prepare(
     prompts = prompts_of(body, tools, renders)
     n = body.n if body.n is not None else 1
     check_choices(n, len(prompts), state.model.max_choices, state.model.max_queue_size)
-    params = _params(body, state.model.vocab_size)
+    params = _params(body)
     grammar = grammar_of(body, tools)
-    proposer = state.model.resolve_proposer(params.proposer)
-    k = params.num_speculative_tokens or state.model.default_num_speculative_tokens
+    resolved = state.model.catalog.resolve(params.proposer, params.num_speculative_tokens)
     options = body.stream_options
     all_ids = await asyncio.gather(*(state.prompts.encode(prompt) for prompt in prompts))
     prepared = []
@@ -191,9 +190,11 @@ async def prepare(
             PreparedRequest(
                 model=model,
                 prompt_token_ids=ids,
-                params=dataclasses.replace(params, max_new_tokens=max_tokens, grammar=grammar),
-                proposer=proposer,
-                num_speculative_tokens=k,
+                params=dataclasses.replace(
+                    params, max_new_tokens=max_tokens, grammar=grammar, resolved=resolved
+                ),
+                proposer=resolved.name,
+                num_speculative_tokens=resolved.num_speculative_tokens,
                 stream=body.stream,
                 include_usage=options is not None and options.include_usage,
                 continuous_usage=options is not None
