@@ -30,6 +30,10 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 # produces (a rho of 1e-300 would turn a positive logit into inf, and softmax into NaN).
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
+# GenerationParams' bounds (``engine.request``), which the server's schema states too
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for, as in the OpenAI chat API
 
 
 def _is_number(value: object) -> bool:

@@ -15,9 +15,9 @@ import torch
 
 from hybridspec.config import EngineConfig, ModelConfig
 from hybridspec.distill.data import DataBudget, load_sequences, make_data
+from hybridspec.distill.options import TrainOptions
 from hybridspec.distill.train import (
     Batch,
-    TrainOptions,
     TrainState,
     acceptance,
     distill_parts,

@@ -18,11 +18,14 @@ import torch
 
 from hybridspec.config import check_num_speculative_tokens
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
-from hybridspec.engine.logprobs import MAX_LOGPROBS, Logprobs, score
+from hybridspec.engine.logprobs import Logprobs, score
 from hybridspec.engine.resolution import ResolvedProposer
 from hybridspec.engine.speculation import SpeculationState
 from hybridspec.errors import check
 from hybridspec.types import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     GenerationStats,
     GrammarSpec,
     SamplingParams,
@@ -34,9 +37,6 @@ from hybridspec.verifier.uniforms import key_of
 if TYPE_CHECKING:  # the command line reads GenerationParams' defaults without transformers
     from hybridspec.proposers import Proposer
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_TOKEN_IDS = 64
-
 
 class FinishReason(str, enum.Enum):
     """Why a request ended (values as in the OpenAI API where one exists)."""
@@ -45,6 +45,10 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_new_tokens or the context length
     ABORT = "abort"  # cancelled by the caller
     ERROR = "error"  # failed; other requests are unaffected
+
+
+DEFAULT_MAX_NEW_TOKENS = 256
+_SAMPLING = SamplingParams()  # the sampling defaults, which ``GenerationParams.create`` shows
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +67,7 @@ class GenerationParams:
     the engine resolves ``proposer`` and ``num_speculative_tokens`` when the request is added.
     """
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     proposer: str | None = None
     num_speculative_tokens: int | None = None
@@ -142,17 +146,17 @@ class GenerationParams:
     def create(
         cls,
         *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        temperature: float = _SAMPLING.temperature,
+        top_k: int | None = _SAMPLING.top_k,
+        top_p: float = _SAMPLING.top_p,
+        seed: int | None = _SAMPLING.seed,
+        presence_penalty: float = _SAMPLING.presence_penalty,
+        frequency_penalty: float = _SAMPLING.frequency_penalty,
+        repetition_penalty: float = _SAMPLING.repetition_penalty,
         logit_bias: Mapping[int, float] | None = None,
-        min_p: float = 0.0,
-        min_tokens: int = 0,
+        min_p: float = _SAMPLING.min_p,
+        min_tokens: int = _SAMPLING.min_tokens,
         proposer: str | None = None,
         num_speculative_tokens: int | None = None,
         stop: str | Sequence[str] | None = None,
@@ -163,7 +167,8 @@ class GenerationParams:
         grammar: GrammarSpec | None = None,
     ) -> GenerationParams:
         """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
-        ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds)."""
+        ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds and
+        the defaults, which these arguments show)."""
         if stop is None:
             stops: tuple[str, ...] = ()
         elif isinstance(stop, str):

@@ -122,35 +122,47 @@ def _logit_bias(body: CompletionRequest | ChatCompletionRequest) -> dict[int, fl
     return {int(key.removesuffix("\n")): value for key, value in bias.items()}
 
 
+# The body's options that mean the same as ``GenerationParams.create``'s arguments, and take
+# its defaults where the body leaves them out.
+_GIVEN_OR_DEFAULT = (
+    "top_k",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+)
+
+
 def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams:
-    """The body's generation options; ``max_new_tokens`` is set once the prompt is tokenized."""
-    temperature = body.temperature
+    """The body's generation options; ``max_new_tokens`` is set once the prompt is tokenized.
+    Options the body leaves out take ``GenerationParams.create``'s defaults, but temperature,
+    whose default is OpenAI's."""
     check(
         body.seed is None or 0 <= body.seed <= MAX_JSON_SEED,
         "seed",
         f"expected an integer in [0, 2**53), got {body.seed}",
     )
-    logit_bias = _logit_bias(body)
     logprobs, prompt_logprobs = logprobs_options(body)
+    given = {
+        name: getattr(body, name) for name in _GIVEN_OR_DEFAULT if getattr(body, name) is not None
+    }
     return GenerationParams.create(
         max_new_tokens=1,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        temperature=temperature if temperature is not None else OPENAI_DEFAULT_TEMPERATURE,
-        top_k=body.top_k,
-        top_p=body.top_p if body.top_p is not None else 1.0,
-        seed=body.seed,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
-        logit_bias=logit_bias,
-        min_p=body.min_p or 0.0,
-        min_tokens=body.min_tokens or 0,
+        temperature=body.temperature
+        if body.temperature is not None
+        else OPENAI_DEFAULT_TEMPERATURE,
+        logit_bias=_logit_bias(body),
         proposer=body.proposer,
         num_speculative_tokens=body.num_speculative_tokens,
         stop=body.stop,
         ignore_eos=body.ignore_eos,
         stop_token_ids=body.stop_token_ids or (),
+        **given,
     )
 
 

@@ -23,9 +23,9 @@ from hybridspec.distill.data import (
     local_snippets,
     make_data,
 )
+from hybridspec.distill.options import TrainOptions
 from hybridspec.distill.sources import chat_prompts
 from hybridspec.distill.train import (
-    TrainOptions,
     acceptance,
     distill_parts,
     draft_vocabulary,
