@@ -8,7 +8,7 @@ One step (see ARCHITECTURE.md for the full data flow):
 4. one target forward over the ragged batch ``[uncached committed tokens, d_1 .. d_k]`` per
    decoding request, plus the prefill chunks;
 5. verify all decoding requests together (greedy or rejection sampling);
-6. commit each request's accepted tokens and bonus/correction token, check stop conditions on
+6. commit each request's accepted tokens and bonus or recovered token, check stop conditions on
    them, roll the target cache back to the committed length and tell the proposer.
 
 A failure stays with the request it comes from (``step``): when the shared forward or

@@ -13,7 +13,7 @@ Worked example of the rollback: committed length 20, K = 4. The round feeds posi
 the drafts d1..d3 (d4 is sampled but never fed), so the draft cache holds 23 tokens. If the
 target accepts d1, d2 and corrects the third, 23 tokens are committed, of which the draft
 cache holds the first 22 correctly (20 committed + d1 + d2): it is truncated to 22, and the
-next round feeds the correction token first.
+next round feeds the recovered token first.
 
 Dimensions: ``num_seqs`` sequences drafted together, ``k_i`` drafts of sequence i.
 """

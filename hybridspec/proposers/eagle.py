@@ -122,7 +122,7 @@ class EagleProposer(Proposer):
     """
 
     samples_drafts = True
-    hidden_layers: tuple[int, ...] = (-1,)  # the head's ``feature_layers``, set when it loads
+    feature_layers: tuple[int, ...] = (-1,)  # the head's ``feature_layers``, set when it loads
 
     def __init__(self, context: ProposerContext, head: DraftHead | None = None) -> None:
         super().__init__(context)
@@ -147,7 +147,7 @@ class EagleProposer(Proposer):
         if kernel is not None and embed.device.type == "cpu" and embed.dtype == torch.bfloat16:
             quantize_matmuls(head, kernel)  # type: ignore[arg-type]  # a DraftHead is a Module
         self.head = head
-        self.hidden_layers = head.feature_layers
+        self.feature_layers = head.feature_layers
         self.cache = HeadCache(head.config, head.parts.embed.dtype, head.parts.embed.device)
         self._seqs: dict[int, _EagleSeq] = {}
         configured = context.config.eagle.cost_per_token

@@ -153,7 +153,7 @@ class DraftHead(Protocol):
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-class QuantizedLinear(nn.Module):
+class Int8DraftLinear(nn.Module):
     """A linear map that drafts on CPU through the model's block kernel: ``weight`` also kept
     in 8-bit groups of 32 (Q8_0's scheme), half of what a bfloat16 weight streams. It keeps
     ``weight`` and ``bias`` as they are (an ``nn.Linear``'s parameters stay its parameters, so
@@ -177,15 +177,15 @@ QUANTIZED_MATMULS = ("fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 def quantize_matmuls(head: nn.Module, kernel: Kernel) -> None:
     """Replace ``head``'s matmuls (``QUANTIZED_MATMULS``, those it has, and an ``EagleHead``'s
-    draft-vocabulary rows of the target's LM head) by ``QuantizedLinear``s, in place; those
+    draft-vocabulary rows of the target's LM head) by ``Int8DraftLinear``s, in place; those
     already replaced are kept. The head's state dict is unchanged: each keeps its weight."""
     for name in QUANTIZED_MATMULS:
         module = getattr(head, name, None)
         if isinstance(module, nn.Linear):
-            setattr(head, name, QuantizedLinear(module.weight, module.bias, kernel))
+            setattr(head, name, Int8DraftLinear(module.weight, module.bias, kernel))
     if isinstance(head, EagleHead) and head.draft_lm is None:
         # a plain tensor, not a parameter: the submodule adds nothing to the state dict
-        head.draft_lm = QuantizedLinear(head.draft_lm_head, None, kernel)
+        head.draft_lm = Int8DraftLinear(head.draft_lm_head, None, kernel)
 
 
 def rope_cos_sin(
@@ -281,7 +281,7 @@ class EagleHead(DecoderLayerHead):
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=True)
         self.parts = parts
         self.draft_lm_head = parts.lm_head[draft_vocab.to(parts.lm_head.device)]  # [S, D]
-        self.draft_lm: QuantizedLinear | None = None  # its 8-bit form (``quantize_matmuls``)
+        self.draft_lm: Int8DraftLinear | None = None  # its 8-bit form (``quantize_matmuls``)
         half = torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim
         self.inv_freq = 1.0 / (c.rope_theta**half)  # [hd // 2]
 

@@ -95,7 +95,7 @@ class HybridProposer(Proposer):
                 "proposer: 'hybrid' needs an eagle head or a draft model: " + "; ".join(reasons),
                 "proposer",
             )
-        self.hidden_layers = self.model.hidden_layers
+        self.feature_layers = self.model.feature_layers
         self.cost_per_token = self.model.cost_per_token
         measured = context.config.verify_token_cost
         self.verify_token_cost = DEFAULT_VERIFY_TOKEN_COST if measured is None else measured

@@ -108,7 +108,7 @@ def drafts_losslessly(target: LoadedModel, head: EagleHead) -> int:
     against plain decoding's."""
     engine = make_engine(target, eagle=EagleConfig(cost_per_token=0.0))
     proposer = use_head(engine, head.eval())
-    assert proposer.hidden_layers == head.feature_layers
+    assert proposer.feature_layers == head.feature_layers
     drafted = 0
     for prompt in PROMPTS:
         result = engine.generate(prompt_token_ids=prompt, proposer="eagle", max_new_tokens=30)
