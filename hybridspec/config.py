@@ -142,7 +142,7 @@ class EagleConfig:
     """The draft head of the ``eagle`` and ``hybrid`` proposers.
 
     ``head``: a directory holding ``config.json`` and ``head.safetensors`` (what ``hybridspec
-    distill`` writes), or a published EAGLE head (``proposers.eagle_import``); None picks the
+    distill`` writes), or a published EAGLE head (``proposers.eagle.published``); None picks the
     head shipped for the target, if there is one.
     ``cost_per_token`` as in ``DraftConfig``: None measures it when the proposer is built.
     """

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from hybridspec.distill.options import TrainOptions
 from hybridspec.errors import InvalidRequestError
 from hybridspec.model import LoadedModel
-from hybridspec.proposers.eagle_head import EagleHead, HeadConfig, TargetParts, target_fingerprint
+from hybridspec.proposers.eagle import EagleHead, HeadConfig, TargetParts, target_fingerprint
 
 CHECKPOINT = "checkpoint.pt"
 STEP_DECAY = 0.8  # weight of drafting step s: STEP_DECAY ** (s - 1)

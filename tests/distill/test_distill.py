@@ -39,7 +39,7 @@ from hybridspec.distill.train import (
     windows,
 )
 from hybridspec.model.loader import LoadedModel
-from hybridspec.proposers.eagle_head import EagleHead, load_head, save_head
+from hybridspec.proposers.eagle import EagleHead, load_head, save_head
 from tests.conftest import tiny_tokenizer
 from tests.engine.tiny import EOS, PROMPTS, make_engine, plain, tiny_loaded
 from tests.proposers.eagle_helpers import use_head

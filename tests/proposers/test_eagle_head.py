@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from hybridspec.model import block_kernel
-from hybridspec.proposers.eagle import target_parts
-from hybridspec.proposers.eagle_head import (
+from hybridspec.proposers.eagle import (
     HeadCache,
     HeadConfig,
     Int8DraftLinear,
@@ -18,6 +17,7 @@ from hybridspec.proposers.eagle_head import (
     load_head,
     quantize_matmuls,
     save_head,
+    target_parts,
 )
 from tests.engine.test_eagle import bf16_target
 from tests.engine.tiny import tiny_loaded
