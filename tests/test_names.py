@@ -6,7 +6,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 import hybridspec
+from hybridspec.proposers import Proposer
 
 PACKAGE = Path(hybridspec.__file__).parent
 
@@ -31,3 +34,13 @@ def test_no_retired_name_in_the_package() -> None:
 
 def test_the_check_finds_a_retired_name() -> None:
     assert re.search(next(iter(RETIRED)), "the Correction token", re.IGNORECASE)
+
+
+def test_a_proposer_naming_the_old_attribute_is_refused() -> None:
+    with pytest.raises(TypeError, match="feature_layers"):
+
+        class Old(Proposer):
+            hidden_layers = (-1,)
+
+            def propose(self, requests):  # type: ignore[no-untyped-def]
+                return []

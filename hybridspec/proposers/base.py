@@ -111,6 +111,13 @@ class Proposer(ABC):
     # drafts in a round that has a prefix, as its drafts would follow the committed context.
     continues_prefix: bool = False
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Refuse the attribute's old name, which the engine no longer reads: a proposer
+        naming ``hidden_layers`` would silently get no features."""
+        super().__init_subclass__(**kwargs)
+        if "hidden_layers" in vars(cls):
+            raise TypeError(f"{cls.__name__}: hidden_layers is now named feature_layers")
+
     def __init__(self, context: ProposerContext) -> None:
         self.context = context
 
