@@ -33,7 +33,7 @@ from hybridspec.distill.train import (
     windows,
 )
 from hybridspec.engine import Engine
-from hybridspec.proposers.eagle_head import load_head
+from hybridspec.proposers.eagle import load_head
 
 GROUNDED = {"code_editing", "summarization", "retrieval_qa", "extraction"}
 STEPS = 3

@@ -1,4 +1,4 @@
-"""The ``hybridspec`` command line: generate, serve and bench.
+"""The ``hybridspec`` command line: generate, serve, bench and distill.
 
 Every default is read from the configuration classes (``EngineConfig``, ``ModelConfig``,
 ``ServerConfig``, ``GenerationParams``), so a default changes in one place.
@@ -123,8 +123,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--proposer",
         default=ENGINE_DEFAULTS.default_proposer,
-        help="none, ngram, draft or a registered custom proposer: the proposer of requests that "
-        f"name none (default {ENGINE_DEFAULTS.default_proposer})",
+        help="the proposer of requests that name none: one of the built-in proposers (none, "
+        "ngram, draft, eagle, hybrid, grammar, or a composition such as grammar+ngram) or a "
+        f"registered custom one (default {ENGINE_DEFAULTS.default_proposer})",
     )
     group.add_argument(
         "-k",

@@ -1,4 +1,5 @@
-"""One typed configuration tree, with every bound and default in one place.
+"""One typed configuration tree, with every bound and default of the configuration in one
+place (a request's own options have theirs in ``types``; K's are here).
 
 Each component receives only its own part: the n-gram proposer an ``NgramConfig``, the draft
 proposer a ``DraftConfig``, the runtime a ``ModelConfig``, the engine an ``EngineConfig``.
@@ -16,6 +17,8 @@ MAX_SPECULATIVE_TOKENS = 16
 # Adaptive speculation's verify cost per token (engine.speculation), timed on the development
 # CPU (2 cores, SmolLM2-135M bf16): 0.026..0.036 of a one-token forward.
 DEFAULT_VERIFY_TOKEN_COST = 0.03
+# A measured cost above this is timing noise (a loaded machine); real ones are ~0.03 on CPU.
+MAX_VERIFY_TOKEN_COST = 0.1
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "gguf": keep a GGUF file's Q4_0/Q4_1/Q8_0 matrices as they are stored; "int4"/"int8": also
 # quantize the dense matrices at load; "auto" (the default): "gguf" for a GGUF file where the
@@ -139,7 +142,7 @@ class EagleConfig:
     """The draft head of the ``eagle`` and ``hybrid`` proposers.
 
     ``head``: a directory holding ``config.json`` and ``head.safetensors`` (what ``hybridspec
-    distill`` writes), or a published EAGLE head (``proposers.eagle_import``); None picks the
+    distill`` writes), or a published EAGLE head (``proposers.eagle.published``); None picks the
     head shipped for the target, if there is one.
     ``cost_per_token`` as in ``DraftConfig``: None measures it when the proposer is built.
     """

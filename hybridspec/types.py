@@ -30,6 +30,10 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 # produces (a rho of 1e-300 would turn a positive logit into inf, and softmax into NaN).
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
+# GenerationParams' bounds (``engine.request``), which the server's schema states too
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for, as in the OpenAI chat API
 
 
 def _is_number(value: object) -> bool:
@@ -305,11 +309,11 @@ class CommitInfo:
     """What one round committed to a sequence, handed to its proposer's ``commit``.
 
     ``token_ids`` are exactly the tokens appended after verification: the first
-    ``num_accepted`` are accepted drafts, the last one the target's bonus or correction token
+    ``num_accepted`` are accepted drafts, the last one the target's bonus or recovered token
     (unless a stop condition cut the round short, when there may be fewer). A proposer rolls its
     own state back past the rejected drafts from these two fields alone.
     ``hidden_states`` is for proposers that read the target's features
-    (``Proposer.hidden_layers``): the target's hidden states at the committed positions
+    (``Proposer.feature_layers``): the target's hidden states at the committed positions
     ``hidden_position, hidden_position + 1, ...`` that it fed since the last commit (see
     ``engine.features``: the prompt's chunks, the last committed token, accepted drafts; never a
     rejected draft). ``None`` for a proposer that asks for no layer.
@@ -318,7 +322,7 @@ class CommitInfo:
     seq_id: int
     token_ids: Sequence[int]  # [num_committed]
     num_accepted: int
-    # [num_rows, len(Proposer.hidden_layers), hidden_size] in the target's dtype, or None
+    # [num_rows, len(Proposer.feature_layers), hidden_size] in the target's dtype, or None
     hidden_states: torch.Tensor | None = None
     hidden_position: int = 0  # the position of hidden_states' first row
 
@@ -345,8 +349,18 @@ class GenerationStats:
         return self.draft_tokens_accepted / self.draft_tokens_proposed
 
     @property
+    def acceptance_per_position(self) -> list[float]:
+        """Per draft position ``i``: the share of drafts proposed there that were accepted
+        (``accepted_per_position[i] / proposed_per_position[i]``, 0 where none was proposed):
+        the counts are ``accepted_per_position``, their rates this."""
+        return [
+            a / p if p else 0.0
+            for a, p in zip(self.accepted_per_position, self.proposed_per_position, strict=True)
+        ]
+
+    @property
     def mean_accepted_length(self) -> float:
-        """Committed tokens per target forward, counting the bonus or correction token."""
+        """Committed tokens per target forward, counting the bonus or recovered token."""
         if self.target_forwards == 0:
             return 0.0
         return self.generated_tokens / self.target_forwards
@@ -380,10 +394,7 @@ class GenerationStats:
             "draft_tokens_accepted": self.draft_tokens_accepted,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
-            "acceptance_per_position": [
-                a / p if p else 0.0
-                for a, p in zip(self.accepted_per_position, self.proposed_per_position, strict=True)
-            ],
+            "acceptance_per_position": self.acceptance_per_position,
             "elapsed_s": self.elapsed_s,
             "time_to_first_token_s": self.time_to_first_token_s,
             "tokens_per_second": self.tokens_per_second,

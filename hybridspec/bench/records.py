@@ -20,7 +20,7 @@ class Speculation:
     num_generated: int  # generated tokens, EOS included
     target_forwards: int  # target forwards that committed tokens (prefill-only chunks excluded)
     num_drafts: int  # proposed over all rounds
-    num_accepted_tokens: int  # accepted drafts (bonus/correction tokens excluded)
+    num_accepted_tokens: int  # accepted drafts (bonus and recovered tokens excluded)
     accepted_per_position: tuple[int, ...] | None = None  # [K]; None: not observable
     proposed_per_position: tuple[int, ...] | None = None  # [K]
 

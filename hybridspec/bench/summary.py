@@ -12,7 +12,7 @@ closed-loop trials at concurrency N form a group of their own (``concurrent xN``
   repeat, ngram x8 generates 2000 tokens in 10 s (200 tokens/s) over prompts a..h, and ``none``
   generated 1500 tokens in 30 s over the sequential trials of a..h (50 tokens/s): 4.0x.
 - acceptance rate = accepted drafts / proposed drafts; mean accepted length = generated tokens
-  / target forwards (the bonus or correction token counted); acceptance per position i =
+  / target forwards (the bonus or recovered token counted); acceptance per position i =
   rounds whose i-th draft was accepted / rounds that proposed an i-th draft. These are pooled
   over repeats: they do not depend on the machine's speed.
 - outside-forward share = 1 - (seconds in the target forward / wall seconds): proposing,

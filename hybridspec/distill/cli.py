@@ -14,6 +14,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from hybridspec.distill.options import DEFAULTS
+
 
 def add_distill_command(commands: Any) -> None:
     """Register ``distill`` on the ``hybridspec`` subcommand parsers."""
@@ -42,11 +44,11 @@ def add_distill_command(commands: Any) -> None:
         help="the target's layers the head reads, e.g. 2,15,-1 (EAGLE-3's low, middle and "
         "last); -1, the last, must be among them (default: -1)",
     )
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--window", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size)
+    p.add_argument("--window", type=int, default=DEFAULTS.window)
+    p.add_argument("--lr", type=float, default=DEFAULTS.lr)
     p.add_argument("--steps", type=int, default=None, help="fixed optimiser steps (tests)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed)
     p.set_defaults(run=run_distill)
 
 

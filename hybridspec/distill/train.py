@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hybridspec.distill.options import TrainOptions
 from hybridspec.errors import InvalidRequestError
 from hybridspec.model import LoadedModel
-from hybridspec.proposers.eagle_head import EagleHead, HeadConfig, TargetParts, target_fingerprint
+from hybridspec.proposers.eagle import EagleHead, HeadConfig, TargetParts, target_fingerprint
 
 CHECKPOINT = "checkpoint.pt"
 STEP_DECAY = 0.8  # weight of drafting step s: STEP_DECAY ** (s - 1)
@@ -37,21 +38,6 @@ WARMUP_STEPS = 30
 TIMING_STEPS = 10  # steps timed to fix the run's length from its budget
 CHECKPOINT_EVERY_S = 60.0
 Sequence_ = tuple[torch.Tensor, torch.Tensor]  # tokens [n] int, features [n, L, D] bfloat16
-
-
-@dataclass(frozen=True, slots=True)
-class TrainOptions:
-    budget_s: float
-    seed: int = 0
-    batch_size: int = 8
-    window: int = 128
-    lr: float = 1e-3
-    num_steps: int = 3  # drafting steps unrolled (training-time test)
-    max_steps: int | None = None  # a fixed number of optimiser steps (tests); None: by budget
-    device: str = "cpu"
-    # bfloat16 matmuls (torch.autocast): on CUDA, and on a CPU whose target runs in bfloat16
-    # (the loader picks it only where the CPU has bfloat16 instructions)
-    bfloat16: bool = False
 
 
 def head_config(

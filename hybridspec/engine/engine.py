@@ -8,7 +8,7 @@ One step (see ARCHITECTURE.md for the full data flow):
 4. one target forward over the ragged batch ``[uncached committed tokens, d_1 .. d_k]`` per
    decoding request, plus the prefill chunks;
 5. verify all decoding requests together (greedy or rejection sampling);
-6. commit each request's accepted tokens and bonus/correction token, check stop conditions on
+6. commit each request's accepted tokens and bonus or recovered token, check stop conditions on
    them, roll the target cache back to the committed length and tell the proposer.
 
 A failure stays with the request it comes from (``step``): when the shared forward or
@@ -57,6 +57,7 @@ from hybridspec.engine.request import (
     RequestOutput,
     new_generator,
 )
+from hybridspec.engine.resolution import ProposerCatalog
 from hybridspec.engine.scheduler import Scheduler, StepBatch, forward_batch
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
 from hybridspec.errors import HybridSpecError, check
@@ -74,6 +75,7 @@ from hybridspec.proposers import (
 from hybridspec.types import CommitInfo, Proposal
 from hybridspec.verifier import VerifyInput, VerifyOutput, check_logit_bias, verify
 from hybridspec.verifier.grammar import Grammars
+from hybridspec.verifier.layout import DraftLayout
 from hybridspec.verifier.uniforms import KeyedUniforms, key_of
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class _Round:
     step: StepBatch
     logits: torch.Tensor  # [num_logits, vocab_size]: the verified rows, then prompt rows
     hidden_states: torch.Tensor | None  # [num_tokens, len(batch.hidden_layers), hidden_size]
+    layout: DraftLayout | None  # the decoding requests' drafts and rows; None: none decodes
     verified: VerifyOutput | None  # None: no decoding request
 
 
@@ -129,7 +132,7 @@ class Engine:
         self.proposers = ProposerPool(
             registry if registry is not None else default_registry(), context
         )
-        self.proposers.resolve(self.config.default_proposer)
+        self.proposers.catalog.find(self.config.default_proposer)
         self._seq_ids = itertools.count()
         self._grammars: Grammars | None = None
         self.speculation: SpeculationPolicy | None = None
@@ -164,7 +167,13 @@ class Engine:
         return self.proposers.unavailable()
 
     def resolve_proposer(self, name: str) -> Proposer:
-        return self.proposers.resolve(name)
+        """The proposer ``name``; InvalidRequestError when it is unknown or unavailable."""
+        return self.proposers.catalog.find(name)
+
+    @property
+    def catalog(self) -> ProposerCatalog:
+        """What requests' proposers and K resolve against (``engine.resolution``)."""
+        return self.proposers.catalog
 
     def grammars(self) -> Grammars:
         """The compiler of structured-output grammars for this model's tokenizer (built on
@@ -246,8 +255,9 @@ class Engine:
             "stop_token_ids",
             f"expected token ids below the vocabulary size {self.vocab_size}",
         )
-        name = params.proposer or self.config.default_proposer
-        self.proposers.resolve(name)
+        resolved = params.resolved or self.catalog.resolve(
+            params.proposer, params.num_speculative_tokens
+        )
         check(
             not params.stop or self.tokenizer is not None,
             "stop",
@@ -259,9 +269,7 @@ class Engine:
             seq_id=next(self._seq_ids),
             prompt_token_ids=prompt,
             params=params,
-            proposer_name=name,
-            num_speculative_tokens=params.num_speculative_tokens
-            or self.config.default_num_speculative_tokens,
+            resolved=resolved,
             generator=new_generator(seed),
             uniform_key=key_of(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
@@ -324,45 +332,54 @@ class Engine:
     ) -> _Round:
         """One target forward over the decoding spans and prefill chunks, and verification of
         the drafts. Changes nothing but the fed sequences' target caches."""
-        fed = [self.proposers[r.proposer_name] for r, _ in (*drafts, *prefill)]
+        fed = [r.proposer for r, _ in (*drafts, *prefill)]
         step = forward_batch(drafts, prefill, self.runtime.seq_len, forward_layers(fed))
         output = self.runtime.forward(step.batch)
         logits = output.logits[: step.num_verify_rows]  # the verified rows
-        verified = self._verify(drafts, logits) if drafts else None
-        return _Round(drafts, prefill, fed, step, output.logits, output.hidden_states, verified)
+        inp = self._verify_input(drafts, logits) if drafts else None
+        verified = verify(inp) if inp is not None else None
+        layout = inp.layout if inp is not None else None
+        hidden = output.hidden_states
+        return _Round(drafts, prefill, fed, step, output.logits, hidden, layout, verified)
 
     def _commit_all(self, round_: _Round) -> list[RequestOutput]:
         """Score prompts that asked, then commit each decoding request's verified tokens; a
         failure fails that request only."""
-        drafts, verified = round_.drafts, round_.verified
+        drafts, verified, layout = round_.drafts, round_.verified, round_.layout
         logits = round_.step.score_prompts(round_.logits)  # the verified rows
         accepted = verified.num_accepted.tolist() if verified is not None else []
+        num_drafts = layout.num_drafts if layout is not None else ()
         outputs: list[RequestOutput] = []
         if round_.hidden_states is not None:
-            rejected = [p.num_drafts - n for (_, p), n in zip(drafts, accepted, strict=True)]
+            rejected = [k - n for k, n in zip(num_drafts, accepted, strict=True)]
             requests = [r for r, _ in (*drafts, *round_.prefill)]
             rejected += [0] * len(round_.prefill)
             keep_committed_rows(
                 round_.step.batch, round_.hidden_states, requests, round_.fed, rejected
             )
-        if verified is None:
+        if verified is None or layout is None:
             return outputs
         if verified.controlled_logits is not None:  # what p was made from: logprobs read it too
             logits = verified.controlled_logits
-        committed, row = 0, 0
-        for (request, proposal), tokens, num_accepted in zip(
-            drafts, verified.output_token_ids, accepted, strict=True
-        ):
+        committed = 0
+        for (request, proposal), k, row, tokens, num_accepted in zip(
+            drafts,
+            num_drafts,
+            layout.row_offsets,
+            verified.output_token_ids,
+            accepted,
+            strict=False,
+        ):  # row_offsets has one entry more
             committed += len(tokens)
             rows = logits[row : row + len(tokens)]  # the rows that produced ``tokens``
-            row += proposal.num_drafts + 1
             try:
-                outputs.append(self._commit(request, tokens, num_accepted, proposal, rows))
+                drafted_by = proposal.drafted_by or request.proposer_name
+                outputs.append(self._commit(request, tokens, num_accepted, k, rows, drafted_by))
             except Exception:
                 logger.exception("committing request %s failed", request.request_id)
                 outputs.append(self._finish(request, FinishReason.ERROR, ROUND_FAILED))
         if self.speculation is not None:
-            self.speculation.record_step(committed, row)
+            self.speculation.record_step(committed, layout.num_rows)
         return outputs
 
     def _roll_back(self, cached: dict[int, int]) -> None:
@@ -399,18 +416,19 @@ class Engine:
             outputs += self._commit_all(verified)
         return outputs
 
-    def _verify(self, drafts: list[tuple[Request, Proposal]], logits: torch.Tensor) -> VerifyOutput:
-        """Verify every decoding request's drafts against ``logits`` [sum(k_i + 1), vocab_size]."""
-        return verify(
-            VerifyInput.from_proposals(
-                [p for _, p in drafts],
-                logits,
-                [r.params.sampling for r, _ in drafts],
-                [r.generator for r, _ in drafts],
-                [KeyedUniforms(r.uniform_key, len(r.token_ids)) for r, _ in drafts],
-                checked=True,  # by the proposer pool, where they entered
-                histories=[r.history(self.eos_token_ids) for r, _ in drafts],
-            )
+    def _verify_input(
+        self, drafts: list[tuple[Request, Proposal]], logits: torch.Tensor
+    ) -> VerifyInput:
+        """Every decoding request's drafts against ``logits`` [sum(k_i + 1), vocab_size], with
+        the round's ``DraftLayout`` (built here, once; the commit reads it too)."""
+        return VerifyInput.from_proposals(
+            [p for _, p in drafts],
+            logits,
+            [r.params.sampling for r, _ in drafts],
+            [r.generator for r, _ in drafts],
+            [KeyedUniforms(r.uniform_key, len(r.token_ids)) for r, _ in drafts],
+            checked=True,  # by the proposer pool, where they entered
+            histories=[r.history(self.eos_token_ids) for r, _ in drafts],
         )
 
     def _admit(self, outputs: list[RequestOutput]) -> None:
@@ -418,9 +436,7 @@ class Engine:
             request.slot = self.runtime.allocate()
             request.start_time = time.perf_counter()
             try:
-                self.proposers[request.proposer_name].start(
-                    request.seq_id, request.prompt_token_ids
-                )
+                request.proposer.start(request.seq_id, request.prompt_token_ids)
             except Exception as exc:  # a proposer's failure harms its own request only
                 logger.exception("proposer %r failed to start", request.proposer_name)
                 outputs.append(self._finish(request, FinishReason.ERROR, f"proposer: {exc}"))
@@ -445,13 +461,15 @@ class Engine:
         request: Request,
         tokens: list[int],
         num_accepted: int,
-        proposal: Proposal,
+        num_drafts: int,
         logits: torch.Tensor,
+        drafted_by: str,
     ) -> RequestOutput:
         """Append verified tokens, stopping at the first stop condition; roll caches back.
-        ``logits`` [len(tokens), vocab_size]: the target's rows that produced ``tokens``."""
-        request.stats.record_round(proposal.num_drafts, num_accepted)
-        request.speculation.update(proposal.num_drafts, num_accepted, len(tokens))
+        ``logits`` [len(tokens), vocab_size]: the target's rows that produced ``tokens``;
+        ``drafted_by``: the proposer whose drafts they are (``RequestOutput.drafted_by``)."""
+        request.stats.record_round(num_drafts, num_accepted)
+        request.speculation.update(num_drafts, num_accepted, len(tokens))
         assert request.detokenizer is not None and request.slot is not None
         new_token_ids, consumed, reason = request.append(
             tokens, self.eos_token_ids, self.max_seq_len
@@ -459,7 +477,6 @@ class Engine:
         logprobs = request.score_committed(logits[:consumed], tokens[:consumed])
         # The accepted drafts lead the round's tokens: the first ``num_drafted`` appended.
         num_drafted = min(num_accepted, len(new_token_ids))
-        drafted_by = proposal.drafted_by or request.proposer_name
         if reason is not None:
             output = self._finish(request, reason, new_token_ids=new_token_ids, logprobs=logprobs)
             return dataclasses.replace(output, num_drafted=num_drafted, drafted_by=drafted_by)
@@ -468,7 +485,7 @@ class Engine:
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
         hidden_states, hidden_position = take_rows(request)
         try:
-            self.proposers[request.proposer_name].commit(
+            request.proposer.commit(
                 CommitInfo(request.seq_id, tokens, num_accepted, hidden_states, hidden_position)
             )
         except Exception as exc:
@@ -502,7 +519,7 @@ class Engine:
             self.runtime.free(request.slot)
             request.slot = None
             try:
-                self.proposers[request.proposer_name].finish(request.seq_id)
+                request.proposer.finish(request.seq_id)
             except Exception:
                 logger.exception("proposer %r failed to finish", request.proposer_name)
         leave(request)

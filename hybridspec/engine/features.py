@@ -1,5 +1,5 @@
 """Target features for proposers: the target's hidden states at committed positions, handed to
-the proposers that ask for them (``Proposer.hidden_layers``) at no extra forward.
+the proposers that ask for them (``Proposer.feature_layers``) at no extra forward.
 
 A forward names the union of the layers that its sequences' proposers ask for
 (``ForwardBatch.hidden_layers``) and returns their outputs for every fed token. The rows of a
@@ -36,7 +36,7 @@ def forward_layers(proposers: Iterable[Proposer]) -> tuple[int, ...]:
     entry per sequence of the forward)."""
     layers: dict[int, None] = {}
     for proposer in proposers:
-        layers.update(dict.fromkeys(proposer.hidden_layers))
+        layers.update(dict.fromkeys(proposer.feature_layers))
     return tuple(layers)
 
 
@@ -56,11 +56,11 @@ def keep_committed_rows(
     cu = batch.cu_num_tokens.tolist()
     for i, (request, proposer) in enumerate(zip(requests, proposers, strict=True)):
         end = cu[i + 1] - rejected[i]
-        if not proposer.hidden_layers or end <= cu[i]:
+        if not proposer.feature_layers or end <= cu[i]:
             continue
         rows = hidden_states[cu[i] : end]
-        if proposer.hidden_layers != batch.hidden_layers:
-            columns = [batch.hidden_layers.index(layer) for layer in proposer.hidden_layers]
+        if proposer.feature_layers != batch.hidden_layers:
+            columns = [batch.hidden_layers.index(layer) for layer in proposer.feature_layers]
             rows = rows[:, columns]
         request.pending_hidden.append(rows)
 

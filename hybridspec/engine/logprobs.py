@@ -24,8 +24,6 @@ import torch
 from hybridspec.types import SamplingParams
 from hybridspec.verifier import logits_to_logprobs
 
-MAX_LOGPROBS = 20  # the most alternatives a request may ask for, as in the OpenAI chat API
-
 
 @dataclass(frozen=True, slots=True)
 class Logprobs:

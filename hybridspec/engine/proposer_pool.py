@@ -1,5 +1,6 @@
 """The engine's proposers: one instance per registered name, built once and shared by every
-request that names it, and the round's proposing step for all of them.
+request that names it (``catalog``: what a request resolves against, ``engine.resolution``),
+and the round's proposing step for all of them.
 
 A proposal enters the engine here, and is validated here once (``verifier.check_proposal``);
 a proposer that fails (raises, or returns something invalid) fails its own requests only.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from hybridspec.config import EngineConfig
 from hybridspec.engine.request import Request
+from hybridspec.engine.resolution import ProposerCatalog
 from hybridspec.errors import HybridSpecError, InvalidRequestError, check
 from hybridspec.model import LoadedModel, ModelRuntime, load_model
 from hybridspec.proposers import (
@@ -74,17 +76,17 @@ def proposer_context(
 
 
 class ProposerPool:
-    """Builds every registered proposer from one ``ProposerContext``; resolves names."""
+    """Builds every registered proposer from one ``ProposerContext``, and the ``catalog`` that
+    requests resolve their proposer against (``context.config``'s defaults)."""
 
     def __init__(self, registry: ProposerRegistry, context: ProposerContext) -> None:
         self._registry = registry
         self._context = context
         self._proposers: dict[str, Proposer] = {}
         self._unavailable: dict[str, str] = {}
-        # "a+b" names built on first use (``resolve``); they share a's and b's instances.
-        self._composites: dict[str, Proposer] = {}
         for name in registry.names():
             self._build(name)
+        self.catalog = self._catalog()
 
     def _build(self, name: str) -> None:
         try:
@@ -99,11 +101,11 @@ class ProposerPool:
     def register(self, name: str, factory: ProposerFactory, *, replace: bool = False) -> None:
         """Register ``factory`` under ``name`` and build it; raise if it cannot be built."""
         self._registry.register(name, factory, replace=replace)
-        self._composites.clear()  # they may hold the replaced instance
         old = self._proposers.pop(name, None)
         if old is not None:
             old.close()
         self._build(name)
+        self.catalog = self._catalog()  # compositions of the replaced instance are rebuilt
         if name in self._unavailable:
             raise InvalidRequestError(
                 f"proposer: {name!r} could not be built: {self._unavailable[name]}", "proposer"
@@ -112,48 +114,30 @@ class ProposerPool:
     def available(self) -> list[str]:
         """The built proposers, and each composition ``a+b`` of one that composes with one
         that does not (``grammar+ngram``)."""
-        names = sorted(self._proposers)
-        heads = [n for n in names if type(self._proposers[n]).compose is not Proposer.compose]
-        return names + [f"{a}+{b}" for a in heads for b in names if b not in heads]
+        return list(self.catalog.names())
 
     def unavailable(self) -> dict[str, str]:
         """Registered proposers that could not be built, with the reason."""
         return dict(self._unavailable)
 
-    def resolve(self, name: str) -> Proposer:
-        """The proposer ``name``; InvalidRequestError when it is unknown or unavailable.
-
-        ``"a+b"`` is ``a`` composed with ``b`` (``Proposer.compose``: ``a`` drafts, then ``b``
-        continues in the same round), built on first use and kept; any registered proposer
-        that composes may come first, any other after it (``grammar+ngram``).
-        """
-        if "+" in name:
-            return self._composite(name)
-        if name in self._unavailable:
-            raise InvalidRequestError(
-                f"proposer: {name!r} is not available: {self._unavailable[name]}", "proposer"
-            )
-        if name not in self._proposers:
-            self._registry.factory(name)  # raises the error that lists the known names
-        return self._proposers[name]
-
-    def _composite(self, name: str) -> Proposer:
-        if name not in self._composites:
-            head, _, rest = name.partition("+")
-            outer, inner = self.resolve(head), self.resolve(rest)
-            composed = outer.compose(inner)
-            check(
-                composed is not None,
-                "proposer",
-                f"{head!r} does not compose with another proposer, so {name!r} names nothing",
-            )
-            assert composed is not None
-            self._composites[name] = composed
-        return self._composites[name]
-
-    def __getitem__(self, name: str) -> Proposer:
-        composite = self._composites.get(name)
-        return composite if composite is not None else self._proposers[name]
+    def _catalog(self) -> ProposerCatalog:
+        """The built proposers and their compositions (``Proposer.compose``: ``a`` drafts, then
+        ``b`` continues in the same round), built here once and shared by every request: any
+        proposer that composes may come first, any that does not after it."""
+        proposers = dict(sorted(self._proposers.items()))
+        heads = [n for n, p in proposers.items() if type(p).compose is not Proposer.compose]
+        for head in heads:
+            for name in [n for n in self._proposers if n not in heads]:
+                composed = proposers[head].compose(proposers[name])
+                if composed is not None:
+                    proposers[f"{head}+{name}"] = composed
+        config = self._context.config
+        return ProposerCatalog(
+            proposers,
+            dict(self._unavailable),
+            config.default_proposer,
+            config.default_num_speculative_tokens,
+        )
 
     def propose(
         self, decode: Sequence[Request], num_drafts: Callable[[Request, Proposer], int]
@@ -162,14 +146,14 @@ class ProposerPool:
 
         ``num_drafts(request, proposer)`` is how many drafts the request asks for this round.
         """
-        groups: dict[str, list[Request]] = {}
+        groups: dict[int, list[Request]] = {}  # by the proposer's identity
         for request in decode:
-            groups.setdefault(request.proposer_name, []).append(request)
+            groups.setdefault(id(request.proposer), []).append(request)
         proposals: dict[int, Proposal] = {}
         failed: list[tuple[Request, str]] = []
         eos = frozenset(self._context.eos_token_ids)
-        for name, requests in groups.items():
-            proposer = self[name]
+        for requests in groups.values():
+            proposer, name = requests[0].proposer, requests[0].proposer_name
             asks = [
                 ProposeRequest(
                     r.seq_id,
@@ -213,7 +197,6 @@ class ProposerPool:
         )
 
     def close(self) -> None:
-        self._composites.clear()
         for proposer in self._proposers.values():
             proposer.close()
         self._proposers.clear()

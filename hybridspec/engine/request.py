@@ -12,15 +12,20 @@ import os
 import time
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridspec.config import check_num_speculative_tokens
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
-from hybridspec.engine.logprobs import MAX_LOGPROBS, Logprobs, score
+from hybridspec.engine.logprobs import Logprobs, score
+from hybridspec.engine.resolution import ResolvedProposer
 from hybridspec.engine.speculation import SpeculationState
 from hybridspec.errors import check
 from hybridspec.types import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     GenerationStats,
     GrammarSpec,
     SamplingParams,
@@ -29,8 +34,8 @@ from hybridspec.types import (
 from hybridspec.verifier.grammar import GrammarState
 from hybridspec.verifier.uniforms import key_of
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_TOKEN_IDS = 64
+if TYPE_CHECKING:  # the command line reads GenerationParams' defaults without transformers
+    from hybridspec.proposers import Proposer
 
 
 class FinishReason(str, enum.Enum):
@@ -40,6 +45,10 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_new_tokens or the context length
     ABORT = "abort"  # cancelled by the caller
     ERROR = "error"  # failed; other requests are unaffected
+
+
+DEFAULT_MAX_NEW_TOKENS = 256
+_SAMPLING = SamplingParams()  # the sampling defaults, which ``GenerationParams.create`` shows
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +61,13 @@ class GenerationParams:
     ``max_new_tokens`` may be 0 when ``prompt_logprobs`` is asked: the prompt is scored, and
     nothing generated. ``stop_token_ids`` end the request as EOS does (left out of the text,
     held back by ``min_tokens``), ``ignore_eos`` or not. ``grammar``: what the output must
-    match (structured output, ``verifier.grammar``); None for free text.
+    match (structured output, ``verifier.grammar``); None for free text. ``resolved``: the
+    proposer and K already resolved against this engine's catalog where the request entered
+    (the server does; ``engine.resolution``), which the engine then takes as they are; None:
+    the engine resolves ``proposer`` and ``num_speculative_tokens`` when the request is added.
     """
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     proposer: str | None = None
     num_speculative_tokens: int | None = None
@@ -65,6 +77,7 @@ class GenerationParams:
     prompt_logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     grammar: GrammarSpec | None = None
+    resolved: ResolvedProposer | None = None
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -123,22 +136,27 @@ class GenerationParams:
             "grammar",
             f"expected None or a GrammarSpec, got {type(self.grammar).__name__}",
         )
+        check(
+            self.resolved is None or isinstance(self.resolved, ResolvedProposer),
+            "resolved",
+            f"expected None or a ResolvedProposer, got {type(self.resolved).__name__}",
+        )
 
     @classmethod
     def create(
         cls,
         *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        temperature: float = _SAMPLING.temperature,
+        top_k: int | None = _SAMPLING.top_k,
+        top_p: float = _SAMPLING.top_p,
+        seed: int | None = _SAMPLING.seed,
+        presence_penalty: float = _SAMPLING.presence_penalty,
+        frequency_penalty: float = _SAMPLING.frequency_penalty,
+        repetition_penalty: float = _SAMPLING.repetition_penalty,
         logit_bias: Mapping[int, float] | None = None,
-        min_p: float = 0.0,
-        min_tokens: int = 0,
+        min_p: float = _SAMPLING.min_p,
+        min_tokens: int = _SAMPLING.min_tokens,
         proposer: str | None = None,
         num_speculative_tokens: int | None = None,
         stop: str | Sequence[str] | None = None,
@@ -149,7 +167,8 @@ class GenerationParams:
         grammar: GrammarSpec | None = None,
     ) -> GenerationParams:
         """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
-        ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds)."""
+        ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds and
+        the defaults, which these arguments show)."""
         if stop is None:
             stops: tuple[str, ...] = ()
         elif isinstance(stop, str):
@@ -265,8 +284,7 @@ class Request:
     seq_id: int
     prompt_token_ids: list[int]
     params: GenerationParams
-    proposer_name: str
-    num_speculative_tokens: int
+    resolved: ResolvedProposer  # its proposer object and K, resolved once when it was added
     generator: torch.Generator
     # position-keyed randomness of sampled verification (verifier.uniforms); fresh by default
     uniform_key: int = field(default_factory=lambda: key_of(None))
@@ -295,6 +313,18 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.stats.prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def proposer(self) -> Proposer:
+        return self.resolved.proposer
+
+    @property
+    def proposer_name(self) -> str:
+        return self.resolved.name
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.resolved.num_speculative_tokens
 
     @property
     def num_generated(self) -> int:

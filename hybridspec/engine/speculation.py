@@ -47,12 +47,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hybridspec.config import MAX_VERIFY_TOKEN_COST
 from hybridspec.model import ModelRuntime, median_forward_seconds
 from hybridspec.verifier.estimate import AcceptanceEstimate, drafts_worth_asking
 
 CALIBRATION_TOKENS = 16  # extra tokens of the calibration forward
-# A measured cost above this is timing noise (a loaded machine); real ones are ~0.03 on CPU.
-MAX_VERIFY_TOKEN_COST = 0.1
 
 
 @dataclass(slots=True)

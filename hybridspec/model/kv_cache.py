@@ -13,7 +13,7 @@ positions past that hold stale values from before a rollback (or were never writ
 reader masks them out, so ``truncate`` only moves the length back.
 
 Worked example: a slot at length 12 that verified 4 draft tokens (length 16) and accepted 1 of
-them plus a correction is truncated to 14; positions 14 and 15 keep the rejected keys until the
+them plus a recovered token is truncated to 14; positions 14 and 15 keep the rejected keys until the
 next forward overwrites them.
 """
 

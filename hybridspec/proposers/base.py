@@ -8,7 +8,7 @@ all in one forward. Its lifecycle per sequence:
    returning one ``Proposal`` of at most ``request.max_num_drafts`` drafts per request, in
    order;
 3. after verification, ``commit(info)`` with a ``CommitInfo``: exactly the tokens that were
-   appended to the sequence (accepted drafts then the bonus or correction token) and how many
+   appended to the sequence (accepted drafts then the bonus or recovered token) and how many
    drafts were accepted, so that the proposer can roll its own state back past what was
    rejected;
 4. ``finish(seq_id)`` when the sequence ends, for whatever reason.
@@ -29,7 +29,7 @@ vocabulary, EOS ids and tokenizer, the engine's configuration, the draft model t
 loaded) and nothing else.
 
 A proposer that reads the target's features (a feature-level draft head, as EAGLE does) names
-the target's layers in ``hidden_layers``; each ``commit`` then brings the layers' outputs at
+the target's layers in ``feature_layers``; each ``commit`` then brings the layers' outputs at
 every committed position fed since the last one (``CommitInfo.hidden_states``, from
 ``CommitInfo.hidden_position`` on), taken from the verifying forward itself. Example: a 10-token
 prompt, then a round that feeds ``[p9, d1, d2, d3]`` and keeps ``d1, d2``: the commit of
@@ -105,11 +105,18 @@ class Proposer(ABC):
     # convention: ``(-1,)`` is the last layer's output before the final norm). The engine then
     # hands it their rows at its sequences' committed positions in ``CommitInfo.hidden_states``
     # (``engine.features``); () asks for none and costs nothing.
-    hidden_layers: tuple[int, ...] = ()
+    feature_layers: tuple[int, ...] = ()
     # True for a proposer that drafts after ``ProposeRequest.draft_prefix`` (drafts chosen
     # before it was asked: a grammar's forced tokens); one that declares False is asked for no
     # drafts in a round that has a prefix, as its drafts would follow the committed context.
     continues_prefix: bool = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Refuse the attribute's old name, which the engine no longer reads: a proposer
+        naming ``hidden_layers`` would silently get no features."""
+        super().__init_subclass__(**kwargs)
+        if "hidden_layers" in vars(cls):
+            raise TypeError(f"{cls.__name__}: hidden_layers is now named feature_layers")
 
     def __init__(self, context: ProposerContext) -> None:
         self.context = context

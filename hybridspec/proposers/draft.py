@@ -13,7 +13,7 @@ Worked example of the rollback: committed length 20, K = 4. The round feeds posi
 the drafts d1..d3 (d4 is sampled but never fed), so the draft cache holds 23 tokens. If the
 target accepts d1, d2 and corrects the third, 23 tokens are committed, of which the draft
 cache holds the first 22 correctly (20 committed + d1 + d2): it is truncated to 22, and the
-next round feeds the correction token first.
+next round feeds the recovered token first.
 
 Dimensions: ``num_seqs`` sequences drafted together, ``k_i`` drafts of sequence i.
 """
@@ -33,7 +33,8 @@ from hybridspec.model import (
     ModelRuntime,
     fastest_forward_seconds,
 )
-from hybridspec.proposers.base import Proposer, ProposerContext
+from hybridspec.proposers.base import ProposerContext
+from hybridspec.proposers.sequences import SeqState, SequenceProposer
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.acceptance import draw_token
 from hybridspec.verifier.controls import apply_controls
@@ -45,9 +46,7 @@ PROBE_TEXT = "Speculative decoding: the draft proposes, the target verifies. 123
 
 
 @dataclass(slots=True)
-class _DraftSeq:
-    slot: int
-    committed_len: int  # tokens committed to the sequence so far
+class _DraftSeq(SeqState):
     num_drafted_fed: int = 0  # drafts of the last round that were fed into the draft cache
 
 
@@ -74,7 +73,7 @@ def check_tokenizer_compatible(target: ProposerContext, draft: LoadedModel) -> N
             )
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(SequenceProposer[_DraftSeq]):
     """Drafts with a small model sharing the target's tokenizer: the engine's ``DraftModel``
     (``context.draft``), whose runtime it shares with any other proposer drafting with it.
 
@@ -85,6 +84,7 @@ class DraftModelProposer(Proposer):
 
     samples_drafts = True  # sampled requests get drafts drawn from q, returned as probs
     continues_prefix = True  # it feeds the prefix after the committed tokens, then drafts
+    tracker_name = "the draft"
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
@@ -99,7 +99,6 @@ class DraftModelProposer(Proposer):
         check_tokenizer_compatible(context, context.draft.model)
         self.model = context.draft.model
         self.runtime: ModelRuntime = context.draft.runtime
-        self._seqs: dict[int, _DraftSeq] = {}
         configured = context.config.draft.cost_per_token
         self.cost_per_token = (
             configured if configured is not None else self._measure_cost_per_token()
@@ -118,28 +117,15 @@ class DraftModelProposer(Proposer):
         logger.info("draft model: %.3f of a target forward per draft token", cost)
         return cost
 
-    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
-        if seq_id in self._seqs:
-            raise InvalidRequestError(f"seq_id: {seq_id} was already started", "seq_id")
-        slot = self.runtime.allocate()
-        self._seqs[seq_id] = _DraftSeq(slot=slot, committed_len=len(prompt_token_ids))
+    def _new_seq(self, prompt_token_ids: Sequence[int]) -> _DraftSeq:
+        return _DraftSeq(slot=self.runtime.allocate(), committed_len=len(prompt_token_ids))
 
-    def _seq(self, seq_id: int) -> _DraftSeq:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise InvalidRequestError(f"seq_id: {seq_id} is not started", "seq_id") from None
+    def _free_seq(self, seq: _DraftSeq) -> None:
+        self.runtime.free(seq.slot)
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
         """Draft for all requests together: one ragged catch-up step, then one token a step."""
-        seqs = [self._seq(r.seq_id) for r in requests]
-        for request, seq in zip(requests, seqs, strict=True):
-            if len(request.token_ids) != seq.committed_len:
-                raise InvalidRequestError(
-                    f"seq_id: {request.seq_id} has {len(request.token_ids)} committed tokens, "
-                    f"the draft tracked {seq.committed_len}; commit() was missed",
-                    "seq_id",
-                )
+        seqs = self._tracked(requests)
         # The draft's cache ends at len(context) + len(prefix) + k - 1 (the last draft is
         # never fed).
         room = self.runtime.max_seq_len + 1
@@ -196,15 +182,6 @@ class DraftModelProposer(Proposer):
         self.runtime.truncate(seq.slot, min(keep, self.runtime.seq_len(seq.slot)))
         seq.committed_len += len(info.token_ids)
         seq.num_drafted_fed = 0
-
-    def finish(self, seq_id: int) -> None:
-        seq = self._seqs.pop(seq_id, None)
-        if seq is not None:
-            self.runtime.free(seq.slot)
-
-    def close(self) -> None:
-        for seq_id in list(self._seqs):
-            self.finish(seq_id)
 
 
 def _last_indices(lengths: list[int]) -> list[int]:

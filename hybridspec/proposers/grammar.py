@@ -49,7 +49,7 @@ class GrammarProposer(Proposer):
         self.inner = inner if inner is not None else NoProposer(context)
         self.cost_per_token = self.inner.cost_per_token
         self.samples_drafts = self.inner.samples_drafts
-        self.hidden_layers = self.inner.hidden_layers
+        self.feature_layers = self.inner.feature_layers
 
     def compose(self, inner: Proposer) -> Proposer:
         return GrammarProposer(self.context, inner)

@@ -105,7 +105,7 @@ class HybridProposer(Proposer):
                 "proposer",
             )
         self.model_name = _registered_name(self.model)
-        self.hidden_layers = self.model.hidden_layers
+        self.feature_layers = self.model.feature_layers
         self.cost_per_token = self.model.cost_per_token
         measured = context.config.verify_token_cost
         self.verify_token_cost = DEFAULT_VERIFY_TOKEN_COST if measured is None else measured

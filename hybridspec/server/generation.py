@@ -67,7 +67,7 @@ class PreparedRequest:
     model: str  # the served name, echoed in responses
     prompt_token_ids: list[int]
     params: GenerationParams
-    proposer: str  # resolved: the request's or the engine's default
+    proposer: str  # resolved (``params.resolved``): the request's or the engine's default
     num_speculative_tokens: int  # resolved likewise
     stream: bool
     include_usage: bool
@@ -109,58 +109,70 @@ def _reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         )
 
 
-def _logit_bias(
-    body: CompletionRequest | ChatCompletionRequest, vocab_size: int
-) -> dict[int, float]:
-    """``logit_bias`` with integer keys: token ids of the vocabulary, written as in the schema.
+# Digits of a ``logit_bias`` key at most: far beyond any vocabulary, and short enough for int()
+# (which refuses strings of over 4300 digits). The vocabulary's bound is the engine's check
+# (``verifier.check_logit_bias``, when the request is added).
+MAX_TOKEN_ID_DIGITS = 18
+
+
+def _logit_bias(body: CompletionRequest | ChatCompletionRequest) -> dict[int, float]:
+    """``logit_bias`` with integer keys, written as in the schema.
 
     Keys are matched as JSON Schema validators match the document's ``pattern`` (``re.search``,
     whose ``$`` also matches before a final newline), so the server takes exactly what the
     document states.
     """
     bias = body.logit_bias or {}
-    bad = [key for key in bias if not re.search(TOKEN_ID_PATTERN, key)]
+    bad = [
+        key
+        for key in bias
+        if not re.search(TOKEN_ID_PATTERN, key) or len(key.strip()) > MAX_TOKEN_ID_DIGITS
+    ]
     check(not bad, "logit_bias", f"keys must be token ids (decimal integers), got {bad[:5]}")
-    ids = {key: key.removesuffix("\n") for key in bias}
-    # The length test first: int() refuses strings of over 4300 digits.
-    outside = [k for k, d in ids.items() if len(d) > len(str(vocab_size)) or int(d) >= vocab_size]
-    check(
-        not outside,
-        "logit_bias",
-        f"token ids must be below the vocabulary size {vocab_size}, got {outside[:5]}",
-    )
-    return {int(ids[key]): value for key, value in bias.items()}
+    return {int(key.removesuffix("\n")): value for key, value in bias.items()}
 
 
-def _params(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> GenerationParams:
-    """The body's generation options; ``max_new_tokens`` is set once the prompt is tokenized."""
-    temperature = body.temperature
+# The body's options that mean the same as ``GenerationParams.create``'s arguments, and take
+# its defaults where the body leaves them out.
+_GIVEN_OR_DEFAULT = (
+    "top_k",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+)
+
+
+def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams:
+    """The body's generation options; ``max_new_tokens`` is set once the prompt is tokenized.
+    Options the body leaves out take ``GenerationParams.create``'s defaults, but temperature,
+    whose default is OpenAI's."""
     check(
         body.seed is None or 0 <= body.seed <= MAX_JSON_SEED,
         "seed",
         f"expected an integer in [0, 2**53), got {body.seed}",
     )
-    logit_bias = _logit_bias(body, vocab_size)
     logprobs, prompt_logprobs = logprobs_options(body)
+    given = {
+        name: getattr(body, name) for name in _GIVEN_OR_DEFAULT if getattr(body, name) is not None
+    }
     return GenerationParams.create(
         max_new_tokens=1,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        temperature=temperature if temperature is not None else OPENAI_DEFAULT_TEMPERATURE,
-        top_k=body.top_k,
-        top_p=body.top_p if body.top_p is not None else 1.0,
-        seed=body.seed,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
-        logit_bias=logit_bias,
-        min_p=body.min_p or 0.0,
-        min_tokens=body.min_tokens or 0,
+        temperature=body.temperature
+        if body.temperature is not None
+        else OPENAI_DEFAULT_TEMPERATURE,
+        logit_bias=_logit_bias(body),
         proposer=body.proposer,
         num_speculative_tokens=body.num_speculative_tokens,
         stop=body.stop,
         ignore_eos=bool(body.ignore_eos),
         stop_token_ids=body.stop_token_ids or (),
+        **given,
     )
 
 
@@ -186,11 +198,10 @@ async def prepare(
     prompts = prompts_of(body, tools, renders)
     n = body.n if body.n is not None else 1
     check_choices(n, len(prompts), state.model.max_choices, state.model.max_queue_size)
-    params = _params(body, state.model.vocab_size)
+    params = _params(body)
+    resolved = state.model.catalog.resolve(params.proposer, params.num_speculative_tokens)
     param, spec = constraint_of(body, tools)
     grammar = await state.grammars.compile(spec, param)  # on worker threads, with a deadline
-    proposer = state.model.resolve_proposer(params.proposer)
-    k = params.num_speculative_tokens or state.model.default_num_speculative_tokens
     options = body.stream_options
     all_ids = await asyncio.gather(*(state.prompts.encode(prompt) for prompt in prompts))
     prepared = []
@@ -203,9 +214,11 @@ async def prepare(
             PreparedRequest(
                 model=model,
                 prompt_token_ids=ids,
-                params=dataclasses.replace(params, max_new_tokens=max_tokens, grammar=grammar),
-                proposer=proposer,
-                num_speculative_tokens=k,
+                params=dataclasses.replace(
+                    params, max_new_tokens=max_tokens, grammar=grammar, resolved=resolved
+                ),
+                proposer=resolved.name,
+                num_speculative_tokens=resolved.num_speculative_tokens,
                 stream=bool(body.stream),
                 include_usage=options is not None and bool(options.include_usage),
                 continuous_usage=options is not None

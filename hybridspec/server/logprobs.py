@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from hybridspec.engine import Logprobs
-from hybridspec.engine.logprobs import MAX_LOGPROBS
 from hybridspec.errors import check
 from hybridspec.server.protocol import (
     MAX_COMPLETION_LOGPROBS,
@@ -30,6 +29,7 @@ from hybridspec.server.protocol import (
     CompletionRequest,
     TopLogprob,
 )
+from hybridspec.types import MAX_LOGPROBS
 
 MIN_LOGPROB = -9999.0
 

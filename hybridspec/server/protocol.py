@@ -20,13 +20,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
-from hybridspec.engine.logprobs import MAX_LOGPROBS
-from hybridspec.engine.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from hybridspec.types import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
 )
 

@@ -14,7 +14,8 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Request
 
 from hybridspec.engine import Engine, EngineLoop
-from hybridspec.errors import InvalidRequestError, UnknownModelError
+from hybridspec.engine.resolution import ProposerCatalog
+from hybridspec.errors import UnknownModelError
 from hybridspec.server.cluster import Cluster
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.grammars import GrammarPool
@@ -33,10 +34,8 @@ class ModelInfo:
     names: tuple[str, ...]  # names[0] is listed; every one is accepted in requests
     max_seq_len: int
     vocab_size: int  # prompt token ids are below it
-    proposers: tuple[str, ...]  # those that requests may pick
-    unavailable_proposers: dict[str, str]  # registered but not built: name -> why
-    default_proposer: str
-    default_num_speculative_tokens: int
+    # the engine's proposers and defaults, which requests resolve against before tokenizing
+    catalog: ProposerCatalog
     max_choices: int  # n: the engine's slots, as a prompt's choices run at once
     max_queue_size: int  # prompts waiting for slots (``EngineConfig.max_queue_size``)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -47,13 +46,28 @@ class ModelInfo:
             names=config.model_names(),
             max_seq_len=engine.max_seq_len,
             vocab_size=engine.vocab_size,
-            proposers=tuple(engine.available_proposers()),
-            unavailable_proposers=engine.unavailable_proposers(),
-            default_proposer=engine.config.default_proposer,
-            default_num_speculative_tokens=engine.config.default_num_speculative_tokens,
+            catalog=engine.catalog,
             max_choices=engine.runtime.max_num_seqs,
             max_queue_size=engine.config.max_queue_size,
         )
+
+    @property
+    def proposers(self) -> tuple[str, ...]:
+        """The proposers requests may pick."""
+        return self.catalog.names()
+
+    @property
+    def unavailable_proposers(self) -> dict[str, str]:
+        """Registered proposers that could not be built: name -> why."""
+        return dict(self.catalog.unavailable)
+
+    @property
+    def default_proposer(self) -> str:
+        return self.catalog.default_proposer
+
+    @property
+    def default_num_speculative_tokens(self) -> int:
+        return self.catalog.default_num_speculative_tokens
 
     @property
     def max_prompts(self) -> int:
@@ -72,22 +86,6 @@ class ModelInfo:
             f"model: the model {requested!r} does not exist; this server serves {self.name!r}",
             param="model",
         )
-
-    def resolve_proposer(self, requested: str | None) -> str:
-        """The proposer a request runs with; InvalidRequestError (400) naming the choices when
-        it is unknown or unavailable, as ``Engine.add_request`` would say."""
-        name = requested or self.default_proposer
-        if name in self.unavailable_proposers:
-            raise InvalidRequestError(
-                f"proposer: {name!r} is not available: {self.unavailable_proposers[name]}",
-                "proposer",
-            )
-        if name not in self.proposers:
-            known = ", ".join(sorted({*self.proposers, *self.unavailable_proposers}))
-            raise InvalidRequestError(
-                f"proposer: unknown proposer {name!r}; registered: {known}", "proposer"
-            )
-        return name
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ target's logits the same way.
 from hybridspec.verifier.batch import VerifyInput, VerifyKind, VerifyOutput
 from hybridspec.verifier.checks import check_proposal
 from hybridspec.verifier.controls import apply_controls, check_logit_bias
+from hybridspec.verifier.layout import DraftLayout
 from hybridspec.verifier.sampling import (
     greedy_token_ids,
     logits_to_logprobs,
@@ -19,6 +20,7 @@ from hybridspec.verifier.sampling import (
 from hybridspec.verifier.verify import verify
 
 __all__ = [
+    "DraftLayout",
     "VerifyInput",
     "VerifyKind",
     "VerifyOutput",

@@ -22,56 +22,15 @@ argmax: drafts are accepted while they equal the argmax, the first mismatch is r
 argmax (the recovered token), and the argmax after d_k is the bonus token.
 
 Dimensions: ``num_seqs`` sequences, ``total_num_drafts`` drafts over all of them (flat,
-ragged), ``num_rows = total_num_drafts + num_seqs`` target positions, ``vocab_size``.
+ragged, as ``layout.DraftLayout`` places them), ``num_rows = total_num_drafts + num_seqs`` target
+positions, ``vocab_size``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class DraftLayout:
-    """Where each sequence's drafts and target rows sit in a flat ragged batch.
-
-    Sequence i with k_i drafts owns target rows ``cu[i] + i .. cu[i + 1] + i`` (k_i + 1 rows,
-    ``cu`` = cumulative draft counts); draft t is checked by target row ``t + seq_ids[t]``.
-
-    Worked example: num_drafts [2, 0, 3], so cu = [0, 2, 2, 5] and 8 target rows: seq 0
-    owns rows 0..2, seq 1 row 3, seq 2 rows 4..7. Then seq_ids = [0, 0, 2, 2, 2], positions =
-    [0, 1, 0, 1, 2], draft_rows = [0, 1, 4, 5, 6], first_rows = [0, 3, 4] and bonus_rows =
-    first_rows + num_drafts = [2, 3, 7].
-    """
-
-    num_drafts: torch.Tensor  # [num_seqs] int64, k_i
-    seq_ids: torch.Tensor  # [total_num_drafts] int64, the sequence of each draft
-    positions: torch.Tensor  # [total_num_drafts] int64, each draft's index in its sequence
-    draft_rows: torch.Tensor  # [total_num_drafts] int64, the target row that checks each draft
-    first_rows: torch.Tensor  # [num_seqs] int64, each sequence's first target row
-
-    @staticmethod
-    def from_counts(num_drafts: Sequence[int], device: torch.device) -> DraftLayout:
-        num_seqs, total = len(num_drafts), sum(num_drafts)
-        counts = torch.tensor(num_drafts, dtype=torch.long, device=device)
-        seq_index = torch.arange(num_seqs, device=device)
-        seq_ids = torch.repeat_interleave(seq_index, counts, output_size=total)
-        first_drafts = torch.cumsum(counts, dim=0) - counts  # [num_seqs], cu[:-1]
-        draft_index = torch.arange(total, device=device)
-        return DraftLayout(
-            num_drafts=counts,
-            seq_ids=seq_ids,
-            positions=draft_index - first_drafts[seq_ids],
-            draft_rows=draft_index + seq_ids,
-            first_rows=first_drafts + seq_index,
-        )
-
-    @property
-    def bonus_rows(self) -> torch.Tensor:
-        """[num_seqs] int64: each sequence's last target row, after all its drafts."""
-        return self.first_rows + self.num_drafts
+from hybridspec.verifier.layout import DraftLayout
 
 
 def count_accepted(accepted: torch.Tensor, layout: DraftLayout) -> torch.Tensor:
@@ -81,10 +40,10 @@ def count_accepted(accepted: torch.Tensor, layout: DraftLayout) -> torch.Tensor:
     rejected one is discarded even if it would pass: [T, F, T | T, T] gives [1, 2].
     """
     if accepted.numel() == 0:
-        return layout.num_drafts.clone()
+        return layout.num_drafts_t.clone()
     # A rejected draft at position j caps its sequence at j; an accepted one caps nothing.
-    cap = torch.where(accepted, layout.num_drafts[layout.seq_ids], layout.positions)
-    return layout.num_drafts.scatter_reduce(0, layout.seq_ids, cap, reduce="amin")
+    cap = torch.where(accepted, layout.num_drafts_t[layout.seq_ids], layout.positions)
+    return layout.num_drafts_t.scatter_reduce(0, layout.seq_ids, cap, reduce="amin")
 
 
 def greedy_accept(

@@ -4,7 +4,8 @@ and ragged), ``VerifyOutput`` (what each sequence commits) and ``VerifyKind``.
 Layout of ``target_logits`` (as in vLLM): sequence i with k_i drafts owns the k_i + 1 rows
 ``cu[i] + i .. cu[i + 1] + i``; row j of them holds the target's logits after the last committed
 token and d_1 .. d_j. Example: k = [2, 0, 3] gives cu = [0, 2, 2, 5] and 8 rows: seq 0 rows 0..2,
-seq 1 row 3, seq 2 rows 4..7 (see ``acceptance.DraftLayout``).
+seq 1 row 3, seq 2 rows 4..7. ``VerifyInput.layout`` (``layout.DraftLayout``) holds these offsets,
+built once per round; everything downstream reads them from it.
 
 Dimensions: ``num_seqs``, ``total_num_drafts`` (sum of k_i), ``vocab_size``.
 """
@@ -12,15 +13,15 @@ Dimensions: ``num_seqs``, ``total_num_drafts`` (sum of k_i), ``vocab_size``.
 from __future__ import annotations
 
 import enum
-import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hybridspec.errors import check
 from hybridspec.types import Proposal, SamplingParams, TokenHistory
 from hybridspec.verifier.checks import check_drafts, check_probs_shape
+from hybridspec.verifier.layout import DraftLayout
 from hybridspec.verifier.sampling import logits_to_probs
 from hybridspec.verifier.uniforms import KeyedUniforms
 
@@ -48,7 +49,7 @@ class VerifyInput:
     """One batch to verify: flat ragged drafts and the target's logits at every position."""
 
     draft_token_ids: torch.Tensor  # [total_num_drafts] int64
-    cu_num_drafts: torch.Tensor  # [num_seqs + 1] int64, cumulative, cu[0] = 0
+    layout: DraftLayout  # the batch's offsets, on the logits' device
     draft_probs: Sequence[torch.Tensor | None]  # per seq: q [k_i, vocab_size], None = deterministic
     target_logits: torch.Tensor  # [total_num_drafts + num_seqs, vocab_size] float
     sampling: Sequence[SamplingParams]  # per seq
@@ -61,29 +62,27 @@ class VerifyInput:
     # True when each sequence's drafts and q were validated where they entered
     # (``check_proposal``, as the engine does): the per-sequence checks are not repeated.
     checked: bool = False
-    num_drafts: tuple[int, ...] = field(init=False)  # per seq k_i, read from cu once
 
     def __post_init__(self) -> None:
-        cu = self.cu_num_drafts
-        check(
-            cu.dim() == 1 and cu.numel() >= 2 and cu.dtype == torch.long,
-            "cu_num_drafts",
-            f"expected int64 [num_seqs + 1] with num_seqs >= 1, got {cu.dtype} {tuple(cu.shape)}",
-        )
-        offsets = cu.tolist()
-        counts = tuple(b - a for a, b in itertools.pairwise(offsets))
-        check(
-            offsets[0] == 0 and min(counts) >= 0,
-            "cu_num_drafts",
-            f"expected non-decreasing offsets starting at 0, got {offsets}",
-        )
-        object.__setattr__(self, "num_drafts", counts)
-        num_seqs = len(counts)
+        layout = self.layout
+        check(isinstance(layout, DraftLayout), "layout", f"expected a DraftLayout, got {layout!r}")
+        counts, num_seqs = layout.num_drafts, layout.num_seqs
         if not self.keyed:
             object.__setattr__(self, "keyed", (None,) * num_seqs)
         if not self.histories:
             object.__setattr__(self, "histories", (None,) * num_seqs)
-        check_drafts(self.draft_token_ids, offsets[-1], num_seqs, self.target_logits, self.checked)
+        check_drafts(
+            self.draft_token_ids,
+            layout.total_num_drafts,
+            num_seqs,
+            self.target_logits,
+            self.checked,
+        )
+        check(
+            layout.device == self.target_logits.device,
+            "layout",
+            f"expected device {self.target_logits.device}, got {layout.device}",
+        )
         for name, values in (
             ("draft_probs", self.draft_probs),
             ("sampling", self.sampling),
@@ -119,8 +118,18 @@ class VerifyInput:
                 check_probs_shape(probs, i, shape, device)
 
     @property
+    def num_drafts(self) -> tuple[int, ...]:
+        """Per sequence, k_i."""
+        return self.layout.num_drafts
+
+    @property
+    def cu_num_drafts(self) -> torch.Tensor:
+        """[num_seqs + 1] int64: the cumulative draft counts, from 0."""
+        return self.layout.cu_num_drafts
+
+    @property
     def num_seqs(self) -> int:
-        return len(self.num_drafts)
+        return self.layout.num_seqs
 
     @property
     def vocab_size(self) -> int:
@@ -142,10 +151,9 @@ class VerifyInput:
         """
         device = target_logits.device
         flat = [int(t) for proposal in proposals for t in proposal.token_ids]
-        cu = list(itertools.accumulate((p.num_drafts for p in proposals), initial=0))
         return VerifyInput(
             draft_token_ids=torch.tensor(flat, dtype=torch.long, device=device),
-            cu_num_drafts=torch.tensor(cu, dtype=torch.long),
+            layout=DraftLayout.from_counts([p.num_drafts for p in proposals], device),
             draft_probs=[p.probs for p in proposals],
             target_logits=target_logits,
             sampling=list(sampling),
@@ -174,10 +182,10 @@ class VerifyInput:
         kinds = [probabilistic] * num_seqs if isinstance(probabilistic, bool) else probabilistic
         rng = torch.Generator().manual_seed(seed)
         logits = torch.randn(sum(num_drafts) + num_seqs, vocab_size, generator=rng) * 2
-        proposals, row = [], 0
-        for k, sp, kind in zip(num_drafts, params, kinds, strict=True):
-            draft_logits = logits[row : row + k] + torch.randn(k, vocab_size, generator=rng)
-            row += k + 1
+        rows = DraftLayout.from_counts(num_drafts).row_offsets
+        proposals = []
+        for i, (k, sp, kind) in enumerate(zip(num_drafts, params, kinds, strict=True)):
+            draft_logits = logits[rows[i] : rows[i] + k] + torch.randn(k, vocab_size, generator=rng)
             if not kind:
                 proposals.append(Proposal(draft_logits.argmax(dim=-1).tolist()))
                 continue

@@ -85,6 +85,7 @@ def apply_controls(
     histories: Sequence[TokenHistory | None],
     drafts: Sequence[Sequence[int]],
     num_rows: Sequence[int] | None = None,
+    row_offsets: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The logits after each sequence's controls (module docstring), every row.
 
@@ -93,7 +94,9 @@ def apply_controls(
     consecutive rows (default ``len(drafts[i]) + 1``, the verifier's layout), the last of which
     follows all its drafts: row j of r follows ``drafts[i][:len(drafts[i]) - r + 1 + j]``.
     Example: drafts ``[a, b, c]`` with 4 rows follow ``[], [a], [a, b], [a, b, c]``; with 1 row
-    (a proposer's next position) it follows ``[a, b, c]``.
+    (a proposer's next position) it follows ``[a, b, c]``. ``row_offsets`` (``num_seqs + 1``,
+    from 0): where each sequence's rows start, when the caller has them (the verifier passes
+    its ``DraftLayout.row_offsets``); else counted from ``num_rows``.
 
     Returns ``logits`` itself when no sequence has controls; else a new float32 tensor (float64
     stays float64) in which only the controlled sequences' rows differ.
@@ -105,7 +108,10 @@ def apply_controls(
     ]
     if not controlled:
         return logits
-    counts = [len(d) + 1 for d in drafts] if num_rows is None else list(num_rows)
+    if row_offsets is not None:
+        counts = [b - a for a, b in itertools.pairwise(row_offsets)]
+    else:
+        counts = [len(d) + 1 for d in drafts] if num_rows is None else list(num_rows)
     check(
         len(params) == len(histories) == len(drafts) == len(counts)
         and sum(counts) == logits.shape[0]
@@ -118,7 +124,11 @@ def apply_controls(
         check(histories[i] is not None, "histories", f"sequence {i} has controls but no history")
     float_input = logits.dtype in (torch.float32, torch.float64)
     out = logits.clone() if float_input else logits.float()  # never the caller's tensor
-    starts = list(itertools.accumulate(counts, initial=0))
+    starts = (
+        list(row_offsets)
+        if row_offsets is not None
+        else list(itertools.accumulate(counts, initial=0))
+    )
     rows = [r for i in controlled for r in range(starts[i], starts[i + 1])]
     whole = len(rows) == logits.shape[0]
     index = torch.tensor(rows, device=out.device)

@@ -19,14 +19,14 @@ Either way a sequence's result depends on its inputs and its own randomness only
 other sequences of the batch (a ``None`` generator is torch's global one, which they share).
 Greedy sequences draw nothing.
 
-The batch's layout is described in ``batch``.
+The batch's layout is ``VerifyInput.layout`` (``layout.DraftLayout``), built once per round;
+sub-batches of one kind take theirs from it (``DraftLayout.select``).
 
 Dimensions: ``num_seqs``, ``total_num_drafts`` (sum of k_i), ``vocab_size``.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,7 +34,6 @@ import torch
 
 from hybridspec.types import SamplingParams
 from hybridspec.verifier.acceptance import (
-    DraftLayout,
     draw_uniforms,
     greedy_accept,
     one_hot_residual_probs,
@@ -45,6 +44,7 @@ from hybridspec.verifier.acceptance import (
 from hybridspec.verifier.batch import VerifyInput, VerifyKind, VerifyOutput
 from hybridspec.verifier.checks import check_probs_values
 from hybridspec.verifier.controls import apply_controls, is_controlled
+from hybridspec.verifier.layout import DraftLayout
 from hybridspec.verifier.sampling import (
     greedy_token_ids,
     logits_to_probs,
@@ -58,10 +58,10 @@ def verify(inp: VerifyInput) -> VerifyOutput:
     """Verify every sequence's drafts: greedy, keyed or rejection sampling (module docstring)."""
     if not any(map(is_controlled, inp.sampling, inp.histories)):
         return _verify(inp, inp.target_logits)
-    flat = inp.draft_token_ids.tolist()
-    offsets = list(itertools.accumulate(inp.num_drafts, initial=0))
-    drafts = [flat[a:b] for a, b in itertools.pairwise(offsets)]
-    logits = apply_controls(inp.target_logits, inp.sampling, inp.histories, drafts)
+    drafts = inp.layout.split(inp.draft_token_ids.tolist())
+    logits = apply_controls(
+        inp.target_logits, inp.sampling, inp.histories, drafts, row_offsets=inp.layout.row_offsets
+    )
     out = _verify(inp, logits)
     return VerifyOutput(out.num_accepted, out.output_token_ids, logits)
 
@@ -74,7 +74,7 @@ def _verify(inp: VerifyInput, target_logits: torch.Tensor) -> VerifyOutput:
     ]
     if len(set(kinds)) == 1:
         seqs = _Seqs(
-            inp.num_drafts, inp.draft_probs, inp.sampling, inp.generators, inp.keyed, inp.checked
+            inp.layout, inp.draft_probs, inp.sampling, inp.generators, inp.keyed, inp.checked
         )
         num_accepted, final = _STEPS[kinds[0]](target_logits, inp.draft_token_ids, seqs)
         return VerifyOutput(num_accepted, _output_token_ids(inp, num_accepted, final))
@@ -94,7 +94,7 @@ def _verify(inp: VerifyInput, target_logits: torch.Tensor) -> VerifyOutput:
 class _Seqs:
     """The per-sequence fields of a (sub-)batch, in order."""
 
-    num_drafts: Sequence[int]
+    layout: DraftLayout
     draft_probs: Sequence[torch.Tensor | None]
     sampling: Sequence[SamplingParams]
     generators: Sequence[torch.Generator | None]
@@ -106,14 +106,12 @@ def _select(
     inp: VerifyInput, target_logits: torch.Tensor, members: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, _Seqs]:
     """The target rows, drafts and per-sequence fields of the sequences ``members``."""
-    offsets = list(itertools.accumulate(inp.num_drafts, initial=0))
-    draft_index = [t for i in members for t in range(offsets[i], offsets[i + 1])]
-    row_index = [r for i in members for r in range(offsets[i] + i, offsets[i + 1] + i + 1)]
+    layout, draft_index, row_index = inp.layout.select(members)
     device = target_logits.device
     logits = target_logits[torch.tensor(row_index, device=device)]
     drafts = inp.draft_token_ids[torch.tensor(draft_index, dtype=torch.long, device=device)]
     sub = _Seqs(
-        [inp.num_drafts[i] for i in members],
+        layout,
         [inp.draft_probs[i] for i in members],
         [inp.sampling[i] for i in members],
         [inp.generators[i] for i in members],
@@ -127,8 +125,7 @@ def _verify_greedy(
     target_logits: torch.Tensor, draft_token_ids: torch.Tensor, seqs: _Seqs
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_accepted [num_seqs], final_token_ids [num_seqs]) by argmax; one argmax in all."""
-    layout = DraftLayout.from_counts(seqs.num_drafts, target_logits.device)
-    return greedy_accept(greedy_token_ids(target_logits), draft_token_ids, layout)
+    return greedy_accept(greedy_token_ids(target_logits), draft_token_ids, seqs.layout)
 
 
 def _verify_keyed(
@@ -141,13 +138,13 @@ def _verify_keyed(
     Rows are sampled in waves, row j of every sequence still matching its drafts at once, so
     only the rows that decide a token are transformed and sampled.
     """
-    nums = seqs.num_drafts
-    draft_starts = list(itertools.accumulate(nums[:-1], initial=0))  # seq i's row j: start + i + j
+    layout = seqs.layout
+    nums, draft_starts, row_starts = layout.num_drafts, layout.offsets, layout.row_offsets
     drafts = draft_token_ids.tolist()
     num_accepted, final = [0] * len(nums), [0] * len(nums)
     active, j = list(range(len(nums))), 0
     while active:
-        rows = torch.tensor([draft_starts[i] + i + j for i in active], device=target_logits.device)
+        rows = torch.tensor([row_starts[i] + j for i in active], device=target_logits.device)
         probs = _probs_of_rows(target_logits[rows], [seqs.sampling[i] for i in active])
         uniforms = [seqs.keyed[i].uniform(j) for i in active]  # type: ignore[union-attr]
         tokens = sample_from_probs(
@@ -179,8 +176,8 @@ def _verify_sampled(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_accepted [num_seqs], final_token_ids [num_seqs]) by rejection sampling."""
     device = target_logits.device
-    nums = seqs.num_drafts
-    layout = DraftLayout.from_counts(nums, device)
+    layout = seqs.layout
+    nums = layout.num_drafts
     target_probs = _target_probs(target_logits, seqs)  # [num_rows, vocab_size]
     uniforms = torch.cat(
         [draw_uniforms(k + 1, gen) for k, gen in zip(nums, seqs.generators, strict=True)]
@@ -197,7 +194,7 @@ def _target_probs(target_logits: torch.Tensor, seqs: _Seqs) -> torch.Tensor:
     """p at every target row, each under its own sequence's sampling transforms."""
     row_params = [
         params
-        for params, k in zip(seqs.sampling, seqs.num_drafts, strict=True)
+        for params, k in zip(seqs.sampling, seqs.layout.num_drafts, strict=True)
         for _ in range(k + 1)
     ]
     return _probs_of_rows(target_logits, row_params)
@@ -217,17 +214,18 @@ def _gather_draft_q(draft_token_ids: torch.Tensor, seqs: _Seqs) -> _DraftQ | Non
     with_probs = [i for i, q in enumerate(seqs.draft_probs) if q is not None]
     if not with_probs:
         return None
-    nums = seqs.num_drafts
+    nums, offsets = seqs.layout.num_drafts, seqs.layout.offsets
     rows = [seqs.draft_probs[i] for i in with_probs]
     q = torch.cat(rows) if len(rows) > 1 else rows[0]  # type: ignore[arg-type]
     assert q is not None
-    starts = itertools.accumulate((nums[i] for i in with_probs[:-1]), initial=0)
-    first_row = dict(zip(with_probs, starts, strict=True))
+    first_row, start = {}, 0
+    for i in with_probs:
+        first_row[i] = start
+        start += nums[i]
     if len(with_probs) == len(nums):
         q_at_tokens = q.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)
         at_draft = q_at_tokens
     else:
-        offsets = list(itertools.accumulate(nums, initial=0))
         index = [t for i in with_probs for t in range(offsets[i], offsets[i + 1])]
         index_t = torch.tensor(index, dtype=torch.long, device=draft_token_ids.device)
         q_at_tokens = q.gather(1, draft_token_ids[index_t].unsqueeze(1)).squeeze(1)
@@ -249,7 +247,9 @@ def _final_probs(
     """[num_seqs, vocab_size]: the residual at the first rejection, else p after the last draft."""
     final = target_probs[layout.first_rows + num_accepted]
     accepted = num_accepted.tolist()
-    rejected = [i for i, (n, k) in enumerate(zip(accepted, seqs.num_drafts, strict=True)) if n < k]
+    rejected = [
+        i for i, (n, k) in enumerate(zip(accepted, seqs.layout.num_drafts, strict=True)) if n < k
+    ]
     probabilistic = [i for i in rejected if seqs.draft_probs[i] is not None]
     deterministic = [i for i in rejected if seqs.draft_probs[i] is None]
     device = final.device
@@ -262,7 +262,7 @@ def _final_probs(
         final[index] = residual_probs(final[index], draft_q.probs[rows].to(final.dtype))
     if deterministic:
         index = torch.tensor(deterministic, device=device)
-        offsets = list(itertools.accumulate(seqs.num_drafts, initial=0))
+        offsets = seqs.layout.offsets
         at = torch.tensor([offsets[i] + accepted[i] for i in deterministic], device=device)
         final[index] = one_hot_residual_probs(final[index], draft_token_ids[at])
     return final
@@ -273,11 +273,11 @@ def _output_token_ids(
 ) -> list[list[int]]:
     """Per sequence: its first num_accepted drafts, then its final token (3 host copies)."""
     drafts, accepted, finals = inp.draft_token_ids.tolist(), num_accepted.tolist(), final.tolist()
-    out, start = [], 0
-    for k, n, token in zip(inp.num_drafts, accepted, finals, strict=True):
-        out.append([*drafts[start : start + n], token])
-        start += k
-    return out
+    starts = inp.layout.offsets[:-1]
+    return [
+        [*drafts[start : start + n], token]
+        for start, n, token in zip(starts, accepted, finals, strict=True)
+    ]
 
 
 _STEPS = {

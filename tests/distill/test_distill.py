@@ -23,9 +23,9 @@ from hybridspec.distill.data import (
     local_snippets,
     make_data,
 )
+from hybridspec.distill.options import TrainOptions
 from hybridspec.distill.sources import chat_prompts
 from hybridspec.distill.train import (
-    TrainOptions,
     acceptance,
     distill_parts,
     draft_vocabulary,
@@ -39,7 +39,7 @@ from hybridspec.distill.train import (
     windows,
 )
 from hybridspec.model.loader import LoadedModel
-from hybridspec.proposers.eagle_head import EagleHead, load_head, save_head
+from hybridspec.proposers.eagle import EagleHead, load_head, save_head
 from tests.conftest import tiny_tokenizer
 from tests.engine.tiny import EOS, PROMPTS, make_engine, plain, tiny_loaded
 from tests.proposers.eagle_helpers import use_head
@@ -108,7 +108,7 @@ def drafts_losslessly(target: LoadedModel, head: EagleHead) -> int:
     against plain decoding's."""
     engine = make_engine(target, eagle=EagleConfig(cost_per_token=0.0))
     proposer = use_head(engine, head.eval())
-    assert proposer.hidden_layers == head.feature_layers
+    assert proposer.feature_layers == head.feature_layers
     drafted = 0
     for prompt in PROMPTS:
         result = engine.generate(prompt_token_ids=prompt, proposer="eagle", max_new_tokens=30)

@@ -14,8 +14,7 @@ from hybridspec.config import EagleConfig
 from hybridspec.engine import Engine
 from hybridspec.model import ForwardBatch, LlamaWeights
 from hybridspec.model.loader import LoadedModel
-from hybridspec.proposers.eagle import EagleProposer
-from hybridspec.proposers.eagle_head import HeadCache, forward_cached
+from hybridspec.proposers.eagle import EagleProposer, HeadCache, forward_cached
 from tests.engine import test_controls as controls
 from tests.engine import test_losslessness as lossless
 from tests.engine.tiny import PROMPTS, make_engine, plain, run_joining, tiny_loaded

@@ -39,11 +39,11 @@ class Recording(NgramProposer):
 
 
 class LastLayer(Recording):
-    hidden_layers = (-1,)
+    feature_layers = (-1,)
 
 
 class TwoLayers(Recording):
-    hidden_layers = (0, -1)
+    feature_layers = (0, -1)
 
 
 def plain_hidden_states(
@@ -133,7 +133,7 @@ def test_hidden_layers_of_the_forward_are_the_union_asked(
     target: LoadedModel, layers: tuple[int, ...]
 ) -> None:
     class Asking(Recording):
-        hidden_layers = layers
+        feature_layers = layers
 
     engine = make_engine(target, adaptive_speculation=False)
     engine.register_proposer("asking", Asking)

@@ -6,9 +6,13 @@ import pytest
 import torch
 
 from hybridspec.engine.request import GenerationParams, Request
+from hybridspec.engine.resolution import ResolvedProposer
 from hybridspec.engine.scheduler import Scheduler, forward_batch
 from hybridspec.errors import CapacityError
+from hybridspec.proposers import NoProposer, ProposerContext
 from hybridspec.types import Proposal
+
+NONE = ResolvedProposer("none", NoProposer(ProposerContext(vocab_size=8, eos_token_ids=())), 4)
 
 
 def make_request(seq_id: int, prompt_len: int, params: GenerationParams | None = None) -> Request:
@@ -17,8 +21,7 @@ def make_request(seq_id: int, prompt_len: int, params: GenerationParams | None =
         seq_id=seq_id,
         prompt_token_ids=list(range(prompt_len)),
         params=params or GenerationParams(),
-        proposer_name="none",
-        num_speculative_tokens=4,
+        resolved=NONE,
         generator=torch.Generator(),
     )
 

@@ -11,9 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridspec import EngineConfig, Proposal, Proposer, ProposeRequest
-from hybridspec.config import DEFAULT_VERIFY_TOKEN_COST
+from hybridspec.config import DEFAULT_VERIFY_TOKEN_COST, MAX_VERIFY_TOKEN_COST
 from hybridspec.engine.speculation import (
-    MAX_VERIFY_TOKEN_COST,
     SpeculationPolicy,
     SpeculationState,
     draft_threshold,

@@ -7,8 +7,7 @@ import torch
 from hybridspec import Engine
 from hybridspec.distill.train import head_config, init_head
 from hybridspec.model.loader import LoadedModel
-from hybridspec.proposers.eagle import EagleProposer, target_parts
-from hybridspec.proposers.eagle_head import EagleHead
+from hybridspec.proposers.eagle import EagleHead, EagleProposer, target_parts
 
 
 def random_head(target: LoadedModel, draft_vocab_size: int, seed: int = 0) -> EagleHead:

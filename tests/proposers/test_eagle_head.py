@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from hybridspec.model import block_kernel
-from hybridspec.proposers.eagle import target_parts
-from hybridspec.proposers.eagle_head import (
+from hybridspec.proposers.eagle import (
     HeadCache,
     HeadConfig,
-    QuantizedLinear,
+    Int8DraftLinear,
     forward_cached,
     load_head,
     quantize_matmuls,
     save_head,
+    target_parts,
 )
 from tests.engine.test_eagle import bf16_target
 from tests.engine.tiny import tiny_loaded
@@ -138,7 +138,7 @@ def test_quantized_matmuls_draft_nearly_alike_and_leave_the_state_dict() -> None
     assert kernel is not None
     quantize_matmuls(head, kernel)
     quantize_matmuls(head, kernel)  # a second call keeps the first's
-    assert isinstance(head.fc, QuantizedLinear) and isinstance(head.draft_lm, QuantizedLinear)
+    assert isinstance(head.fc, Int8DraftLinear) and isinstance(head.draft_lm, Int8DraftLinear)
     out, logits = draft()
     assert float((out - dense_out).norm() / dense_out.norm()) < 3e-2
     assert float((logits - dense_logits).norm() / dense_logits.norm()) < 3e-2

@@ -20,9 +20,14 @@ from hybridspec import GenerationParams
 from hybridspec.config import EagleConfig
 from hybridspec.errors import InvalidRequestError
 from hybridspec.model.loader import LoadedModel
-from hybridspec.proposers.eagle import SHIPPED_HEADS, target_parts
-from hybridspec.proposers.eagle_head import HeadCache, forward_cached
-from hybridspec.proposers.eagle_import import is_eagle_checkpoint, load_eagle_checkpoint
+from hybridspec.proposers.eagle import (
+    SHIPPED_HEADS,
+    HeadCache,
+    forward_cached,
+    is_eagle_checkpoint,
+    load_eagle_checkpoint,
+    target_parts,
+)
 from tests.engine.tiny import PROMPTS, make_engine, plain, tiny_loaded
 
 INTERMEDIATE = 96
@@ -58,7 +63,7 @@ def eagle_layer(target: LoadedModel, seed: int = 5) -> LlamaModel:
 def write_eagle_head(
     directory: Path, target: LoadedModel, layer: LlamaModel, fc: nn.Linear, **extra: torch.Tensor
 ) -> Path:
-    """``layer`` and ``fc`` saved as EAGLE saves a head (module docstring of eagle_import)."""
+    """``layer`` and ``fc`` saved as EAGLE saves a head (``eagle.published``'s docstring)."""
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {f"layers.0.{k}": v for k, v in layer.layers[0].state_dict().items()}
     tensors["fc.weight"] = fc.weight.detach()
@@ -185,7 +190,7 @@ def write_eagle3_head(
     directory: Path, target: LoadedModel, draft_size: int, ids: list[int], seed: int = 7
 ) -> tuple[Path, dict[str, torch.Tensor]]:
     """A random EAGLE-3 head in its published layout over ``target`` (module docstring of
-    eagle_import): the layer ids of its features are ``ids``."""
+    proposers.eagle.published): the layer ids of its features are ``ids``."""
     hf = target.hf_config
     d, heads, kv = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads
     hd = d // heads

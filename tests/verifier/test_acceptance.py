@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridspec.types import SamplingParams
+from hybridspec.verifier import DraftLayout
 from hybridspec.verifier.acceptance import (
-    DraftLayout,
     accept_probability,
     count_accepted,
     greedy_accept,
@@ -200,6 +200,11 @@ def test_layout_worked_example() -> None:
     assert layout.draft_rows.tolist() == [0, 1, 4, 5, 6]
     assert layout.first_rows.tolist() == [0, 3, 4]
     assert layout.bonus_rows.tolist() == [2, 3, 7]
+    assert layout.offsets == (0, 2, 2, 5) and layout.row_offsets == (0, 3, 4, 8)
+    assert layout.split([10, 11, 12, 13, 14]) == [[10, 11], [], [12, 13, 14]]
+    sub, draft_index, row_index = layout.select([2, 1])
+    assert sub.num_drafts == (3, 0) and draft_index == [2, 3, 4] and row_index == [4, 5, 6, 7, 3]
+    assert sub.row_offsets == (0, 4, 5)
 
 
 def test_count_accepted_stops_at_the_first_rejection() -> None:

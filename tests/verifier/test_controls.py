@@ -8,7 +8,13 @@ import torch
 
 from hybridspec.errors import InvalidRequestError
 from hybridspec.types import SamplingParams, TokenHistory
-from hybridspec.verifier import VerifyInput, apply_controls, check_logit_bias, verify
+from hybridspec.verifier import (
+    DraftLayout,
+    VerifyInput,
+    apply_controls,
+    check_logit_bias,
+    verify,
+)
 
 VOCAB = 10
 PLAIN = SamplingParams(temperature=1.0)
@@ -101,7 +107,7 @@ def test_greedy_verification_takes_the_argmax_of_the_controlled_logits() -> None
     out = verify(
         VerifyInput(
             draft_token_ids=torch.tensor([4, 4]),
-            cu_num_drafts=torch.tensor([0, 2]),
+            layout=DraftLayout.from_counts([2]),
             draft_probs=[None],
             target_logits=logits,
             sampling=[params],
@@ -114,7 +120,7 @@ def test_greedy_verification_takes_the_argmax_of_the_controlled_logits() -> None
     plain = verify(
         VerifyInput(
             draft_token_ids=torch.tensor([4, 4]),
-            cu_num_drafts=torch.tensor([0, 2]),
+            layout=DraftLayout.from_counts([2]),
             draft_probs=[None],
             target_logits=logits,
             sampling=[SamplingParams()],

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from hybridspec.types import SamplingParams, TokenHistory
-from hybridspec.verifier import VerifyInput, apply_controls, logits_to_probs, verify
+from hybridspec.verifier import DraftLayout, VerifyInput, apply_controls, logits_to_probs, verify
 from hybridspec.verifier.acceptance import accept_probability
 from hybridspec.verifier.uniforms import KeyedUniforms
 
@@ -150,7 +150,7 @@ def round_law(
         verify(
             VerifyInput(
                 draft_token_ids=torch.tensor(drafts, dtype=torch.long),
-                cu_num_drafts=torch.tensor([0, k]),
+                layout=DraftLayout.from_counts([k]),
                 draft_probs=[q],
                 target_logits=TARGET_LOGITS[torch.tensor((context[-1], *drafts))],
                 sampling=[params],

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hybridspec.types import SamplingParams
-from hybridspec.verifier import VerifyInput, logits_to_probs, verify
+from hybridspec.verifier import DraftLayout, VerifyInput, logits_to_probs, verify
 from hybridspec.verifier import acceptance as acceptance_module
 
 # The package exports the function ``verify``, which hides the module of the same name.
@@ -102,7 +102,7 @@ def speculative_sequences(
         out = verify(
             VerifyInput(
                 draft_token_ids=draft_ids.flatten(),
-                cu_num_drafts=torch.arange(len(active) + 1) * num_drafts,
+                layout=DraftLayout.from_counts([num_drafts] * len(active)),
                 draft_probs=list(torch.stack(probs, dim=1))
                 if probabilistic
                 else [None] * len(active),

@@ -10,7 +10,7 @@ import torch
 
 from hybridspec.errors import InvalidRequestError
 from hybridspec.types import Proposal, SamplingParams
-from hybridspec.verifier import VerifyInput, VerifyOutput, logits_to_probs, verify
+from hybridspec.verifier import DraftLayout, VerifyInput, VerifyOutput, logits_to_probs, verify
 from hybridspec.verifier.acceptance import sample_from_probs
 
 VOCAB_SIZE = 50
@@ -114,7 +114,7 @@ def test_top_k_1_sampling_matches_greedy(probabilistic: bool) -> None:
             q = [logits_to_probs(torch.zeros(k, VOCAB_SIZE), SamplingParams(temperature=1.0))] * 3
         sampled = VerifyInput(
             greedy_inp.draft_token_ids,
-            greedy_inp.cu_num_drafts,
+            greedy_inp.layout,
             q,
             greedy_inp.target_logits,
             [params] * 3,
@@ -156,7 +156,7 @@ def alone(inp: VerifyInput, i: int, seed: int) -> VerifyOutput:
     return verify(
         VerifyInput(
             inp.draft_token_ids[offsets[i] : offsets[i + 1]],
-            torch.tensor([0, offsets[i + 1] - offsets[i]]),
+            DraftLayout.from_counts([inp.num_drafts[i]]),
             [inp.draft_probs[i]],
             inp.target_logits[offsets[i] + i : offsets[i + 1] + i + 1],
             [inp.sampling[i]],
@@ -232,7 +232,9 @@ def make(
         torch.as_tensor(draft_token_ids, dtype=torch.long)
         if not isinstance(draft_token_ids, torch.Tensor)
         else draft_token_ids,
-        torch.as_tensor(cu, dtype=torch.long) if not isinstance(cu, torch.Tensor) else cu,
+        DraftLayout.from_cu_num_drafts(
+            torch.as_tensor(cu, dtype=torch.long) if not isinstance(cu, torch.Tensor) else cu
+        ),
         probs if probs is not None else [None] * num_seqs,
         torch.randn(rows, 8),
         sampling if sampling is not None else [SAMPLED] * num_seqs,
@@ -301,7 +303,7 @@ def test_bad_draft_probs_name_their_sequence_and_position() -> None:
     bad = torch.cat([good, torch.full((1, 8), 0.5)])
     inp = VerifyInput(
         torch.tensor([1, 2, 3]),
-        torch.tensor([0, 1, 1, 3]),
+        DraftLayout.from_counts([1, 0, 2]),
         [good, good[:0], bad],
         torch.randn(6, 8),
         [SAMPLED] * 3,
@@ -314,5 +316,11 @@ def test_bad_draft_probs_name_their_sequence_and_position() -> None:
 def test_bad_generator_raises() -> None:
     with pytest.raises(InvalidRequestError, match="sequence 0: expected a Generator, got 7"):
         generators: list[object] = [7]
-        args = (torch.tensor([1]), torch.tensor([0, 1]), [None], torch.randn(2, 8), [SAMPLED])
+        args = (
+            torch.tensor([1]),
+            DraftLayout.from_counts([1]),
+            [None],
+            torch.randn(2, 8),
+            [SAMPLED],
+        )
         VerifyInput(*args, generators)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The ``eagle`` proposer: a feature-level draft head (``eagle_head``) drafts from the target's
+"""The ``eagle`` proposer: a feature-level draft head (``head``) drafts from the target's
 own hidden states, all sequences of a batch together.
 
 Per sequence the head's cache holds one entry per real pair ``(f_j, x_{j+1})``: the target's
@@ -36,19 +36,19 @@ import torch
 
 from hybridspec.errors import InvalidRequestError
 from hybridspec.model import LlamaWeights, LoadedModel, block_kernel, dense, synchronize
-from hybridspec.proposers.base import Proposer, ProposerContext
-from hybridspec.proposers.eagle_head import (
+from hybridspec.proposers.base import ProposerContext
+from hybridspec.proposers.eagle.cache import HeadCache, forward_cached
+from hybridspec.proposers.eagle.config import (
     CONFIG_FILE,
     DraftHead,
-    HeadCache,
     HeadConfig,
     TargetParts,
-    forward_cached,
-    load_head,
-    quantize_matmuls,
     target_fingerprint,
 )
-from hybridspec.proposers.eagle_import import is_eagle_checkpoint, load_eagle_checkpoint
+from hybridspec.proposers.eagle.files import load_head
+from hybridspec.proposers.eagle.int8 import quantize_matmuls
+from hybridspec.proposers.eagle.published import is_eagle_checkpoint, load_eagle_checkpoint
+from hybridspec.proposers.sequences import SeqState, SequenceProposer
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.acceptance import draw_token
 from hybridspec.verifier.controls import apply_controls
@@ -56,7 +56,7 @@ from hybridspec.verifier.sampling import logits_to_probs_by_row
 
 logger = logging.getLogger(__name__)
 
-SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "heads"
+SHIPPED_HEADS = Path(__file__).resolve().parents[2] / "heads"
 TIMING_REPEATS = 5
 
 
@@ -106,14 +106,12 @@ def find_head(configured: str | None, parts: TargetParts) -> Path:
 
 
 @dataclass(slots=True)
-class _EagleSeq:
-    slot: int
-    committed_len: int
+class _EagleSeq(SeqState):
     num_real: int = 0  # real pairs in the head's cache
     features: list[torch.Tensor] = field(default_factory=list)  # [rows, D] not yet fed
 
 
-class EagleProposer(Proposer):
+class EagleProposer(SequenceProposer[_EagleSeq]):
     """Drafts with a feature-level head over the target's hidden states (module docstring).
 
     ``cost_per_token``: ``EagleConfig.cost_per_token`` or, when that is None, a one-token head
@@ -122,7 +120,8 @@ class EagleProposer(Proposer):
     """
 
     samples_drafts = True
-    hidden_layers: tuple[int, ...] = (-1,)  # the head's ``feature_layers``, set when it loads
+    tracker_name = "the eagle head"
+    feature_layers: tuple[int, ...] = (-1,)  # the head's ``feature_layers``, set when it loads
 
     def __init__(self, context: ProposerContext, head: DraftHead | None = None) -> None:
         super().__init__(context)
@@ -147,9 +146,8 @@ class EagleProposer(Proposer):
         if kernel is not None and embed.device.type == "cpu" and embed.dtype == torch.bfloat16:
             quantize_matmuls(head, kernel)  # type: ignore[arg-type]  # a DraftHead is a Module
         self.head = head
-        self.hidden_layers = head.feature_layers
+        self.feature_layers = head.feature_layers
         self.cache = HeadCache(head.config, head.parts.embed.dtype, head.parts.embed.device)
-        self._seqs: dict[int, _EagleSeq] = {}
         configured = context.config.eagle.cost_per_token
         self.cost_per_token = configured if configured is not None else self._measure_cost()
 
@@ -183,28 +181,17 @@ class EagleProposer(Proposer):
         logger.info("eagle head: %.3f of a target forward per draft token", cost)
         return cost
 
-    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
-        if seq_id in self._seqs:
-            raise InvalidRequestError(f"seq_id: {seq_id} was already started", "seq_id")
-        self._seqs[seq_id] = _EagleSeq(self.cache.allocate(), len(prompt_token_ids))
+    def _new_seq(self, prompt_token_ids: Sequence[int]) -> _EagleSeq:
+        return _EagleSeq(self.cache.allocate(), len(prompt_token_ids))
 
-    def _seq(self, seq_id: int) -> _EagleSeq:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise InvalidRequestError(f"seq_id: {seq_id} is not started", "seq_id") from None
+    def _free_seq(self, seq: _EagleSeq) -> None:
+        self.cache.free(seq.slot)
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
         """Draft for every request whose features reach its last committed token but one."""
-        seqs = [self._seq(r.seq_id) for r in requests]
+        seqs = self._tracked(requests)
         wanted = []
         for request, seq in zip(requests, seqs, strict=True):
-            if len(request.token_ids) != seq.committed_len:
-                raise InvalidRequestError(
-                    f"seq_id: {request.seq_id} has {len(request.token_ids)} committed tokens, "
-                    f"the eagle head tracked {seq.committed_len}; commit() was missed",
-                    "seq_id",
-                )
             known = seq.num_real + sum(f.shape[0] for f in seq.features)
             # The first round (before any verify forward) has no features yet: no drafts.
             ready = bool(seq.features) and known == seq.committed_len - 1
@@ -322,12 +309,3 @@ class EagleProposer(Proposer):
             with torch.inference_mode():  # a head of several layers fuses them here
                 seq.features.append(self.head.target_features(info.hidden_states))
         seq.committed_len += len(info.token_ids)
-
-    def finish(self, seq_id: int) -> None:
-        seq = self._seqs.pop(seq_id, None)
-        if seq is not None:
-            self.cache.free(seq.slot)
-
-    def close(self) -> None:
-        for seq_id in list(self._seqs):
-            self.finish(seq_id)

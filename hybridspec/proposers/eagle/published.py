@@ -49,14 +49,8 @@ from transformers import LlamaConfig
 
 from hybridspec.errors import InvalidRequestError, check
 from hybridspec.model import rope_inv_freq
-from hybridspec.proposers.eagle_head import (
-    CONFIG_FILE,
-    DecoderLayerHead,
-    DraftHead,
-    EagleHead,
-    HeadConfig,
-    TargetParts,
-)
+from hybridspec.proposers.eagle.config import CONFIG_FILE, DraftHead, HeadConfig, TargetParts
+from hybridspec.proposers.eagle.head import DecoderLayerHead, EagleHead
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _ATTENTION = tuple(f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o"))
