@@ -11,7 +11,10 @@ interleaved: for each proposer and repeat, the library (``Engine.generate``), th
 without streaming and the server streamed (SSE, read to ``[DONE]``). Every request is the same
 token-id prompt, greedy, ``--tokens`` tokens with ``ignore_eos``; a run's tok/s is those tokens
 over the request's wall time (client side for the server). The best of ``--repeats`` of each is
-reported, with served / library, and whether the server's text equals the library's. Only one of
+reported, with served / library, and whether the server's text equals the library's; and the
+voluntary context switches per generated token of each process (all its threads, summed from
+``/proc``, the mean over the runs): a kernel's worker that sleeps between parallel regions
+instead of spinning shows there whatever the machine's load. Only one of
 the two is ever busy: the server's engine thread waits on its inbox between requests, and the
 library's engine is idle while the server runs.
 
@@ -22,6 +25,8 @@ leaves both at their defaults.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import os
 import signal
@@ -78,6 +83,15 @@ def post(base: str, body: dict[str, Any]) -> tuple[float, str]:
     return time.perf_counter() - start, "".join(pieces)
 
 
+def voluntary_switches(pid: int | str) -> int:
+    """Voluntary context switches of every thread of process ``pid`` so far (Linux)."""
+    total = 0
+    for status in glob.glob(f"/proc/{pid}/task/*/status"):
+        with contextlib.suppress(OSError), open(status) as lines:
+            total += sum(int(line.split()[1]) for line in lines if line.startswith("voluntary_"))
+    return total
+
+
 def start_server(port: int, threads: int, log: Any) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "hybridspec.cli", "serve", "--port", str(port)]
     if threads > 0:
@@ -117,7 +131,7 @@ def main() -> None:
             prompt_ids = engine.encode(PROMPT, None, None)
             engine.generate(prompt_token_ids=prompt_ids, max_new_tokens=8)  # warm
             wait_ready(base, server, args.timeout)
-            rows = run(engine, base, prompt_ids, args)
+            rows, switches = run(engine, base, prompt_ids, args, server.pid)
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=30)
@@ -128,24 +142,31 @@ def main() -> None:
     print(f"library: {torch.get_num_threads()} threads; server: {ready[0] if ready else '?'}")
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
     print(
-        "| proposer | library tok/s | served tok/s | streamed tok/s | served/lib | streamed/lib |"
+        "| proposer | library tok/s | served tok/s | streamed tok/s | served/lib | streamed/lib "
+        "| switches/token lib, served, streamed |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for proposer, (lib, plain, streamed, same) in rows.items():
+        per_token = ", ".join(f"{s:.0f}" for s in switches[proposer])
         print(
             f"| {proposer} | {lib:.1f} | {plain:.1f} | {streamed:.1f} | "
-            f"{plain / lib:.2f}x | {streamed / lib:.2f}x |" + ("" if same else " TEXT DIFFERS")
+            f"{plain / lib:.2f}x | {streamed / lib:.2f}x | {per_token} |"
+            + ("" if same else " TEXT DIFFERS")
         )
 
 
 def run(
-    engine: Any, base: str, prompt_ids: list[int], args: argparse.Namespace
-) -> dict[str, tuple[float, float, float, bool]]:
-    """Best tok/s per proposer: library, served, streamed; and whether the texts agreed."""
+    engine: Any, base: str, prompt_ids: list[int], args: argparse.Namespace, server_pid: int
+) -> tuple[dict[str, tuple[float, float, float, bool]], dict[str, list[float]]]:
+    """Best tok/s per proposer: library, served, streamed; and whether the texts agreed. Then
+    the mean voluntary context switches per token of each, library, served, streamed."""
     best: dict[str, list[float]] = {p: [0.0, 0.0, 0.0] for p in args.proposers}
+    switches: dict[str, list[float]] = {p: [0.0, 0.0, 0.0] for p in args.proposers}
     same = dict.fromkeys(args.proposers, True)
+    per_run = 1 / (args.tokens * args.repeats)
     for _ in range(args.repeats):
         for proposer in args.proposers:
+            ours = voluntary_switches("self")
             start = time.perf_counter()
             result = engine.generate(
                 prompt_token_ids=prompt_ids,
@@ -154,6 +175,7 @@ def run(
                 proposer=proposer,
             )
             lib_s = time.perf_counter() - start
+            switches[proposer][0] += (voluntary_switches("self") - ours) * per_run
             body = {
                 "prompt": prompt_ids,
                 "max_tokens": args.tokens,
@@ -161,12 +183,17 @@ def run(
                 "temperature": 0,
                 "proposer": proposer,
             }
+            theirs = voluntary_switches(server_pid)
             plain_s, plain_text = post(base, body)
+            middle = voluntary_switches(server_pid)
             streamed_s, streamed_text = post(base, {**body, "stream": True})
+            switches[proposer][1] += (middle - theirs) * per_run
+            switches[proposer][2] += (voluntary_switches(server_pid) - middle) * per_run
             same[proposer] &= plain_text == result.text == streamed_text
             for i, seconds in enumerate((lib_s, plain_s, streamed_s)):
                 best[proposer][i] = max(best[proposer][i], args.tokens / seconds)
-    return {p: (*best[p], same[p]) for p in args.proposers}  # type: ignore[misc]
+    rates = {p: (best[p][0], best[p][1], best[p][2], same[p]) for p in args.proposers}
+    return rates, switches
 
 
 if __name__ == "__main__":

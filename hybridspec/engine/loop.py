@@ -234,6 +234,10 @@ class EngineLoop:
             accepted.set_result(ids)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their callers: one wake-up of each caller's event loop per
+        step (``call_soon_threadsafe`` writes to the loop's self-pipe), however many requests
+        the step advanced."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Routed]] = {}
         for output in outputs:
             route = self._routes.get(output.request_id)
             if route is None:
@@ -241,7 +245,17 @@ class EngineLoop:
             if output.finished:
                 del self._routes[output.request_id]
             loop, outputs_queue = route
-            loop.call_soon_threadsafe(outputs_queue.put_nowait, output)
+            by_loop.setdefault(loop, []).append((outputs_queue, output))
+        for loop, routed in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, routed)
+
+
+_Routed = tuple[asyncio.Queue[RequestOutput], RequestOutput]
+
+
+def _put_all(routed: list[_Routed]) -> None:
+    for outputs_queue, output in routed:
+        outputs_queue.put_nowait(output)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:
