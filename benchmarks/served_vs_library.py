@@ -122,6 +122,7 @@ def main() -> None:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the server on a timeout too
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
