@@ -18,8 +18,8 @@ instead of spinning shows there whatever the machine's load. Only one of
 the two is ever busy: the server's engine thread waits on its inbox between requests, and the
 library's engine is idle while the server runs.
 
-``--threads N`` passes ``serve --threads N`` and sets this process's torch threads to N; 0
-leaves both at their defaults.
+``--threads N`` passes ``serve --threads N`` and builds the library's engine with
+``EngineConfig(num_threads=N)``; 0 leaves both at their defaults.
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ def main() -> None:
     import torch
 
     from hybridspec import Engine
+    from hybridspec.config import EngineConfig
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -128,7 +129,7 @@ def main() -> None:
     with tempfile.TemporaryFile() as log:
         server = start_server(port, args.threads, log)
         try:
-            engine = Engine()
+            engine = Engine(EngineConfig(num_threads=args.threads or None))
             prompt_ids = engine.encode(PROMPT, None, None)
             engine.generate(prompt_token_ids=prompt_ids, max_new_tokens=8)  # warm
             wait_ready(base, server, args.timeout)
