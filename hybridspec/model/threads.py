@@ -15,10 +15,12 @@ import torch
 
 def set_num_threads(num_threads: int) -> None:
     """Run the forward on ``num_threads`` threads (numba's at most ``NUMBA_NUM_THREADS``)."""
-    torch.set_num_threads(num_threads)
     # numba's config module sets its names at import from the environment: mypy sees none
     numba_threads = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    # numba first: launching its OpenMP pool (on its first call) resets the calling thread's
+    # OpenMP thread count, which torch's is, to numba's pool size.
     numba.set_num_threads(min(num_threads, numba_threads))
+    torch.set_num_threads(num_threads)
 
 
 def num_threads() -> int:
