@@ -121,6 +121,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "2-core CPU)",
     )
     group.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=ENGINE_DEFAULTS.num_threads,
+        help="CPU threads of the forward (torch's and the kernels'), as llama.cpp's -t "
+        "(default: OMP_NUM_THREADS, else the cores; on a machine busy with other work, fewer)",
+    )
+    group.add_argument(
         "--proposer",
         default=ENGINE_DEFAULTS.default_proposer,
         help="the proposer of requests that name none: one of the built-in proposers (none, "
@@ -170,6 +178,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         default_num_speculative_tokens=args.num_speculative_tokens,
         adaptive_speculation=not args.fixed_k,
         verify_token_cost=args.verify_token_cost,
+        num_threads=args.threads,
     )
 
 

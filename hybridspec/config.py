@@ -24,7 +24,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # quantize the dense matrices at load; "auto" (the default): "gguf" for a GGUF file where the
 # block kernel runs, else "none" (model.loader.resolve_quantize).
 QUANTIZE = ("auto", "none", "gguf", "int4", "int8")
-MAX_DRAFT_COST_PER_TOKEN = 10.0  # a draft ten times the target's cost never pays
+MAX_DRAFT_COST_PER_TOKEN = 10.0
+MAX_NUM_THREADS = 1024  # a draft ten times the target's cost never pays
 
 
 def _is_int(value: object) -> bool:
@@ -192,8 +193,19 @@ class EngineConfig:
     verify_token_cost: float | None = DEFAULT_VERIFY_TOKEN_COST
     # The compiled structured-output grammars kept for reuse, in MiB (least recently used out).
     grammar_cache_mb: int = 64
+    # CPU threads of the forward (torch's, the block kernel's, numba's: model.threads), set
+    # where the engine is built. None: as the process has them (OMP_NUM_THREADS, else the
+    # cores). On a machine shared with other work, fewer threads than cores waste less time
+    # waiting at the kernels' barriers for a thread the OS descheduled.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        check(
+            self.num_threads is None
+            or (_is_int(self.num_threads) and 1 <= self.num_threads <= MAX_NUM_THREADS),
+            "num_threads",
+            f"expected None or an integer in [1, {MAX_NUM_THREADS}], got {self.num_threads!r}",
+        )
         check(
             isinstance(self.adaptive_speculation, bool),
             "adaptive_speculation",

@@ -9,6 +9,10 @@ its completions route (llama-cpp-python's chat route refuses content given as pa
 how guidellm sends it), with the grounded prompts rendered by the model's chat template; each
 request asks for exactly ``--output-tokens`` tokens (``ignore_eos``), greedy by default. Writes
 the tables, the JSON and a PNG of throughput and TTFT against concurrency to ``--output-dir``.
+Before any server starts, the grounded requests of concurrency 1 also run through the library
+in this process (``library_rate``), per proposer and thread count, so that the report shows
+each server's rate beside the library's on the same requests. ``--threads 1 2`` runs every
+server at each thread count, in one table.
 
 Needs guidellm and llama-cpp-python: ``make bench-serve`` installs them (the ``bench`` extra)
 and builds ``llama-server`` from llama-cpp-python's vendored llama.cpp, then runs this.
@@ -17,6 +21,7 @@ and builds ``llama-server`` from llama-cpp-python's vendored llama.cpp, then run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import logging
 from pathlib import Path
@@ -64,8 +69,17 @@ def add_serve_command(bench_commands: Any) -> None:
     add(
         "--threads",
         type=int,
-        default=DEFAULT_THREADS,
-        help=f"CPU threads of every server (default {DEFAULT_THREADS}: see below)",
+        nargs="+",
+        default=[DEFAULT_THREADS],
+        help=f"CPU threads of every server (default {DEFAULT_THREADS}: see below); several "
+        "values: every server at each, named with -tN, in one table",
+    )
+    add(
+        "--no-library",
+        dest="library",
+        action="store_false",
+        help="skip the library's rate on the grounded requests (default: measured per proposer "
+        "and thread count, beside the server's)",
     )
     add("--temperature", type=float, default=0.0, help="of every request (default 0: greedy)")
     add("--seed", type=int, default=0)
@@ -97,6 +111,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         notes={s.name: s.note for s in specs},
         ours=[s.name for s in specs if s.ours],
     )
+    if args.library and "grounded" in args.workloads and 1 in args.concurrency:
+        _measure_library(args, gguf, workloads, results)
     for spec in specs:
         try:
             _measure(spec, workloads, tokenizer_dir, args, out, results)
@@ -144,20 +160,49 @@ def _specs(args: argparse.Namespace, gguf: Path) -> list[ServerSpec]:
     )
 
     slots = max(args.concurrency)
-    specs = [hybridspec_spec(p, gguf, args.threads, slots) for p in args.proposers]
-    if "llama-cpp-python" in args.peers:
-        found = llama_cpp_python_spec(gguf, args.threads)
-        if found is None:
-            logger.warning("skipping llama-cpp-python: not installed (make bench-serve)")
-        else:
-            specs.append(found)
-    if "llama-server" in args.peers:
-        server = llama_server_spec(args.llama_server, gguf, args.threads, parallel=slots)
-        if server is None:
-            logger.warning("skipping llama-server: not found (make bench-serve builds it)")
-        else:
-            specs.append(server)
+    specs = []
+    for threads in args.threads:
+        suffix = _suffix(args, threads)
+        specs += [hybridspec_spec(p, gguf, threads, slots, suffix) for p in args.proposers]
+        peers = []
+        if "llama-cpp-python" in args.peers:
+            found = llama_cpp_python_spec(gguf, threads)
+            if found is None:
+                logger.warning("skipping llama-cpp-python: not installed (make bench-serve)")
+            else:
+                peers.append(found)
+        if "llama-server" in args.peers:
+            server = llama_server_spec(args.llama_server, gguf, threads, parallel=slots)
+            if server is None:
+                logger.warning("skipping llama-server: not found (make bench-serve builds it)")
+            else:
+                peers.append(server)
+        specs += [dataclasses.replace(peer, name=peer.name + suffix) for peer in peers]
     return specs
+
+
+def _suffix(args: argparse.Namespace, threads: int) -> str:
+    """After each server's name: its threads, where several thread counts run."""
+    return f"-t{threads}" if len(args.threads) > 1 else ""
+
+
+def _measure_library(
+    args: argparse.Namespace, gguf: Path, workloads: list[LoadWorkload], results: ServingResults
+) -> None:
+    """The library's rate on the grounded requests of concurrency 1, per proposer and thread
+    count (``library_rate``), before any server starts."""
+    from hybridspec.bench.library_rate import grounded_prompts, library_rates
+
+    (grounded,) = [w for w in workloads if w.name == "grounded"]
+    prompts, output_tokens = grounded_prompts(Path(grounded.data[1]["path"]), args.requests)
+    for threads in args.threads:
+        rates = library_rates(
+            gguf, args.proposers, threads, prompts, output_tokens, args.temperature, args.seed
+        )
+        for proposer, rate in rates.items():
+            name = f"hybridspec-{proposer}{_suffix(args, threads)}"
+            results.library.setdefault("grounded", {})[name] = rate
+            logger.info("library %s: %.1f output tok/s", name, rate)
 
 
 def _measure(

@@ -57,20 +57,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def hybridspec_spec(proposer: str, gguf: Path, threads: int, max_num_seqs: int) -> ServerSpec:
-    """``hybridspec serve`` on ``gguf`` with ``proposer`` the default of every request, its
-    torch and numba threads set by the environment."""
+def hybridspec_spec(
+    proposer: str, gguf: Path, threads: int, max_num_seqs: int, suffix: str = ""
+) -> ServerSpec:
+    """``hybridspec serve`` on ``gguf`` with ``proposer`` the default of every request, on
+    ``serve --threads``; numba's pool is sized to match by the environment. ``suffix``: after
+    its name (``-t2`` where several thread counts run)."""
 
     def argv(port: int) -> list[str]:
         return [
             *[sys.executable, "-m", "hybridspec.cli", "serve", "--host", LOOPBACK],
             *["--port", str(port), "--target", str(gguf), "--proposer", proposer],
-            *["--max-num-seqs", str(max_num_seqs), "--log-level", "warning"],
+            *["--max-num-seqs", str(max_num_seqs), "--threads", str(threads)],
+            *["--log-level", "warning"],
         ]
 
-    env = {"OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
+    env = {"NUMBA_NUM_THREADS": str(threads)}
     note = f"{max_num_seqs} slots, {threads} threads"
-    return ServerSpec(f"hybridspec-{proposer}", argv, ours=True, note=note, env=env)
+    return ServerSpec(f"hybridspec-{proposer}{suffix}", argv, ours=True, note=note, env=env)
 
 
 def llama_cpp_python_spec(gguf: Path, threads: int) -> ServerSpec | None:

@@ -41,6 +41,8 @@ class ServingResults:
     notes: dict[str, str] = field(default_factory=dict)  # server -> how it was driven
     ours: list[str] = field(default_factory=list)  # our servers' names; the rest are peers
     points: dict[str, dict[str, list[ServingPoint]]] = field(default_factory=dict)
+    # workload -> our server -> the library's output tok/s for its requests (``library_rate``)
+    library: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def add(self, workload: str, server: str, points: Sequence[ServingPoint]) -> None:
         self.points.setdefault(workload, {})[server] = list(points)
@@ -57,6 +59,7 @@ class ServingResults:
                 w: {s: [p.to_json() for p in pts] for s, pts in servers.items()}
                 for w, servers in self.points.items()
             },
+            "library": self.library,
         }
 
     @classmethod
@@ -65,6 +68,7 @@ class ServingResults:
         for workload, servers in data["points"].items():
             for server, points in servers.items():
                 results.add(workload, server, [ServingPoint.from_json(p) for p in points])
+        results.library = {w: dict(rates) for w, rates in data.get("library", {}).items()}
         return results
 
 
@@ -160,6 +164,18 @@ def ratios_table(results: ServingResults, workload: str) -> str:
     return _table(headers, rows)
 
 
+def library_table(results: ServingResults, workload: str) -> str:
+    """Per server of ours with a library figure: the library's and the server's output tok/s
+    at concurrency 1 on the same requests, and served / library."""
+    rows = []
+    for server, rate in results.library.get(workload, {}).items():
+        one = [p for p in results.points[workload].get(server, []) if p.concurrency == 1]
+        served = one[0].output_tokens_per_s if one else None
+        cells = ["-", "-"] if served is None else [f"{served:.1f}", _x(_over(served, rate))]
+        rows.append([server, f"{rate:.1f}", *cells])
+    return _table(["server", "library tok/s", "served tok/s (c=1)", "served / library"], rows)
+
+
 def format_results(results: ServingResults) -> str:
     """The Markdown of a run: per workload, its points and its ratios to each peer."""
     parts = []
@@ -172,6 +188,9 @@ def format_results(results: ServingResults) -> str:
                 f">= {GOAL_ABOVE_ONE:g}x above; TTFT p95, goal <= 1x):\n"
             )
             parts.append(ratios_table(results, workload) + "\n")
+        if results.library.get(workload):
+            parts.append("The library on the same requests, one at a time, in one process:\n")
+            parts.append(library_table(results, workload) + "\n")
     if results.notes:
         parts.append("Servers: " + "; ".join(f"{s}: {n}" for s, n in results.notes.items()))
     return "\n".join(parts).rstrip() + "\n"

@@ -65,6 +65,7 @@ from hybridspec.model import (
     LoadedModel,
     fastest_forward_seconds,
     load_model,
+    set_num_threads,
 )
 from hybridspec.proposers import (
     Proposer,
@@ -116,6 +117,8 @@ class Engine:
         """Load the target (and the draft model, if configured) unless given, and build every
         registered proposer (``registry``; default: ``proposers.default_registry()``)."""
         self.config = config if config is not None else EngineConfig()
+        if self.config.num_threads is not None:
+            set_num_threads(self.config.num_threads)  # before loading: the load runs forwards
         self.target = target if target is not None else load_model(self.config.target)
         self.tokenizer = self.target.tokenizer
         self.eos_token_ids = frozenset(self.target.eos_token_ids)

@@ -1,9 +1,18 @@
 """Runs an Engine on its own thread for asyncio callers (the HTTP server).
 
-The engine thread alone touches the engine. Callers talk to it through an inbox of commands
-(add, abort) drained between steps, and receive each request's outputs on an asyncio queue of
-their own. Adding a request waits for the engine thread to accept or refuse it, so validation
-and capacity errors reach the caller before any output.
+The engine thread alone touches the engine, from its construction on when the loop is given a
+function that builds it (``EngineLoop.start``). The forward's OpenMP threads (torch's and the
+block kernel's) belong to the thread that runs a parallel region: GNU OpenMP keeps one team of
+workers per such thread, and once more threads are in teams than there are cores (an engine
+loaded and warmed up on the main thread, then stepped on this one: two teams on two cores)
+every worker sleeps at once between regions instead of spinning, so each of a forward's
+hundreds of regions waits for a futex wake. Building, warming and stepping on one thread keeps
+one team.
+
+Callers talk to it through an inbox of commands (add, abort) drained between steps, and
+receive each request's outputs on an asyncio queue of their own. Adding a request waits for the
+engine thread to accept or refuse it, so validation and capacity errors reach the caller before
+any output.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,18 +58,51 @@ class _Call:
 
 
 class EngineLoop:
-    """Owns an Engine and the thread that steps it."""
+    """Owns an Engine and the thread that steps it.
+
+    ``engine``: the engine, or a function that builds it, which then runs on the engine thread
+    (module doc); ``EngineLoop.start`` waits for it to return.
+    """
 
     def __init__(
-        self, engine: Engine, on_step: Callable[[list[RequestOutput]], None] | None = None
+        self,
+        engine: Engine | Callable[[], Engine],
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
     ):
-        self.engine = engine
+        self._built: Future[Engine] = Future()
+        if isinstance(engine, Engine):
+            self._built.set_result(engine)
+            build = None
+        else:
+            build = engine
         self._on_step = on_step
         self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
-        self._thread = threading.Thread(target=self._run, name="hybridspec-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(build,), name="hybridspec-engine", daemon=True
+        )
         self._stopped = False
         self._thread.start()
+
+    @classmethod
+    async def start(
+        cls,
+        build: Callable[[], Engine],
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> EngineLoop:
+        """A loop whose engine ``build()`` made on the engine thread; raises what it raised."""
+        engine_loop = cls(build, on_step)
+        try:
+            await asyncio.wrap_future(engine_loop._built)
+        except BaseException:
+            engine_loop.close()
+            raise
+        return engine_loop
+
+    @property
+    def engine(self) -> Engine:
+        """The engine (built: ``start`` has returned)."""
+        return self._built.result(timeout=0)
 
     async def submit(
         self, prompt_token_ids: Sequence[int], params: GenerationParams
@@ -129,17 +172,24 @@ class EngineLoop:
 
     # ------------------------------------------------------------ engine thread
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], Engine] | None) -> None:
+        if build is not None:
+            try:
+                self._built.set_result(build())
+            except BaseException as exc:
+                self._built.set_exception(exc)
+                return
+        engine = self._built.result()
         while not self._stopped:
-            self._drain(block=not self.engine.has_unfinished())
-            if self._stopped or not self.engine.has_unfinished():
+            self._drain(block=not engine.has_unfinished())
+            if self._stopped or not engine.has_unfinished():
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = engine.step()
             except Exception:
                 # Engine.step contains failures to their requests; this is the last resort.
                 logger.exception("engine step failed; failing the running requests")
-                outputs = self.engine.fail_running("engine: the step failed (see the log)")
+                outputs = engine.fail_running("engine: the step failed (see the log)")
             self._deliver(outputs)
             if self._on_step is not None:
                 self._on_step(outputs)
@@ -184,6 +234,10 @@ class EngineLoop:
             accepted.set_result(ids)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their callers: one wake-up of each caller's event loop per
+        step (``call_soon_threadsafe`` writes to the loop's self-pipe), however many requests
+        the step advanced."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Routed]] = {}
         for output in outputs:
             route = self._routes.get(output.request_id)
             if route is None:
@@ -191,7 +245,17 @@ class EngineLoop:
             if output.finished:
                 del self._routes[output.request_id]
             loop, outputs_queue = route
-            loop.call_soon_threadsafe(outputs_queue.put_nowait, output)
+            by_loop.setdefault(loop, []).append((outputs_queue, output))
+        for loop, routed in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, routed)
+
+
+_Routed = tuple[asyncio.Queue[RequestOutput], RequestOutput]
+
+
+def _put_all(routed: list[_Routed]) -> None:
+    for outputs_queue, output in routed:
+        outputs_queue.put_nowait(output)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

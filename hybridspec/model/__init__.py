@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         ObserverHandle,
         synchronize,
     )
+    from hybridspec.model.threads import num_threads, set_num_threads
     from hybridspec.model.timing import (
         fastest_forward_seconds,
         median_forward_seconds,
@@ -43,8 +44,10 @@ __all__ = [
     "fastest_forward_seconds",
     "load_model",
     "median_forward_seconds",
+    "num_threads",
     "quantize",
     "rope_inv_freq",
+    "set_num_threads",
     "synchronize",
 ]
 
@@ -63,6 +66,7 @@ __getattr__, __dir__ = lazy_exports(
             "ObserverHandle",
             "synchronize",
         ),
+        "hybridspec.model.threads": ("num_threads", "set_num_threads"),
         "hybridspec.model.timing": (
             "fastest_forward_seconds",
             "median_forward_seconds",

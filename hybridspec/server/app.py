@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import torch
 from fastapi import FastAPI
 
 from hybridspec.config import EngineConfig
@@ -57,7 +56,7 @@ def ready_line(engine: Engine, model: ModelInfo, steps: dict[str, float]) -> str
     timings = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in steps.items())
     return (
         f"ready: {model.name} ({kind} {Path(where).name} -> {dtype}), "
-        f"{torch.get_num_threads()} threads, proposers {','.join(model.proposers)}; {timings}"
+        f"{model.num_threads} threads, proposers {','.join(model.proposers)}; {timings}"
     )
 
 
@@ -88,18 +87,19 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         steps = {} if import_s is None else {"import": import_s}
         start = time.perf_counter()
-        engine = factory(server_config.engine)
+        # Built, warmed up and stepped on the engine thread alone: one team of OpenMP workers
+        # (engine.loop). ModelInfo is read there too, before any request runs.
+        loop = await EngineLoop.start(lambda: factory(server_config.engine))
         steps["load"] = time.perf_counter() - start
-        loop: EngineLoop | None = None
+        engine = loop.engine
         prompts: PromptEncoder | None = None
         grammars: GrammarPool | None = None
         started = False
         try:
-            steps["warm-up"] = warm_up(engine)
-            model = ModelInfo.from_engine(engine, server_config)  # before the loop's thread runs
+            steps["warm-up"] = await loop.call(warm_up)
+            model = await loop.call(lambda e: ModelInfo.from_engine(e, server_config))
             prompts = prompt_encoder(engine, server_config)
             grammars = GrammarPool(engine.grammars, server_config.grammar_timeout_s)
-            loop = EngineLoop(engine)
             state = ServerState(
                 server_config, loop, model, metrics, prompts, grammars, cluster=cluster
             )
@@ -116,8 +116,7 @@ def create_app(
                 prompts.close()
             if grammars is not None:
                 grammars.close()
-            if loop is not None:
-                await _stop(loop)
+            await _stop(loop)
             engine.close()
 
     app = FastAPI(title="hybridspec", version="0.1.0", lifespan=lifespan)

@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 from hybridspec.engine import Engine, EngineLoop
 from hybridspec.engine.resolution import ProposerCatalog
 from hybridspec.errors import UnknownModelError
+from hybridspec.model import num_threads
 from hybridspec.server.cluster import Cluster
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.grammars import GrammarPool
@@ -29,7 +30,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """Facts about the served engine, read once at startup before the engine loop runs."""
+    """Facts about the served engine, read once at startup on the engine thread (``from_engine``
+    is given to ``EngineLoop.call``) before any request runs."""
 
     names: tuple[str, ...]  # names[0] is listed; every one is accepted in requests
     max_seq_len: int
@@ -38,6 +40,7 @@ class ModelInfo:
     catalog: ProposerCatalog
     max_choices: int  # n: the engine's slots, as a prompt's choices run at once
     max_queue_size: int  # prompts waiting for slots (``EngineConfig.max_queue_size``)
+    num_threads: int  # the forward's CPU threads, read on the engine thread (``model.threads``)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @staticmethod
@@ -49,6 +52,7 @@ class ModelInfo:
             catalog=engine.catalog,
             max_choices=engine.runtime.max_num_seqs,
             max_queue_size=engine.config.max_queue_size,
+            num_threads=num_threads(),
         )
 
     @property

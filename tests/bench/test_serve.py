@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from hybridspec.bench.library_rate import grounded_prompts, library_rates
 from hybridspec.bench.loadgen import (
     COMPLETIONS_ROUTE,
     LoadGeneratorError,
@@ -22,6 +24,7 @@ from hybridspec.bench.loadgen import (
     scenario,
     synthetic_workload,
 )
+from hybridspec.bench.serve_cli import _specs
 from hybridspec.bench.servers import (
     ServerSpec,
     ServerStartError,
@@ -38,6 +41,7 @@ from hybridspec.bench.serving_report import (
 )
 from hybridspec.bench.workload import parse_workload
 from hybridspec.cli import build_parser
+from tests.conftest import save_tiny_llama
 
 DATA = Path(__file__).parent / "data"
 
@@ -156,8 +160,40 @@ def test_format_results_has_a_points_table_and_a_ratio_row() -> None:
     assert "| hybridspec-ngram / llama-server | 0.50x, 2.00x | 0 of 1 |" in text
 
 
+def test_format_results_puts_the_library_beside_the_server() -> None:
+    results = results_of([point(1, 30.0, 200.0)], [point(1, 60.0, 100.0)])
+    results.library["synthetic"] = {"hybridspec-ngram": 40.0}
+    text = format_results(results)
+    assert "| hybridspec-ngram | 40.0 | 30.0 | 0.75x |" in text
+
+
+def test_library_rates_of_grounded_prompts(tmp_path: Path) -> None:
+    tiny_model_dir = save_tiny_llama(tmp_path / "tiny")
+    lines = [{"prompt": f"[1.{i}] hello", "output_tokens_count": 6} for i in range(3)]
+    path = tmp_path / "grounded-c1.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    prompts, output_tokens = grounded_prompts(path, limit=2)
+    assert (prompts, output_tokens) == (["[1.0] hello", "[1.1] hello"], 6)
+    threads = torch.get_num_threads()
+    try:
+        rates = library_rates(tiny_model_dir, ["none", "ngram"], 1, prompts, 6, 0.0, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert set(rates) == {"none", "ngram"} and min(rates.values()) > 0
+
+
+def test_several_thread_counts_name_every_server() -> None:
+    args = build_parser().parse_args(["bench", "serve", "--threads", "1", "2", "--peers"])
+    specs = _specs(args, Path("m.gguf"))
+    names = [s.name for s in specs]
+    assert names == [f"hybridspec-{p}-t{t}" for t in (1, 2) for p in ("none", "ngram")]
+    argv = specs[-1].argv(1234)
+    assert argv[argv.index("--threads") + 1] == "2"
+
+
 def test_results_round_trip_through_json_and_plot(tmp_path: Path) -> None:
     results = results_of([point(1, 30.0, 200.0), point(2, 50.0, 250.0)], [point(1, 60.0, 90.0)])
+    results.library["synthetic"] = {"hybridspec-ngram": 40.0}
     assert ServingResults.from_json(json.loads(json.dumps(results.to_json()))) == results
     plot_serving(results, tmp_path / "serve.png")
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -218,10 +254,11 @@ def test_bench_serve_is_a_subcommand_of_bench() -> None:
     assert build_parser().parse_args(["bench"]).run.__name__ == "run_bench"
 
 
-def test_hybridspec_gets_its_threads_from_the_environment(tmp_path: Path) -> None:
+def test_hybridspec_gets_its_threads_from_serve_threads(tmp_path: Path) -> None:
     spec = hybridspec_spec("ngram", tmp_path / "m.gguf", threads=1, max_num_seqs=8)
-    assert spec.env == {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    assert spec.env == {"NUMBA_NUM_THREADS": "1"}
     argv = spec.argv(1234)
+    assert argv[argv.index("--threads") + 1] == "1"
     assert argv[argv.index("--proposer") + 1] == "ngram"
     assert argv[argv.index("--port") + 1] == "1234"
     assert spec.name == "hybridspec-ngram" and spec.ours

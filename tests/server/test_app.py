@@ -9,12 +9,18 @@ import logging
 import re
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
-from tests.server.conftest import AppFactory
+from hybridspec.engine import Engine
+from hybridspec.model import LoadedModel
+from hybridspec.server import ServerConfig, create_app
+from tests.server.conftest import TINY_MODEL_NAME, AppFactory, tiny_engine_config
 from tests.server.helpers import metric, parse_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +33,12 @@ import json, sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 from fastapi.testclient import TestClient
+
+from hybridspec.engine import Engine
+from hybridspec.model import LoadedModel
+from hybridspec.server import ServerConfig, create_app
 from numba.core.registry import CPUDispatcher
 
 from hybridspec.config import EngineConfig, ModelConfig
@@ -103,15 +114,66 @@ def test_startup_leaves_free_slots_and_empty_metrics(make_app: AppFactory) -> No
 
 
 def test_startup_logs_one_ready_line(
-    make_app: AppFactory, caplog: pytest.LogCaptureFixture
+    make_app: AppFactory, caplog: pytest.LogCaptureFixture, torch_threads: int
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="hybridspec.server"), TestClient(make_app()):
+    with (
+        caplog.at_level(logging.INFO, logger="hybridspec.server"),
+        TestClient(make_app(num_threads=2)),
+    ):
         pass
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]
     assert len(ready) == 1, caplog.text
     pattern = (
-        r"ready: tiny-llama \(transformers \S+ -> float32\), \d+ threads, "
+        r"ready: tiny-llama \(transformers \S+ -> float32\), 2 threads, "
         r"proposers grammar,ngram,none,grammar\+ngram,grammar\+none; "
         r"load \d+\.\d s, warm-up \d+\.\d s"
     )
     assert re.fullmatch(pattern, ready[0]), ready[0]
+
+
+class _ThreadRecordingEngine(Engine):
+    """Records the thread that builds it, resets it (the end of the warm-up) and steps it."""
+
+    threads: set[str]
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.threads = {threading.current_thread().name}
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def reset(self) -> None:
+        self.threads.add(threading.current_thread().name)
+        super().reset()
+
+    def step(self) -> list:  # type: ignore[type-arg]
+        self.threads.add(threading.current_thread().name)
+        return super().step()
+
+
+@pytest.fixture
+def torch_threads() -> Iterator[int]:
+    """This process's torch threads, restored afterwards (a test may set them)."""
+    threads = torch.get_num_threads()
+    yield threads
+    torch.set_num_threads(threads)
+
+
+def test_engine_built_warmed_and_stepped_on_the_engine_thread(
+    tiny_model: LoadedModel, tiny_model_dir: Path, torch_threads: int
+) -> None:
+    """One thread runs every forward, so that the kernels keep one team of OpenMP workers;
+    ``num_threads`` is set there and reported in the ready line and ``/v1/models``."""
+    engines: list[_ThreadRecordingEngine] = []
+
+    def factory(config: object) -> Engine:
+        engines.append(_ThreadRecordingEngine(config, target=tiny_model))
+        return engines[-1]
+
+    config = ServerConfig(
+        engine=tiny_engine_config(tiny_model_dir, num_threads=1), served_model_name=TINY_MODEL_NAME
+    )
+    with TestClient(create_app(config, engine_factory=factory)) as client:
+        body = {"prompt": "hello", "max_tokens": 4}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        card = client.get("/v1/models").json()["data"][0]
+    assert engines[0].threads == {"hybridspec-engine"}
+    assert card["hybridspec"]["num_threads"] == 1

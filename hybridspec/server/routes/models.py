@@ -30,6 +30,7 @@ def model_card(model: ModelInfo) -> ModelCard:
             "default_proposer": model.default_proposer,
             "default_num_speculative_tokens": model.default_num_speculative_tokens,
             "num_speculative_tokens_range": [MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS],
+            "num_threads": model.num_threads,
         },
     )
 

@@ -1,0 +1,28 @@
+"""The forward's CPU threads: torch's intra-op threads, which the block kernel follows (it runs
+on torch's OpenMP runtime, ``qgemm``), and numba's, which the attention kernel runs on.
+
+Both settings hold for the thread that makes them: torch applies its number to each new thread
+on that thread's first parallel work, while numba's is the calling thread's alone. So they are
+set on the thread that runs the forwards (``Engine`` sets ``EngineConfig.num_threads`` where it
+is built, which the server does on its engine thread).
+"""
+
+from __future__ import annotations
+
+import numba
+import torch
+
+
+def set_num_threads(num_threads: int) -> None:
+    """Run the forward on ``num_threads`` threads (numba's at most ``NUMBA_NUM_THREADS``)."""
+    # numba's config module sets its names at import from the environment: mypy sees none
+    numba_threads = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    # numba first: launching its OpenMP pool (on its first call) resets the calling thread's
+    # OpenMP thread count, which torch's is, to numba's pool size.
+    numba.set_num_threads(min(num_threads, numba_threads))
+    torch.set_num_threads(num_threads)
+
+
+def num_threads() -> int:
+    """The threads of the calling thread's forwards (torch's and the block kernel's)."""
+    return int(torch.get_num_threads())
