@@ -107,6 +107,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help=f"sequences decoded together (KV-cache slots; default {target.max_num_seqs})",
     )
     group.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=ENGINE_DEFAULTS.prefix_cache_mb,
+        help="megabytes of keys and values kept from finished requests for later ones that "
+        "share a prefix (conversations, agents, retries); 0 turns it off (default: an eighth "
+        "of the machine's memory, at most 4096, where reuse is exact: the native bfloat16 "
+        "runtime on CPU; see docs/conversations.md)",
+    )
+    group.add_argument(
         "--fixed-k",
         action="store_true",
         help="always ask for K drafts (default: each round, as many as pay for their verification)",
@@ -168,6 +177,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         default_num_speculative_tokens=args.num_speculative_tokens,
         adaptive_speculation=not args.fixed_k,
         verify_token_cost=args.verify_token_cost,
+        prefix_cache_mb=args.prefix_cache_mb,
     )
 
 

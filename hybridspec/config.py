@@ -187,8 +187,18 @@ class EngineConfig:
     # Verifying one more token, relative to a forward's fixed cost. The default was measured on
     # the development CPU; None times it at start-up (seeded sampled outputs then vary by machine).
     verify_token_cost: float | None = DEFAULT_VERIFY_TOKEN_COST
+    # The prefix cache across requests (engine.prefix_cache): megabytes of keys and values kept
+    # from finished requests for later ones sharing a prefix. None: sized to the machine where
+    # reuse is exact (the native bfloat16 runtime on CPU), else off; 0: off.
+    prefix_cache_mb: int | None = None
 
     def __post_init__(self) -> None:
+        check(
+            self.prefix_cache_mb is None
+            or (_is_int(self.prefix_cache_mb) and self.prefix_cache_mb >= 0),
+            "prefix_cache_mb",
+            f"expected None or an integer >= 0, got {self.prefix_cache_mb!r}",
+        )
         check(
             isinstance(self.adaptive_speculation, bool),
             "adaptive_speculation",

@@ -52,7 +52,9 @@ class GenerationParams:
     ``max_new_tokens`` may be 0 when ``prompt_logprobs`` is asked: the prompt is scored, and
     nothing generated. ``stop_token_ids`` end the request as EOS does (left out of the text,
     held back by ``min_tokens``), ``ignore_eos`` or not. ``grammar``: what the output must
-    match (structured output, ``verifier.grammar``); None for free text.
+    match (structured output, ``verifier.grammar``); None for free text. ``cache_prompt``
+    False: the request neither reads the prefix cache nor leaves its tokens in it
+    (``engine.prefix_cache``; llama.cpp's name).
     """
 
     max_new_tokens: int = 256
@@ -65,8 +67,14 @@ class GenerationParams:
     prompt_logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     grammar: GrammarSpec | None = None
+    cache_prompt: bool = True
 
     def __post_init__(self) -> None:
+        check(
+            isinstance(self.cache_prompt, bool),
+            "cache_prompt",
+            f"expected a bool, got {self.cache_prompt!r}",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(
@@ -147,6 +155,7 @@ class GenerationParams:
         prompt_logprobs: int | None = None,
         stop_token_ids: Sequence[int] = (),
         grammar: GrammarSpec | None = None,
+        cache_prompt: bool = True,
     ) -> GenerationParams:
         """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
         ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds)."""
@@ -179,6 +188,7 @@ class GenerationParams:
             prompt_logprobs=prompt_logprobs,
             stop_token_ids=tuple(stop_token_ids),
             grammar=grammar,
+            cache_prompt=cache_prompt,
         )
 
 

@@ -49,7 +49,7 @@ class ModelInfo:
             unavailable_proposers=engine.unavailable_proposers(),
             default_proposer=engine.config.default_proposer,
             default_num_speculative_tokens=engine.config.default_num_speculative_tokens,
-            max_choices=engine.runtime.max_num_seqs,
+            max_choices=engine.max_num_seqs,
             max_queue_size=engine.config.max_queue_size,
         )
 
