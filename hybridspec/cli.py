@@ -22,10 +22,12 @@ from hybridspec.config import (
     MAX_SPECULATIVE_TOKENS,
     MIN_SPECULATIVE_TOKENS,
     QUANTIZE,
+    SUFFIX_ISOLATION,
     DraftConfig,
     EagleConfig,
     EngineConfig,
     ModelConfig,
+    SuffixConfig,
 )
 from hybridspec.distill.cli import add_distill_command
 from hybridspec.errors import HybridSpecError
@@ -116,6 +118,21 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "runtime on CPU; see docs/conversations.md)",
     )
     group.add_argument(
+        "--suffix-cache-tokens",
+        type=int,
+        default=ENGINE_DEFAULTS.suffix.max_tokens,
+        help="tokens of recent prompts and outputs the 'suffix' proposer drafts from, oldest "
+        f"evicted (default {ENGINE_DEFAULTS.suffix.max_tokens})",
+    )
+    group.add_argument(
+        "--suffix-isolation",
+        default=ENGINE_DEFAULTS.suffix.isolation,
+        choices=SUFFIX_ISOLATION,
+        help="which requests the 'suffix' proposer drafts from: all (per-server), those of the "
+        "same `user` (per-session), none (off); drafts never change output, only timing "
+        f"(default {ENGINE_DEFAULTS.suffix.isolation})",
+    )
+    group.add_argument(
         "--fixed-k",
         action="store_true",
         help="always ask for K drafts (default: each round, as many as pay for their verification)",
@@ -178,6 +195,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         adaptive_speculation=not args.fixed_k,
         verify_token_cost=args.verify_token_cost,
         prefix_cache_mb=args.prefix_cache_mb,
+        suffix=SuffixConfig(args.suffix_cache_tokens, args.suffix_isolation),
     )
 
 

@@ -132,7 +132,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.max_queue_size, self.config.prefill_chunk_size)
         self._target_forward_s: float | None = None
         context = proposer_context(
-            self.config, self.target, self.runtime, draft, self.target_forward_s
+            self.config, self.target, self.runtime, draft, self.target_forward_s, self._session_of
         )
         self.proposers = ProposerPool(
             registry if registry is not None else default_registry(), context
@@ -162,6 +162,13 @@ class Engine:
         max_seq_len = self.config.target.max_seq_len
         max_seq_len = max_seq_len or self.target.max_seq_len or self.target.context_length
         return num_slots_for(budget, kv_bytes_per_token(self.target), max_seq_len)
+
+    def _session_of(self, seq_id: int) -> str | None:
+        """The session of a running request (its proposer's ``start`` asks)."""
+        for request in self.scheduler.running:
+            if request.seq_id == seq_id:
+                return request.params.session
+        return None
 
     def num_free_slots(self) -> int:
         """Slots free for running requests (the prefix cache gives up its entries for them)."""

@@ -54,7 +54,8 @@ class GenerationParams:
     held back by ``min_tokens``), ``ignore_eos`` or not. ``grammar``: what the output must
     match (structured output, ``verifier.grammar``); None for free text. ``cache_prompt``
     False: the request neither reads the prefix cache nor leaves its tokens in it
-    (``engine.prefix_cache``; llama.cpp's name).
+    (``engine.prefix_cache``; llama.cpp's name). ``session``: whose request it is, for the
+    ``suffix`` proposer's per-session isolation (the server passes the ``user`` field).
     """
 
     max_new_tokens: int = 256
@@ -68,8 +69,14 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     grammar: GrammarSpec | None = None
     cache_prompt: bool = True
+    session: str | None = None
 
     def __post_init__(self) -> None:
+        check(
+            self.session is None or isinstance(self.session, str),
+            "session",
+            f"expected None or a string, got {self.session!r}",
+        )
         check(
             isinstance(self.cache_prompt, bool),
             "cache_prompt",
@@ -156,6 +163,7 @@ class GenerationParams:
         stop_token_ids: Sequence[int] = (),
         grammar: GrammarSpec | None = None,
         cache_prompt: bool = True,
+        session: str | None = None,
     ) -> GenerationParams:
         """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
         ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds)."""
@@ -189,6 +197,7 @@ class GenerationParams:
             stop_token_ids=tuple(stop_token_ids),
             grammar=grammar,
             cache_prompt=cache_prompt,
+            session=session,
         )
 
 

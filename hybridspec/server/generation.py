@@ -152,6 +152,7 @@ def _params(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) ->
         stop=body.stop,
         ignore_eos=body.ignore_eos,
         cache_prompt=body.cache_prompt,
+        session=body.user,
         stop_token_ids=body.stop_token_ids or (),
     )
 
