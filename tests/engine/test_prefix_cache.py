@@ -7,6 +7,7 @@ import pytest
 from hybridspec import Engine, EngineConfig, GenerationParams
 from hybridspec.engine.prefix_cache import num_slots_for
 from hybridspec.model.loader import LoadedModel
+from hybridspec.proposers import NoProposer
 from tests.engine.tiny import make_engine, tiny_loaded
 
 SYSTEM = [3, 9, 14, 2, 27, 5, 11, 40, 8, 19, 33, 6, 21, 12, 30, 7, 25, 16]
@@ -143,3 +144,29 @@ def test_bad_settings_raise_naming_the_field() -> None:
         GenerationParams(cache_prompt=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="prefix_cache_mb"):
         EngineConfig(prefix_cache_mb=-1)
+
+
+class _ReadsFeatures(NoProposer):
+    hidden_layers = (-1,)
+
+
+def test_a_proposer_reading_features_prefills_everything(exact_target: LoadedModel) -> None:
+    engine = make_engine(exact_target, prefix_cache_mb=64)
+    engine.register_proposer("features", _ReadsFeatures)
+    run(engine, SYSTEM, "none")
+    tokens, _, cached = run(engine, [*SYSTEM, 1], "features")
+    assert cached == 0
+    assert tokens == run(make_engine(exact_target, prefix_cache_mb=0), [*SYSTEM, 1], "none")[0]
+
+
+def test_choices_share_a_cached_prefix(exact_target: LoadedModel) -> None:
+    def choices(engine: Engine) -> list[list[int]]:
+        run(engine, SYSTEM, "none")
+        results = engine.generate_choices(
+            prompt_token_ids=[*SYSTEM, 1], n=3, max_new_tokens=12, temperature=0.9, seed=7
+        )
+        return [r.token_ids for r in results]
+
+    warm = make_engine(exact_target, prefix_cache_mb=64)
+    assert choices(warm) == choices(make_engine(exact_target, prefix_cache_mb=0))
+    assert warm.prefix_cache.stats().hit_tokens >= len(SYSTEM)
