@@ -162,7 +162,13 @@ def add_conversations_command(subcommands: Any) -> None:
     add("--max-new-tokens", type=int, default=96)
     add("--target", default=None, help="target model (default: the embedded one)")
     add("--max-seq-len", type=int, default=4096)
-    add("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    add(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: two threads spin at barriers on a busy machine, "
+        "as for hybridspec bench)",
+    )
     add("--output", type=Path, default=Path("bench-results/conversations.json"))
     parser.set_defaults(run=run_conversations_command)
 
