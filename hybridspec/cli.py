@@ -23,10 +23,12 @@ from hybridspec.config import (
     MAX_SPECULATIVE_TOKENS,
     MIN_SPECULATIVE_TOKENS,
     QUANTIZE,
+    SUFFIX_ISOLATION,
     DraftConfig,
     EagleConfig,
     EngineConfig,
     ModelConfig,
+    SuffixConfig,
 )
 from hybridspec.distill.cli import add_distill_command
 from hybridspec.errors import HybridSpecError
@@ -108,6 +110,30 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help=f"sequences decoded together (KV-cache slots; default {target.max_num_seqs})",
     )
     group.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=ENGINE_DEFAULTS.prefix_cache_mb,
+        help="megabytes of keys and values kept from finished requests for later ones that "
+        "share a prefix (conversations, agents, retries); 0 turns it off (default: an eighth "
+        "of the machine's memory, at most 4096, where reuse is exact: the native bfloat16 "
+        "runtime on CPU; see docs/conversations.md)",
+    )
+    group.add_argument(
+        "--suffix-cache-tokens",
+        type=int,
+        default=ENGINE_DEFAULTS.suffix.max_tokens,
+        help="tokens of recent prompts and outputs the 'suffix' proposer drafts from, oldest "
+        f"evicted (default {ENGINE_DEFAULTS.suffix.max_tokens})",
+    )
+    group.add_argument(
+        "--suffix-isolation",
+        default=ENGINE_DEFAULTS.suffix.isolation,
+        choices=SUFFIX_ISOLATION,
+        help="which requests the 'suffix' proposer drafts from: all (per-server), those of the "
+        "same `user` (per-session), none (off); drafts never change output, only timing "
+        f"(default {ENGINE_DEFAULTS.suffix.isolation})",
+    )
+    group.add_argument(
         "--fixed-k",
         action="store_true",
         help="always ask for K drafts (default: each round, as many as pay for their verification)",
@@ -179,6 +205,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         adaptive_speculation=not args.fixed_k,
         verify_token_cost=args.verify_token_cost,
         num_threads=args.threads,
+        prefix_cache_mb=args.prefix_cache_mb,
+        suffix=SuffixConfig(args.suffix_cache_tokens, args.suffix_isolation),
     )
 
 

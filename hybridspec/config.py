@@ -160,6 +160,34 @@ class EagleConfig:
         _check_cost(self.cost_per_token)
 
 
+SUFFIX_ISOLATION = ("per-server", "per-session", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixConfig:
+    """The store of recent requests' text that the ``suffix`` proposer drafts from.
+
+    ``max_tokens``: tokens kept (all pools together), the oldest leaving first. ``isolation``:
+    which requests draft from which (``proposers.suffix``): "per-server" one pool for all,
+    "per-session" a pool per session (the server's ``user`` field), "off" none.
+    """
+
+    max_tokens: int = 1 << 16
+    isolation: str = "per-server"
+
+    def __post_init__(self) -> None:
+        check(
+            _is_int(self.max_tokens) and 1024 <= self.max_tokens <= 1 << 24,
+            "max_tokens",
+            f"expected an integer in [1024, {1 << 24}], got {self.max_tokens!r}",
+        )
+        check(
+            self.isolation in SUFFIX_ISOLATION,
+            "isolation",
+            f"expected one of {SUFFIX_ISOLATION}, got {self.isolation!r}",
+        )
+
+
 def _check_cost(cost: object) -> None:
     check(
         cost is None
@@ -181,6 +209,7 @@ class EngineConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     ngram: NgramConfig = field(default_factory=NgramConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
     default_proposer: str = "ngram"
     default_num_speculative_tokens: int = 8
     max_queue_size: int = 64  # requests waiting for a batch slot before CapacityError
@@ -198,6 +227,10 @@ class EngineConfig:
     # cores). On a machine shared with other work, fewer threads than cores waste less time
     # waiting at the kernels' barriers for a thread the OS descheduled.
     num_threads: int | None = None
+    # The prefix cache across requests (engine.prefix_cache): megabytes of keys and values kept
+    # from finished requests for later ones sharing a prefix. None: sized to the machine where
+    # reuse is exact (the native bfloat16 runtime on CPU), else off; 0: off.
+    prefix_cache_mb: int | None = None
 
     def __post_init__(self) -> None:
         check(
@@ -205,6 +238,12 @@ class EngineConfig:
             or (_is_int(self.num_threads) and 1 <= self.num_threads <= MAX_NUM_THREADS),
             "num_threads",
             f"expected None or an integer in [1, {MAX_NUM_THREADS}], got {self.num_threads!r}",
+        )
+        check(
+            self.prefix_cache_mb is None
+            or (_is_int(self.prefix_cache_mb) and self.prefix_cache_mb >= 0),
+            "prefix_cache_mb",
+            f"expected None or an integer >= 0, got {self.prefix_cache_mb!r}",
         )
         check(
             isinstance(self.adaptive_speculation, bool),

@@ -332,6 +332,7 @@ class GenerationStats:
     """Speculation and speed statistics of one request."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache, not prefilled
     generated_tokens: int = 0
     target_forwards: int = 0  # verification forwards (each commits >= 1 token); prefill excluded
     draft_tokens_proposed: int = 0
@@ -388,6 +389,7 @@ class GenerationStats:
     def to_dict(self) -> dict[str, object]:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "target_forwards": self.target_forwards,
             "draft_tokens_proposed": self.draft_tokens_proposed,

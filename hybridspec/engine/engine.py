@@ -47,6 +47,12 @@ from hybridspec.engine.choices import (
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.features import forward_layers, keep_committed_rows, take_rows
 from hybridspec.engine.logprobs import Logprobs
+from hybridspec.engine.prefix_cache import (
+    PrefixCache,
+    default_prefix_cache_mb,
+    kv_bytes_per_token,
+    num_slots_for,
+)
 from hybridspec.engine.prompts import Messages, check_prompt, encode
 from hybridspec.engine.proposer_pool import ProposerPool, proposer_context
 from hybridspec.engine.request import (
@@ -122,15 +128,18 @@ class Engine:
         self.target = target if target is not None else load_model(self.config.target)
         self.tokenizer = self.target.tokenizer
         self.eos_token_ids = frozenset(self.target.eos_token_ids)
+        self.max_num_seqs = self.config.target.max_num_seqs
+        cache_slots = self._prefix_cache_slots()
         self.runtime = self.target.create_runtime(
-            self.config.target.max_num_seqs, self.config.target.max_seq_len
+            self.max_num_seqs + cache_slots, self.config.target.max_seq_len
         )
+        self.prefix_cache = PrefixCache(self.runtime, cache_slots)
         self.max_seq_len = self.runtime.max_seq_len
         self.vocab_size = self.runtime.vocab_size
         self.scheduler = Scheduler(self.config.max_queue_size, self.config.prefill_chunk_size)
         self._target_forward_s: float | None = None
         context = proposer_context(
-            self.config, self.target, self.runtime, draft, self.target_forward_s
+            self.config, self.target, self.runtime, draft, self.target_forward_s, self._session_of
         )
         self.proposers = ProposerPool(
             registry if registry is not None else default_registry(), context
@@ -145,6 +154,32 @@ class Engine:
                 cost = measure_verify_token_cost(self.runtime, MAX_SPECULATIVE_TOKENS)
                 logger.info("verify cost per token: %.4f of a forward", cost)
             self.speculation = SpeculationPolicy(cost)
+
+    def _prefix_cache_slots(self) -> int:
+        """Slots the prefix cache's budget buys beyond the running requests' (0: off). By
+        default it is on where reuse is exact to the bit: the native runtime in bfloat16 on CPU,
+        row-invariant (in float32 a token decoded alone gets keys 1e-7 off its prefilled ones)."""
+        budget = self.config.prefix_cache_mb
+        if budget is None:
+            exact = self.target.is_native and self.target.dtype == torch.bfloat16
+            on_cpu = torch.device(self.config.target.device).type == "cpu"
+            budget = default_prefix_cache_mb() if exact and on_cpu else 0
+        if budget == 0:
+            return 0
+        max_seq_len = self.config.target.max_seq_len
+        max_seq_len = max_seq_len or self.target.max_seq_len or self.target.context_length
+        return num_slots_for(budget, kv_bytes_per_token(self.target), max_seq_len)
+
+    def _session_of(self, seq_id: int) -> str | None:
+        """The session of a running request (its proposer's ``start`` asks)."""
+        for request in self.scheduler.running:
+            if request.seq_id == seq_id:
+                return request.params.session
+        return None
+
+    def num_free_slots(self) -> int:
+        """Slots free for running requests (the prefix cache gives up its entries for them)."""
+        return self.max_num_seqs - len(self.scheduler.running)
 
     # ----------------------------------------------------------------- proposers
 
@@ -215,7 +250,7 @@ class Engine:
     ) -> str:
         """Queue a request; raises InvalidRequestError or CapacityError, else returns its id."""
         request = self._new_request(prompt_token_ids, params, request_id)
-        self.scheduler.add(request, self.runtime.num_free_slots())
+        self.scheduler.add(request, self.num_free_slots())
         return request.request_id
 
     def add_choices(
@@ -227,7 +262,7 @@ class Engine:
         """Queue ``n`` choices of each prompt (``params``: one for all, or one per prompt),
         all or none; each prompt is prefilled once for its choices, and choice ``i`` samples
         with seed ``seed + i`` (``engine.choices``). Returns the ids, ``[prompt][choice]``."""
-        check_choices(n, len(prompts), self.runtime.max_num_seqs, self.config.max_queue_size)
+        check_choices(n, len(prompts), self.max_num_seqs, self.config.max_queue_size)
         if params is None or isinstance(params, GenerationParams):
             params = [params or GenerationParams()] * len(prompts)
         check(len(params) == len(prompts), "params", "expected one GenerationParams per prompt")
@@ -237,7 +272,7 @@ class Engine:
         ]
         for group in groups:
             group_choices(group)
-        self.scheduler.add_all(groups, self.runtime.num_free_slots())
+        self.scheduler.add_all(groups, self.num_free_slots())
         return [[r.request_id for r in group] for group in groups]
 
     def _new_request(
@@ -435,14 +470,31 @@ class Engine:
         )
 
     def _admit(self, outputs: list[RequestOutput]) -> None:
-        for request in self.scheduler.admit(self.runtime.num_free_slots()):
-            request.slot = self.runtime.allocate()
+        for request in self.scheduler.admit(self.num_free_slots()):
+            request.slot, request.stats.cached_tokens = self.prefix_cache.allocate(
+                self._cache_lookup(request)
+            )
             request.start_time = time.perf_counter()
             try:
                 request.proposer.start(request.seq_id, request.prompt_token_ids)
             except Exception as exc:  # a proposer's failure harms its own request only
                 logger.exception("proposer %r failed to start", request.proposer_name)
                 outputs.append(self._finish(request, FinishReason.ERROR, f"proposer: {exc}"))
+
+    def _cache_lookup(self, request: Request) -> list[int] | None:
+        """The prompt to look up in the prefix cache, or None where the request must prefill
+        it all: it asked not to, it scores its prompt (the skipped rows would be missing), its
+        proposer reads the target's features of every position, or it is a choice waiting for
+        its group's source's prefill."""
+        grouped = request.group is not None and request.group.source is not request
+        if (
+            not request.params.cache_prompt
+            or request.params.prompt_logprobs is not None
+            or request.proposer.feature_layers
+            or grouped
+        ):
+            return None
+        return request.prompt_token_ids
 
     def _num_drafts(self, request: Request, proposer: Proposer) -> int:
         """Drafts to ask for this round: the request's K, shrunk so that committing k + 1 tokens
@@ -519,7 +571,8 @@ class Engine:
         request.finish_reason = reason
         request.error = error
         if request.slot is not None:
-            self.runtime.free(request.slot)
+            retain = request.params.cache_prompt and reason is not FinishReason.ERROR
+            self.prefix_cache.release(request.slot, request.token_ids, retain)
             request.slot = None
             try:
                 request.proposer.finish(request.seq_id)
@@ -632,10 +685,12 @@ class Engine:
         ]
 
     def reset(self) -> None:
-        """Forget what earlier requests taught the engine: adaptive speculation's last step and
-        the request counter, so that it runs as if just built (after ``engine.warmup``). Only
-        between requests: every slot must be free."""
+        """Forget what earlier requests taught the engine: adaptive speculation's last step, the
+        request counter and the prefix cache, so that it runs as if just built (after
+        ``engine.warmup``). Only between requests: every slot must be free."""
         check(not self.has_unfinished(), "engine", "reset with requests still in the engine")
+        self.prefix_cache.clear()
+        self.prefix_cache = PrefixCache(self.runtime, self.prefix_cache.num_slots)
         assert self.runtime.num_free_slots() == self.runtime.max_num_seqs
         self._seq_ids = itertools.count()
         if self.speculation is not None:

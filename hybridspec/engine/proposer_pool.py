@@ -44,6 +44,7 @@ def proposer_context(
     runtime: ModelRuntime,
     draft: LoadedModel | None,
     target_forward_s: Callable[[], float],
+    session_of: Callable[[int], str | None] | None = None,
 ) -> ProposerContext:
     """What the proposers may use: the target's facts, the config, the draft model.
 
@@ -72,6 +73,7 @@ def proposer_context(
         target=target,
         draft_error=draft_error,
         target_forward_s=target_forward_s,
+        session_of=session_of,
     )
 
 

@@ -65,6 +65,9 @@ class GenerationParams:
     proposer and K already resolved against this engine's catalog where the request entered
     (the server does; ``engine.resolution``), which the engine then takes as they are; None:
     the engine resolves ``proposer`` and ``num_speculative_tokens`` when the request is added.
+    ``cache_prompt`` False: the request neither reads the prefix cache nor leaves its tokens in
+    it (``engine.prefix_cache``; llama.cpp's name). ``session``: whose request it is, for the
+    ``suffix`` proposer's per-session isolation (the server passes the ``user`` field).
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -78,8 +81,20 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     grammar: GrammarSpec | None = None
     resolved: ResolvedProposer | None = None
+    cache_prompt: bool = True
+    session: str | None = None
 
     def __post_init__(self) -> None:
+        check(
+            self.session is None or isinstance(self.session, str),
+            "session",
+            f"expected None or a string, got {self.session!r}",
+        )
+        check(
+            isinstance(self.cache_prompt, bool),
+            "cache_prompt",
+            f"expected a bool, got {self.cache_prompt!r}",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(
@@ -165,6 +180,8 @@ class GenerationParams:
         prompt_logprobs: int | None = None,
         stop_token_ids: Sequence[int] = (),
         grammar: GrammarSpec | None = None,
+        cache_prompt: bool = True,
+        session: str | None = None,
     ) -> GenerationParams:
         """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
         ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds and
@@ -198,6 +215,8 @@ class GenerationParams:
             prompt_logprobs=prompt_logprobs,
             stop_token_ids=tuple(stop_token_ids),
             grammar=grammar,
+            cache_prompt=cache_prompt,
+            session=session,
         )
 
 

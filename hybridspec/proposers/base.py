@@ -84,6 +84,9 @@ class ProposerContext:
     # Seconds of a one-token forward of the target (measured once, on the first call), so that
     # a proposer can price its own drafts relative to it (``Proposer.cost_per_token``).
     target_forward_s: Callable[[], float] | None = None
+    # The session of a started sequence (``GenerationParams.session``: the server's ``user``),
+    # for a proposer that keeps sessions' text apart (``suffix``). None: no sessions known.
+    session_of: Callable[[int], str | None] | None = None
 
 
 class Proposer(ABC):

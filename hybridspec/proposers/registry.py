@@ -71,6 +71,7 @@ def _builtin_registry() -> ProposerRegistry:
     from hybridspec.proposers.grammar import GrammarProposer
     from hybridspec.proposers.hybrid import HybridProposer
     from hybridspec.proposers.ngram import NgramProposer
+    from hybridspec.proposers.suffix import SuffixProposer
 
     registry = ProposerRegistry()
     registry.register("none", NoProposer)
@@ -79,6 +80,7 @@ def _builtin_registry() -> ProposerRegistry:
     registry.register("draft", DraftModelProposer)
     registry.register("eagle", EagleProposer)
     registry.register("hybrid", HybridProposer)
+    registry.register("suffix", SuffixProposer)
     return registry
 
 

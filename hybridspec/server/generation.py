@@ -48,6 +48,7 @@ from hybridspec.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     FinishReasonName,
+    PromptTokensDetails,
     SpeculationStats,
     ToolCall,
     Usage,
@@ -171,6 +172,8 @@ def _params(body: CompletionRequest | ChatCompletionRequest) -> GenerationParams
         num_speculative_tokens=body.num_speculative_tokens,
         stop=body.stop,
         ignore_eos=bool(body.ignore_eos),
+        cache_prompt=body.cache_prompt is not False,
+        session=body.user,
         stop_token_ids=body.stop_token_ids or (),
         **given,
     )
@@ -337,12 +340,17 @@ def finish_reason(output: RequestOutput, stopped: FinishReasonName = "stop") -> 
 
 
 def usage(prepared: Sequence[PreparedRequest], outputs: Sequence[RequestOutput]) -> Usage:
-    """Every prompt's tokens once, and every choice's completion tokens."""
-    completion = 0
+    """Every prompt's tokens once, and every choice's completion tokens; the prompt tokens
+    read from the prefix cache (only a prompt's first choice reads it: the others copy its
+    prefill)."""
+    completion = cached = 0
     for output in outputs:
         assert output.result is not None
         completion += len(output.result.token_ids)
-    return usage_so_far(prepared, completion)
+        cached += output.result.stats.cached_tokens
+    done = usage_so_far(prepared, completion)
+    done.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached)
+    return done
 
 
 def usage_so_far(prepared: Sequence[PreparedRequest], completion: int) -> Usage:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
+from hybridspec.engine.prefix_cache import PrefixCacheStats
 from hybridspec.types import GenerationStats
 
 # What ``generate_latest`` writes; prometheus_client>=0.22 names it CONTENT_TYPE_PLAIN_0_0_4
@@ -136,6 +137,22 @@ class ServerMetrics:
         self.waiting = Gauge(
             "hybridspec_num_waiting_requests", "Requests waiting for a slot.", registry=registry
         )
+        self.prefix_hit_tokens = Counter(
+            "hybridspec_prefix_cache_hit_tokens_total",
+            "Prompt tokens read from the prefix cache instead of prefilled.",
+            registry=registry,
+        )
+        self.prefix_evicted_tokens = Counter(
+            "hybridspec_prefix_cache_evicted_tokens_total",
+            "Tokens evicted from the prefix cache (least recently used first).",
+            registry=registry,
+        )
+        self.prefix_cached_tokens = Gauge(
+            "hybridspec_prefix_cache_tokens",
+            "Tokens the prefix cache holds.",
+            registry=registry,
+        )
+        self._prefix_seen = (0, 0)  # the engine's hit and evicted tokens already counted
         # Per proposer, over requests that ran to completion: the gauge's numerator and
         # denominator (a counter's value is not part of prometheus_client's public API).
         self._committed: dict[str, int] = {}
@@ -166,6 +183,17 @@ class ServerMetrics:
             mean = self._committed[proposer] / self._forwards[proposer]
             self.mean_accepted_length.labels(proposer).set(mean)
         self.latency.labels(proposer).observe(latency_s)
+
+    def set_prefix_cache(self, stats: PrefixCacheStats) -> None:
+        """Bring the prefix cache's counters up to the engine's counts (read between steps)."""
+        seen_hits, seen_evicted = self._prefix_seen
+        self.prefix_hit_tokens.inc(max(0, stats.hit_tokens - seen_hits))
+        self.prefix_evicted_tokens.inc(max(0, stats.evicted_tokens - seen_evicted))
+        self._prefix_seen = (
+            max(seen_hits, stats.hit_tokens),
+            max(seen_evicted, stats.evicted_tokens),
+        )
+        self.prefix_cached_tokens.set(stats.num_cached_tokens)
 
     def set_engine_state(self, num_running: int, num_waiting: int) -> None:
         self.running.set(num_running)

@@ -3,7 +3,7 @@
 Request bodies are strict (no string-to-number coercion) and refuse unknown fields, as the
 OpenAI API does; value ranges are checked by the engine's own parameter classes, so that every
 bound lives in one place (``hybridspec.config``, ``hybridspec.types``). Extension fields in a
-request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos``,
+request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos``, ``cache_prompt``,
 ``repetition_penalty``, ``min_p``, ``min_tokens``, ``stop_token_ids``, ``guided_regex``,
 ``guided_grammar``. In a response: ``hybridspec`` (the request's speculation statistics, its
 choices' together; in a stream, each choice's on its final chunk).
@@ -193,6 +193,11 @@ class _SamplingFields(_Body):
     ignore_eos: bool | None = Field(
         default=None, description="Generate past EOS (extension). Default false."
     )
+    cache_prompt: bool | None = Field(
+        default=None,
+        description="Reuse and keep this request's tokens in the prefix cache (extension, "
+        "llama.cpp's name). Default true.",
+    )
     stop_token_ids: list[JsonInt] | None = documented(
         maxItems=MAX_STOP_TOKEN_IDS,
         items={"type": "integer", "minimum": 0},
@@ -377,10 +382,15 @@ class ChatCompletionRequest(_SamplingFields):
 # ---------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens read from the prefix cache, as OpenAI reports them
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SpeculationStats(BaseModel):

@@ -50,7 +50,7 @@ class ModelInfo:
             max_seq_len=engine.max_seq_len,
             vocab_size=engine.vocab_size,
             catalog=engine.catalog,
-            max_choices=engine.runtime.max_num_seqs,
+            max_choices=engine.max_num_seqs,
             max_queue_size=engine.config.max_queue_size,
             num_threads=num_threads(),
         )

@@ -72,3 +72,9 @@ def test_choices_prefill_feeds_the_prompt_once_and_keeps_the_texts() -> None:
     assert re.search(r"^shared .* target fed 67 tokens$", out, re.MULTILINE), out  # 63 + 2 * 2
     assert re.search(r"^separate .* target fed 130 tokens$", out, re.MULTILINE), out
     assert "texts identical: yes" in out, out
+
+
+def test_conversation_soak_ends_without_errors_within_its_cache_slots() -> None:
+    out = run_script("conversation_soak.py", "--requests", "12", "--conversations", "3")
+    match = re.search(r"^12 requests in \d+ s, 0 errors; .* (\d+)/(\d+) entries", out, re.M)
+    assert match is not None and int(match[1]) <= int(match[2]), out

@@ -41,6 +41,9 @@ METRICS = {  # name: type, as documented in docs/server.md
     "hybridspec_time_to_first_token_seconds": "histogram",
     "hybridspec_num_running_requests": "gauge",
     "hybridspec_num_waiting_requests": "gauge",
+    "hybridspec_prefix_cache_hit_tokens_total": "counter",
+    "hybridspec_prefix_cache_evicted_tokens_total": "counter",
+    "hybridspec_prefix_cache_tokens": "gauge",
 }
 
 

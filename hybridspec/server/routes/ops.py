@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from hybridspec.engine import Engine
+from hybridspec.engine.prefix_cache import PrefixCacheStats
 from hybridspec.server.errors import error_response
 from hybridspec.server.metrics import CONTENT_TYPE
 from hybridspec.server.openapi import error_responses
@@ -22,8 +23,8 @@ router = APIRouter(tags=["operations"])
 METRICS_SNAPSHOT_TIMEOUT_S = 1.0
 
 
-def _engine_state(engine: Engine) -> tuple[int, int]:
-    return engine.num_running, engine.num_waiting
+def _engine_state(engine: Engine) -> tuple[int, int, PrefixCacheStats]:
+    return engine.num_running, engine.num_waiting, engine.prefix_cache.stats()
 
 
 @router.get("/health", response_model=Health, responses=error_responses(503))
@@ -64,9 +65,10 @@ async def metrics(state: State) -> Response:
 async def metrics_snapshot(state: ServerState) -> bytes:
     """The exposition, with the batch and queue sizes read from the engine between steps."""
     try:
-        running, waiting = await state.engine_call(_engine_state, METRICS_SNAPSHOT_TIMEOUT_S)
+        running, waiting, cache = await state.engine_call(_engine_state, METRICS_SNAPSHOT_TIMEOUT_S)
     except asyncio.TimeoutError:
         logger.info("engine busy; /metrics reports the previous batch and queue sizes")
     else:
         state.metrics.set_engine_state(running, waiting)
+        state.metrics.set_prefix_cache(cache)
     return state.metrics.render()

@@ -1,0 +1,94 @@
+"""A soak of the prefix cache and the ``suffix`` proposer: many requests, memory and errors.
+
+On the embedded target (bfloat16 on CPU, the prefix cache's exact runtime) with a small
+context, it runs ``--requests`` short requests, a few at a time, drawn from a handful of
+conversations that grow turn by turn and restart, half of them with ``suffix`` and half with
+``ngram``, and reports errors, the prefix cache's hits and evictions, its entries against its
+slots, and the process's resident memory after the warm-up and at the end (``/proc``, Linux).
+Run from the repository root::
+
+    python benchmarks/conversation_soak.py --requests 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import time
+
+import torch
+
+from hybridspec.config import EngineConfig, ModelConfig, SuffixConfig
+from hybridspec.engine import Engine, FinishReason, GenerationParams, warm_up
+
+
+def resident_mb() -> float:
+    """The process's resident memory now (Linux ``/proc/self/statm``), in MiB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * resource.getpagesize() / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--conversations", type=int, default=12)
+    parser.add_argument("--max-seq-len", type=int, default=1024)
+    parser.add_argument("--prefix-cache-mb", type=int, default=64)
+    parser.add_argument("--suffix-cache-tokens", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target = ModelConfig(max_seq_len=args.max_seq_len, max_num_seqs=4)
+    engine = Engine(
+        EngineConfig(
+            target=target,
+            prefix_cache_mb=args.prefix_cache_mb,
+            suffix=SuffixConfig(args.suffix_cache_tokens, "per-session"),
+        )
+    )
+    warm_up(engine)
+    rng = random.Random(0)
+    vocab = [t for t in range(1000, 20000)]
+    histories = [[] for _ in range(args.conversations)]  # type: list[list[int]]
+    began, errors, done, peak = time.perf_counter(), 0, 0, 0.0
+    base = resident_mb()
+    pending: dict[str, int] = {}
+    submitted = 0
+    while done < args.requests:
+        while submitted < args.requests and len(pending) < 6:
+            which = rng.randrange(args.conversations)
+            history = histories[which]
+            if len(history) > args.max_seq_len - 200:
+                history.clear()  # the conversation starts over
+            history.extend(rng.choice(vocab) for _ in range(rng.randrange(8, 40)))
+            params = GenerationParams(
+                max_new_tokens=rng.randrange(4, 24),
+                proposer="suffix" if submitted % 2 else "ngram",
+                session=f"user{which % 3}",
+                cache_prompt=rng.random() > 0.1,
+            )
+            pending[engine.add_request(list(history), params)] = which
+            submitted += 1
+        for output in engine.step():
+            if output.finished:
+                which = pending.pop(output.request_id)
+                done += 1
+                if output.finish_reason is FinishReason.ERROR:
+                    errors += 1
+                elif output.result is not None:
+                    histories[which].extend(output.result.token_ids)
+        peak = max(peak, resident_mb())
+    stats = engine.prefix_cache.stats()
+    print(
+        f"{done} requests in {time.perf_counter() - began:.0f} s, {errors} errors; prefix cache: "
+        f"{stats.hits} hits, {stats.hit_tokens} tokens read, {stats.evicted_tokens} evicted, "
+        f"{stats.num_entries}/{engine.prefix_cache.num_slots} entries, "
+        f"{stats.num_cached_tokens} tokens held; resident {base:.0f} MiB after the warm-up, "
+        f"{peak:.0f} MiB at most, {resident_mb():.0f} MiB at the end"
+    )
+
+
+if __name__ == "__main__":
+    main()
