@@ -14,6 +14,7 @@ intermediate_size, ``V`` vocab_size.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ import torch
 from transformers import PretrainedConfig
 
 from hybridspec.model.quant import QuantizedWeight, cat_rows, quantize
+
+logger = logging.getLogger(__name__)
 
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -36,12 +39,15 @@ def dense(matrix: Matrix, dtype: torch.dtype) -> torch.Tensor:
     return matrix.to(dtype)
 
 
-def _cat(parts: list[Matrix]) -> Matrix:
+def _cat(parts: list[Matrix], dtype: torch.dtype) -> Matrix:
+    """q/k/v (or gate/up) stacked into one matrix: quantized parts of any schemes into one
+    ``QuantizedWeight`` (``cat_rows``); a dense part among quantized ones makes the whole
+    matrix dense in ``dtype`` (a file that keeps, say, v as F16 beside a quantized q and k)."""
     if all(isinstance(p, QuantizedWeight) for p in parts):
         return cat_rows([p for p in parts if isinstance(p, QuantizedWeight)])
     if any(isinstance(p, QuantizedWeight) for p in parts):
-        raise ValueError("state_dict: q/k/v (or gate/up) mix quantized and dense matrices")
-    return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])
+        logger.warning("a fused matrix mixes quantized and dense parts: held dense in %s", dtype)
+    return torch.cat([dense(p, dtype) for p in parts])
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,10 +234,10 @@ class LlamaWeights:
             layers.append(
                 LlamaLayerWeights(
                     attn_norm=vector(p + "input_layernorm.weight", (d,)),
-                    wqkv=_cat(wqkv),
+                    wqkv=_cat(wqkv, dtype),
                     wo=tensor(p + "self_attn.o_proj.weight", (d, q_rows)),
                     mlp_norm=vector(p + "post_attention_layernorm.weight", (d,)),
-                    w_gate_up=_cat(gate_up),
+                    w_gate_up=_cat(gate_up, dtype),
                     w_down=tensor(p + "mlp.down_proj.weight", (d, inter)),
                 )
             )

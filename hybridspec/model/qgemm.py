@@ -50,10 +50,11 @@ _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "hs_qgemm": [
         *(_ptr, _int, _i64, _i64, _int, _ptr, ctypes.c_float),  # x, f32, T, K, prologue, norm
-        *(_ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _ptr),  # packed .. bits, N, residual, y
+        *(_ptr, _ptr, _ptr, _ptr, _int, _int),  # packed, scales, offsets, csum, bits, group
+        *(_i64, _ptr, _ptr),  # N, residual, y
     ],
-    "hs_pack": [_ptr, _ptr, _ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _ptr],
-    "hs_dequant_rows": [_ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr],
+    "hs_pack": [_ptr, _ptr, _ptr, _int, _int, _i64, _i64, _ptr, _ptr, _ptr, _ptr],
+    "hs_dequant_rows": [_ptr, _ptr, _ptr, _int, _int, _i64, _ptr, _i64, _ptr],
     "hs_rope_store": [
         *(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr),  # qkv, T, H, KV, hd, rope, slots, pos
         *(_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr),  # keys, values, q_out
@@ -127,18 +128,22 @@ class Kernel:
         rows, cols = weight.shape
         tiles, groups = -(-rows // ROWS), cols // GROUP_SIZE
         per_group = ROWS * GROUP_SIZE // (2 if weight.bits == 4 else 1)
+        subs = GROUP_SIZE // weight.group  # scales per group of 32
         codes = weight.codes.contiguous()
         scales = weight.scales.float().contiguous()
         offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
         packed = torch.empty((tiles, groups, per_group), dtype=torch.uint8)
-        packed_scales = torch.empty((tiles, groups, ROWS), dtype=torch.float32)
+        packed_scales = torch.empty((tiles, groups, subs * ROWS), dtype=torch.float32)
         packed_offsets = None if offsets is None else torch.empty_like(packed_scales)
-        csum = torch.empty((tiles, groups, ROWS), dtype=torch.int32) if weight.bits == 8 else None
+        csum = None
+        if weight.bits == 8:
+            csum = torch.empty((tiles, groups, subs * ROWS), dtype=torch.int32)
         self._lib.hs_pack(
             codes.data_ptr(),
             scales.data_ptr(),
             _data(offsets),
             weight.bits,
+            weight.group,
             rows,
             cols,
             packed.data_ptr(),
@@ -146,7 +151,9 @@ class Kernel:
             _data(packed_offsets),
             _data(csum),
         )
-        return PackedWeight(packed, packed_scales, packed_offsets, csum, weight.bits, rows, cols)
+        return PackedWeight(
+            packed, packed_scales, packed_offsets, csum, weight.bits, weight.group, rows, cols
+        )
 
     def qgemm(
         self,
@@ -190,6 +197,7 @@ class Kernel:
             _data(weight.offsets),
             _data(weight.csum),
             weight.bits,
+            weight.group,
             rows,
             _data(residual),
             y.data_ptr(),
@@ -283,6 +291,7 @@ class Kernel:
             weight.scales.data_ptr(),
             _data(weight.offsets),
             weight.bits,
+            weight.group,
             weight.cols,
             index.data_ptr(),
             index.numel(),
@@ -298,16 +307,23 @@ def _data(tensor: torch.Tensor | None) -> int | None:
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
     """A ``QuantizedWeight`` in the kernel's tiles of 16 rows: codes ``[N / 16, G, 16 * 32 *
-    bits / 8]``, scales and offsets ``[N / 16, G, 16]`` float32, ``csum`` (8 bits) ``-128 *
-    sum`` of each group's codes, int32 ``[N / 16, G, 16]``."""
+    bits / 8]``, scales and offsets ``[N / 16, G, S * 16]`` float32 (``S = 32 / group``
+    sub-groups), ``csum`` (8 bits) ``-128 * sum`` of each sub-group's codes, int32 alike."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor | None
     csum: torch.Tensor | None
     bits: int
+    group: int
     rows: int
     cols: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales, offsets and sums."""
+        parts = (self.codes, self.scales, self.offsets, self.csum)
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
 
 
 def load(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> Kernel:
