@@ -36,7 +36,7 @@ from hybridspec.model.kv_cache import KVCache
 from hybridspec.model.linear import PackedLinear
 from hybridspec.model.llama_weights import LlamaLayerWeights, LlamaWeights, Matrix
 from hybridspec.model.qgemm import BlockLinear, kernel
-from hybridspec.model.quant import GROUP_SIZE, QuantizedWeight
+from hybridspec.model.quant import GROUP_SIZE, PackedWeight, QuantizedWeight
 from hybridspec.model.quant_linear import Int4Linear, Int8Linear, quantized_linear
 from hybridspec.model.runtime import (
     ForwardBatch,
@@ -55,10 +55,12 @@ def build_linear(weight: Matrix, prepack: bool) -> Linear:
     """The matmul for ``weight``: a quantized kernel (the block kernel where it builds, else
     torch's int4 one for the schemes it has: groups of 32, 4-bit or symmetric 8-bit codes), or
     a (maybe prepacked) dense one, also for a quantized scheme that no kernel here runs."""
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, (QuantizedWeight, PackedWeight)):
         block = kernel() if weight.device.type == "cpu" else None
         if block is not None:
             return BlockLinear(weight, block)
+        if isinstance(weight, PackedWeight):  # packed by a kernel that no longer loads
+            weight = weight.unpack()
         if weight.group == GROUP_SIZE and (weight.bits == 4 or weight.offsets is None):
             return quantized_linear(weight)
         weight = weight.dequantize(torch.bfloat16)
@@ -263,6 +265,11 @@ class LlamaRuntime:
         embed = self.weights.embed
         if embed is self.weights.lm_head and isinstance(self._lm_head, BlockLinear):
             return self._lm_head.rows(token_ids)  # the same values, from the packed copy
+        if isinstance(embed, PackedWeight):
+            block = kernel()
+            if block is None:
+                return embed.unpack().dequantize_rows(token_ids, self.weights.dtype)
+            return block.dequantize_rows(embed, token_ids)
         if isinstance(embed, QuantizedWeight):
             return embed.dequantize_rows(token_ids, self.weights.dtype)
         return F.embedding(token_ids, embed)

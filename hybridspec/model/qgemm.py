@@ -31,20 +31,18 @@ import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hybridspec.model.gguf import default_cache_dir
-from hybridspec.model.quant import GROUP_SIZE, QuantizedWeight
+from hybridspec.model.quant import GROUP_SIZE, ROWS, PackedWeight, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
-ROWS = 16  # the kernel's tile of weight rows (csrc/qgemm.c)
 _X_DTYPES = (torch.bfloat16, torch.float32)
 _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -304,28 +302,6 @@ def _data(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-@dataclass(frozen=True, slots=True)
-class PackedWeight:
-    """A ``QuantizedWeight`` in the kernel's tiles of 16 rows: codes ``[N / 16, G, 16 * 32 *
-    bits / 8]``, scales and offsets ``[N / 16, G, S * 16]`` float32 (``S = 32 / group``
-    sub-groups), ``csum`` (8 bits) ``-128 * sum`` of each sub-group's codes, int32 alike."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor | None
-    csum: torch.Tensor | None
-    bits: int
-    group: int
-    rows: int
-    cols: int
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: codes, scales, offsets and sums."""
-        parts = (self.codes, self.scales, self.offsets, self.csum)
-        return sum(p.numel() * p.element_size() for p in parts if p is not None)
-
-
 def load(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> Kernel:
     """Build (if needed) and load the kernel; raises RuntimeError where it cannot be built."""
     return Kernel(build(extra_flags, cache_dir))
@@ -349,14 +325,14 @@ block_kernel = kernel  # the name ``hybridspec.model`` exports
 class BlockLinear:
     """``y = x @ W.T`` for a ``QuantizedWeight`` through the block kernel; bfloat16 in and out.
 
-    Holds the weight only in the kernel's tiled layout (same size as the codes, scales and
-    offsets it came from).
+    Holds the weight only in the kernel's tiled layout: a ``PackedWeight`` as it is (no copy),
+    or a ``QuantizedWeight`` packed here.
     """
 
     __slots__ = ("_kernel", "weight")
 
-    def __init__(self, weight: QuantizedWeight, kernel: Kernel) -> None:
-        self.weight = kernel.pack(weight)
+    def __init__(self, weight: QuantizedWeight | PackedWeight, kernel: Kernel) -> None:
+        self.weight = weight if isinstance(weight, PackedWeight) else kernel.pack(weight)
         self._kernel = kernel
 
     @property

@@ -34,6 +34,7 @@ import torch
 GROUP_SIZE = 32  # the activations' group: every K is a multiple of it
 GROUPS = (16, 32)
 BITS = (4, 8)
+ROWS = 16  # rows of a ``PackedWeight`` tile (csrc/qgemm.c)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,79 @@ class QuantizedWeight:
         offsets = None if self.offsets is None else self.offsets.to(device)
         return QuantizedWeight(
             self.codes.to(device), self.scales.to(device), offsets, self.bits, self.group
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A ``QuantizedWeight`` in the block kernel's tiles of ``ROWS`` = 16 rows (``model.qgemm``,
+    csrc/qgemm.c): the form the runtime multiplies, the weight cache stores and the model holds
+    when the kernel builds, so each matrix is resident once.
+
+    Codes ``[N / 16, G32, 16 * 32 * bits / 8]`` (``G32 = K / 32``): per tile and group of 32
+    columns, 8 quads of 4 columns, each as 16 rows x 4 bytes; a 4-bit tile holds quads ``u``
+    and ``u + 4`` in the low and high nibbles of one quad's bytes. Scales and offsets
+    ``[N / 16, G32, S * 16]`` float32 (``S = 32 / group`` sub-groups), ``csum`` (8 bits)
+    ``-128 *`` the sum of each sub-group's codes, int32 alike. Rows past ``N`` are zero.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    csum: torch.Tensor | None
+    bits: int
+    group: int
+    rows: int
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales, offsets and sums."""
+        parts = (self.codes, self.scales, self.offsets, self.csum)
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+
+    def unpack(self) -> QuantizedWeight:
+        """The ``QuantizedWeight`` this was packed from, exactly (a permutation of bytes)."""
+        tiles, groups = self.codes.shape[:2]
+        if self.bits == 8:  # [tiles, G32, u, r, e] -> [tiles, r, G32, u, e]
+            quads = self.codes.view(tiles, groups, 8, ROWS, 4).view(torch.int8)
+        else:
+            low = self.codes.view(tiles, groups, 4, ROWS, 4)
+            quads = torch.cat((low & 0x0F, low >> 4), dim=2)
+        codes = quads.permute(0, 3, 1, 2, 4).reshape(tiles * ROWS, self.cols)[: self.rows]
+        if self.bits == 4:
+            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+        def per_row(part: torch.Tensor) -> torch.Tensor:  # [tiles, G32, S * 16] -> [N, G32 S]
+            part = part.view(tiles, groups, -1, ROWS).permute(0, 3, 1, 2)
+            return part.reshape(tiles * ROWS, -1)[: self.rows].contiguous()
+
+        offsets = None if self.offsets is None else per_row(self.offsets)
+        return QuantizedWeight(
+            codes.contiguous(), per_row(self.scales), offsets, self.bits, self.group
+        )
+
+    def to(self, device: torch.device | str) -> PackedWeight:
+        def move(part: torch.Tensor | None) -> torch.Tensor | None:
+            return None if part is None else part.to(device)
+
+        return PackedWeight(
+            self.codes.to(device),
+            self.scales.to(device),
+            move(self.offsets),
+            move(self.csum),
+            self.bits,
+            self.group,
+            self.rows,
+            self.cols,
         )
 
 

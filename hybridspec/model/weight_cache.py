@@ -34,7 +34,7 @@ import torch
 from hybridspec.model import gguf, gguf_blocks, llama_weights, quant
 from hybridspec.model.gguf import default_cache_dir
 from hybridspec.model.llama_weights import LlamaDims, LlamaLayerWeights, LlamaWeights, Matrix
-from hybridspec.model.quant import QuantizedWeight
+from hybridspec.model.quant import PackedWeight, QuantizedWeight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -152,15 +152,17 @@ def _to_payload(converted: ConvertedGGUF) -> dict[str, Any]:
 
 
 def _matrix_payload(matrix: Matrix) -> torch.Tensor | dict[str, Any]:
-    """A tensor as it is; a ``QuantizedWeight`` as a dict of its tensors (``weights_only``
-    loading takes plain containers of tensors, not dataclasses)."""
+    """A tensor as it is; a ``QuantizedWeight`` or ``PackedWeight`` as a dict of its fields
+    (``weights_only`` loading takes plain containers of tensors, not dataclasses)."""
     if isinstance(matrix, torch.Tensor):
         return matrix
     return {f.name: getattr(matrix, f.name) for f in dataclasses.fields(matrix)}
 
 
 def _matrix(payload: torch.Tensor | dict[str, Any]) -> Matrix:
-    return payload if isinstance(payload, torch.Tensor) else QuantizedWeight(**payload)
+    if isinstance(payload, torch.Tensor):
+        return payload
+    return PackedWeight(**payload) if "csum" in payload else QuantizedWeight(**payload)
 
 
 def _from_payload(payload: dict[str, Any]) -> ConvertedGGUF:

@@ -19,7 +19,7 @@ from hybridspec.errors import ModelLoadError
 from hybridspec.model import qgemm
 from hybridspec.model.gguf_blocks import GGUF_TYPES
 from hybridspec.model.loader import LoadedModel, load_model
-from hybridspec.model.quant import QuantizedWeight
+from hybridspec.model.quant import PackedWeight
 from hybridspec.model.runtime import ForwardBatch
 from tests.conftest import tiny_llama
 from tests.model.test_loader import write_tiny_gguf
@@ -127,11 +127,13 @@ def test_every_type_loads_onto_its_blocks_with_the_default_settings(mixed_file: 
     assert weights.embed is weights.lm_head  # type: ignore[union-attr]
     held = [weights.embed, layer0.wqkv, layer0.wo, layer0.w_gate_up, layer0.w_down]  # type: ignore[union-attr]
     held += [layer1.wqkv, layer1.wo, layer1.w_gate_up]
-    assert all(isinstance(m, QuantizedWeight) for m in held)
+    assert all(isinstance(m, PackedWeight) for m in held)  # in the kernel's tiles, once
     assert isinstance(layer1.w_down, torch.Tensor)  # F16 stays dense
     assert (layer0.wqkv.bits, layer0.wqkv.group) == (8, 16)  # Q4_K q, k beside a Q6_K v
     assert (layer0.w_gate_up.bits, layer0.w_gate_up.group) == (4, 16)  # Q2_K and Q3_K
     dense = load_model(ModelConfig(name_or_path=str(mixed_file), quantize="none", dtype="float32"))
+    runtime = model.create_runtime(1, 128)
+    assert runtime._lm_head.weight is weights.embed  # type: ignore[union-attr]  # no copy
     want, got = last_logits(dense), last_logits(model)
     assert float((got - want).norm() / want.norm()) < 0.05  # 8-bit activations, bfloat16
     cached = load_model(ModelConfig(name_or_path=str(mixed_file)))  # from the weight cache

@@ -178,6 +178,18 @@ def test_the_fused_runtime_agrees_with_the_unfused_one(monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize("bits", list(SCHEMES))
+def test_a_packed_weight_unpacks_to_the_codes_scales_and_offsets_it_came_from(
+    kernel: Kernel, bits: str
+) -> None:
+    w = weight(bits, 37, 96, 17)  # 37 rows: a padded last tile
+    back = kernel.pack(w).unpack()
+    assert torch.equal(back.codes, w.codes) and torch.equal(back.scales, w.scales)
+    assert (back.bits, back.group) == (w.bits, w.group)
+    assert (back.offsets is None) == (w.offsets is None)
+    assert back.offsets is None or torch.equal(back.offsets, w.offsets)
+
+
+@pytest.mark.parametrize("bits", list(SCHEMES))
 def test_rows_of_the_packed_copy_are_the_weights_rows(kernel: Kernel, bits: str) -> None:
     w = weight(bits, 37, 64, 12)
     index = torch.tensor([36, 0, 9, 9, 17])
