@@ -94,9 +94,10 @@ def add_bench_command(commands: Any) -> None:
     add("--device", default="cpu")
     add(
         "--quantize",
-        default="none",
+        default="auto",
         choices=QUANTIZE,
-        help="the target's weight matrices group-quantized (see hybridspec serve --help)",
+        help="the target's weight matrices group-quantized, as serve's default keeps a GGUF "
+        "file's blocks (see hybridspec serve --help)",
     )
     add(
         "--concurrency",

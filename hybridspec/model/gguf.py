@@ -1,7 +1,8 @@
 """Reading llama.cpp GGUF files into transformers' Llama layout, without transformers' loader.
 
-``read_gguf`` dequantises every tensor (Q4_1, Q8_0, F16, F32, ...) to float32 (or, with
-``keep_quantized``, keeps Q4_0/Q4_1/Q8_0 matrices as their blocks: ``QuantizedWeight``),
+``read_gguf`` dequantises every tensor (Q4_K, Q8_0, F16, F32, ...) to float32 (or, with
+``keep_quantized``, keeps quantized matrices as their blocks: ``QuantizedWeight``,
+``model.gguf_blocks``),
 renames it to its ``LlamaForCausalLM`` name, undoes llama.cpp's rope permutation of the q/k
 rows and builds a ``LlamaConfig`` from the metadata. ``load_gguf_tokenizer`` converts the
 file's vocabulary with transformers once (seconds for a 49k vocabulary) and caches the result
@@ -31,8 +32,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from hybridspec.errors import ModelLoadError
+from hybridspec.model.gguf_blocks import DENSE_TYPES, GGUF_TYPES, from_gguf_blocks
 from hybridspec.model.llama_weights import default_inv_freq, llama3_inv_freq
-from hybridspec.model.quant import GGUF_BLOCKS, QuantizedWeight, from_gguf_blocks
+from hybridspec.model.quant import QuantizedWeight
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, PreTrainedTokenizerBase
@@ -104,8 +106,9 @@ def unpermute_qk_rows(weight: QuantizedWeight, num_heads: int) -> QuantizedWeigh
 def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> GGUFModel:
     """Read a GGUF Llama file; raises ModelLoadError for an unreadable or unsupported file.
 
-    ``keep_quantized``: matrices stored as Q4_0, Q4_1 or Q8_0 come back as ``QuantizedWeight``
-    (their blocks, exactly); everything else is dequantized to float32.
+    ``keep_quantized``: quantized matrices come back as ``QuantizedWeight`` (their blocks,
+    exactly: ``model.gguf_blocks`` lists the types), F32/F16/BF16 ones and vectors as float32;
+    a matrix of another type is refused, naming it and its type.
     """
     try:
         reader = GGUFReader(path)
@@ -132,16 +135,22 @@ def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> 
         if name == "rope_freqs.weight":  # folded into config.rope_parameters by _llama_config
             continue
         values: torch.Tensor | QuantizedWeight
+        kind = tensor.tensor_type.name
+        if keep_quantized and len(tensor.shape) == 2 and kind not in (*GGUF_TYPES, *DENSE_TYPES):
+            raise ModelLoadError(
+                f"GGUF file {meta.path!r}: tensor {name} is of type {kind}, which is not "
+                f"supported (supported: {', '.join((*GGUF_TYPES, *DENSE_TYPES))}); "
+                "quantize 'none' dequantizes every type that the gguf package reads"
+            )
         try:
-            if keep_quantized and tensor.tensor_type.name in GGUF_BLOCKS and len(tensor.shape) == 2:
+            if keep_quantized and kind in GGUF_TYPES and len(tensor.shape) == 2:
                 shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists columns first
-                values = from_gguf_blocks(tensor.data, tensor.tensor_type.name, shape)
+                values = from_gguf_blocks(tensor.data, kind, shape)
             else:
                 values = torch.from_numpy(_dequantize(tensor))
         except (NotImplementedError, ValueError) as exc:
             raise ModelLoadError(
-                f"GGUF file {meta.path!r}: cannot dequantize {name} "
-                f"({tensor.tensor_type.name}): {exc}"
+                f"GGUF file {meta.path!r}: cannot dequantize {name} ({kind}): {exc}"
             ) from exc
         match = _LAYER_TENSOR.fullmatch(name)
         if match is not None and match.group(2) in _LAYER_NAMES:

@@ -36,7 +36,7 @@ from hybridspec.model.kv_cache import KVCache
 from hybridspec.model.linear import PackedLinear
 from hybridspec.model.llama_weights import LlamaLayerWeights, LlamaWeights, Matrix
 from hybridspec.model.qgemm import BlockLinear, kernel
-from hybridspec.model.quant import QuantizedWeight
+from hybridspec.model.quant import GROUP_SIZE, PackedWeight, QuantizedWeight
 from hybridspec.model.quant_linear import Int4Linear, Int8Linear, quantized_linear
 from hybridspec.model.runtime import (
     ForwardBatch,
@@ -53,10 +53,17 @@ Linear = PackedLinear | BlockLinear | Int4Linear | Int8Linear
 
 def build_linear(weight: Matrix, prepack: bool) -> Linear:
     """The matmul for ``weight``: a quantized kernel (the block kernel where it builds, else
-    torch's int4 one), or a (maybe prepacked) dense one."""
-    if isinstance(weight, QuantizedWeight):
+    torch's int4 one for the schemes it has: groups of 32, 4-bit or symmetric 8-bit codes), or
+    a (maybe prepacked) dense one, also for a quantized scheme that no kernel here runs."""
+    if isinstance(weight, (QuantizedWeight, PackedWeight)):
         block = kernel() if weight.device.type == "cpu" else None
-        return BlockLinear(weight, block) if block is not None else quantized_linear(weight)
+        if block is not None:
+            return BlockLinear(weight, block)
+        if isinstance(weight, PackedWeight):  # packed by a kernel that no longer loads
+            weight = weight.unpack()
+        if weight.group == GROUP_SIZE and (weight.bits == 4 or weight.offsets is None):
+            return quantized_linear(weight)
+        weight = weight.dequantize(torch.bfloat16)
     return PackedLinear(weight, prepack=prepack)
 
 
@@ -258,6 +265,11 @@ class LlamaRuntime:
         embed = self.weights.embed
         if embed is self.weights.lm_head and isinstance(self._lm_head, BlockLinear):
             return self._lm_head.rows(token_ids)  # the same values, from the packed copy
+        if isinstance(embed, PackedWeight):
+            block = kernel()
+            if block is None:
+                return embed.unpack().dequantize_rows(token_ids, self.weights.dtype)
+            return block.dequantize_rows(embed, token_ids)
         if isinstance(embed, QuantizedWeight):
             return embed.dequantize_rows(token_ids, self.weights.dtype)
         return F.embedding(token_ids, embed)
@@ -273,7 +285,6 @@ class LlamaRuntime:
     ) -> torch.Tensor:
         dims, eps = self.weights.dims, self.weights.dims.rms_norm_eps
         wqkv = layer.wqkv
-        fused = isinstance(wqkv, BlockLinear)  # then so is every matrix of the layer
         if isinstance(wqkv, BlockLinear):
             qkv = wqkv.after_norm(x, layer.attn_norm, eps)  # [T, (H + 2 KV) hd]
         else:
@@ -297,14 +308,17 @@ class LlamaRuntime:
             qk = apply_rope(qk, cos, sin)  # [T, H + KV, hd]
             v = qkv[:, self._qk_width :].view(-1, dims.num_kv_heads, dims.head_dim)
             attn = attention(i, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)
-        if fused:  # residual adds, norm and silu * up inside the block kernel's calls
-            assert isinstance(layer.wo, BlockLinear)
-            assert isinstance(layer.w_gate_up, BlockLinear)
-            assert isinstance(layer.w_down, BlockLinear)
+        # Each block-kernel matrix takes its residual add, norm or silu * up inside its call;
+        # a dense one (a file may keep some matrices as F16) computes them in torch.
+        if isinstance(layer.wo, BlockLinear):
             x = layer.wo(attn, residual=x)
+        else:
+            x = x + layer.wo(attn.to(x.dtype))
+        if isinstance(layer.w_gate_up, BlockLinear):
             h = layer.w_gate_up.after_norm(x, layer.mlp_norm, eps)  # [T, 2 I]
+        else:
+            h = layer.w_gate_up(F.rms_norm(x, self._norm_shape, layer.mlp_norm, eps))
+        if isinstance(layer.w_down, BlockLinear):
             return layer.w_down.after_silu_mul(h, residual=x)
-        x = x + layer.wo(attn)
-        h = F.rms_norm(x, self._norm_shape, layer.mlp_norm, eps)
-        gate, up = layer.w_gate_up(h).chunk(2, dim=-1)  # [T, I] each
+        gate, up = h.chunk(2, dim=-1)  # [T, I] each
         return x + layer.w_down(F.silu(gate) * up)

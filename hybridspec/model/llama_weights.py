@@ -14,34 +14,43 @@ intermediate_size, ``V`` vocab_size.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
-from hybridspec.model.quant import QuantizedWeight, cat_rows, quantize
+from hybridspec.model.quant import PackedWeight, QuantizedWeight, cat_rows, quantize
+
+logger = logging.getLogger(__name__)
 
 NATIVE_ROPE_TYPES = ("default", "linear", "llama3")
 
-Matrix = torch.Tensor | QuantizedWeight  # a weight matrix, dense or quantized
+# a weight matrix: dense, quantized, or quantized in the block kernel's tiles
+Matrix = torch.Tensor | QuantizedWeight | PackedWeight
 
 
 def dense(matrix: Matrix, dtype: torch.dtype) -> torch.Tensor:
     """``matrix`` as a dense tensor of ``dtype`` (dequantized when it is quantized)."""
+    if isinstance(matrix, PackedWeight):
+        matrix = matrix.unpack()
     if isinstance(matrix, QuantizedWeight):
         return matrix.dequantize(dtype)
     return matrix.to(dtype)
 
 
-def _cat(parts: list[Matrix]) -> Matrix:
+def _cat(parts: list[Matrix], dtype: torch.dtype) -> Matrix:
+    """q/k/v (or gate/up) stacked into one matrix: quantized parts of any schemes into one
+    ``QuantizedWeight`` (``cat_rows``); a dense part among quantized ones makes the whole
+    matrix dense in ``dtype`` (a file that keeps, say, v as F16 beside a quantized q and k)."""
     if all(isinstance(p, QuantizedWeight) for p in parts):
         return cat_rows([p for p in parts if isinstance(p, QuantizedWeight)])
-    if any(isinstance(p, QuantizedWeight) for p in parts):
-        raise ValueError("state_dict: q/k/v (or gate/up) mix quantized and dense matrices")
-    return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])
+    if any(not isinstance(p, torch.Tensor) for p in parts):
+        logger.warning("a fused matrix mixes quantized and dense parts: held dense in %s", dtype)
+    return torch.cat([dense(p, dtype) for p in parts])
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,15 +179,37 @@ class LlamaWeights:
 
     @property
     def is_quantized(self) -> bool:
-        """Whether any matrix is a ``QuantizedWeight``."""
+        """Whether any matrix is quantized (a ``QuantizedWeight`` or ``PackedWeight``)."""
         matrices = [self.embed, self.lm_head]
         for layer in self.layers:
             matrices += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
-        return any(isinstance(m, QuantizedWeight) for m in matrices)
+        return any(not isinstance(m, torch.Tensor) for m in matrices)
+
+    def map_quantized(self, convert: Callable[[QuantizedWeight], Matrix]) -> LlamaWeights:
+        """These weights with each ``QuantizedWeight`` replaced by ``convert(it)`` (the block
+        kernel's packing), one at a time; a tied embedding stays the LM head's very object."""
+
+        def one(matrix: Matrix) -> Matrix:
+            return convert(matrix) if isinstance(matrix, QuantizedWeight) else matrix
+
+        layers = tuple(
+            LlamaLayerWeights(
+                attn_norm=layer.attn_norm,
+                wqkv=one(layer.wqkv),
+                wo=one(layer.wo),
+                mlp_norm=layer.mlp_norm,
+                w_gate_up=one(layer.w_gate_up),
+                w_down=one(layer.w_down),
+            )
+            for layer in self.layers
+        )
+        embed = one(self.embed)
+        lm_head = embed if self.lm_head is self.embed else one(self.lm_head)
+        return LlamaWeights(self.dims, embed, layers, self.norm, lm_head, self.inv_freq)
 
     @staticmethod
     def from_hf_state_dict(
-        state_dict: Mapping[str, Matrix],
+        state_dict: Mapping[str, torch.Tensor | QuantizedWeight],
         config: PretrainedConfig,
         *,
         dtype: torch.dtype,
@@ -228,10 +259,10 @@ class LlamaWeights:
             layers.append(
                 LlamaLayerWeights(
                     attn_norm=vector(p + "input_layernorm.weight", (d,)),
-                    wqkv=_cat(wqkv),
+                    wqkv=_cat(wqkv, dtype),
                     wo=tensor(p + "self_attn.o_proj.weight", (d, q_rows)),
                     mlp_norm=vector(p + "post_attention_layernorm.weight", (d,)),
-                    w_gate_up=_cat(gate_up),
+                    w_gate_up=_cat(gate_up, dtype),
                     w_down=tensor(p + "mlp.down_proj.weight", (d, inter)),
                 )
             )

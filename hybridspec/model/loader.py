@@ -8,9 +8,11 @@ Sources, by ``ModelConfig.name_or_path``:
 - a local directory or a Hugging Face hub id: loaded with transformers.
 
 ``ModelConfig.quantize`` says whether weight matrices are group-quantized (``model.quant``):
-"gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks, "int4"/"int8" also quantize dense matrices
-at load, "none" dequantizes everything to ``dtype``. Quantized matrices run through torch's
-CPU int4 kernel, which computes in bfloat16 (``resolve_quantize``).
+"gguf" keeps a GGUF file's quantized blocks (every type ``model.gguf_blocks`` lists; F16/BF16/F32
+matrices stay dense), "int4"/"int8" also quantize dense matrices at load, "none" dequantizes
+everything to ``dtype``. Quantized matrices are packed once into the block kernel's tiles
+(``pack_quantized``) and run through it in bfloat16; where it cannot be built, through torch's
+CPU int4 kernel (``resolve_quantize``).
 
 Llama models run on the native forward (``model.llama``); any other causal LM runs on the
 generic transformers runtime (``model.hf_runtime``).
@@ -275,9 +277,12 @@ def _load_gguf(
             )
         except ValueError as exc:  # tensors that disagree with the metadata
             raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc
-        return ConvertedGGUF(weights, model.config, model.eos_token_ids)
+        return ConvertedGGUF(pack_quantized(weights), model.config, model.eos_token_ids)
 
-    converted = weight_cache.load_or_convert(path, dtype, device, convert, quantize=quantize)
+    # the cache holds what the runtime multiplies: the kernel's tiles where it builds
+    packed = quantize != "none" and device.type == "cpu" and qgemm.kernel() is not None
+    variant = f"{quantize}-packed" if packed else quantize
+    converted = weight_cache.load_or_convert(path, dtype, device, convert, quantize=variant)
     tokenizer = load_gguf_tokenizer(path)
     eos = set(converted.eos_token_ids)
     if tokenizer.eos_token_id is not None:
@@ -292,6 +297,16 @@ def _load_gguf(
         f"gguf:{path}",
         max_seq_len,
     )
+
+
+def pack_quantized(weights: LlamaWeights) -> LlamaWeights:
+    """``weights`` with every quantized matrix in the block kernel's tiles (``PackedWeight``)
+    where the kernel builds, so that the runtime multiplies them as they are: each matrix is
+    resident once, in the form it is read in, and no runtime packs a copy of its own."""
+    block = qgemm.kernel()
+    if block is None or weights.device.type != "cpu" or not weights.is_quantized:
+        return weights
+    return weights.map_quantized(block.pack)
 
 
 def _load_transformers(
@@ -316,6 +331,7 @@ def _load_transformers(
             device=device,
             quantize_bits=_QUANTIZE_BITS.get(quantize),
         )
+        weights = pack_quantized(weights)
         del model
         logger.info("loaded %s natively (%s, %s, quantize %s)", name, dtype, device, quantize)
     elif quantize != "none":

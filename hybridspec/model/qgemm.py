@@ -31,29 +31,28 @@ import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hybridspec.model.gguf import default_cache_dir
-from hybridspec.model.quant import GROUP_SIZE, QuantizedWeight
+from hybridspec.model.quant import GROUP_SIZE, ROWS, PackedWeight, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
-ROWS = 16  # the kernel's tile of weight rows (csrc/qgemm.c)
 _X_DTYPES = (torch.bfloat16, torch.float32)
 _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "hs_qgemm": [
         *(_ptr, _int, _i64, _i64, _int, _ptr, ctypes.c_float),  # x, f32, T, K, prologue, norm
-        *(_ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _ptr),  # packed .. bits, N, residual, y
+        *(_ptr, _ptr, _ptr, _ptr, _int, _int),  # packed, scales, offsets, csum, bits, group
+        *(_i64, _ptr, _ptr),  # N, residual, y
     ],
-    "hs_pack": [_ptr, _ptr, _ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _ptr],
-    "hs_dequant_rows": [_ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr],
+    "hs_pack": [_ptr, _ptr, _ptr, _int, _int, _i64, _i64, _ptr, _ptr, _ptr, _ptr],
+    "hs_dequant_rows": [_ptr, _ptr, _ptr, _int, _int, _i64, _ptr, _i64, _ptr],
     "hs_rope_store": [
         *(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr),  # qkv, T, H, KV, hd, rope, slots, pos
         *(_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr),  # keys, values, q_out
@@ -127,18 +126,22 @@ class Kernel:
         rows, cols = weight.shape
         tiles, groups = -(-rows // ROWS), cols // GROUP_SIZE
         per_group = ROWS * GROUP_SIZE // (2 if weight.bits == 4 else 1)
+        subs = GROUP_SIZE // weight.group  # scales per group of 32
         codes = weight.codes.contiguous()
         scales = weight.scales.float().contiguous()
         offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
         packed = torch.empty((tiles, groups, per_group), dtype=torch.uint8)
-        packed_scales = torch.empty((tiles, groups, ROWS), dtype=torch.float32)
+        packed_scales = torch.empty((tiles, groups, subs * ROWS), dtype=torch.float32)
         packed_offsets = None if offsets is None else torch.empty_like(packed_scales)
-        csum = torch.empty((tiles, groups, ROWS), dtype=torch.int32) if weight.bits == 8 else None
+        csum = None
+        if weight.bits == 8:
+            csum = torch.empty((tiles, groups, subs * ROWS), dtype=torch.int32)
         self._lib.hs_pack(
             codes.data_ptr(),
             scales.data_ptr(),
             _data(offsets),
             weight.bits,
+            weight.group,
             rows,
             cols,
             packed.data_ptr(),
@@ -146,7 +149,9 @@ class Kernel:
             _data(packed_offsets),
             _data(csum),
         )
-        return PackedWeight(packed, packed_scales, packed_offsets, csum, weight.bits, rows, cols)
+        return PackedWeight(
+            packed, packed_scales, packed_offsets, csum, weight.bits, weight.group, rows, cols
+        )
 
     def qgemm(
         self,
@@ -190,6 +195,7 @@ class Kernel:
             _data(weight.offsets),
             _data(weight.csum),
             weight.bits,
+            weight.group,
             rows,
             _data(residual),
             y.data_ptr(),
@@ -283,6 +289,7 @@ class Kernel:
             weight.scales.data_ptr(),
             _data(weight.offsets),
             weight.bits,
+            weight.group,
             weight.cols,
             index.data_ptr(),
             index.numel(),
@@ -293,21 +300,6 @@ class Kernel:
 
 def _data(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
-
-
-@dataclass(frozen=True, slots=True)
-class PackedWeight:
-    """A ``QuantizedWeight`` in the kernel's tiles of 16 rows: codes ``[N / 16, G, 16 * 32 *
-    bits / 8]``, scales and offsets ``[N / 16, G, 16]`` float32, ``csum`` (8 bits) ``-128 *
-    sum`` of each group's codes, int32 ``[N / 16, G, 16]``."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor | None
-    csum: torch.Tensor | None
-    bits: int
-    rows: int
-    cols: int
 
 
 def load(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> Kernel:
@@ -333,14 +325,14 @@ block_kernel = kernel  # the name ``hybridspec.model`` exports
 class BlockLinear:
     """``y = x @ W.T`` for a ``QuantizedWeight`` through the block kernel; bfloat16 in and out.
 
-    Holds the weight only in the kernel's tiled layout (same size as the codes, scales and
-    offsets it came from).
+    Holds the weight only in the kernel's tiled layout: a ``PackedWeight`` as it is (no copy),
+    or a ``QuantizedWeight`` packed here.
     """
 
     __slots__ = ("_kernel", "weight")
 
-    def __init__(self, weight: QuantizedWeight, kernel: Kernel) -> None:
-        self.weight = kernel.pack(weight)
+    def __init__(self, weight: QuantizedWeight | PackedWeight, kernel: Kernel) -> None:
+        self.weight = weight if isinstance(weight, PackedWeight) else kernel.pack(weight)
         self._kernel = kernel
 
     @property

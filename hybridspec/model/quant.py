@@ -1,56 +1,59 @@
-"""Group-quantized weight matrices: the GGUF's own blocks, or a checkpoint quantized at load.
+"""Group-quantized weight matrices: a GGUF file's own blocks, or a checkpoint quantized at load.
 
-A ``QuantizedWeight`` is a matrix ``W [N, K]`` stored as integer codes in groups of
-``GROUP_SIZE`` = 32 consecutive columns of a row, each group with a float scale ``d`` and, for
-asymmetric schemes, an offset ``m``: ``W[n, 32 g + j] = d[n, g] * c[n, 32 g + j] + m[n, g]``.
-That is exactly llama.cpp's arithmetic for the types kept here:
+A ``QuantizedWeight`` is a matrix ``W [N, K]`` stored as integer codes in groups of ``group``
+(32, or 16 for the K-quants with sub-blocks of 16) consecutive columns of a row, each group
+with a float32 scale ``d`` and, for asymmetric schemes, an offset ``m``:
+``W[n, group g + j] = d[n, g] * c[n, group g + j] + m[n, g]``. Codes are 4 bits (0..15, two a
+byte in column order: byte ``i`` of a row holds columns ``2 i`` and ``2 i + 1``, low nibble
+first) or 8 bits (int8, -128..127).
 
-| GGUF type | bytes per block of 32 | codes | value |
-| --- | --- | --- | --- |
-| Q4_0 | 18: ``d`` f16, 16 bytes of nibbles | 0..15 | ``d * (c - 8)``: offset ``-8 d`` |
-| Q4_1 | 20: ``d``, ``m`` f16, 16 bytes of nibbles | 0..15 | ``d * c + m`` |
-| Q8_0 | 34: ``d`` f16, 32 signed bytes | -128..127 | ``d * c`` |
+Every GGUF type that ``model.gguf_blocks`` decodes is exactly this arithmetic (its table lists
+each type's codes, groups and bytes): the float32 products that ``gguf.quants`` computes
+(``d * sc`` for a K-quant's sub-block) are the scales and offsets here, so ``dequantize()``
+reproduces the file's dequantized values bit for bit.
 
-In a Q4 block, byte ``j`` holds element ``j`` in its low nibble and element ``j + 16`` in its
-high nibble. Here 4-bit codes are kept two to a byte in column order (byte ``i`` of a row holds
-columns ``2 i`` and ``2 i + 1``, low nibble first): half a byte per weight, as in the file.
-Scales and offsets are kept as float32 (float16 values widen exactly), so
-``dequantize()`` reproduces the GGUF's dequantized values bit for bit (``gguf.quants``
-computes them in float32 the same way).
+``quantize(w, bits)`` builds two schemes from a dense matrix, in groups of 32: 4 bits
+asymmetric (Q4_1's, min and max of each group mapped to codes 0 and 15), 8 bits symmetric
+(Q8_0's).
 
-``quantize(w, bits)`` builds the same two schemes from a dense matrix: 4 bits asymmetric (the
-Q4_1 scheme, min and max of each group mapped to codes 0 and 15), 8 bits symmetric (Q8_0).
+Matrices of several schemes stack into one (``cat_rows``, q/k/v and gate/up) by widening each
+to the common one (``widen``): 4-bit codes held as 8-bit ones, groups of 32 split in two of
+16, a zero offset for a symmetric part. Each value is unchanged; the fused matrix costs the
+bits of its widest part, and the matmul stays one call.
 
-Dimensions: ``N`` rows (output features), ``K`` columns (input features), ``G = K / 32`` groups
-per row.
+Dimensions: ``N`` rows (output features), ``K`` columns (input features, a multiple of 32),
+``G = K / group`` groups per row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-GROUP_SIZE = 32
+GROUP_SIZE = 32  # the activations' group: every K is a multiple of it
+GROUPS = (16, 32)
 BITS = (4, 8)
-# GGUF type name -> (bytes per block, whether the block carries an offset ``m``, bits)
-GGUF_BLOCKS = {"Q4_0": (18, False, 4), "Q4_1": (20, True, 4), "Q8_0": (34, False, 8)}
+ROWS = 16  # rows of a ``PackedWeight`` tile (csrc/qgemm.c)
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """``W [N, K]`` as codes, scales and offsets in groups of 32 columns (module docstring)."""
+    """``W [N, K]`` as codes, scales and offsets in groups of ``group`` columns (module
+    docstring)."""
 
     codes: torch.Tensor  # bits 4: [N, K / 2] uint8, two codes 0..15 a byte; bits 8: [N, K] int8
     scales: torch.Tensor  # [N, G] float32
     offsets: torch.Tensor | None  # [N, G] float32; None: zero
     bits: int
+    group: int = GROUP_SIZE
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
         if self.bits not in BITS:
             raise ValueError(f"bits: expected one of {BITS}, got {self.bits!r}")
+        if self.group not in GROUPS:
+            raise ValueError(f"group: expected one of {GROUPS}, got {self.group!r}")
         expected = torch.uint8 if self.bits == 4 else torch.int8
         if self.codes.dtype != expected:
             raise ValueError(
@@ -59,15 +62,21 @@ class QuantizedWeight:
         if cols % GROUP_SIZE:
             raise ValueError(f"codes: {cols} columns is not a multiple of {GROUP_SIZE}")
         for name, part in (("scales", self.scales), ("offsets", self.offsets)):
-            if part is not None and tuple(part.shape) != (rows, cols // GROUP_SIZE):
+            if part is not None and tuple(part.shape) != (rows, cols // self.group):
                 raise ValueError(
-                    f"{name}: expected shape {(rows, cols // GROUP_SIZE)}, got {tuple(part.shape)}"
+                    f"{name}: expected shape {(rows, cols // self.group)}, got {tuple(part.shape)}"
                 )
 
     @property
     def shape(self) -> tuple[int, int]:
         rows, cols = self.codes.shape
         return rows, cols * 2 if self.bits == 4 else cols
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales and offsets."""
+        parts = (self.codes, self.scales, self.offsets)
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
 
     def unpacked_codes(self) -> torch.Tensor:
         """The codes one per column, ``[N, K]``: uint8 0..15 (bits 4) or int8 (bits 8)."""
@@ -82,7 +91,7 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``W [N, K]``: computed in float32 as llama.cpp does, then cast to ``dtype``."""
         rows, cols = self.shape
-        groups = self.unpacked_codes().view(rows, cols // GROUP_SIZE, GROUP_SIZE).float()
+        groups = self.unpacked_codes().view(rows, cols // self.group, self.group).float()
         values = groups * self.scales[..., None]
         if self.offsets is not None:
             values = values + self.offsets[..., None]
@@ -95,58 +104,126 @@ class QuantizedWeight:
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows ``index`` (a permutation, a subset), codes and scales unchanged."""
         offsets = None if self.offsets is None else self.offsets[index]
-        return QuantizedWeight(self.codes[index], self.scales[index], offsets, self.bits)
+        return QuantizedWeight(
+            self.codes[index], self.scales[index], offsets, self.bits, self.group
+        )
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         offsets = None if self.offsets is None else self.offsets.to(device)
-        return QuantizedWeight(self.codes.to(device), self.scales.to(device), offsets, self.bits)
+        return QuantizedWeight(
+            self.codes.to(device), self.scales.to(device), offsets, self.bits, self.group
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A ``QuantizedWeight`` in the block kernel's tiles of ``ROWS`` = 16 rows (``model.qgemm``,
+    csrc/qgemm.c): the form the runtime multiplies, the weight cache stores and the model holds
+    when the kernel builds, so each matrix is resident once.
+
+    Codes ``[N / 16, G32, 16 * 32 * bits / 8]`` (``G32 = K / 32``): per tile and group of 32
+    columns, 8 quads of 4 columns, each as 16 rows x 4 bytes; a 4-bit tile holds quads ``u``
+    and ``u + 4`` in the low and high nibbles of one quad's bytes. Scales and offsets
+    ``[N / 16, G32, S * 16]`` float32 (``S = 32 / group`` sub-groups), ``csum`` (8 bits)
+    ``-128 *`` the sum of each sub-group's codes, int32 alike. Rows past ``N`` are zero.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    csum: torch.Tensor | None
+    bits: int
+    group: int
+    rows: int
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales, offsets and sums."""
+        parts = (self.codes, self.scales, self.offsets, self.csum)
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+
+    def unpack(self) -> QuantizedWeight:
+        """The ``QuantizedWeight`` this was packed from, exactly (a permutation of bytes)."""
+        tiles, groups = self.codes.shape[:2]
+        if self.bits == 8:  # [tiles, G32, u, r, e] -> [tiles, r, G32, u, e]
+            quads = self.codes.view(tiles, groups, 8, ROWS, 4).view(torch.int8)
+        else:
+            low = self.codes.view(tiles, groups, 4, ROWS, 4)
+            quads = torch.cat((low & 0x0F, low >> 4), dim=2)
+        codes = quads.permute(0, 3, 1, 2, 4).reshape(tiles * ROWS, self.cols)[: self.rows]
+        if self.bits == 4:
+            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+        def per_row(part: torch.Tensor) -> torch.Tensor:  # [tiles, G32, S * 16] -> [N, G32 S]
+            part = part.view(tiles, groups, -1, ROWS).permute(0, 3, 1, 2)
+            return part.reshape(tiles * ROWS, -1)[: self.rows].contiguous()
+
+        offsets = None if self.offsets is None else per_row(self.offsets)
+        return QuantizedWeight(
+            codes.contiguous(), per_row(self.scales), offsets, self.bits, self.group
+        )
+
+    def to(self, device: torch.device | str) -> PackedWeight:
+        def move(part: torch.Tensor | None) -> torch.Tensor | None:
+            return None if part is None else part.to(device)
+
+        return PackedWeight(
+            self.codes.to(device),
+            self.scales.to(device),
+            move(self.offsets),
+            move(self.csum),
+            self.bits,
+            self.group,
+            self.rows,
+            self.cols,
+        )
+
+
+def widen(weight: QuantizedWeight, bits: int, group: int, offsets: bool) -> QuantizedWeight:
+    """``weight`` in a scheme at least as wide, with the same values: 8-bit codes for 4-bit
+    ones (0..15 as int8), groups of 16 for groups of 32 (each scale twice), a zero offset for a
+    symmetric weight. Raises ValueError for a narrower scheme."""
+    if bits < weight.bits or group > weight.group or (weight.offsets is not None and not offsets):
+        raise ValueError(
+            f"widen: cannot hold {weight.bits}-bit codes in groups of {weight.group} as "
+            f"{bits}-bit codes in groups of {group}{'' if offsets else ' without offsets'}"
+        )
+    codes = weight.codes if bits == weight.bits else weight.unpacked_codes().to(torch.int8)
+    repeat = weight.group // group
+    scales = weight.scales.repeat_interleave(repeat, dim=1)
+    held = weight.offsets
+    if held is None and offsets:
+        held = torch.zeros_like(weight.scales)
+    if held is not None:
+        held = held.repeat_interleave(repeat, dim=1)
+    return QuantizedWeight(codes, scales.contiguous(), held, bits, group)
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stack matrices of one scheme along their rows (q/k/v into one projection)."""
-    bits = {p.bits for p in parts}
-    symmetric = {p.offsets is None for p in parts}
-    if len(bits) != 1 or len(symmetric) != 1:
-        raise ValueError("cat_rows: expected parts of one quantization scheme")
+    """Stack matrices along their rows (q/k/v into one projection), each widened to the
+    common scheme first (``widen``) where their schemes differ."""
+    bits = max(p.bits for p in parts)
+    group = min(p.group for p in parts)
+    asymmetric = any(p.offsets is not None for p in parts)
+    parts = [widen(p, bits, group, asymmetric) for p in parts]
     offsets = None
-    if not symmetric.pop():
+    if asymmetric:
         offsets = torch.cat([p.offsets for p in parts if p.offsets is not None])
     return QuantizedWeight(
         torch.cat([p.codes for p in parts]),
         torch.cat([p.scales for p in parts]),
         offsets,
-        bits.pop(),
-    )
-
-
-def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """Decode GGUF blocks ``raw`` (uint8, ``[N, G * block_bytes]``) of ``type_name`` into codes,
-    scales and offsets, exactly (module docstring's table)."""
-    if type_name not in GGUF_BLOCKS:
-        raise ValueError(f"type_name: expected one of {sorted(GGUF_BLOCKS)}, got {type_name!r}")
-    block_bytes, has_offset, bits = GGUF_BLOCKS[type_name]
-    rows, cols = shape
-    if cols % GROUP_SIZE:
-        raise ValueError(f"shape: {cols} columns is not a multiple of {GROUP_SIZE}")
-    groups = cols // GROUP_SIZE
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, groups, block_bytes)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if bits == 8:
-        codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
-        return QuantizedWeight(torch.from_numpy(codes), torch.from_numpy(scales), None, 8)
-    start = 4 if has_offset else 2
-    nibbles = blocks[..., start:]  # [N, G, 16]
-    codes = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(rows, cols)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    if has_offset:
-        offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    else:  # Q4_0: d * (c - 8)
-        offsets = scales * np.float32(-8.0)
-    return QuantizedWeight(
-        torch.from_numpy(np.ascontiguousarray(packed)),
-        torch.from_numpy(scales),
-        torch.from_numpy(offsets),
-        4,
+        bits,
+        group,
     )
 
 

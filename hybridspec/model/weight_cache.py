@@ -8,12 +8,12 @@ are the very ones that were saved, so every output is bit-identical to a fresh c
 (timings in benchmarks/RESULTS.md, "Start-up").
 
 An entry is keyed by the GGUF file (name, size, modification time), the dtype, the
-quantization (``quantize``), the torch version and the source of the modules that do the
-conversion (``gguf.py``, ``llama_weights.py``, ``quant.py``): an edit there is a new entry,
-never a stale one. Entries live in ``default_cache_dir()/weights``; older entries of the same
-file, dtype and quantization beyond ``KEEP_ENTRIES`` are removed when one is written. A cache
-that cannot be read or written is logged and skipped. Quantized matrices are saved as their
-codes, scales and offsets.
+quantization (``quantize``), the torch version, ``FORMAT`` and the source of the modules that
+do the conversion (``gguf.py``, ``gguf_blocks.py``, ``llama_weights.py``, ``quant.py``): an edit
+there is a new entry, never a stale one. Entries live in ``default_cache_dir()/weights``; older
+entries of the same file, dtype and quantization beyond ``KEEP_ENTRIES`` are removed when one is
+written. A cache that cannot be read or written is logged and skipped. Quantized matrices are
+saved as their codes, scales, offsets, bits and group.
 """
 
 from __future__ import annotations
@@ -31,17 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridspec.model import gguf, llama_weights, quant
+from hybridspec.model import gguf, gguf_blocks, llama_weights, quant
 from hybridspec.model.gguf import default_cache_dir
 from hybridspec.model.llama_weights import LlamaDims, LlamaLayerWeights, LlamaWeights, Matrix
-from hybridspec.model.quant import QuantizedWeight
+from hybridspec.model.quant import PackedWeight, QuantizedWeight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when the payload's layout changes
+FORMAT = 3  # bump when the payload's layout changes
 KEEP_ENTRIES = 2  # per GGUF file and dtype: the current one and, say, another checkout's
 _LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaLayerWeights))
 
@@ -84,7 +84,7 @@ def entry_path(
     parts = (path.name, stat.st_size, stat.st_mtime_ns, dtype, quantize, torch.__version__, FORMAT)
     for part in parts:
         digest.update(f"{part}|".encode())
-    for module in (gguf, llama_weights, quant):
+    for module in (gguf, gguf_blocks, llama_weights, quant):
         digest.update(Path(str(module.__file__)).read_bytes())
     name = f"{_prefix(path, dtype, quantize)}{digest.hexdigest()[:16]}.pt"
     return (cache_dir or default_cache_dir()) / "weights" / name
@@ -152,15 +152,17 @@ def _to_payload(converted: ConvertedGGUF) -> dict[str, Any]:
 
 
 def _matrix_payload(matrix: Matrix) -> torch.Tensor | dict[str, Any]:
-    """A tensor as it is; a ``QuantizedWeight`` as a dict of its tensors (``weights_only``
-    loading takes plain containers of tensors, not dataclasses)."""
+    """A tensor as it is; a ``QuantizedWeight`` or ``PackedWeight`` as a dict of its fields
+    (``weights_only`` loading takes plain containers of tensors, not dataclasses)."""
     if isinstance(matrix, torch.Tensor):
         return matrix
     return {f.name: getattr(matrix, f.name) for f in dataclasses.fields(matrix)}
 
 
 def _matrix(payload: torch.Tensor | dict[str, Any]) -> Matrix:
-    return payload if isinstance(payload, torch.Tensor) else QuantizedWeight(**payload)
+    if isinstance(payload, torch.Tensor):
+        return payload
+    return PackedWeight(**payload) if "csum" in payload else QuantizedWeight(**payload)
 
 
 def _from_payload(payload: dict[str, Any]) -> ConvertedGGUF:

@@ -8,7 +8,7 @@ them back tests the reverse permutation against transformers' own forward.
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -87,9 +87,11 @@ def write_tiny_gguf(
     *,
     arch: str = "llama",
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    blocks: Mapping[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
 ) -> Path:
     """Write ``model`` as llama.cpp would; 2-D tensors stored as ``qtype``; a llama3 rope as
-    ``rope_freqs``. Returns the path."""
+    ``rope_freqs``; ``blocks`` (GGUF name -> raw blocks and their type) replaces tensors by
+    blocks written as they are. Returns the path."""
     config = model.config
     rope = dict(config.rope_parameters or {})
     writer = GGUFWriter(path, arch)
@@ -124,7 +126,10 @@ def write_tiny_gguf(
             heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
             tensor = permute_qk(tensor, int(heads or 0))
         values = tensor.numpy().astype(np.float32)
-        if values.ndim == 2 and qtype != GGMLQuantizationType.F32:
+        if blocks is not None and gguf_name in blocks:
+            raw, raw_type = blocks[gguf_name]
+            writer.add_tensor(gguf_name, raw, raw_dtype=raw_type)
+        elif values.ndim == 2 and qtype != GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, quantize(values, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, values)

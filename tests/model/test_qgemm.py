@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from hybridspec.model import qgemm
+from hybridspec.model.linear import PackedLinear
 from hybridspec.model.llama import build_linear
 from hybridspec.model.qgemm import BlockLinear, Kernel
-from hybridspec.model.quant import QuantizedWeight, quantize
+from hybridspec.model.quant import QuantizedWeight, quantize, widen
 from hybridspec.model.quant_linear import Int4Linear
 from hybridspec.model.runtime import ForwardBatch
 from tests.engine.tiny import VOCAB, tiny_loaded
@@ -40,9 +41,27 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> list[Kernel]:
     return [qgemm.load(flags, folder) for flags in ((), ("-mno-avx512vnni",), ("-mno-avx2",))]
 
 
-def weight(bits: int, rows: int, cols: int, seed: int) -> QuantizedWeight:
+# scheme -> (bits, group, offsets): Q4_1 / Q4_K; Q8_0 / Q5_0; Q5_1 / Q5_K; Q2_K / Q3_K; Q6_K;
+# and a fused q/k/v of mixed types widened to the widest scheme
+SCHEMES = {
+    "4": (4, 32, True),
+    "8": (8, 32, False),
+    "8+m": (8, 32, True),
+    "4/16": (4, 16, True),
+    "8/16": (8, 16, False),
+    "8/16+m": (8, 16, True),
+}
+
+
+def weight(bits: int | str, rows: int, cols: int, seed: int) -> QuantizedWeight:
+    """A random matrix in a scheme (``SCHEMES``), each sub-group with a scale of its own."""
+    scheme = SCHEMES[str(bits)]
     gen = torch.Generator().manual_seed(seed)
-    return quantize(torch.randn(rows, cols, generator=gen) * 0.05, bits)
+    w = widen(quantize(torch.randn(rows, cols, generator=gen) * 0.05, scheme[0]), *scheme)
+    if w.group == 16:  # sub-groups of one group no longer share a scale
+        factors = 0.5 + torch.rand(w.scales.shape, generator=gen)
+        w = QuantizedWeight(w.codes, w.scales * factors, w.offsets, w.bits, w.group)
+    return w
 
 
 def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -53,8 +72,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize(("bits", "rows"), [(4, 96), (4, 43), (8, 96), (8, 43)])  # 43: padded
-def test_matches_the_dequantized_float32_reference(kernel: Kernel, bits: int, rows: int) -> None:
+@pytest.mark.parametrize("rows", [96, 43])  # 43: padded
+@pytest.mark.parametrize("bits", list(SCHEMES))
+def test_matches_the_dequantized_float32_reference(kernel: Kernel, bits: str, rows: int) -> None:
     w = weight(bits, rows, 128, 0)
     x = activations(11, 128, 1)
     got = BlockLinear(w, kernel)(x)
@@ -63,9 +83,9 @@ def test_matches_the_dequantized_float32_reference(kernel: Kernel, bits: int, ro
     assert relative_error(got, x.float() @ w.dequantize().T) < 1e-2
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", list(SCHEMES))
 def test_every_instruction_set_path_and_thread_count_computes_the_same(
-    variants: list[Kernel], bits: int
+    variants: list[Kernel], bits: str
 ) -> None:
     w, x = weight(bits, 61, 256, 2), activations(13, 256, 3)
     residual = activations(13, 61, 4)
@@ -80,8 +100,8 @@ def test_every_instruction_set_path_and_thread_count_computes_the_same(
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_a_row_comes_out_alike_alone_and_among_others(kernel: Kernel, bits: int) -> None:
+@pytest.mark.parametrize("bits", ["4", "8", "8/16+m"])
+def test_a_row_comes_out_alike_alone_and_among_others(kernel: Kernel, bits: str) -> None:
     linear = BlockLinear(weight(bits, 200, 1536, 5), kernel)
     assert_rows_alike(linear, 1536, torch.Generator().manual_seed(6))
 
@@ -157,8 +177,20 @@ def test_the_fused_runtime_agrees_with_the_unfused_one(monkeypatch: pytest.Monke
     assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_rows_of_the_packed_copy_are_the_weights_rows(kernel: Kernel, bits: int) -> None:
+@pytest.mark.parametrize("bits", list(SCHEMES))
+def test_a_packed_weight_unpacks_to_the_codes_scales_and_offsets_it_came_from(
+    kernel: Kernel, bits: str
+) -> None:
+    w = weight(bits, 37, 96, 17)  # 37 rows: a padded last tile
+    back = kernel.pack(w).unpack()
+    assert torch.equal(back.codes, w.codes) and torch.equal(back.scales, w.scales)
+    assert (back.bits, back.group) == (w.bits, w.group)
+    assert (back.offsets is None) == (w.offsets is None)
+    assert back.offsets is None or torch.equal(back.offsets, w.offsets)
+
+
+@pytest.mark.parametrize("bits", list(SCHEMES))
+def test_rows_of_the_packed_copy_are_the_weights_rows(kernel: Kernel, bits: str) -> None:
     w = weight(bits, 37, 64, 12)
     index = torch.tensor([36, 0, 9, 9, 17])
     got = BlockLinear(w, kernel).rows(index)
@@ -195,6 +227,11 @@ def no_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_without_the_kernel_quantized_weights_run_through_torchs(no_kernel: None) -> None:
     assert qgemm.kernel() is None
     assert isinstance(build_linear(weight(4, 32, 64, 14), prepack=True), Int4Linear)
+    k_quant = weight("8/16", 32, 64, 14)  # a scheme torch's kernel lacks: held dense
+    linear = build_linear(k_quant, prepack=True)
+    assert isinstance(linear, PackedLinear)
+    x = activations(3, 64, 1)
+    assert torch.equal(linear(x), PackedLinear(k_quant.dequantize(torch.bfloat16), prepack=True)(x))
     runtime = tiny_loaded(0, quantize_bits=4).create_runtime(4, 256)
     ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(3)).tolist()
     assert_logits_alike_decoded_verified_and_batched(runtime, ids)

@@ -1,17 +1,19 @@
 /* Matmuls with group-quantized weights on CPU: y = f(x) @ W.T, W in blocks of 32 columns.
  *
- * W [N, K] holds codes c and, per row and group of 32 columns, a float32 scale d and (4 bits)
- * an offset m: W[n, 32 g + j] = d c + m (``hybridspec.model.quant``; 4-bit codes 0..15, 8-bit
- * codes -128..127 with no offset). ``hs_pack`` reorders them into tiles of 16 rows (``ROWS``):
- * for each tile and group, 8 quads of 4 columns, each quad as 16 rows x 4 bytes (one 512-bit
- * vector whose int32 lane r is row r, or two 256-bit halves of 8 rows). A 4-bit tile stores quads u and u + 4 in one vector, in
- * the low and the high nibbles. Scales and offsets are stored [tiles, G, 8].
+ * W [N, K] holds codes c and, per row and sub-group of ``group`` columns (32, or 16: S = 32 /
+ * group sub-groups per group of 32), a float32 scale d and optionally an offset m:
+ * W[n, group s + j] = d c + m (``hybridspec.model.quant``; 4-bit codes 0..15, 8-bit codes
+ * -128..127). ``hs_pack`` reorders them into tiles of 16 rows (``ROWS``): for each tile and
+ * group of 32, 8 quads of 4 columns, each quad as 16 rows x 4 bytes (one 512-bit vector whose
+ * int32 lane r is row r, or two 256-bit halves of 8 rows). A 4-bit tile stores quads u and
+ * u + 4 in one vector, in the low and the high nibbles. Scales and offsets are stored
+ * [tiles, G, S, 16]; with S = 2, quads 0..3 take the first sub-group's, quads 4..7 the second's.
  *
  * The activations are quantized per row and group of 32 to 8 bits (llama.cpp's Q8_1: scale
  * dx = amax / 127, codes q rounded to nearest even), so that each group's sum is an integer
  * one, exact, then scaled:
- *   acc = fma(float(sum_j c q), d dx, acc);  acc = fma(m, dx sum_j q, acc)   for g = 0 .. G-1
- * in this order, for every (t, n) alike, in one thread: a row's result does not depend on the
+ *   acc = fma(float(sum_j c q), d dx, acc);  acc = fma(m, dx sum_j q, acc)
+ * for each sub-group in order (j over its columns), in this order, for every (t, n) alike, in one thread: a row's result does not depend on the
  * other rows of x, nor on the instruction set (AVX512-VNNI, AVX2, or portable C compute the
  * same integers and the same float operations).
  *
@@ -87,34 +89,37 @@ static inline int64_t tile_bytes(int bits) { return bits == 4 ? QUADS / 2 * QB :
  * scales_out, offsets_out [ceil(N / 16), G, 16] (offsets may be NULL); csum_out (8 bits only)
  * [ceil(N / 16), G, 16]: -128 * sum of the group's codes. Rows past N are zero. */
 void hs_pack(const uint8_t *codes, const float *scales, const float *offsets, int bits,
-             int64_t N, int64_t K, uint8_t *out, float *scales_out, float *offsets_out,
-             int32_t *csum_out) {
-    int64_t G = K / GS, tiles = (N + ROWS - 1) / ROWS, tb = tile_bytes(bits);
+             int group, int64_t N, int64_t K, uint8_t *out, float *scales_out,
+             float *offsets_out, int32_t *csum_out) {
+    int64_t G = K / GS, S = GS / group, tiles = (N + ROWS - 1) / ROWS, tb = tile_bytes(bits);
+    size_t per = (size_t)(tiles * G * S * ROWS);
     memset(out, 0, (size_t)(tiles * G * tb));
-    memset(scales_out, 0, sizeof(float) * (size_t)(tiles * G * ROWS));
-    if (offsets_out) memset(offsets_out, 0, sizeof(float) * (size_t)(tiles * G * ROWS));
-    if (csum_out) memset(csum_out, 0, sizeof(int32_t) * (size_t)(tiles * G * ROWS));
+    memset(scales_out, 0, sizeof(float) * per);
+    if (offsets_out) memset(offsets_out, 0, sizeof(float) * per);
+    if (csum_out) memset(csum_out, 0, sizeof(int32_t) * per);
     for (int64_t n = 0; n < N; n++) {
         int64_t tile = n / ROWS, r = n % ROWS;
         for (int64_t g = 0; g < G; g++) {
             uint8_t *dst = out + (tile * G + g) * tb;
-            int64_t at = (tile * G + g) * ROWS + r;
-            scales_out[at] = scales[n * G + g];
-            if (offsets_out) offsets_out[at] = offsets[n * G + g];
-            int32_t sum = 0;
-            for (int j = 0; j < GS; j++) {
-                int64_t k = g * GS + j;
-                int u = j / 4, e = j % 4;
-                if (bits == 4) {
-                    uint8_t c = (codes[n * (K / 2) + k / 2] >> (4 * (k % 2))) & 15;
-                    dst[(u % 4) * QB + r * 4 + e] |= (uint8_t)(c << (4 * (u / 4)));
-                } else {
-                    uint8_t c = codes[n * K + k];
-                    dst[u * QB + r * 4 + e] = c;
-                    sum += (int8_t)c;
+            for (int64_t h = 0; h < S; h++) {
+                int64_t at = ((tile * G + g) * S + h) * ROWS + r;
+                scales_out[at] = scales[n * G * S + g * S + h];
+                if (offsets_out) offsets_out[at] = offsets[n * G * S + g * S + h];
+                int32_t sum = 0;
+                for (int j = (int)h * group; j < (int)(h + 1) * group; j++) {
+                    int64_t k = g * GS + j;
+                    int u = j / 4, e = j % 4;
+                    if (bits == 4) {
+                        uint8_t c = (codes[n * (K / 2) + k / 2] >> (4 * (k % 2))) & 15;
+                        dst[(u % 4) * QB + r * 4 + e] |= (uint8_t)(c << (4 * (u / 4)));
+                    } else {
+                        uint8_t c = codes[n * K + k];
+                        dst[u * QB + r * 4 + e] = c;
+                        sum += (int8_t)c;
+                    }
                 }
+                if (csum_out) csum_out[at] = -128 * sum;
             }
-            if (csum_out) csum_out[at] = -128 * sum;
         }
     }
 }
@@ -122,15 +127,15 @@ void hs_pack(const uint8_t *codes, const float *scales, const float *offsets, in
 /* Rows ``index`` of the packed matrix dequantized to bfloat16 (an embedding lookup):
  * W[n, 32 g + j] = d c + m in float32, rounded once. */
 void hs_dequant_rows(const uint8_t *packed, const float *scales, const float *offsets, int bits,
-                     int64_t K, const int64_t *index, int64_t count, uint16_t *out) {
-    int64_t G = K / GS, tb = tile_bytes(bits);
+                     int group, int64_t K, const int64_t *index, int64_t count, uint16_t *out) {
+    int64_t G = K / GS, S = GS / group, tb = tile_bytes(bits);
     for (int64_t i = 0; i < count; i++) {
         int64_t n = index[i], tile = n / ROWS, r = n % ROWS;
         for (int64_t g = 0; g < G; g++) {
             const uint8_t *src = packed + (tile * G + g) * tb;
-            int64_t at = (tile * G + g) * ROWS + r;
-            float d = scales[at], m = offsets ? offsets[at] : 0.0f;
             for (int j = 0; j < GS; j++) {
+                int64_t at = ((tile * G + g) * S + j / group) * ROWS + r;
+                float d = scales[at], m = offsets ? offsets[at] : 0.0f;
                 int u = j / 4, e = j % 4;
                 float c = bits == 4 ? (float)((src[(u % 4) * QB + r * 4 + e] >> (4 * (u / 4))) & 15)
                                     : (float)(int8_t)src[u * QB + r * 4 + e];
@@ -164,8 +169,8 @@ static inline float fast_exp(float x) {
 /* One row of activations: the prologue in float32, then 8-bit codes per group. The rounding
  * to the nearest integer (even on ties) adds and subtracts 1.5 * 2^23, exact for |v| < 2^22. */
 static void quantize_row(const uint16_t *x, const float *x32, int64_t K, int prologue,
-                         const uint16_t *norm_w, float eps, float *a, int8_t *q, float *dx,
-                         float *sx) {
+                         const uint16_t *norm_w, float eps, int group, float *a, int8_t *q,
+                         float *dx, float *sx) {
     if (prologue == PRO_SILU_MUL) {
         for (int64_t k = 0; k < K; k++) {
             float g = bf16_to_f32(x[k]);
@@ -191,23 +196,28 @@ static void quantize_row(const uint16_t *x, const float *x32, int64_t K, int pro
         }
         float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         int8_t *qg = q + g * GS;
-        int sum = 0;
-        for (int j = 0; j < GS; j++) {
-            int v = (int)((ag[j] * id + 12582912.0f) - 12582912.0f);
-            qg[j] = (int8_t)v;
-            sum += v;
+        int S = GS / group;
+        for (int h = 0; h < S; h++) {
+            int sum = 0;
+            for (int j = h * group; j < (h + 1) * group; j++) {
+                int v = (int)((ag[j] * id + 12582912.0f) - 12582912.0f);
+                qg[j] = (int8_t)v;
+                sum += v;
+            }
+            sx[g * S + h] = d * (float)sum;
         }
         dx[g] = d;
-        sx[g] = d * (float)sum;
     }
 }
 
-/* out[i][r] for rows t0 + i of x (tt of them) against one tile of 16 rows of W. */
+/* out[i][r] for rows t0 + i of x (tt of them) against one tile of 16 rows of W, whose scales
+ * come in S sub-groups per group of 32 (quads 8 / S at a time). */
 static inline __attribute__((always_inline)) void tile_dot(
-    const uint8_t *codes, const float *dw, const float *mw, const int32_t *csum, int bits,
+    const uint8_t *codes, const float *dw, const float *mw, const int32_t *csum, int bits, int S,
     int64_t G, int64_t K, const int8_t *q, const float *dx, const float *sx, int tt,
     float out[][ROWS]) {
-    const int64_t tb = tile_bytes(bits);
+    const int64_t tb = tile_bytes(bits), GS_ = G * S;
+    const int span = QUADS / S; /* quads per sub-group */
 #if defined(HS_VNNI)
     __m512 acc[TILE_T];
     for (int i = 0; i < tt; i++) acc[i] = _mm512_setzero_ps();
@@ -224,29 +234,32 @@ static inline __attribute__((always_inline)) void tile_dot(
         } else {
             for (int u = 0; u < QUADS; u++) c[u] = _mm512_loadu_si512((const void *)(src + QB * u));
         }
-        const __m512 d = _mm512_loadu_ps(dw + g * ROWS);
-        const __m512 m = mw ? _mm512_loadu_ps(mw + g * ROWS) : _mm512_setzero_ps();
-        const __m512i init = bits == 8 ? _mm512_loadu_si512((const void *)(csum + g * ROWS))
-                                       : _mm512_setzero_si512();
-        __m512i s[TILE_T];
-        for (int i = 0; i < tt; i++) s[i] = init;
-        for (int u = 0; u < QUADS; u++) { /* rows of x innermost: tt independent chains */
-            for (int i = 0; i < tt; i++) {
-                int32_t quad;
-                memcpy(&quad, q + i * K + g * GS + 4 * u, 4);
-                __m512i qb = _mm512_set1_epi32(quad);
-                if (bits == 4) {
-                    s[i] = _mm512_dpbusd_epi32(s[i], c[u], qb); /* codes u8 x q s8 */
-                } else {
-                    qb = _mm512_add_epi8(qb, _mm512_set1_epi8((char)0x80)); /* q + 128 as u8 */
-                    s[i] = _mm512_dpbusd_epi32(s[i], qb, c[u]); /* + init: -128 sum c */
+        for (int h = 0; h < S; h++) {
+            const int64_t at = (g * S + h) * ROWS;
+            const __m512 d = _mm512_loadu_ps(dw + at);
+            const __m512 m = mw ? _mm512_loadu_ps(mw + at) : _mm512_setzero_ps();
+            const __m512i init = bits == 8 ? _mm512_loadu_si512((const void *)(csum + at))
+                                           : _mm512_setzero_si512();
+            __m512i s[TILE_T];
+            for (int i = 0; i < tt; i++) s[i] = init;
+            for (int u = h * span; u < (h + 1) * span; u++) { /* rows of x innermost */
+                for (int i = 0; i < tt; i++) {
+                    int32_t quad;
+                    memcpy(&quad, q + i * K + g * GS + 4 * u, 4);
+                    __m512i qb = _mm512_set1_epi32(quad);
+                    if (bits == 4) {
+                        s[i] = _mm512_dpbusd_epi32(s[i], c[u], qb); /* codes u8 x q s8 */
+                    } else {
+                        qb = _mm512_add_epi8(qb, _mm512_set1_epi8((char)0x80)); /* q + 128 */
+                        s[i] = _mm512_dpbusd_epi32(s[i], qb, c[u]); /* + init: -128 sum c */
+                    }
                 }
             }
-        }
-        for (int i = 0; i < tt; i++) {
-            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[i * G + g]));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), scale, acc[i]);
-            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * G + g]), acc[i]);
+            for (int i = 0; i < tt; i++) {
+                const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[i * G + g]));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), scale, acc[i]);
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * GS_ + g * S + h]), acc[i]);
+            }
         }
     }
     for (int i = 0; i < tt; i++) _mm512_storeu_ps(out[i], acc[i]);
@@ -271,27 +284,30 @@ static inline __attribute__((always_inline)) void tile_dot(
                     c[u] = _mm256_sign_epi8(c[u], c[u]); /* |c| (the sign goes to q below) */
                 }
             }
-            const __m256 d = _mm256_loadu_ps(dw + g * ROWS + 8 * half);
-            const __m256 m = mw ? _mm256_loadu_ps(mw + g * ROWS + 8 * half) : _mm256_setzero_ps();
-            __m256i s[TILE_T];
-            for (int i = 0; i < tt; i++) s[i] = _mm256_setzero_si256();
-            for (int u = 0; u < QUADS; u++) {
-                for (int i = 0; i < tt; i++) {
-                    int32_t quad;
-                    memcpy(&quad, q + i * K + g * GS + 4 * u, 4);
-                    __m256i qb = _mm256_set1_epi32(quad);
-                    if (bits == 8) { /* |c| (u8) x sign(q, c) (s8): pairs stay within int16 */
-                        __m256i raw = _mm256_loadu_si256((const __m256i *)(src + QB * u));
-                        qb = _mm256_sign_epi8(qb, raw);
+            for (int h = 0; h < S; h++) {
+                const int64_t at = (g * S + h) * ROWS + 8 * half;
+                const __m256 d = _mm256_loadu_ps(dw + at);
+                const __m256 m = mw ? _mm256_loadu_ps(mw + at) : _mm256_setzero_ps();
+                __m256i s[TILE_T];
+                for (int i = 0; i < tt; i++) s[i] = _mm256_setzero_si256();
+                for (int u = h * span; u < (h + 1) * span; u++) {
+                    for (int i = 0; i < tt; i++) {
+                        int32_t quad;
+                        memcpy(&quad, q + i * K + g * GS + 4 * u, 4);
+                        __m256i qb = _mm256_set1_epi32(quad);
+                        if (bits == 8) { /* |c| (u8) x sign(q, c) (s8): pairs within int16 */
+                            __m256i raw = _mm256_loadu_si256((const __m256i *)(src + QB * u));
+                            qb = _mm256_sign_epi8(qb, raw);
+                        }
+                        s[i] = _mm256_add_epi32(
+                            s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c[u], qb), ones));
                     }
-                    s[i] = _mm256_add_epi32(
-                        s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c[u], qb), ones));
                 }
-            }
-            for (int i = 0; i < tt; i++) {
-                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[i * G + g]));
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
-                acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[i * G + g]), acc[i]);
+                for (int i = 0; i < tt; i++) {
+                    const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[i * G + g]));
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
+                    acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[i * GS_ + g * S + h]), acc[i]);
+                }
             }
         }
         for (int i = 0; i < tt; i++) _mm256_storeu_ps(out[i] + 8 * half, acc[i]);
@@ -304,16 +320,19 @@ static inline __attribute__((always_inline)) void tile_dot(
             for (int64_t g = 0; g < G; g++) {
                 const uint8_t *src = codes + g * tb;
                 const int8_t *qg = q + i * K + g * GS;
-                int32_t s = 0;
-                for (int j = 0; j < GS; j++) {
-                    int u = j / 4, e = j % 4;
-                    int c = bits == 4 ? (src[(u % 4) * QB + r * 4 + e] >> (4 * (u / 4))) & 15
-                                      : (int)(int8_t)src[u * QB + r * 4 + e];
-                    s += c * qg[j];
+                for (int h = 0; h < S; h++) {
+                    int32_t s = 0;
+                    for (int j = 4 * h * span; j < 4 * (h + 1) * span; j++) {
+                        int u = j / 4, e = j % 4;
+                        int c = bits == 4 ? (src[(u % 4) * QB + r * 4 + e] >> (4 * (u / 4))) & 15
+                                          : (int)(int8_t)src[u * QB + r * 4 + e];
+                        s += c * qg[j];
+                    }
+                    const int64_t at = (g * S + h) * ROWS + r;
+                    float m = mw ? mw[at] : 0.0f;
+                    acc = fmaf((float)s, dw[at] * dx[i * G + g], acc);
+                    acc = fmaf(m, sx[i * GS_ + g * S + h], acc);
                 }
-                float m = mw ? mw[g * ROWS + r] : 0.0f;
-                acc = fmaf((float)s, dw[g * ROWS + r] * dx[i * G + g], acc);
-                acc = fmaf(m, sx[i * G + g], acc);
             }
             out[i][r] = acc;
         }
@@ -321,12 +340,18 @@ static inline __attribute__((always_inline)) void tile_dot(
 #endif
 }
 
-#define TILE_DOT_CASE(n) \
-    case n: tile_dot(codes, dw, mw, csum, bits, G, K, q, dx, sx, n, out); break;
+#define TILE_DOT_CASE(n)                                                                 \
+    case n:                                                                              \
+        if (S == 1)                                                                      \
+            tile_dot(codes, dw, mw, csum, bits, 1, G, K, q, dx, sx, n, out);             \
+        else                                                                             \
+            tile_dot(codes, dw, mw, csum, bits, 2, G, K, q, dx, sx, n, out);             \
+        break;
 
 static void tile_dot_rows(const uint8_t *codes, const float *dw, const float *mw,
-                          const int32_t *csum, int bits, int64_t G, int64_t K, const int8_t *q,
-                          const float *dx, const float *sx, int tt, float out[][ROWS]) {
+                          const int32_t *csum, int bits, int S, int64_t G, int64_t K,
+                          const int8_t *q, const float *dx, const float *sx, int tt,
+                          float out[][ROWS]) {
     switch (tt) { /* constant heights, so that the accumulators live in registers */
         TILE_DOT_CASE(1) TILE_DOT_CASE(2) TILE_DOT_CASE(3) TILE_DOT_CASE(4)
 #if TILE_T > 4
@@ -340,12 +365,13 @@ static void tile_dot_rows(const uint8_t *codes, const float *dw, const float *mw
  * -1 when scratch memory cannot be had. */
 int hs_qgemm(const void *x, int x_f32, int64_t T, int64_t K, int prologue, const uint16_t *norm_w,
              float eps, const uint8_t *packed, const float *scales, const float *offsets,
-             const int32_t *csum, int bits, int64_t N, const uint16_t *residual, uint16_t *y) {
-    int64_t G = K / GS, Kx = prologue == PRO_SILU_MUL ? 2 * K : K;
+             const int32_t *csum, int bits, int group, int64_t N, const uint16_t *residual,
+             uint16_t *y) {
+    int64_t G = K / GS, S = GS / group, Kx = prologue == PRO_SILU_MUL ? 2 * K : K;
     int64_t tiles = (N + ROWS - 1) / ROWS, tb = tile_bytes(bits);
     int8_t *q = malloc((size_t)(T * K));
     float *dx = malloc(sizeof(float) * (size_t)(T * G));
-    float *sx = malloc(sizeof(float) * (size_t)(T * G));
+    float *sx = malloc(sizeof(float) * (size_t)(T * G * S));
     int failed = !q || !dx || !sx;
     if (!failed) {
 #pragma omp parallel
@@ -360,7 +386,7 @@ int hs_qgemm(const void *x, int x_f32, int64_t T, int64_t K, int prologue, const
                 if (a)
                     quantize_row(x_f32 ? NULL : (const uint16_t *)x + t * Kx,
                                  x_f32 ? (const float *)x + t * Kx : NULL, K, prologue, norm_w,
-                                 eps, a, q + t * K, dx + t * G, sx + t * G);
+                                 eps, group, a, q + t * K, dx + t * G, sx + t * G * S);
             free(a);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < tiles; b++) {
@@ -369,10 +395,10 @@ int hs_qgemm(const void *x, int x_f32, int64_t T, int64_t K, int prologue, const
                 for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
                     int tt = T - t0 < TILE_T ? (int)(T - t0) : TILE_T;
                     float out[TILE_T][ROWS];
-                    tile_dot_rows(packed + b * G * tb, scales + b * G * ROWS,
-                                  offsets ? offsets + b * G * ROWS : NULL,
-                                  csum ? csum + b * G * ROWS : NULL, bits, G, K, q + t0 * K,
-                                  dx + t0 * G, sx + t0 * G, tt, out);
+                    int64_t sb = b * G * S * ROWS; /* the tile's scales */
+                    tile_dot_rows(packed + b * G * tb, scales + sb, offsets ? offsets + sb : NULL,
+                                  csum ? csum + sb : NULL, bits, (int)S, G, K, q + t0 * K,
+                                  dx + t0 * G, sx + t0 * G * S, tt, out);
                     for (int i = 0; i < tt; i++) {
                         for (int r = 0; r < rows; r++) {
                             int64_t at = (t0 + i) * N + b * ROWS + r;
