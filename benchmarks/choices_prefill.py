@@ -54,6 +54,7 @@ def main() -> None:
     config = EngineConfig(
         target=ModelConfig(device=args.device, max_num_seqs=max(8, args.n), max_seq_len=4096),
         prefill_chunk_size=512,
+        prefix_cache_mb=0,  # the separate requests must each prefill their prompt: no reuse
     )
     engine = Engine(config)
     warm_up(engine)  # kernels compiled (or loaded) before anything is timed

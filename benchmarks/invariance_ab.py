@@ -74,13 +74,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     target = ModelConfig(None, "bfloat16", "cpu", max_num_seqs=1, max_seq_len=1024)
-    engines = {"kernel": Engine(EngineConfig(target=target))}
-    sdpa = Engine(EngineConfig(target=target))
+    # No prefix cache: each text is generated from a cold prompt.
+    config = EngineConfig(target=target, prefix_cache_mb=0)
+    engines = {"kernel": Engine(config)}
+    sdpa = Engine(config)
     runtime = sdpa.runtime
     assert isinstance(runtime, LlamaRuntime)
     sdpa.runtime = LlamaRuntime(
         runtime.weights, runtime.max_num_seqs, runtime.max_seq_len, invariant_attention=False
     )
+    sdpa.prefix_cache.runtime = sdpa.runtime  # the engine's slots come from the new runtime
     engines["sdpa"] = sdpa
     runtimes = {name: e.runtime for name, e in engines.items()}
     assert all(isinstance(rt, LlamaRuntime) for rt in runtimes.values())

@@ -457,7 +457,7 @@ class DraftToken(BaseModel):
     text: str
     drafted_by: str | None = Field(
         description="The proposer whose draft the target accepted; null: the target's own "
-        "token (a round's bonus or correction token, or plain decoding)."
+        "token (a round's bonus or recovered token, or plain decoding)."
     )
 
 

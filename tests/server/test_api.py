@@ -45,7 +45,10 @@ def test_models_lists_target_with_proposers_and_defaults(client: TestClient) -> 
     assert card["max_model_len"] == TINY_MAX_SEQ_LEN
     proposers = {p["name"]: p for p in card["hybridspec"]["proposers"]}
     # No draft model configured; the grammar's proposers, since the model has a tokenizer.
-    assert set(proposers) == {"none", "ngram", "grammar", "grammar+ngram", "grammar+none"}
+    assert set(proposers) == {
+        *("none", "ngram", "suffix", "grammar"),
+        *("grammar+ngram", "grammar+none", "grammar+suffix"),
+    }
     assert proposers["ngram"]["default"] and not proposers["none"]["default"]
     assert card["hybridspec"]["default_num_speculative_tokens"] == 4
     assert client.get(f"/v1/models/{TINY_MODEL_NAME}").json()["id"] == TINY_MODEL_NAME

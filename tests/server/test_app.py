@@ -125,7 +125,7 @@ def test_startup_logs_one_ready_line(
     assert len(ready) == 1, caplog.text
     pattern = (
         r"ready: tiny-llama \(transformers \S+ -> float32\), 2 threads, "
-        r"proposers grammar,ngram,none,grammar\+ngram,grammar\+none; "
+        r"proposers grammar,ngram,none,suffix,grammar\+ngram,grammar\+none,grammar\+suffix; "
         r"load \d+\.\d s, warm-up \d+\.\d s"
     )
     assert re.fullmatch(pattern, ready[0]), ready[0]
