@@ -39,7 +39,10 @@ def library_rates(
     from hybridspec.config import EngineConfig, ModelConfig
     from hybridspec.engine import Engine
 
-    engine = Engine(EngineConfig(target=ModelConfig(str(gguf)), num_threads=threads))
+    # No prefix cache: every request prefills its whole prompt, as each server's first asking
+    # does; with it, each proposer after the first would find every prompt cached.
+    config = EngineConfig(target=ModelConfig(str(gguf)), num_threads=threads, prefix_cache_mb=0)
+    engine = Engine(config)
     try:
         rates = {}
         for proposer in proposers:
