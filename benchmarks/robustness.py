@@ -42,16 +42,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from hybridspec.bench.servers import free_port  # noqa: E402
 from tests.server.test_hostile_inputs import CHAT_CASES, properties, schema_format  # noqa: E402
 
 USER = [{"role": "user", "content": "Write a long story about a cat."}]
 JSON_HEADERS = {"content-type": "application/json"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_server(port: int) -> subprocess.Popen[bytes]:

@@ -30,7 +30,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,16 +38,12 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from hybridspec.bench.servers import free_port
+
 PROMPT = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle. "
     "Describe the sea, the weather and the keeper's daily routine."
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def get_status(url: str) -> int | None:

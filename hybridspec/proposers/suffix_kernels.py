@@ -24,20 +24,13 @@ from numba import njit
 from hybridspec.proposers.ngram_kernels import (
     NgramTables,
     _best_next_token,
+    _gather,
     _load_context,
     allocate_tables,
 )
 
 OWN = 0  # ``out_sources``: the drafts were copied from the sequence's own text
 SHARED = 1  # ... from its shared pool
-
-
-@njit(cache=True)
-def _copy(tables, slot, pos, num, out):
-    """``out[:num]`` = the tokens of ``slot`` at positions ``pos .. pos + num - 1``."""
-    window = tables.history.shape[1]
-    for j in range(num):
-        out[j] = tables.history[slot, (pos + j) % window]
 
 
 @njit(cache=True)
@@ -82,7 +75,7 @@ def propose_longest(
                 )
                 if found:
                     num = min(k, length - pos)
-                    _copy(own, slot, pos, num, out_token_ids[i])
+                    _gather(own, slot, pos, num, out_token_ids[i])
                     out_num_drafts[i], out_orders[i], out_sources[i] = num, order, OWN
                     break
             pool = shared_slots[i]
@@ -92,7 +85,7 @@ def propose_longest(
                 )
                 if found:
                     num = min(k, shared.num_tokens[pool] - pos)
-                    _copy(shared, pool, pos, num, out_token_ids[i])
+                    _gather(shared, pool, pos, num, out_token_ids[i])
                     out_num_drafts[i], out_orders[i], out_sources[i] = num, order, SHARED
                     break
 
