@@ -27,10 +27,12 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridspec.bench.serve_conversations import CONVERSATIONAL
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
 
 if TYPE_CHECKING:
     from hybridspec.bench.loadgen import LoadWorkload
+    from hybridspec.bench.serve_conversations import ConversationPlan
     from hybridspec.bench.servers import ServerSpec
     from hybridspec.bench.serving_report import ServingResults
 
@@ -38,7 +40,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8)
 DEFAULT_PROPOSERS = ("none", "ngram")
-WORKLOADS = ("synthetic", "grounded")
+GUIDELLM_WORKLOADS = ("synthetic", "grounded")
+WORKLOADS = (*GUIDELLM_WORKLOADS, *CONVERSATIONAL)
+# A multi-turn conversation's history reaches 1.5-3k tokens: the peers' slots must hold it.
+CONVERSATION_CTX = 4096
 PEERS = ("llama-cpp-python", "llama-server")
 # One thread per server, as ``hybridspec bench`` defaults to: on a 2-core machine shared with
 # other work, both runtimes' threads spin at every barrier waiting for a descheduled peer.
@@ -60,7 +65,22 @@ def add_serve_command(bench_commands: Any) -> None:
     add("--requests", type=int, default=16, help="requests per concurrency (default 16)")
     add("--prompt-tokens", type=int, default=128, help="synthetic prompt length (default 128)")
     add("--output-tokens", type=int, default=64, help="tokens per request (default 64)")
-    add("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    add(
+        "--workloads",
+        nargs="+",
+        choices=WORKLOADS,
+        default=list(WORKLOADS),
+        help="guidellm's (synthetic, grounded) and this process's conversational ones "
+        "(multi-turn, repeat: see serve_conversations); default: all",
+    )
+    add("--turns", type=int, default=6, help="turns per multi-turn conversation (default 6)")
+    add("--conversations", type=int, default=2, help="multi-turn conversations (default 2)")
+    add(
+        "--repeat-prompts",
+        type=int,
+        default=4,
+        help="prompts of the repeat workload, and open-ended ones asked once (default 4)",
+    )
     add("--workload", type=Path, default=DEFAULT_WORKLOAD, help="bench workload JSON (grounded)")
     add("--proposers", nargs="*", default=list(DEFAULT_PROPOSERS), help="one server each")
     add("--peers", nargs="*", choices=PEERS, default=list(PEERS), help="where installed")
@@ -96,7 +116,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         write_json,
     )
 
-    if importlib.util.find_spec("guidellm") is None:
+    guidellm_runs = [w for w in args.workloads if w in GUIDELLM_WORKLOADS]
+    if guidellm_runs and importlib.util.find_spec("guidellm") is None:
         print("guidellm is not installed: run `make bench-serve` (or pip install '.[bench]')")
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -106,6 +127,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     out: Path = args.output_dir
     tokenizer_dir, workloads = _prepare(args, gguf, out)
     specs = _specs(args, gguf)
+    plan = _conversation_plan(args)
     results = ServingResults(
         descriptions={w.name: w.description for w in workloads},
         notes={s.name: s.note for s in specs},
@@ -115,7 +137,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         _measure_library(args, gguf, workloads, results)
     for spec in specs:
         try:
-            _measure(spec, workloads, tokenizer_dir, args, out, results)
+            _measure(spec, workloads, tokenizer_dir, args, out, results, plan)
         except ServerStartError as exc:
             if spec.ours:
                 raise
@@ -152,27 +174,48 @@ def _prepare(args: argparse.Namespace, gguf: Path, out: Path) -> tuple[Path, lis
     return tokenizer_dir, workloads
 
 
+def _conversation_plan(args: argparse.Namespace) -> ConversationPlan | None:
+    """The conversational workloads' prompts, or None where none of them runs."""
+    from hybridspec.bench.serve_conversations import ConversationPlan
+
+    if not any(w in CONVERSATIONAL for w in args.workloads):
+        return None
+    workload = load_workload(args.workload)
+    return ConversationPlan.from_workload(
+        workload,
+        args.conversations,
+        args.turns,
+        args.repeat_prompts,
+        args.output_tokens,
+        args.temperature,
+        args.seed,
+    )
+
+
 def _specs(args: argparse.Namespace, gguf: Path) -> list[ServerSpec]:
     from hybridspec.bench.servers import (
+        LLAMA_CTX_PER_SLOT,
         hybridspec_spec,
         llama_cpp_python_spec,
         llama_server_spec,
     )
 
     slots = max(args.concurrency)
+    conversational = any(w in CONVERSATIONAL for w in args.workloads)
+    ctx = CONVERSATION_CTX if conversational else LLAMA_CTX_PER_SLOT
     specs = []
     for threads in args.threads:
         suffix = _suffix(args, threads)
         specs += [hybridspec_spec(p, gguf, threads, slots, suffix) for p in args.proposers]
         peers = []
         if "llama-cpp-python" in args.peers:
-            found = llama_cpp_python_spec(gguf, threads)
+            found = llama_cpp_python_spec(gguf, threads, ctx)
             if found is None:
                 logger.warning("skipping llama-cpp-python: not installed (make bench-serve)")
             else:
                 peers.append(found)
         if "llama-server" in args.peers:
-            server = llama_server_spec(args.llama_server, gguf, threads, parallel=slots)
+            server = llama_server_spec(args.llama_server, gguf, threads, slots, ctx)
             if server is None:
                 logger.warning("skipping llama-server: not found (make bench-serve builds it)")
             else:
@@ -212,12 +255,17 @@ def _measure(
     args: argparse.Namespace,
     out: Path,
     results: ServingResults,
+    conversation: ConversationPlan | None = None,
 ) -> None:
-    """Start ``spec`` once and run guidellm on every workload against it."""
+    """Start ``spec`` once; run the conversational workloads (``conversation``) first, while
+    neither its prefix cache nor its suffix pool holds guidellm's prompts, then guidellm on
+    every other workload."""
     from hybridspec.bench.loadgen import COMPLETIONS_ROUTE, run_guidellm, scenario
     from hybridspec.bench.servers import running
 
     with running(spec, out / "logs" / f"{spec.name}.log") as url:
+        if conversation is not None:
+            _measure_conversational(spec, url, conversation, tokenizer_dir, args, results)
         for workload in workloads:
             points = []
             for concurrency in args.concurrency:
@@ -242,3 +290,26 @@ def _measure(
                 )
                 points.append(point)
             results.add(workload.name, spec.name, points)
+
+
+def _measure_conversational(
+    spec: ServerSpec,
+    url: str,
+    plan: ConversationPlan,
+    tokenizer_dir: Path,
+    args: argparse.Namespace,
+    results: ServingResults,
+) -> None:
+    """The multi-turn and repeat workloads against the running ``spec`` at ``url``."""
+    from transformers import AutoTokenizer
+
+    from hybridspec.bench.serve_conversations import run_conversational
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    chosen = [w for w in args.workloads if w in CONVERSATIONAL]
+
+    def log(line: str) -> None:
+        logger.info("%s %s", spec.name, line)
+
+    figures = run_conversational(url, plan, tokenizer, chosen, spec.ours, log)
+    results.conversations[spec.name] = figures

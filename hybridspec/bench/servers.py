@@ -77,8 +77,11 @@ def hybridspec_spec(
     return ServerSpec(f"hybridspec-{proposer}{suffix}", argv, ours=True, note=note, env=env)
 
 
-def llama_cpp_python_spec(gguf: Path, threads: int) -> ServerSpec | None:
-    """llama-cpp-python's server, or None where ``llama_cpp`` is not installed."""
+def llama_cpp_python_spec(
+    gguf: Path, threads: int, ctx: int = LLAMA_CTX_PER_SLOT
+) -> ServerSpec | None:
+    """llama-cpp-python's server with a context of ``ctx`` tokens, or None where ``llama_cpp``
+    is not installed."""
     try:
         import llama_cpp.server  # noqa: F401
     except ImportError:
@@ -87,7 +90,7 @@ def llama_cpp_python_spec(gguf: Path, threads: int) -> ServerSpec | None:
     def argv(port: int) -> list[str]:
         return [
             *[sys.executable, "-m", "llama_cpp.server", "--model", str(gguf)],
-            *["--host", LOOPBACK, "--port", str(port), "--n_ctx", str(LLAMA_CTX_PER_SLOT)],
+            *["--host", LOOPBACK, "--port", str(port), "--n_ctx", str(ctx)],
             *["--n_threads", str(threads), "--n_threads_batch", str(threads)],
             # By default a new request cuts the streaming one short (guidellm then counts an
             # empty response as an error); a serving benchmark wants every request served.
@@ -99,9 +102,14 @@ def llama_cpp_python_spec(gguf: Path, threads: int) -> ServerSpec | None:
 
 
 def llama_server_spec(
-    binary: Path | None, gguf: Path, threads: int, parallel: int
+    binary: Path | None,
+    gguf: Path,
+    threads: int,
+    parallel: int,
+    ctx_per_slot: int = LLAMA_CTX_PER_SLOT,
 ) -> ServerSpec | None:
-    """llama.cpp's ``llama-server`` with ``parallel`` slots, or None where there is none."""
+    """llama.cpp's ``llama-server`` with ``parallel`` slots of ``ctx_per_slot`` tokens each, or
+    None where there is none."""
     found = binary or _which("llama-server")
     if found is None or not found.is_file():
         return None
@@ -109,7 +117,7 @@ def llama_server_spec(
     def argv(port: int) -> list[str]:
         return [
             *[str(found), "--model", str(gguf), "--host", LOOPBACK, "--port", str(port)],
-            *["--parallel", str(parallel), "--ctx-size", str(LLAMA_CTX_PER_SLOT * parallel)],
+            *["--parallel", str(parallel), "--ctx-size", str(ctx_per_slot * parallel)],
             *["--threads", str(threads), "--threads-batch", str(threads)],
         ]
 

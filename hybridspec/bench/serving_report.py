@@ -18,6 +18,7 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from hybridspec.bench.loadgen import ServingPoint
+from hybridspec.bench.serve_conversations import ConversationServing, conversational_table
 
 GOAL_AT_ONE = 1.0  # output tok/s ratio at concurrency 1
 GOAL_ABOVE_ONE = 2.0  # at every concurrency >= 2
@@ -43,6 +44,8 @@ class ServingResults:
     points: dict[str, dict[str, list[ServingPoint]]] = field(default_factory=dict)
     # workload -> our server -> the library's output tok/s for its requests (``library_rate``)
     library: dict[str, dict[str, float]] = field(default_factory=dict)
+    # server -> its figures on the multi-turn and repeat workloads (``serve_conversations``)
+    conversations: dict[str, ConversationServing] = field(default_factory=dict)
 
     def add(self, workload: str, server: str, points: Sequence[ServingPoint]) -> None:
         self.points.setdefault(workload, {})[server] = list(points)
@@ -60,6 +63,7 @@ class ServingResults:
                 for w, servers in self.points.items()
             },
             "library": self.library,
+            "conversations": {s: f.to_json() for s, f in self.conversations.items()},
         }
 
     @classmethod
@@ -69,6 +73,9 @@ class ServingResults:
             for server, points in servers.items():
                 results.add(workload, server, [ServingPoint.from_json(p) for p in points])
         results.library = {w: dict(rates) for w, rates in data.get("library", {}).items()}
+        results.conversations = {
+            s: ConversationServing.from_json(f) for s, f in data.get("conversations", {}).items()
+        }
         return results
 
 
@@ -191,6 +198,15 @@ def format_results(results: ServingResults) -> str:
         if results.library.get(workload):
             parts.append("The library on the same requests, one at a time, in one process:\n")
             parts.append(library_table(results, workload) + "\n")
+    if results.conversations:
+        parts.append(
+            "### multi-turn and repeat: time to first token of a conversation's turns 2+ (ours "
+            "with the prefix cache, and cold with `cache_prompt: false`; peers with their prompt "
+            "cache on), and the output tok/s of a prompt's second asking and of open-ended "
+            "prompts asked once\n"
+        )
+        peers = [s for s in results.conversations if s not in results.ours]
+        parts.append(conversational_table(results.conversations, peers) + "\n")
     if results.notes:
         parts.append("Servers: " + "; ".join(f"{s}: {n}" for s, n in results.notes.items()))
     return "\n".join(parts).rstrip() + "\n"
