@@ -1,5 +1,8 @@
 """Types shared by the proposers, the verifier and the engine.
 
+The module stays whole (about 400 lines) because it is the one small module of shared types the
+layers below the engine all import: splitting it would give every caller two imports for one idea.
+
 Glossary of dimensions used in tensor shape comments across the package (ARCHITECTURE.md has
 the whole glossary):
 

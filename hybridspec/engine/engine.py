@@ -16,55 +16,45 @@ verification raises, the round runs again one sequence at a time.
 
 Dimensions: ``num_seqs`` decoding requests in the step; ``k_i`` drafts of request i.
 
-The module is near 600 lines because ``Engine`` is the one class callers use: proposers,
-prompts, scheduling, features and choices live in their own modules, and what stays is the
-step (with its fault containment) and the request API (``add_request``, ``add_choices``,
-``abort``, ``stream``, ``generate``, ``generate_choices``) over them.
+``Engine`` is the one class callers use; its parts live beside it: requests' entry and
+admission (``admission.Admission``: ``add_request``, ``add_choices``), the round after drafting
+(``round.RoundSteps``: forward, verify, commit, finish), proposers, prompts, scheduling,
+features and choices in their own modules. What stays here is the construction, the step
+(with its fault containment) and the one-request API (``stream``, ``generate``,
+``generate_choices``, ``abort``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import time
-import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from hybridspec.engine.admission import Admission
 from hybridspec.engine.choices import (
-    check_choices,
-    choice_seed,
     fork_ready,
-    group_choices,
-    leave,
     run_to_results,
 )
-from hybridspec.engine.detokenizer import IncrementalDetokenizer
-from hybridspec.engine.features import forward_layers, keep_committed_rows, take_rows
-from hybridspec.engine.logprobs import Logprobs
 from hybridspec.engine.prefix_cache import (
     PrefixCache,
     default_prefix_cache_mb,
     kv_bytes_per_token,
     num_slots_for,
 )
-from hybridspec.engine.prompts import Messages, check_prompt, encode
+from hybridspec.engine.prompts import Messages, encode
 from hybridspec.engine.proposer_pool import ProposerPool, proposer_context
 from hybridspec.engine.request import (
     FinishReason,
     GenerationParams,
     GenerationResult,
-    Request,
     RequestOutput,
-    new_generator,
 )
-from hybridspec.engine.resolution import ProposerCatalog
-from hybridspec.engine.scheduler import Scheduler, StepBatch, forward_batch
+from hybridspec.engine.round import ROUND_FAILED as ROUND_FAILED  # its public path
+from hybridspec.engine.scheduler import Scheduler
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import (
@@ -79,33 +69,12 @@ from hybridspec.proposers import (
     ProposerRegistry,
     default_registry,
 )
-from hybridspec.types import CommitInfo, Proposal
-from hybridspec.verifier import VerifyInput, VerifyOutput, check_logit_bias, verify
 from hybridspec.verifier.grammar import Grammars
-from hybridspec.verifier.layout import DraftLayout
-from hybridspec.verifier.uniforms import KeyedUniforms, key_of
 
 logger = logging.getLogger(__name__)
 
-# What a request that failed inside the engine is told; the detail goes to the log.
-ROUND_FAILED = "engine: this request's round failed (details in the server log)"
 
-
-@dataclass(frozen=True, slots=True)
-class _Round:
-    """One forward's sequences and results, between verification and commit."""
-
-    drafts: list[tuple[Request, Proposal]]  # decoding requests, verified
-    prefill: list[tuple[Request, int]]  # (request, prompt tokens fed)
-    fed: list[Proposer]  # per sequence of the batch: drafts then prefill
-    step: StepBatch
-    logits: torch.Tensor  # [num_logits, vocab_size]: the verified rows, then prompt rows
-    hidden_states: torch.Tensor | None  # [num_tokens, len(batch.hidden_layers), hidden_size]
-    layout: DraftLayout | None  # the decoding requests' drafts and rows; None: none decodes
-    verified: VerifyOutput | None  # None: no decoding request
-
-
-class Engine:
+class Engine(Admission):
     """Generates with speculative decoding; every request picks its proposer and K.
 
     ``step()`` advances every running request by one verification round (the building block
@@ -177,10 +146,6 @@ class Engine:
                 return request.params.session
         return None
 
-    def num_free_slots(self) -> int:
-        """Slots free for running requests (the prefix cache gives up its entries for them)."""
-        return self.max_num_seqs - len(self.scheduler.running)
-
     # ----------------------------------------------------------------- proposers
 
     def target_forward_s(self) -> float:
@@ -208,25 +173,6 @@ class Engine:
         """The proposer ``name``; InvalidRequestError when it is unknown or unavailable."""
         return self.proposers.catalog.find(name)
 
-    @property
-    def catalog(self) -> ProposerCatalog:
-        """What requests' proposers and K resolve against (``engine.resolution``)."""
-        return self.proposers.catalog
-
-    def grammars(self) -> Grammars:
-        """The compiler of structured-output grammars for this model's tokenizer (built on
-        first use: reading the vocabulary takes a fraction of a second)."""
-        check(
-            self.tokenizer is not None,
-            "grammar",
-            "structured output needs the model's tokenizer, and this model has none",
-        )
-        if self._grammars is None:
-            eos = sorted(self.eos_token_ids)
-            cache_bytes = self.config.grammar_cache_mb * 1024 * 1024
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, eos, cache_bytes)
-        return self._grammars
-
     # ------------------------------------------------------------------ requests
 
     def encode(
@@ -238,81 +184,6 @@ class Engine:
         """Token ids of a plain prompt, or of chat messages with the chat template applied
         (and ``tools``, for a template that shows them)."""
         return encode(self.tokenizer, prompt, messages, tools)
-
-    def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
-        check_prompt(prompt_token_ids, self.max_seq_len, self.vocab_size)
-
-    def add_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: GenerationParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
-        """Queue a request; raises InvalidRequestError or CapacityError, else returns its id."""
-        request = self._new_request(prompt_token_ids, params, request_id)
-        self.scheduler.add(request, self.num_free_slots())
-        return request.request_id
-
-    def add_choices(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: GenerationParams | Sequence[GenerationParams] | None = None,
-        n: int = 1,
-    ) -> list[list[str]]:
-        """Queue ``n`` choices of each prompt (``params``: one for all, or one per prompt),
-        all or none; each prompt is prefilled once for its choices, and choice ``i`` samples
-        with seed ``seed + i`` (``engine.choices``). Returns the ids, ``[prompt][choice]``."""
-        check_choices(n, len(prompts), self.max_num_seqs, self.config.max_queue_size)
-        if params is None or isinstance(params, GenerationParams):
-            params = [params or GenerationParams()] * len(prompts)
-        check(len(params) == len(prompts), "params", "expected one GenerationParams per prompt")
-        groups = [
-            [self._new_request(prompt, one, choice_index=i) for i in range(n)]
-            for prompt, one in zip(prompts, params, strict=True)
-        ]
-        for group in groups:
-            group_choices(group)
-        self.scheduler.add_all(groups, self.num_free_slots())
-        return [[r.request_id for r in group] for group in groups]
-
-    def _new_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: GenerationParams | None,
-        request_id: str | None = None,
-        choice_index: int = 0,
-    ) -> Request:
-        """A checked request, not queued yet."""
-        params = params if params is not None else GenerationParams()
-        check(isinstance(params, GenerationParams), "params", "expected GenerationParams")
-        prompt = list(prompt_token_ids)
-        self.check_prompt(prompt)
-        check_logit_bias(params.sampling, self.vocab_size)
-        check(
-            all(t < self.vocab_size for t in params.stop_token_ids),
-            "stop_token_ids",
-            f"expected token ids below the vocabulary size {self.vocab_size}",
-        )
-        resolved = params.resolved or self.catalog.resolve(
-            params.proposer, params.num_speculative_tokens
-        )
-        check(
-            not params.stop or self.tokenizer is not None,
-            "stop",
-            "stop strings need a tokenizer, and this model has none",
-        )
-        seed = choice_seed(params.sampling.seed, choice_index)
-        return Request(
-            request_id=request_id or uuid.uuid4().hex,
-            seq_id=next(self._seq_ids),
-            prompt_token_ids=prompt,
-            params=params,
-            resolved=resolved,
-            generator=new_generator(seed),
-            uniform_key=key_of(seed),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
-            constraint=None if params.grammar is None else self.grammars().state(params.grammar),
-        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request, releasing everything it holds; None if it is not known."""
@@ -364,223 +235,6 @@ class Engine:
             self._roll_back(cached)
             return outputs + self._isolate(drafts, plan.prefill, cached)
         return outputs + self._commit_all(verified)
-
-    def _forward_and_verify(
-        self, drafts: list[tuple[Request, Proposal]], prefill: list[tuple[Request, int]]
-    ) -> _Round:
-        """One target forward over the decoding spans and prefill chunks, and verification of
-        the drafts. Changes nothing but the fed sequences' target caches."""
-        fed = [r.proposer for r, _ in (*drafts, *prefill)]
-        step = forward_batch(drafts, prefill, self.runtime.seq_len, forward_layers(fed))
-        output = self.runtime.forward(step.batch)
-        logits = output.logits[: step.num_verify_rows]  # the verified rows
-        inp = self._verify_input(drafts, logits) if drafts else None
-        verified = verify(inp) if inp is not None else None
-        layout = inp.layout if inp is not None else None
-        hidden = output.hidden_states
-        return _Round(drafts, prefill, fed, step, output.logits, hidden, layout, verified)
-
-    def _commit_all(self, round_: _Round) -> list[RequestOutput]:
-        """Score prompts that asked, then commit each decoding request's verified tokens; a
-        failure fails that request only."""
-        drafts, verified, layout = round_.drafts, round_.verified, round_.layout
-        logits = round_.step.score_prompts(round_.logits)  # the verified rows
-        accepted = verified.num_accepted.tolist() if verified is not None else []
-        num_drafts = layout.num_drafts if layout is not None else ()
-        outputs: list[RequestOutput] = []
-        if round_.hidden_states is not None:
-            rejected = [k - n for k, n in zip(num_drafts, accepted, strict=True)]
-            requests = [r for r, _ in (*drafts, *round_.prefill)]
-            rejected += [0] * len(round_.prefill)
-            keep_committed_rows(
-                round_.step.batch, round_.hidden_states, requests, round_.fed, rejected
-            )
-        if verified is None or layout is None:
-            return outputs
-        if verified.controlled_logits is not None:  # what p was made from: logprobs read it too
-            logits = verified.controlled_logits
-        committed = 0
-        for (request, proposal), k, row, tokens, num_accepted in zip(
-            drafts,
-            num_drafts,
-            layout.row_offsets,
-            verified.output_token_ids,
-            accepted,
-            strict=False,
-        ):  # row_offsets has one entry more
-            committed += len(tokens)
-            rows = logits[row : row + len(tokens)]  # the rows that produced ``tokens``
-            try:
-                drafted_by = proposal.drafted_by or request.proposer_name
-                outputs.append(self._commit(request, tokens, num_accepted, k, rows, drafted_by))
-            except Exception:
-                logger.exception("committing request %s failed", request.request_id)
-                outputs.append(self._finish(request, FinishReason.ERROR, ROUND_FAILED))
-        if self.speculation is not None:
-            self.speculation.record_step(committed, layout.num_rows)
-        return outputs
-
-    def _roll_back(self, cached: dict[int, int]) -> None:
-        """Return the target cache of every sequence in ``cached`` (seq_id -> length) to its
-        length before a failed round."""
-        for request in self.scheduler.running:
-            length = cached.get(request.seq_id)
-            slot = request.slot
-            if length is not None and slot is not None and self.runtime.seq_len(slot) > length:
-                self.runtime.truncate(slot, length)
-
-    def _isolate(
-        self,
-        drafts: list[tuple[Request, Proposal]],
-        prefill: list[tuple[Request, int]],
-        cached: dict[int, int],
-    ) -> list[RequestOutput]:
-        """Run a failed round again one sequence at a time, with the same drafts: those that
-        succeed commit as they would have; those that fail alone end with an error."""
-        outputs: list[RequestOutput] = []
-        alone: list[tuple[list[tuple[Request, Proposal]], list[tuple[Request, int]]]] = [
-            *(([entry], []) for entry in drafts),
-            *(([], [entry]) for entry in prefill),
-        ]
-        for one_draft, one_prefill in alone:
-            request = (one_draft or one_prefill)[0][0]
-            try:
-                verified = self._forward_and_verify(one_draft, one_prefill)
-            except Exception:
-                logger.exception("request %s failed alone", request.request_id)
-                self._roll_back({request.seq_id: cached[request.seq_id]})
-                outputs.append(self._finish(request, FinishReason.ERROR, ROUND_FAILED))
-                continue
-            outputs += self._commit_all(verified)
-        return outputs
-
-    def _verify_input(
-        self, drafts: list[tuple[Request, Proposal]], logits: torch.Tensor
-    ) -> VerifyInput:
-        """Every decoding request's drafts against ``logits`` [sum(k_i + 1), vocab_size], with
-        the round's ``DraftLayout`` (built here, once; the commit reads it too)."""
-        return VerifyInput.from_proposals(
-            [p for _, p in drafts],
-            logits,
-            [r.params.sampling for r, _ in drafts],
-            [r.generator for r, _ in drafts],
-            [KeyedUniforms(r.uniform_key, len(r.token_ids)) for r, _ in drafts],
-            checked=True,  # by the proposer pool, where they entered
-            histories=[r.history(self.eos_token_ids) for r, _ in drafts],
-        )
-
-    def _admit(self, outputs: list[RequestOutput]) -> None:
-        for request in self.scheduler.admit(self.num_free_slots()):
-            request.slot, request.stats.cached_tokens = self.prefix_cache.allocate(
-                self._cache_lookup(request)
-            )
-            request.start_time = time.perf_counter()
-            try:
-                request.proposer.start(request.seq_id, request.prompt_token_ids)
-            except Exception as exc:  # a proposer's failure harms its own request only
-                logger.exception("proposer %r failed to start", request.proposer_name)
-                outputs.append(self._finish(request, FinishReason.ERROR, f"proposer: {exc}"))
-
-    def _cache_lookup(self, request: Request) -> list[int] | None:
-        """The prompt to look up in the prefix cache, or None where the request must prefill
-        it all: it asked not to, it scores its prompt (the skipped rows would be missing), its
-        proposer reads the target's features of every position, or it is a choice waiting for
-        its group's source's prefill."""
-        grouped = request.group is not None and request.group.source is not request
-        if (
-            not request.params.cache_prompt
-            or request.params.prompt_logprobs is not None
-            or request.proposer.feature_layers
-            or grouped
-        ):
-            return None
-        return request.prompt_token_ids
-
-    def _num_drafts(self, request: Request, proposer: Proposer) -> int:
-        """Drafts to ask for this round: the request's K, shrunk so that committing k + 1 tokens
-        fits the context and budget, then to what pays off (adaptive speculation)."""
-        room = self.max_seq_len - len(request.token_ids) - 1
-        budget = request.params.max_new_tokens - request.num_generated - 1
-        k = max(0, min(request.num_speculative_tokens, room, budget))
-        if self.speculation is None or k == 0:
-            return k
-        return self.speculation.num_drafts(
-            request.speculation,
-            k,
-            by_step=request.params.sampling.is_greedy or not proposer.samples_drafts,
-            proposer_cost_per_token=proposer.cost_per_token,
-        )
-
-    def _commit(
-        self,
-        request: Request,
-        tokens: list[int],
-        num_accepted: int,
-        num_drafts: int,
-        logits: torch.Tensor,
-        drafted_by: str,
-    ) -> RequestOutput:
-        """Append verified tokens, stopping at the first stop condition; roll caches back.
-        ``logits`` [len(tokens), vocab_size]: the target's rows that produced ``tokens``;
-        ``drafted_by``: the proposer whose drafts they are (``RequestOutput.drafted_by``)."""
-        request.stats.record_round(num_drafts, num_accepted)
-        request.speculation.update(num_drafts, num_accepted, len(tokens))
-        assert request.detokenizer is not None and request.slot is not None
-        new_token_ids, consumed, reason = request.append(
-            tokens, self.eos_token_ids, self.max_seq_len
-        )
-        logprobs = request.score_committed(logits[:consumed], tokens[:consumed])
-        # The accepted drafts lead the round's tokens: the first ``num_drafted`` appended.
-        num_drafted = min(num_accepted, len(new_token_ids))
-        if reason is not None:
-            output = self._finish(request, reason, new_token_ids=new_token_ids, logprobs=logprobs)
-            return dataclasses.replace(output, num_drafted=num_drafted, drafted_by=drafted_by)
-        if request.constraint is not None:
-            request.constraint.commit(new_token_ids)
-        self.runtime.truncate(request.slot, len(request.token_ids) - 1)
-        hidden_states, hidden_position = take_rows(request)
-        try:
-            request.proposer.commit(
-                CommitInfo(request.seq_id, tokens, num_accepted, hidden_states, hidden_position)
-            )
-        except Exception as exc:
-            logger.exception("proposer %r failed to commit", request.proposer_name)
-            return self._finish(
-                request, FinishReason.ERROR, f"proposer: {exc}", new_token_ids, logprobs
-            )
-        return RequestOutput(
-            request.request_id,
-            new_token_ids,
-            request.detokenizer.stream_text(),
-            False,
-            logprobs=logprobs,
-            prompt_logprobs=request.take_prompt_logprobs(),
-            num_drafted=num_drafted,
-            drafted_by=drafted_by,
-        )
-
-    def _finish(
-        self,
-        request: Request,
-        reason: FinishReason,
-        error: str | None = None,
-        new_token_ids: list[int] | None = None,
-        logprobs: Logprobs | None = None,
-    ) -> RequestOutput:
-        """End a request for ``reason`` and release its slot and its proposer's state."""
-        request.finish_reason = reason
-        request.error = error
-        if request.slot is not None:
-            retain = request.params.cache_prompt and reason is not FinishReason.ERROR
-            self.prefix_cache.release(request.slot, request.token_ids, retain)
-            request.slot = None
-            try:
-                request.proposer.finish(request.seq_id)
-            except Exception:
-                logger.exception("proposer %r failed to finish", request.proposer_name)
-        leave(request)
-        self.scheduler.remove(request)
-        return request.final_output(new_token_ids or [], logprobs)
 
     # ------------------------------------------------------------- one request
 

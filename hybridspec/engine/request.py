@@ -10,25 +10,20 @@ from __future__ import annotations
 import enum
 import os
 import time
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from hybridspec.config import check_num_speculative_tokens
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.logprobs import Logprobs, score
+from hybridspec.engine.params import DEFAULT_MAX_NEW_TOKENS as DEFAULT_MAX_NEW_TOKENS
+from hybridspec.engine.params import GenerationParams as GenerationParams  # its public path
 from hybridspec.engine.resolution import ResolvedProposer
 from hybridspec.engine.speculation import SpeculationState
-from hybridspec.errors import check
 from hybridspec.types import (
-    MAX_LOGPROBS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
     GenerationStats,
-    GrammarSpec,
-    SamplingParams,
     TokenHistory,
 )
 from hybridspec.verifier.grammar import GrammarState
@@ -45,179 +40,6 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_new_tokens or the context length
     ABORT = "abort"  # cancelled by the caller
     ERROR = "error"  # failed; other requests are unaffected
-
-
-DEFAULT_MAX_NEW_TOKENS = 256
-_SAMPLING = SamplingParams()  # the sampling defaults, which ``GenerationParams.create`` shows
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationParams:
-    """Per-request generation options. ``None`` proposer / K take the engine's defaults.
-
-    ``logprobs``: None for none, else each returned token's log-probability and that many most
-    likely alternatives (0..20); ``prompt_logprobs`` the same for the prompt's tokens (the first
-    has none). Both are under the request's sampling transforms (``engine.logprobs``).
-    ``max_new_tokens`` may be 0 when ``prompt_logprobs`` is asked: the prompt is scored, and
-    nothing generated. ``stop_token_ids`` end the request as EOS does (left out of the text,
-    held back by ``min_tokens``), ``ignore_eos`` or not. ``grammar``: what the output must
-    match (structured output, ``verifier.grammar``); None for free text. ``resolved``: the
-    proposer and K already resolved against this engine's catalog where the request entered
-    (the server does; ``engine.resolution``), which the engine then takes as they are; None:
-    the engine resolves ``proposer`` and ``num_speculative_tokens`` when the request is added.
-    ``cache_prompt`` False: the request neither reads the prefix cache nor leaves its tokens in
-    it (``engine.prefix_cache``; llama.cpp's name). ``session``: whose request it is, for the
-    ``suffix`` proposer's per-session isolation (the server passes the ``user`` field).
-    """
-
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    proposer: str | None = None
-    num_speculative_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    grammar: GrammarSpec | None = None
-    resolved: ResolvedProposer | None = None
-    cache_prompt: bool = True
-    session: str | None = None
-
-    def __post_init__(self) -> None:
-        check(
-            self.session is None or isinstance(self.session, str),
-            "session",
-            f"expected None or a string, got {self.session!r}",
-        )
-        check(
-            isinstance(self.cache_prompt, bool),
-            "cache_prompt",
-            f"expected a bool, got {self.cache_prompt!r}",
-        )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            check(
-                value is None
-                or (
-                    isinstance(value, int)
-                    and not isinstance(value, bool)
-                    and 0 <= value <= MAX_LOGPROBS
-                ),
-                name,
-                f"expected None or an integer in [0, {MAX_LOGPROBS}], got {value!r}",
-            )
-        least = 0 if self.prompt_logprobs is not None else 1
-        check(
-            isinstance(self.max_new_tokens, int)
-            and not isinstance(self.max_new_tokens, bool)
-            and self.max_new_tokens >= least,
-            "max_new_tokens",
-            f"expected an integer >= {least}, got {self.max_new_tokens!r}"
-            + (" (0 needs prompt_logprobs: it only scores the prompt)" if least else ""),
-        )
-        check(
-            isinstance(self.sampling, SamplingParams),
-            "sampling",
-            f"expected SamplingParams, got {type(self.sampling).__name__}",
-        )
-        check(
-            self.proposer is None or (isinstance(self.proposer, str) and bool(self.proposer)),
-            "proposer",
-            f"expected a proposer name, got {self.proposer!r}",
-        )
-        if self.num_speculative_tokens is not None:
-            check_num_speculative_tokens(self.num_speculative_tokens)
-        check(
-            isinstance(self.stop, tuple)
-            and len(self.stop) <= MAX_STOP_STRINGS
-            and all(isinstance(s, str) and s for s in self.stop),
-            "stop",
-            f"expected a tuple of at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}",
-        )
-        check(
-            isinstance(self.stop_token_ids, tuple)
-            and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
-            and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                for t in self.stop_token_ids
-            ),
-            "stop_token_ids",
-            f"expected a tuple of at most {MAX_STOP_TOKEN_IDS} token ids, "
-            f"got {self.stop_token_ids!r}",
-        )
-        check(
-            self.grammar is None or isinstance(self.grammar, GrammarSpec),
-            "grammar",
-            f"expected None or a GrammarSpec, got {type(self.grammar).__name__}",
-        )
-        check(
-            self.resolved is None or isinstance(self.resolved, ResolvedProposer),
-            "resolved",
-            f"expected None or a ResolvedProposer, got {type(self.resolved).__name__}",
-        )
-
-    @classmethod
-    def create(
-        cls,
-        *,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        temperature: float = _SAMPLING.temperature,
-        top_k: int | None = _SAMPLING.top_k,
-        top_p: float = _SAMPLING.top_p,
-        seed: int | None = _SAMPLING.seed,
-        presence_penalty: float = _SAMPLING.presence_penalty,
-        frequency_penalty: float = _SAMPLING.frequency_penalty,
-        repetition_penalty: float = _SAMPLING.repetition_penalty,
-        logit_bias: Mapping[int, float] | None = None,
-        min_p: float = _SAMPLING.min_p,
-        min_tokens: int = _SAMPLING.min_tokens,
-        proposer: str | None = None,
-        num_speculative_tokens: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        ignore_eos: bool = False,
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-        stop_token_ids: Sequence[int] = (),
-        grammar: GrammarSpec | None = None,
-        cache_prompt: bool = True,
-        session: str | None = None,
-    ) -> GenerationParams:
-        """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
-        ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds and
-        the defaults, which these arguments show)."""
-        if stop is None:
-            stops: tuple[str, ...] = ()
-        elif isinstance(stop, str):
-            stops = (stop,)
-        else:
-            check(isinstance(stop, (list, tuple)), "stop", f"expected strings, got {stop!r}")
-            stops = tuple(stop)
-        return cls(
-            max_new_tokens=max_new_tokens,
-            sampling=SamplingParams(
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed,
-                presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty,
-                repetition_penalty=repetition_penalty,
-                logit_bias=logit_bias or {},  # type: ignore[arg-type]  # stored as sorted pairs
-                min_p=min_p,
-                min_tokens=min_tokens,
-            ),
-            proposer=proposer,
-            num_speculative_tokens=num_speculative_tokens,
-            stop=stops,
-            ignore_eos=ignore_eos,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            stop_token_ids=tuple(stop_token_ids),
-            grammar=grammar,
-            cache_prompt=cache_prompt,
-            session=session,
-        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
     from hybridspec.model.qgemm import BlockLinear, Kernel, block_kernel
     from hybridspec.model.quant import quantize
+    from hybridspec.model.rope import apply_rope, rope_cos_sin
     from hybridspec.model.runtime import (
         ForwardBatch,
         ForwardOutput,
@@ -38,6 +39,7 @@ __all__ = [
     "LoadedModel",
     "ModelRuntime",
     "ObserverHandle",
+    "apply_rope",
     "block_kernel",
     "dense",
     "embedded_model_path",
@@ -46,6 +48,7 @@ __all__ = [
     "median_forward_seconds",
     "num_threads",
     "quantize",
+    "rope_cos_sin",
     "rope_inv_freq",
     "set_num_threads",
     "synchronize",
@@ -59,6 +62,7 @@ __getattr__, __dir__ = lazy_exports(
         "hybridspec.model.loader": ("LoadedModel", "embedded_model_path", "load_model"),
         "hybridspec.model.qgemm": ("BlockLinear", "Kernel", "block_kernel"),
         "hybridspec.model.quant": ("quantize",),
+        "hybridspec.model.rope": ("apply_rope", "rope_cos_sin"),
         "hybridspec.model.runtime": (
             "ForwardBatch",
             "ForwardOutput",

@@ -38,6 +38,7 @@ from hybridspec.model.llama_weights import LlamaLayerWeights, LlamaWeights, Matr
 from hybridspec.model.qgemm import BlockLinear, kernel
 from hybridspec.model.quant import GROUP_SIZE, PackedWeight, QuantizedWeight
 from hybridspec.model.quant_linear import Int4Linear, Int8Linear, quantized_linear
+from hybridspec.model.rope import apply_rope, rope_tables
 from hybridspec.model.runtime import (
     ForwardBatch,
     ForwardObserver,
@@ -65,20 +66,6 @@ def build_linear(weight: Matrix, prepack: bool) -> Linear:
             return quantized_linear(weight)
         weight = weight.dequantize(torch.bfloat16)
     return PackedLinear(weight, prepack=prepack)
-
-
-def rope_tables(inv_freq: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """cos and sin of every position, ``[2, S, 1, hd]``, computed in float32 like transformers."""
-    positions = torch.arange(max_seq_len, dtype=torch.float32, device=inv_freq.device)
-    freqs = positions[:, None] * inv_freq[None, :]  # [S, hd // 2]
-    angles = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
-    return torch.stack((angles.cos(), angles.sin())).to(dtype)[:, :, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, hd]`` by ``cos, sin [T, 1, hd]`` (the rotate-half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
 
 
 @dataclass(frozen=True, slots=True)

@@ -248,3 +248,77 @@ def test_draft_probabilities_on_the_draft_vocabulary_equal_the_whole_vocabulary_
     ]
     whole = logits_to_probs_by_row(logits, sampling)
     torch.testing.assert_close(proposer._draft_probs(logits, sampling), whole)
+
+
+# A seeded sampled request's text with the head's cost fixed (FREE): the drafts it asks for and
+# the order of its random draws decide the text. Pinned from be4da2d's behaviour, which the
+# layout merge kept: the texts of that merge's A/B differed only because the default measures
+# the head's cost at start-up (``EagleConfig.cost_per_token`` None), which steers how many
+# drafts a sampled request asks for and so how its generator is consumed.
+PINNED_SAMPLED = {
+    "eagle": [
+        0,
+        21,
+        0,
+        52,
+        58,
+        43,
+        21,
+        38,
+        43,
+        21,
+        40,
+        13,
+        32,
+        25,
+        45,
+        43,
+        27,
+        7,
+        63,
+        0,
+        40,
+        29,
+        40,
+        38,
+    ],
+    "hybrid": [
+        0,
+        40,
+        19,
+        4,
+        2,
+        21,
+        50,
+        62,
+        16,
+        28,
+        62,
+        21,
+        48,
+        51,
+        45,
+        0,
+        40,
+        61,
+        50,
+        35,
+        38,
+        35,
+        38,
+        24,
+    ],
+}
+
+
+@pytest.mark.parametrize("proposer", sorted(PINNED_SAMPLED))
+def test_seeded_sampled_text_is_pinned(engine: Engine, proposer: str) -> None:
+    params = GenerationParams(
+        max_new_tokens=24,
+        sampling=SamplingParams(temperature=0.8, seed=7),
+        proposer=proposer,
+        ignore_eos=True,
+    )
+    result = engine.generate(prompt_token_ids=PROMPTS[0], params=params)
+    assert result.stats.draft_tokens_accepted > 0  # the drafts took part
+    assert list(result.token_ids) == PINNED_SAMPLED[proposer]

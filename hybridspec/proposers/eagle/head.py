@@ -30,23 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridspec.errors import check
+from hybridspec.model import apply_rope, rope_cos_sin
 from hybridspec.proposers.eagle.config import HeadConfig, TargetParts
 from hybridspec.proposers.eagle.training import unrolled
-
-
-def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[..., 1, hd]`` at integer ``positions [...]`` for ``inv_freq [hd // 2]``."""
-    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
-    angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rope, rotate-half convention: ``x [..., heads, hd]``, ``cos, sin [..., 1, hd]``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class DecoderLayerHead(nn.Module):
@@ -75,8 +61,8 @@ class DecoderLayerHead(nn.Module):
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
         cos, sin = self.rope(positions, h.dtype)
-        q = rotate(q.unflatten(-1, (c.num_heads, c.head_dim)), cos, sin)
-        k = rotate(k.unflatten(-1, (c.num_kv_heads, c.head_dim)), cos, sin)
+        q = apply_rope(q.unflatten(-1, (c.num_heads, c.head_dim)), cos, sin, fused=False)
+        k = apply_rope(k.unflatten(-1, (c.num_kv_heads, c.head_dim)), cos, sin, fused=False)
         return q, k, v.unflatten(-1, (c.num_kv_heads, c.head_dim))
 
     def layer_rest(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:

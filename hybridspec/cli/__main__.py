@@ -1,0 +1,7 @@
+"""``python -m hybridspec.cli``: the command line (``hybridspec.cli.main``)."""
+
+import sys
+
+from hybridspec.cli import main
+
+sys.exit(main())

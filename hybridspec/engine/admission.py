@@ -1,0 +1,193 @@
+"""How requests enter the engine and what each asks of a round: checked and resolved where
+they enter (``add_request``, ``add_choices``: the proposer and K through ``ProposerCatalog``,
+the prompt, ``logit_bias`` and stop ids against the model), admitted into KV-cache slots with
+the prefix cache's help (``_admit``), and the drafts each asks for in a round (``_num_drafts``:
+its K, the room left, adaptive speculation). ``Admission`` is one of ``Engine``'s bases.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from hybridspec.config import EngineConfig
+from hybridspec.engine.choices import check_choices, choice_seed, group_choices
+from hybridspec.engine.detokenizer import IncrementalDetokenizer
+from hybridspec.engine.prompts import check_prompt
+from hybridspec.engine.proposer_pool import ProposerPool
+from hybridspec.engine.request import (
+    FinishReason,
+    GenerationParams,
+    Request,
+    RequestOutput,
+    new_generator,
+)
+from hybridspec.engine.resolution import ProposerCatalog
+from hybridspec.engine.round import RoundSteps
+from hybridspec.errors import check
+from hybridspec.proposers import Proposer
+from hybridspec.verifier import check_logit_bias
+from hybridspec.verifier.grammar import Grammars
+from hybridspec.verifier.uniforms import key_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+class Admission(RoundSteps):
+    """Requests' entry, admission and per-round draft counts for ``Engine`` (module docstring),
+    over the engine's state that ``Engine.__init__`` sets (annotated here for the type checker).
+    """
+
+    config: EngineConfig
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    max_num_seqs: int
+    proposers: ProposerPool
+    _seq_ids: Iterator[int]
+    _grammars: Grammars | None
+
+    def num_free_slots(self) -> int:
+        """Slots free for running requests (the prefix cache gives up its entries for them)."""
+        return self.max_num_seqs - len(self.scheduler.running)
+
+    def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        check_prompt(prompt_token_ids, self.max_seq_len, self.vocab_size)
+
+    @property
+    def catalog(self) -> ProposerCatalog:
+        """What requests' proposers and K resolve against (``engine.resolution``)."""
+        return self.proposers.catalog
+
+    def grammars(self) -> Grammars:
+        """The compiler of structured-output grammars for this model's tokenizer (built on
+        first use: reading the vocabulary takes a fraction of a second)."""
+        check(
+            self.tokenizer is not None,
+            "grammar",
+            "structured output needs the model's tokenizer, and this model has none",
+        )
+        if self._grammars is None:
+            eos = sorted(self.eos_token_ids)
+            cache_bytes = self.config.grammar_cache_mb * 1024 * 1024
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, eos, cache_bytes)
+        return self._grammars
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: GenerationParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises InvalidRequestError or CapacityError, else returns its id."""
+        request = self._new_request(prompt_token_ids, params, request_id)
+        self.scheduler.add(request, self.num_free_slots())
+        return request.request_id
+
+    def add_choices(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: GenerationParams | Sequence[GenerationParams] | None = None,
+        n: int = 1,
+    ) -> list[list[str]]:
+        """Queue ``n`` choices of each prompt (``params``: one for all, or one per prompt),
+        all or none; each prompt is prefilled once for its choices, and choice ``i`` samples
+        with seed ``seed + i`` (``engine.choices``). Returns the ids, ``[prompt][choice]``."""
+        check_choices(n, len(prompts), self.max_num_seqs, self.config.max_queue_size)
+        if params is None or isinstance(params, GenerationParams):
+            params = [params or GenerationParams()] * len(prompts)
+        check(len(params) == len(prompts), "params", "expected one GenerationParams per prompt")
+        groups = [
+            [self._new_request(prompt, one, choice_index=i) for i in range(n)]
+            for prompt, one in zip(prompts, params, strict=True)
+        ]
+        for group in groups:
+            group_choices(group)
+        self.scheduler.add_all(groups, self.num_free_slots())
+        return [[r.request_id for r in group] for group in groups]
+
+    def _new_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: GenerationParams | None,
+        request_id: str | None = None,
+        choice_index: int = 0,
+    ) -> Request:
+        """A checked request, not queued yet."""
+        params = params if params is not None else GenerationParams()
+        check(isinstance(params, GenerationParams), "params", "expected GenerationParams")
+        prompt = list(prompt_token_ids)
+        self.check_prompt(prompt)
+        check_logit_bias(params.sampling, self.vocab_size)
+        check(
+            all(t < self.vocab_size for t in params.stop_token_ids),
+            "stop_token_ids",
+            f"expected token ids below the vocabulary size {self.vocab_size}",
+        )
+        resolved = params.resolved or self.catalog.resolve(
+            params.proposer, params.num_speculative_tokens
+        )
+        check(
+            not params.stop or self.tokenizer is not None,
+            "stop",
+            "stop strings need a tokenizer, and this model has none",
+        )
+        seed = choice_seed(params.sampling.seed, choice_index)
+        return Request(
+            request_id=request_id or uuid.uuid4().hex,
+            seq_id=next(self._seq_ids),
+            prompt_token_ids=prompt,
+            params=params,
+            resolved=resolved,
+            generator=new_generator(seed),
+            uniform_key=key_of(seed),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
+            constraint=None if params.grammar is None else self.grammars().state(params.grammar),
+        )
+
+    def _admit(self, outputs: list[RequestOutput]) -> None:
+        for request in self.scheduler.admit(self.num_free_slots()):
+            request.slot, request.stats.cached_tokens = self.prefix_cache.allocate(
+                self._cache_lookup(request)
+            )
+            request.start_time = time.perf_counter()
+            try:
+                request.proposer.start(request.seq_id, request.prompt_token_ids)
+            except Exception as exc:  # a proposer's failure harms its own request only
+                logger.exception("proposer %r failed to start", request.proposer_name)
+                outputs.append(self._finish(request, FinishReason.ERROR, f"proposer: {exc}"))
+
+    def _cache_lookup(self, request: Request) -> list[int] | None:
+        """The prompt to look up in the prefix cache, or None where the request must prefill
+        it all: it asked not to, it scores its prompt (the skipped rows would be missing), its
+        proposer reads the target's features of every position, or it is a choice waiting for
+        its group's source's prefill."""
+        grouped = request.group is not None and request.group.source is not request
+        if (
+            not request.params.cache_prompt
+            or request.params.prompt_logprobs is not None
+            or request.proposer.feature_layers
+            or grouped
+        ):
+            return None
+        return request.prompt_token_ids
+
+    def _num_drafts(self, request: Request, proposer: Proposer) -> int:
+        """Drafts to ask for this round: the request's K, shrunk so that committing k + 1 tokens
+        fits the context and budget, then to what pays off (adaptive speculation)."""
+        room = self.max_seq_len - len(request.token_ids) - 1
+        budget = request.params.max_new_tokens - request.num_generated - 1
+        k = max(0, min(request.num_speculative_tokens, room, budget))
+        if self.speculation is None or k == 0:
+            return k
+        return self.speculation.num_drafts(
+            request.speculation,
+            k,
+            by_step=request.params.sampling.is_greedy or not proposer.samples_drafts,
+            proposer_cost_per_token=proposer.cost_per_token,
+        )
