@@ -1,7 +1,10 @@
-"""A lean native forward for the Llama family over a slot-indexed KV cache (gpt-fast style).
+"""A lean native forward for Llama's layer and its families over a slot-indexed KV cache
+(gpt-fast style).
 
 ``LlamaRuntime`` runs the weights of ``llama_weights`` (the configurations it covers are listed
-there); other variants load through the generic transformers runtime (``hf_runtime``).
+there); what a family adds to the layer (``families.Family``: q/k/v biases, q/k norms) is read
+from the weights' tensors, all of it row by row. Other models load through the generic
+transformers runtime (``hf_runtime``).
 
 Dimensions: ``T`` new tokens in the batch (flat), ``B`` sequences, ``H`` query heads, ``KV``
 key/value heads, ``rep = H // KV`` query heads per key/value head, ``hd`` head_dim, ``D``
