@@ -141,6 +141,9 @@ class DraftModelProposer(SequenceProposer[_DraftSeq]):
             ]
             for i in active
         }
+        # A token past the draft's rows (the target's own padding, with a smaller draft) cannot
+        # be fed: that sequence gets no drafts this round.
+        active = [i for i in active if max(feed[i], default=0) < self.model.vocab_size]
         while active:
             logits = self.runtime.forward(
                 ForwardBatch.from_lists(

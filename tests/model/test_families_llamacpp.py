@@ -76,7 +76,7 @@ def convert(folder: Path, outtype: str) -> Path:
 
 
 def quantize_q4_k_m(source: Path) -> Path:
-    out = source.with_name(source.name.replace("-F32", "-Q4_K_M"))
+    out = source.with_name(source.name.replace("-F32", "-Q4_K_M").replace("-F16", "-Q4_K_M"))
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
     status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params)

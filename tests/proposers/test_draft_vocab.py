@@ -122,3 +122,23 @@ def test_a_draft_with_other_tokens_is_refused_naming_the_first(target: LoadedMod
         build_engine(target, no_tokenizers).generate(
             prompt_token_ids=PROMPT, proposer="draft", max_new_tokens=2
         )
+
+
+def test_a_target_that_emits_its_padding_is_not_drafted_for() -> None:
+    """A target whose padding rows win (untrained rows can) feeds the smaller draft an id it
+    has no row for: that sequence gets no drafts, and its text is plain decoding's."""
+    target = padded(0, VOCAB + 3)
+    assert isinstance(target.weights, LlamaWeights)
+    state = target.weights.hf_state_dict()
+    state["lm_head.weight"][VOCAB + 1] = 50 * state["lm_head.weight"][0].sign()
+    target = dataclasses.replace(
+        target,
+        weights=LlamaWeights.from_hf_state_dict(state, target.hf_config, dtype=torch.float32),
+    )
+    draft = padded(1, VOCAB, base=state)
+    engine = build_engine(target, draft)
+    options = {"prompt_token_ids": PROMPT, "max_new_tokens": 8, "ignore_eos": True}
+    expected = engine.generate(proposer="none", **options)  # type: ignore[arg-type]
+    assert VOCAB + 1 in expected.token_ids
+    result = engine.generate(proposer="draft", num_speculative_tokens=3, **options)  # type: ignore[arg-type]
+    assert result.error is None and result.token_ids == expected.token_ids
