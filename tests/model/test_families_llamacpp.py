@@ -42,6 +42,11 @@ if not CONVERTER.is_file():
     pytest.skip(f"llama.cpp's converter is not at {CONVERTER}", allow_module_level=True)
 
 
+@pytest.fixture(autouse=True)
+def _private_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HYBRIDSPEC_CACHE_DIR", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def tokenizer():  # type: ignore[no-untyped-def]
     try:
