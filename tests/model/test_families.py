@@ -114,3 +114,18 @@ def test_unsupported_configurations_name_the_reason() -> None:
     assert "partial" in str(native_support_problem(phi))
     with pytest.raises(ValueError, match="model_type is 'gpt2'"):
         family_of(GPT2Config())
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_the_bench_transformers_baseline_is_the_familys_own_class(family: str) -> None:
+    from hybridspec.bench.hf_baseline import hf_model_from_weights
+    from hybridspec.model.loader import LoadedModel
+
+    model = tiny_family(family, seed=6)
+    weights = LlamaWeights.from_hf_state_dict(model.state_dict(), model.config, dtype=torch.float32)
+    loaded = LoadedModel(weights, None, model.config, torch.float32, (TINY_EOS,), family)  # type: ignore[arg-type]
+    baseline = hf_model_from_weights(loaded)
+    assert type(baseline) is type(model)
+    torch.testing.assert_close(
+        reference_logits(baseline, PROMPT), reference_logits(model, PROMPT), atol=0, rtol=0
+    )
