@@ -1,10 +1,11 @@
-"""The transformers baseline: ``LlamaForCausalLM.generate`` on the very weights we run.
+"""The transformers baseline: the model family's own class (``LlamaForCausalLM``,
+``Qwen3ForCausalLM``...) ``generate`` on the very weights we run.
 
 ``hf_model_from_weights`` un-fuses ``LlamaWeights`` (``wqkv`` -> q/k/v, ``w_gate_up`` ->
-gate/up) into a ``LlamaForCausalLM`` built on the meta device, assigning the tensors rather than
-copying them, so both sides share one copy of the weights, in one dtype, with a tied
-``lm_head`` where ours is tied. ``HFMethod`` times ``generate()``, plain or with prompt lookup
-decoding (``prompt_lookup_num_tokens``, transformers' n-gram speculation).
+gate/up, in the family's layout) into that class built on the meta device, assigning the
+tensors rather than copying them, so both sides share one copy of the weights, in one dtype,
+with a tied ``lm_head`` where ours is tied. ``HFMethod`` times ``generate()``, plain or with
+prompt lookup decoding (``prompt_lookup_num_tokens``, transformers' n-gram speculation).
 
 Draft counting for prompt lookup, from the tokens fed to each forward: the first forward
 feeds the prompt plus ``c_1`` candidates, each later one its ``c_i`` candidates plus the last
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
 
 from hybridspec.bench.records import Measurement, Speculation, first_difference
 from hybridspec.bench.timing import ModuleForwardTimer
@@ -34,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 def hf_model_from_weights(loaded: LoadedModel) -> LlamaForCausalLM:
-    """A transformers ``LlamaForCausalLM`` sharing ``loaded``'s native weights (no copy)."""
+    """A transformers model of ``loaded``'s family (``LlamaForCausalLM`` for Llama) sharing its
+    native weights (no copy)."""
     weights = loaded.weights
     if not isinstance(weights, LlamaWeights):
         raise InvalidRequestError(
@@ -43,11 +45,10 @@ def hf_model_from_weights(loaded: LoadedModel) -> LlamaForCausalLM:
             "methods",
         )
     config = copy.deepcopy(loaded.hf_config)
-    assert isinstance(config, LlamaConfig), "LlamaWeights are only built from a LlamaConfig"
     config.tie_word_embeddings = weights.lm_head is weights.embed
     config.dtype = weights.dtype
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    with torch.device("meta"):  # the family's own class (``model.families``): Qwen3's, Phi-3's...
+        model: LlamaForCausalLM = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(weights.hf_state_dict(), strict=False, assign=True)
     tied_head = ["lm_head.weight"] if config.tie_word_embeddings else []
     assert list(missing) == tied_head and not unexpected, (missing, unexpected)

@@ -1,10 +1,14 @@
-"""Reading llama.cpp GGUF files into transformers' Llama layout, without transformers' loader.
+"""Reading llama.cpp GGUF files into transformers' layout, without transformers' loader.
+
+Architectures: ``SUPPORTED_ARCHITECTURES`` (the families of ``model.families`` whose GGUF
+architecture has the family's name; llama.cpp writes dense Mistral as ``llama``).
 
 ``read_gguf`` dequantises every tensor (Q4_K, Q8_0, F16, F32, ...) to float32 (or, with
 ``keep_quantized``, keeps quantized matrices as their blocks: ``QuantizedWeight``,
 ``model.gguf_blocks``),
-renames it to its ``LlamaForCausalLM`` name, undoes llama.cpp's rope permutation of the q/k
-rows and builds a ``LlamaConfig`` from the metadata. ``load_gguf_tokenizer`` converts the
+renames it to its transformers name, undoes llama.cpp's rope permutation of the q/k rows (only
+``llama`` files are permuted) and builds the architecture's transformers config from the
+metadata. ``load_gguf_tokenizer`` converts the
 file's vocabulary with transformers once (seconds for a 49k vocabulary) and caches the result
 on disk.
 
@@ -37,13 +41,17 @@ from hybridspec.model.llama_weights import default_inv_freq, llama3_inv_freq
 from hybridspec.model.quant import QuantizedWeight
 
 if TYPE_CHECKING:
-    from transformers import LlamaConfig, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+_PERMUTED_ARCHITECTURES = ("llama",)  # whose q/k rows llama.cpp's converter reorders
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _LAYER_NAMES = {
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -54,6 +62,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_FUSED_UP = {"phi3": "mlp.gate_up_proj"}  # architectures whose ffn_up holds gate and up
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -69,10 +78,10 @@ _LLAMA3_ROPE = {
 
 @dataclass(frozen=True, slots=True)
 class GGUFModel:
-    """A GGUF Llama model in transformers' layout."""
+    """A GGUF model in transformers' layout."""
 
-    config: LlamaConfig
-    # LlamaForCausalLM names and layout: float32, or a file's own blocks (``keep_quantized``)
+    config: PretrainedConfig  # the architecture's own config class (LlamaConfig, Qwen3Config...)
+    # transformers' names and layout: float32, or a file's own blocks (``keep_quantized``)
     state_dict: dict[str, torch.Tensor | QuantizedWeight]
     eos_token_ids: tuple[int, ...]  # from eos/eot/eom metadata
 
@@ -104,7 +113,7 @@ def unpermute_qk_rows(weight: QuantizedWeight, num_heads: int) -> QuantizedWeigh
 
 
 def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> GGUFModel:
-    """Read a GGUF Llama file; raises ModelLoadError for an unreadable or unsupported file.
+    """Read a GGUF file; raises ModelLoadError for an unreadable or unsupported file.
 
     ``keep_quantized``: quantized matrices come back as ``QuantizedWeight`` (their blocks,
     exactly: ``model.gguf_blocks`` lists the types), F32/F16/BF16 ones and vectors as float32;
@@ -125,11 +134,14 @@ def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> 
     for name in ("token_embd.weight", "output_norm.weight"):
         if name not in tensors:
             raise ModelLoadError(f"GGUF file {meta.path!r}: tensor {name!r} is missing")
-    config = _llama_config(meta, tensors)
-    heads = {
-        "attn_q": int(config.num_attention_heads),
-        "attn_k": int(config.num_key_value_heads or 0),
-    }
+    config = _config(meta, tensors)
+    heads = {}
+    if arch in _PERMUTED_ARCHITECTURES:
+        heads = {
+            "attn_q": int(config.num_attention_heads),
+            "attn_k": int(config.num_key_value_heads or 0),
+        }
+    names = _LAYER_NAMES | ({"ffn_up": _FUSED_UP[arch]} if arch in _FUSED_UP else {})
     state_dict = {}
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight":  # folded into config.rope_parameters by _llama_config
@@ -153,14 +165,14 @@ def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> 
                 f"GGUF file {meta.path!r}: cannot dequantize {name} ({kind}): {exc}"
             ) from exc
         match = _LAYER_TENSOR.fullmatch(name)
-        if match is not None and match.group(2) in _LAYER_NAMES:
-            layer, kind = match.groups()
-            if kind in heads:
+        if match is not None and match.group(2) in names:
+            layer, kind, suffix = match.groups()
+            if kind in heads and suffix == "weight":
                 if isinstance(values, QuantizedWeight):
                     values = unpermute_qk_rows(values, heads[kind])
                 else:
                     values = unpermute_qk(values, heads[kind])
-            state_dict[f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"] = values
+            state_dict[f"model.layers.{layer}.{names[kind]}.{suffix}"] = values
         elif name in _GLOBAL_NAMES:
             state_dict[_GLOBAL_NAMES[name]] = values
         else:
@@ -193,8 +205,8 @@ class _Metadata:
         return value
 
 
-def _llama_config(meta: _Metadata, tensors: dict[str, Any]) -> LlamaConfig:
-    from transformers import LlamaConfig
+def _config(meta: _Metadata, tensors: dict[str, Any]) -> PretrainedConfig:
+    from transformers import AutoConfig
 
     arch = meta.require("general.architecture")
     num_heads = int(meta.require(f"{arch}.attention.head_count"))
@@ -207,7 +219,8 @@ def _llama_config(meta: _Metadata, tensors: dict[str, Any]) -> LlamaConfig:
             "channels) are not supported"
         )
     embed_rows = int(tensors["token_embd.weight"].shape[1])
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        arch,
         vocab_size=int(meta.get(f"{arch}.vocab_size", embed_rows)),
         hidden_size=hidden,
         intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
@@ -219,6 +232,8 @@ def _llama_config(meta: _Metadata, tensors: dict[str, Any]) -> LlamaConfig:
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         tie_word_embeddings="output.weight" not in tensors,
         rope_parameters=_rope_parameters(meta, arch, tensors, head_dim),
     )

@@ -1,7 +1,10 @@
-"""A lean native forward for the Llama family over a slot-indexed KV cache (gpt-fast style).
+"""A lean native forward for Llama's layer and its families over a slot-indexed KV cache
+(gpt-fast style).
 
 ``LlamaRuntime`` runs the weights of ``llama_weights`` (the configurations it covers are listed
-there); other variants load through the generic transformers runtime (``hf_runtime``).
+there); what a family adds to the layer (``families.Family``: q/k/v biases, q/k norms) is read
+from the weights' tensors, all of it row by row. Other models load through the generic
+transformers runtime (``hf_runtime``).
 
 Dimensions: ``T`` new tokens in the batch (flat), ``B`` sequences, ``H`` query heads, ``KV``
 key/value heads, ``rep = H // KV`` query heads per key/value head, ``hd`` head_dim, ``D``
@@ -78,6 +81,9 @@ class _RuntimeLayer:
     mlp_norm: torch.Tensor  # [D]
     w_gate_up: Linear  # D -> 2 I
     w_down: Linear  # I -> D
+    qkv_bias: torch.Tensor | None  # [(H + 2 KV) hd] (the family's, ``LlamaLayerWeights``)
+    q_norm: torch.Tensor | None  # [hd]
+    k_norm: torch.Tensor | None  # [hd]
 
     @staticmethod
     def of(layer: LlamaLayerWeights, prepack: bool) -> _RuntimeLayer:
@@ -88,6 +94,9 @@ class _RuntimeLayer:
             mlp_norm=layer.mlp_norm,
             w_gate_up=build_linear(layer.w_gate_up, prepack),
             w_down=build_linear(layer.w_down, prepack),
+            qkv_bias=layer.qkv_bias,
+            q_norm=layer.q_norm,
+            k_norm=layer.k_norm,
         )
 
 
@@ -157,6 +166,7 @@ class LlamaRuntime:
             ]
         self._rep = dims.num_heads // dims.num_kv_heads
         self._qk_width = (dims.num_heads + dims.num_kv_heads) * dims.head_dim
+        self._v_width = dims.num_kv_heads * dims.head_dim
         self._norm_shape = (dims.hidden_size,)
 
     @property
@@ -276,6 +286,7 @@ class LlamaRuntime:
             qkv = wqkv.after_norm(x, layer.attn_norm, eps)  # [T, (H + 2 KV) hd]
         else:
             qkv = wqkv(F.rms_norm(x, self._norm_shape, layer.attn_norm, eps))
+        qkv = self._family_qkv(qkv, layer)
         if self._block is not None and isinstance(attention, KernelAttention):
             q = self._block.rope_store_unchecked(  # rope, k and v into the cache: one call
                 qkv,
@@ -309,3 +320,18 @@ class LlamaRuntime:
             return layer.w_down.after_silu_mul(h, residual=x)
         gate, up = h.chunk(2, dim=-1)  # [T, I] each
         return x + layer.w_down(F.silu(gate) * up)
+
+    def _family_qkv(self, qkv: torch.Tensor, layer: _RuntimeLayer) -> torch.Tensor:
+        """``qkv [T, (H + 2 KV) hd]`` with what the family adds before rope (``families``):
+        the q/k/v biases, then an RMSNorm over each head of q and of k. Row by row, so a
+        row's result does not depend on its batch; a new contiguous tensor where it changes."""
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        if layer.q_norm is None or layer.k_norm is None:
+            return qkv
+        dims = self.weights.dims
+        hd, eps = dims.head_dim, dims.rms_norm_eps
+        q, k, v = qkv.split([dims.num_heads * hd, dims.num_kv_heads * hd, self._v_width], 1)
+        q = F.rms_norm(q.unflatten(1, (dims.num_heads, hd)), (hd,), layer.q_norm, eps)
+        k = F.rms_norm(k.unflatten(1, (dims.num_kv_heads, hd)), (hd,), layer.k_norm, eps)
+        return torch.cat((q.flatten(1), k.flatten(1), v), dim=1)

@@ -4,9 +4,10 @@
 into one matrix, gate/up into another); ``hf_state_dict`` gives the transformers layout back as
 views. Matrices (projections, embeddings, LM head) are dense tensors or ``QuantizedWeight`` (a GGUF
 file's own blocks, or quantized at load: ``quantize_bits``); norms and rope stay dense.
-``native_support_problem`` says which configurations the native forward covers: any
-``LlamaForCausalLM`` without biases, with grouped-query attention, tied or untied embeddings,
-explicit ``head_dim``, and rope of type default, linear or llama3 (Llama 3.x).
+``native_support_problem`` says which configurations the native forward covers: a family of
+``model.families`` (Llama, Mistral, Qwen2, Qwen3, Phi-3; its biases, q/k norms and fused
+checkpoint layout), with grouped-query attention, tied or untied embeddings, explicit
+``head_dim``, and rope of type default, linear or llama3 (Llama 3.x).
 
 Dimensions: ``H`` query heads, ``KV`` key/value heads, ``hd`` head_dim, ``D`` hidden_size, ``I``
 intermediate_size, ``V`` vocab_size.
@@ -14,6 +15,7 @@ intermediate_size, ``V`` vocab_size.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from hybridspec.model.families import LLAMA, Family, attention_window, family_of, family_problem
 from hybridspec.model.quant import PackedWeight, QuantizedWeight, cat_rows, quantize
 
 logger = logging.getLogger(__name__)
@@ -55,7 +58,9 @@ def _cat(parts: list[Matrix], dtype: torch.dtype) -> Matrix:
 
 @dataclass(frozen=True, slots=True)
 class LlamaDims:
-    """The shape of a Llama model, read from its transformers config."""
+    """The shape of a Llama model, read from its transformers config.
+
+    ``max_position_embeddings`` is capped at a sliding attention window (``families``)."""
 
     vocab_size: int
     hidden_size: int
@@ -70,6 +75,8 @@ class LlamaDims:
     @staticmethod
     def from_hf_config(config: PretrainedConfig) -> LlamaDims:
         num_heads = config.num_attention_heads
+        context = int(config.max_position_embeddings)
+        window = attention_window(config)
         return LlamaDims(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -79,19 +86,15 @@ class LlamaDims:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
             rms_norm_eps=float(config.rms_norm_eps),
-            max_position_embeddings=config.max_position_embeddings,
+            max_position_embeddings=context if window is None else min(context, window),
         )
 
 
 def native_support_problem(config: PretrainedConfig) -> str | None:
     """Why the native forward cannot run ``config``, or None when it can."""
-    if getattr(config, "model_type", None) != "llama":
-        return f"model_type is {getattr(config, 'model_type', None)!r}, not 'llama'"
-    for flag in ("attention_bias", "mlp_bias"):
-        if getattr(config, flag, False):
-            return f"{flag} is set"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act is {config.hidden_act!r}, not 'silu'"
+    problem = family_problem(config)
+    if problem is not None:
+        return problem
     rope_type = _rope_parameters(config).get("rope_type", "default")
     if rope_type not in NATIVE_ROPE_TYPES:
         return f"rope_type {rope_type!r} is not one of {NATIVE_ROPE_TYPES}"
@@ -155,6 +158,9 @@ class LlamaLayerWeights:
     mlp_norm: torch.Tensor  # [D]
     w_gate_up: Matrix  # [2 I, D]: gate rows, then up rows
     w_down: Matrix  # [D, I]
+    qkv_bias: torch.Tensor | None = None  # [(H + 2 KV) hd] where the family has biases
+    q_norm: torch.Tensor | None = None  # [hd] where the family norms q and k
+    k_norm: torch.Tensor | None = None  # [hd]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +174,7 @@ class LlamaWeights:
     norm: torch.Tensor  # [D]
     lm_head: Matrix  # [V, D]; the very object ``embed`` when embeddings are tied
     inv_freq: torch.Tensor  # [hd // 2] float32
+    family: Family = LLAMA  # what the forward does beyond Llama's layer
 
     @property
     def dtype(self) -> torch.dtype:
@@ -193,11 +200,10 @@ class LlamaWeights:
             return convert(matrix) if isinstance(matrix, QuantizedWeight) else matrix
 
         layers = tuple(
-            LlamaLayerWeights(
-                attn_norm=layer.attn_norm,
+            dataclasses.replace(
+                layer,
                 wqkv=one(layer.wqkv),
                 wo=one(layer.wo),
-                mlp_norm=layer.mlp_norm,
                 w_gate_up=one(layer.w_gate_up),
                 w_down=one(layer.w_down),
             )
@@ -205,7 +211,7 @@ class LlamaWeights:
         )
         embed = one(self.embed)
         lm_head = embed if self.lm_head is self.embed else one(self.lm_head)
-        return LlamaWeights(self.dims, embed, layers, self.norm, lm_head, self.inv_freq)
+        return dataclasses.replace(self, embed=embed, layers=layers, lm_head=lm_head)
 
     @staticmethod
     def from_hf_state_dict(
@@ -247,25 +253,11 @@ class LlamaWeights:
             assert isinstance(value, torch.Tensor)  # one-dimensional: never quantized
             return value
 
-        d, hd, inter = dims.hidden_size, dims.head_dim, dims.intermediate_size
-        q_rows, kv_rows = dims.num_heads * hd, dims.num_kv_heads * hd
-        layers = []
-        for i in range(dims.num_layers):
-            p = f"model.layers.{i}."
-            wqkv = [tensor(p + "self_attn.q_proj.weight", (q_rows, d))] + [
-                tensor(p + f"self_attn.{n}_proj.weight", (kv_rows, d)) for n in "kv"
-            ]
-            gate_up = [tensor(p + f"mlp.{n}_proj.weight", (inter, d)) for n in ("gate", "up")]
-            layers.append(
-                LlamaLayerWeights(
-                    attn_norm=vector(p + "input_layernorm.weight", (d,)),
-                    wqkv=_cat(wqkv, dtype),
-                    wo=tensor(p + "self_attn.o_proj.weight", (d, q_rows)),
-                    mlp_norm=vector(p + "post_attention_layernorm.weight", (d,)),
-                    w_gate_up=_cat(gate_up, dtype),
-                    w_down=tensor(p + "mlp.down_proj.weight", (d, inter)),
-                )
-            )
+        family, d = family_of(config), dims.hidden_size
+        layers = tuple(
+            _layer(tensor, vector, dims, family, f"model.layers.{i}.", dtype)
+            for i in range(dims.num_layers)
+        )
         embed = tensor("model.embed_tokens.weight", (dims.vocab_size, d))
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
         return LlamaWeights(
@@ -275,6 +267,7 @@ class LlamaWeights:
             norm=vector("model.norm.weight", (d,)),
             lm_head=embed if tied else tensor("lm_head.weight", (dims.vocab_size, d)),
             inv_freq=rope_inv_freq(config).to(device),
+            family=family,
         )
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -287,19 +280,72 @@ class LlamaWeights:
         state = {"model.embed_tokens.weight": embed, "model.norm.weight": self.norm}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            q, k, v = dense(layer.wqkv, self.dtype).split([q_rows, kv_rows, kv_rows])
-            gate, up = dense(layer.w_gate_up, self.dtype).split([dims.intermediate_size] * 2)
+            qkv, gate_up = dense(layer.wqkv, self.dtype), dense(layer.w_gate_up, self.dtype)
             state |= {
                 p + "input_layernorm.weight": layer.attn_norm,
-                p + "self_attn.q_proj.weight": q,
-                p + "self_attn.k_proj.weight": k,
-                p + "self_attn.v_proj.weight": v,
                 p + "self_attn.o_proj.weight": dense(layer.wo, self.dtype),
                 p + "post_attention_layernorm.weight": layer.mlp_norm,
-                p + "mlp.gate_proj.weight": gate,
-                p + "mlp.up_proj.weight": up,
                 p + "mlp.down_proj.weight": dense(layer.w_down, self.dtype),
             }
+            if self.family.fused_checkpoint:
+                state[p + "self_attn.qkv_proj.weight"] = qkv
+                state[p + "mlp.gate_up_proj.weight"] = gate_up
+            else:
+                qkv_parts = dict(zip("qkv", qkv.split([q_rows, kv_rows, kv_rows]), strict=True))
+                state |= {p + f"self_attn.{n}_proj.weight": w for n, w in qkv_parts.items()}
+                gate, up = gate_up.split([dims.intermediate_size] * 2)
+                state |= {p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up}
+            if layer.qkv_bias is not None:
+                biases = layer.qkv_bias.split([q_rows, kv_rows, kv_rows])
+                state |= {
+                    p + f"self_attn.{n}_proj.bias": b for n, b in zip("qkv", biases, strict=True)
+                }
+            if layer.q_norm is not None and layer.k_norm is not None:
+                state[p + "self_attn.q_norm.weight"] = layer.q_norm
+                state[p + "self_attn.k_norm.weight"] = layer.k_norm
         if self.lm_head is not self.embed:
             state["lm_head.weight"] = dense(self.lm_head, self.dtype)
         return state
+
+
+def _layer(
+    tensor: Callable[[str, tuple[int, ...]], Matrix],
+    vector: Callable[[str, tuple[int, ...]], torch.Tensor],
+    dims: LlamaDims,
+    family: Family,
+    p: str,
+    dtype: torch.dtype,
+) -> LlamaLayerWeights:
+    """Layer ``p`` (``model.layers.{i}.``) of a state dict in transformers' names for
+    ``family``, fused: q/k/v (and their biases) into one matrix, gate/up into another."""
+    d, hd, inter = dims.hidden_size, dims.head_dim, dims.intermediate_size
+    q_rows, kv_rows = dims.num_heads * hd, dims.num_kv_heads * hd
+    if family.fused_checkpoint:
+        wqkv = tensor(p + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, d))
+        w_gate_up = tensor(p + "mlp.gate_up_proj.weight", (2 * inter, d))
+    else:
+        qkv = [tensor(p + "self_attn.q_proj.weight", (q_rows, d))] + [
+            tensor(p + f"self_attn.{n}_proj.weight", (kv_rows, d)) for n in "kv"
+        ]
+        gate_up = [tensor(p + f"mlp.{n}_proj.weight", (inter, d)) for n in ("gate", "up")]
+        wqkv, w_gate_up = _cat(qkv, dtype), _cat(gate_up, dtype)
+    qkv_bias = q_norm = k_norm = None
+    if family.qkv_bias:
+        qkv_bias = torch.cat(
+            [vector(p + "self_attn.q_proj.bias", (q_rows,))]
+            + [vector(p + f"self_attn.{n}_proj.bias", (kv_rows,)) for n in "kv"]
+        )
+    if family.qk_norm:
+        q_norm = vector(p + "self_attn.q_norm.weight", (hd,))
+        k_norm = vector(p + "self_attn.k_norm.weight", (hd,))
+    return LlamaLayerWeights(
+        attn_norm=vector(p + "input_layernorm.weight", (d,)),
+        wqkv=wqkv,
+        wo=tensor(p + "self_attn.o_proj.weight", (d, q_rows)),
+        mlp_norm=vector(p + "post_attention_layernorm.weight", (d,)),
+        w_gate_up=w_gate_up,
+        w_down=tensor(p + "mlp.down_proj.weight", (d, inter)),
+        qkv_bias=qkv_bias,
+        q_norm=q_norm,
+        k_norm=k_norm,
+    )

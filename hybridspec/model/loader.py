@@ -14,8 +14,8 @@ everything to ``dtype``. Quantized matrices are packed once into the block kerne
 (``pack_quantized``) and run through it in bfloat16; where it cannot be built, through torch's
 CPU int4 kernel (``resolve_quantize``).
 
-Llama models run on the native forward (``model.llama``); any other causal LM runs on the
-generic transformers runtime (``model.hf_runtime``).
+Models of the families in ``model.families`` run on the native forward (``model.llama``); any
+other causal LM runs on the generic transformers runtime (``model.hf_runtime``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ are the very ones that were saved, so every output is bit-identical to a fresh c
 
 An entry is keyed by the GGUF file (name, size, modification time), the dtype, the
 quantization (``quantize``), the torch version, ``FORMAT`` and the source of the modules that
-do the conversion (``gguf.py``, ``gguf_blocks.py``, ``llama_weights.py``, ``quant.py``): an edit
+do the conversion (``families.py``, ``gguf.py``, ``gguf_blocks.py``, ``llama_weights.py``,
+``quant.py``): an edit
 there is a new entry, never a stale one. Entries live in ``default_cache_dir()/weights``; older
 entries of the same file, dtype and quantization beyond ``KEEP_ENTRIES`` are removed when one is
 written. A cache that cannot be read or written is logged and skipped. Quantized matrices are
@@ -31,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridspec.model import gguf, gguf_blocks, llama_weights, quant
+from hybridspec.model import families, gguf, gguf_blocks, llama_weights, quant
+from hybridspec.model.families import FAMILIES
 from hybridspec.model.gguf import default_cache_dir
 from hybridspec.model.llama_weights import LlamaDims, LlamaLayerWeights, LlamaWeights, Matrix
 from hybridspec.model.quant import PackedWeight, QuantizedWeight
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 3  # bump when the payload's layout changes
+FORMAT = 4  # bump when the payload's layout changes
 KEEP_ENTRIES = 2  # per GGUF file and dtype: the current one and, say, another checkout's
 _LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaLayerWeights))
 
@@ -84,7 +86,7 @@ def entry_path(
     parts = (path.name, stat.st_size, stat.st_mtime_ns, dtype, quantize, torch.__version__, FORMAT)
     for part in parts:
         digest.update(f"{part}|".encode())
-    for module in (gguf, gguf_blocks, llama_weights, quant):
+    for module in (families, gguf, gguf_blocks, llama_weights, quant):
         digest.update(Path(str(module.__file__)).read_bytes())
     name = f"{_prefix(path, dtype, quantize)}{digest.hexdigest()[:16]}.pt"
     return (cache_dir or default_cache_dir()) / "weights" / name
@@ -144,6 +146,7 @@ def _to_payload(converted: ConvertedGGUF) -> dict[str, Any]:
         "norm": weights.norm,
         "lm_head": None if weights.lm_head is weights.embed else _matrix_payload(weights.lm_head),
         "inv_freq": weights.inv_freq,
+        "family": weights.family.name,
         "layers": [
             {f: _matrix_payload(getattr(layer, f)) for f in _LAYER_FIELDS}
             for layer in weights.layers
@@ -151,30 +154,33 @@ def _to_payload(converted: ConvertedGGUF) -> dict[str, Any]:
     }
 
 
-def _matrix_payload(matrix: Matrix) -> torch.Tensor | dict[str, Any]:
-    """A tensor as it is; a ``QuantizedWeight`` or ``PackedWeight`` as a dict of its fields
-    (``weights_only`` loading takes plain containers of tensors, not dataclasses)."""
-    if isinstance(matrix, torch.Tensor):
+def _matrix_payload(matrix: Matrix | None) -> torch.Tensor | dict[str, Any] | None:
+    """A tensor (or a family's absent tensor, None) as it is; a ``QuantizedWeight`` or
+    ``PackedWeight`` as a dict of its fields (``weights_only`` loading takes plain containers of
+    tensors, not dataclasses)."""
+    if matrix is None or isinstance(matrix, torch.Tensor):
         return matrix
     return {f.name: getattr(matrix, f.name) for f in dataclasses.fields(matrix)}
 
 
-def _matrix(payload: torch.Tensor | dict[str, Any]) -> Matrix:
-    if isinstance(payload, torch.Tensor):
+def _matrix(payload: torch.Tensor | dict[str, Any] | None) -> Matrix | None:
+    if payload is None or isinstance(payload, torch.Tensor):
         return payload
     return PackedWeight(**payload) if "csum" in payload else QuantizedWeight(**payload)
 
 
 def _from_payload(payload: dict[str, Any]) -> ConvertedGGUF:
-    embed = _matrix(payload["embed"])
+    embed, lm_head = _matrix(payload["embed"]), _matrix(payload["lm_head"])
+    assert embed is not None  # only a family's optional layer tensors are ever None
     layers = [{f: _matrix(v) for f, v in layer.items()} for layer in payload["layers"]]
     weights = LlamaWeights(
         dims=LlamaDims(**payload["dims"]),
         embed=embed,
         layers=tuple(LlamaLayerWeights(**layer) for layer in layers),  # type: ignore[arg-type]
         norm=payload["norm"],
-        lm_head=embed if payload["lm_head"] is None else _matrix(payload["lm_head"]),  # tied
+        lm_head=embed if lm_head is None else lm_head,  # tied
         inv_freq=payload["inv_freq"],
+        family=FAMILIES[payload["family"]],
     )
     return ConvertedGGUF(
         weights,
@@ -184,7 +190,7 @@ def _from_payload(payload: dict[str, Any]) -> ConvertedGGUF:
 
 
 def _llama_config(fields: dict[str, Any]) -> PretrainedConfig:
-    from transformers import LlamaConfig
+    from transformers import CONFIG_MAPPING
 
-    config: PretrainedConfig = LlamaConfig.from_dict(fields)
+    config: PretrainedConfig = CONFIG_MAPPING[fields["model_type"]].from_dict(fields)
     return config

@@ -34,6 +34,7 @@ from hybridspec.model import (
     fastest_forward_seconds,
 )
 from hybridspec.proposers.base import ProposerContext
+from hybridspec.proposers.draft_vocab import draftable_ids, fit_draft_logits
 from hybridspec.proposers.sequences import SeqState, SequenceProposer
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.acceptance import draw_token
@@ -50,14 +51,10 @@ class _DraftSeq(SeqState):
     num_drafted_fed: int = 0  # drafts of the last round that were fed into the draft cache
 
 
-def check_tokenizer_compatible(target: ProposerContext, draft: LoadedModel) -> None:
-    """Raise ModelLoadError unless the draft shares the target's vocabulary and tokenizer."""
-    draft_vocab = draft.vocab_size
-    if draft_vocab != target.vocab_size:
-        raise ModelLoadError(
-            f"draft model: vocabulary size {draft_vocab} differs from the target's "
-            f"{target.vocab_size}; a draft must share the target's tokenizer"
-        )
+def check_tokenizer_compatible(target: ProposerContext, draft: LoadedModel) -> int:
+    """Raise ModelLoadError unless the draft shares the target's tokenizer and vocabulary (up
+    to unused padding rows: ``draft_vocab``); returns how many ids it may draft."""
+    draftable = draftable_ids(target, draft)
     if set(draft.eos_token_ids) != set(target.eos_token_ids):
         raise ModelLoadError(
             f"draft model: EOS token ids {sorted(draft.eos_token_ids)} differ from the target's "
@@ -71,6 +68,7 @@ def check_tokenizer_compatible(target: ProposerContext, draft: LoadedModel) -> N
                 "draft model: its tokenizer encodes a probe text differently from the target's "
                 f"({draft_ids[:8]}... vs {target_ids[:8]}...)"
             )
+    return draftable
 
 
 class DraftModelProposer(SequenceProposer[_DraftSeq]):
@@ -96,7 +94,7 @@ class DraftModelProposer(SequenceProposer[_DraftSeq]):
             raise InvalidRequestError(
                 f"proposer: 'draft' needs a draft model: {reason}", "proposer"
             )
-        check_tokenizer_compatible(context, context.draft.model)
+        self._draftable = check_tokenizer_compatible(context, context.draft.model)
         self.model = context.draft.model
         self.runtime: ModelRuntime = context.draft.runtime
         configured = context.config.draft.cost_per_token
@@ -143,6 +141,9 @@ class DraftModelProposer(SequenceProposer[_DraftSeq]):
             ]
             for i in active
         }
+        # A token past the draft's rows (the target's own padding, with a smaller draft) cannot
+        # be fed: that sequence gets no drafts this round.
+        active = [i for i in active if max(feed[i], default=0) < self.model.vocab_size]
         while active:
             logits = self.runtime.forward(
                 ForwardBatch.from_lists(
@@ -150,7 +151,8 @@ class DraftModelProposer(SequenceProposer[_DraftSeq]):
                     [feed[i] for i in active],
                     _last_indices([len(feed[i]) for i in active]),
                 )
-            ).logits  # [len(active), vocab_size]
+            ).logits  # [len(active), the draft's vocab_size]
+            logits = fit_draft_logits(logits, self._draftable, self.context.vocab_size)
             # The request's controls at each sequence's next position: after its committed
             # tokens and its drafts so far, as the verifier will count them.
             logits = apply_controls(

@@ -30,7 +30,8 @@ def tensors(weights: LlamaWeights) -> dict[str, torch.Tensor]:
     named["inv_freq"] = weights.inv_freq
     for i, layer in enumerate(weights.layers):
         for field in dataclasses.fields(LlamaLayerWeights):
-            named[f"{i}.{field.name}"] = getattr(layer, field.name)
+            if getattr(layer, field.name) is not None:  # a family's optional tensors
+                named[f"{i}.{field.name}"] = getattr(layer, field.name)
     return named
 
 
