@@ -36,7 +36,15 @@ from pathlib import Path
 import torch
 
 from hybridspec.model.gguf import default_cache_dir
-from hybridspec.model.quant import GROUP_SIZE, ROWS, PackedWeight, QuantizedWeight
+from hybridspec.model.quant import (
+    GROUP_SIZE,
+    ROWS,
+    SUPER,
+    PackedWeight,
+    QuantizedWeight,
+    factor_steps,
+    tiled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +56,12 @@ _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "hs_qgemm": [
         *(_ptr, _int, _i64, _i64, _int, _ptr, ctypes.c_float),  # x, f32, T, K, prologue, norm
-        *(_ptr, _ptr, _ptr, _ptr, _int, _int),  # packed, scales, offsets, csum, bits, group
+        *(_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),  # packed, scales (3), offsets (3)
+        *(_int, _int),  # bits, group
         *(_i64, _ptr, _ptr),  # N, residual, y
     ],
-    "hs_pack": [_ptr, _ptr, _ptr, _int, _int, _i64, _i64, _ptr, _ptr, _ptr, _ptr],
-    "hs_dequant_rows": [_ptr, _ptr, _ptr, _int, _int, _i64, _ptr, _i64, _ptr],
+    "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
+    "hs_dequant_rows": [*(_ptr,) * 7, _int, _int, _i64, _ptr, _i64, _ptr],
     "hs_rope_store": [
         *(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr),  # qkv, T, H, KV, hd, rope, slots, pos
         *(_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr),  # keys, values, q_out
@@ -120,7 +129,9 @@ class Kernel:
         return int(self._lib.hs_max_threads())
 
     def pack(self, weight: QuantizedWeight) -> PackedWeight:
-        """``weight`` in the kernel's tiled layout (csrc/qgemm.c)."""
+        """``weight`` in the kernel's tiled layout (csrc/qgemm.c), its scales and offsets as
+        int8 steps times a float32 factor per 256 columns where they have that form exactly
+        (``quant.factor_steps``), else float32."""
         if weight.device.type != "cpu":
             raise ValueError(f"weight: the block kernel runs on CPU, not {weight.device.type}")
         rows, cols = weight.shape
@@ -128,29 +139,29 @@ class Kernel:
         per_group = ROWS * GROUP_SIZE // (2 if weight.bits == 4 else 1)
         subs = GROUP_SIZE // weight.group  # scales per group of 32
         codes = weight.codes.contiguous()
-        scales = weight.scales.float().contiguous()
-        offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
         packed = torch.empty((tiles, groups, per_group), dtype=torch.uint8)
-        packed_scales = torch.empty((tiles, groups, subs * ROWS), dtype=torch.float32)
-        packed_offsets = None if offsets is None else torch.empty_like(packed_scales)
-        csum = None
-        if weight.bits == 8:
-            csum = torch.empty((tiles, groups, subs * ROWS), dtype=torch.int32)
-        self._lib.hs_pack(
-            codes.data_ptr(),
-            scales.data_ptr(),
-            _data(offsets),
+        self._lib.hs_pack(codes.data_ptr(), weight.bits, rows, cols, packed.data_ptr())
+        scales, offsets = weight.scales.float(), weight.offsets
+        factored = factor_steps(scales, SUPER * subs)
+        offset_factored = None if offsets is None else factor_steps(offsets.float(), SUPER * subs)
+        scale_super = offset_super = None
+        if factored is not None and (offsets is None or offset_factored is not None):
+            scales, scale_super = factored[0], tiled(factored[1])
+            if offset_factored is not None:
+                offsets, offset_super = offset_factored[0], tiled(offset_factored[1])
+        shape = (tiles, groups, subs * ROWS)
+        if offsets is not None and offset_super is None:
+            offsets = offsets.float()
+        return PackedWeight(
+            packed,
+            tiled(scales).view(shape),
+            None if offsets is None else tiled(offsets).view(shape),
+            scale_super,
+            offset_super,
             weight.bits,
             weight.group,
             rows,
             cols,
-            packed.data_ptr(),
-            packed_scales.data_ptr(),
-            _data(packed_offsets),
-            _data(csum),
-        )
-        return PackedWeight(
-            packed, packed_scales, packed_offsets, csum, weight.bits, weight.group, rows, cols
         )
 
     def qgemm(
@@ -191,9 +202,7 @@ class Kernel:
             _data(norm),
             eps,
             weight.codes.data_ptr(),
-            weight.scales.data_ptr(),
-            _data(weight.offsets),
-            _data(weight.csum),
+            *_factors(weight),
             weight.bits,
             weight.group,
             rows,
@@ -286,8 +295,7 @@ class Kernel:
         out = torch.empty((index.numel(), weight.cols), dtype=torch.bfloat16)
         self._lib.hs_dequant_rows(
             weight.codes.data_ptr(),
-            weight.scales.data_ptr(),
-            _data(weight.offsets),
+            *_factors(weight),
             weight.bits,
             weight.group,
             weight.cols,
@@ -300,6 +308,18 @@ class Kernel:
 
 def _data(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+def _factors(weight: PackedWeight) -> tuple[int | None, ...]:
+    """The kernel's six pointers to the scales and offsets: float32, else int8 steps and
+    float32 super-block factors (csrc/qgemm.c, ``factors_t``)."""
+    parts: list[int | None] = []
+    for part, sup in ((weight.scales, weight.scale_super), (weight.offsets, weight.offset_super)):
+        if sup is None:
+            parts += [_data(part), None, None]
+        else:
+            parts += [None, _data(part), sup.data_ptr()]
+    return tuple(parts)
 
 
 def load(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> Kernel:
