@@ -128,22 +128,33 @@ class Kernel:
     def max_threads(self) -> int:
         return int(self._lib.hs_max_threads())
 
-    def pack(self, weight: QuantizedWeight) -> PackedWeight:
-        """``weight`` in the kernel's tiled layout (csrc/qgemm.c), its scales and offsets as
-        int8 steps times a float32 factor per 256 columns where they have that form exactly
-        (``quant.factor_steps``), else float32."""
+    def pack(self, weight: QuantizedWeight, narrow: bool = True) -> PackedWeight:
+        """``weight`` in the kernel's tiled layout (csrc/qgemm.c): 8-bit codes within -32..31
+        in 6 bits; its scales and offsets as int8 steps times a float32 factor per 256 columns
+        where they have that form exactly (``quant.factor_steps``), else float32. ``narrow``
+        False: codes and factors as ``weight`` holds them (the same products, more bytes)."""
         if weight.device.type != "cpu":
             raise ValueError(f"weight: the block kernel runs on CPU, not {weight.device.type}")
         rows, cols = weight.shape
         tiles, groups = -(-rows // ROWS), cols // GROUP_SIZE
-        per_group = ROWS * GROUP_SIZE // (2 if weight.bits == 4 else 1)
+        bits = weight.bits
+        if (
+            narrow
+            and bits == 8
+            and rows
+            and int(weight.codes.min()) >= -32
+            and int(weight.codes.max()) < 32
+        ):
+            bits = 6  # Q6_K, Q5_K, Q5_0, Q5_1, widened 4-bit codes: 6 bits (+ 32) hold them
         subs = GROUP_SIZE // weight.group  # scales per group of 32
         codes = weight.codes.contiguous()
-        packed = torch.empty((tiles, groups, per_group), dtype=torch.uint8)
-        self._lib.hs_pack(codes.data_ptr(), weight.bits, rows, cols, packed.data_ptr())
+        packed = torch.empty((tiles, groups, ROWS * GROUP_SIZE * bits // 8), dtype=torch.uint8)
+        self._lib.hs_pack(codes.data_ptr(), bits, rows, cols, packed.data_ptr())
         scales, offsets = weight.scales.float(), weight.offsets
-        factored = factor_steps(scales, SUPER * subs)
-        offset_factored = None if offsets is None else factor_steps(offsets.float(), SUPER * subs)
+        factored = factor_steps(scales, SUPER * subs) if narrow else None
+        offset_factored = None
+        if narrow and offsets is not None:
+            offset_factored = factor_steps(offsets.float(), SUPER * subs)
         scale_super = offset_super = None
         if factored is not None and (offsets is None or offset_factored is not None):
             scales, scale_super = factored[0], tiled(factored[1])
@@ -158,7 +169,7 @@ class Kernel:
             None if offsets is None else tiled(offsets).view(shape),
             scale_super,
             offset_super,
-            weight.bits,
+            bits,
             weight.group,
             rows,
             cols,

@@ -128,8 +128,11 @@ class PackedWeight:
     Codes ``[N / 16, G32, 16 * 32 * bits / 8]`` (``G32 = K / 32``): per tile and group of 32
     columns, 8 quads of 4 columns, each as 16 rows x 4 bytes; a 4-bit tile holds quads ``u``
     and ``u + 4`` in the low and high nibbles of one quad's bytes, an 8-bit one ``c + 128``
-    (uint8). Scales and offsets ``[N / 16, G32, S * 16]`` (``S = 32 / group`` sub-groups):
-    float32, or (``scale_super`` given) int8 steps whose factor is ``step * super`` with
+    (uint8), a 6-bit one (``bits`` 6: 8-bit codes within -32..31, as Q6_K's and the 5-bit
+    types' are) ``c + 32``: its low 4 bits as a 4-bit tile, then its high 2 bits, quad
+    ``4 v + i`` at bits ``2 i`` of 2 more quads' bytes ``v``. Scales and offsets
+    ``[N / 16, G32, S * 16]`` (``S = 32 / group`` sub-groups): float32, or (``scale_super``
+    given) int8 steps whose factor is ``step * super`` with
     ``super [N / 16, ceil(G32 / 8), 16]`` float32 per row and 256 columns: a K-quant's
     ``d * sc``, held in the bytes the file spends on it (``factor_steps``). Offsets are
     factored when the scales are. Rows past ``N`` are zero.
@@ -165,8 +168,13 @@ class PackedWeight:
         if self.bits == 8:  # [tiles, G32, u, r, e] -> [tiles, r, G32, u, e]
             quads = (self.codes.view(tiles, groups, 8, ROWS, 4) ^ 0x80).view(torch.int8)
         else:
-            low = self.codes.view(tiles, groups, 4, ROWS, 4)
+            low = self.codes[..., : 4 * ROWS * 4].reshape(tiles, groups, 4, ROWS, 4)
             quads = torch.cat((low & 0x0F, low >> 4), dim=2)
+        if self.bits == 6:  # high 2 bits of quad 4 v + i at bits 2 i of vector v; c + 32
+            high = self.codes[..., 4 * ROWS * 4 :].reshape(tiles, groups, 2, 1, ROWS, 4)
+            shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
+            high = ((high >> shifts) & 3).reshape(tiles, groups, 8, ROWS, 4)
+            quads = ((quads | (high << 4)).to(torch.int16) - 32).to(torch.int8)
         codes = quads.permute(0, 3, 1, 2, 4).reshape(tiles * ROWS, self.cols)[: self.rows]
         if self.bits == 4:
             codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -174,7 +182,8 @@ class PackedWeight:
         offsets = None
         if self.offsets is not None:
             offsets = _per_row(self.offsets, self.offset_super, self.rows)
-        return QuantizedWeight(codes.contiguous(), scales, offsets, self.bits, self.group)
+        bits = 8 if self.bits == 6 else self.bits
+        return QuantizedWeight(codes.contiguous(), scales, offsets, bits, self.group)
 
     def to(self, device: torch.device | str) -> PackedWeight:
         def move(part: torch.Tensor | None) -> torch.Tensor | None:

@@ -5,7 +5,6 @@ the embedding lookup from the packed copy, refusals, and the fallback where it c
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from hybridspec.model import qgemm
 from hybridspec.model.linear import PackedLinear
 from hybridspec.model.llama import build_linear
 from hybridspec.model.qgemm import BlockLinear, Kernel
-from hybridspec.model.quant import QuantizedWeight, factor_steps, quantize, tiled, widen
+from hybridspec.model.quant import QuantizedWeight, factor_steps, quantize, widen
 from hybridspec.model.quant_linear import Int4Linear
 from hybridspec.model.runtime import ForwardBatch
 from tests.engine.tiny import VOCAB, tiny_loaded
@@ -44,7 +43,8 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> list[Kernel]:
 
 # scheme -> (bits, group, offsets): Q4_1 / Q4_K; Q8_0 / Q5_0; Q5_1 / Q5_K; Q2_K / Q3_K; Q6_K;
 # and a fused q/k/v of mixed types widened to the widest scheme. "K": a K-quant's scales and
-# offsets, d * sc per 256 columns (d float16, sc 6 bits), held factored by the kernel.
+# offsets, d * sc per 256 columns (d float16, sc 6 bits), held factored by the kernel. 6: 8-bit
+# codes within -32..31 (Q6_K, Q5_K, Q5_0, Q5_1), held in 6 bits.
 SCHEMES = {
     "4": (4, 32, True),
     "8": (8, 32, False),
@@ -55,6 +55,8 @@ SCHEMES = {
     "4K": (4, 32, True),
     "8/16K": (8, 16, False),
     "8K+m": (8, 32, True),
+    "6/16K": (6, 16, False),
+    "6+m": (6, 32, True),
 }
 
 
@@ -62,7 +64,11 @@ def weight(bits: int | str, rows: int, cols: int, seed: int) -> QuantizedWeight:
     """A random matrix in a scheme (``SCHEMES``), each sub-group with a scale of its own."""
     scheme = SCHEMES[str(bits)]
     gen = torch.Generator().manual_seed(seed)
-    w = widen(quantize(torch.randn(rows, cols, generator=gen) * 0.05, scheme[0]), *scheme)
+    bits_held = 8 if scheme[0] == 6 else scheme[0]
+    w = quantize(torch.randn(rows, cols, generator=gen) * 0.05, bits_held)
+    w = widen(w, bits_held, *scheme[1:])
+    if scheme[0] == 6:
+        w = QuantizedWeight(w.codes // 4, w.scales, w.offsets, 8, w.group)
     if str(bits).endswith("K") or str(bits).endswith("K+m"):
         return QuantizedWeight(
             w.codes,
@@ -121,7 +127,7 @@ def test_every_instruction_set_path_and_thread_count_computes_the_same(
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("bits", ["4", "8", "8/16+m"])
+@pytest.mark.parametrize("bits", ["4", "8", "8/16+m", "6+m"])
 def test_a_row_comes_out_alike_alone_and_among_others(kernel: Kernel, bits: str) -> None:
     linear = BlockLinear(weight(bits, 200, 1536, 5), kernel)
     assert_rows_alike(linear, 1536, torch.Generator().manual_seed(6))
@@ -198,7 +204,9 @@ def test_the_fused_runtime_agrees_with_the_unfused_one(monkeypatch: pytest.Monke
     assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.parametrize(("bits", "bpw"), [("4K", 4.75), ("8/16K", 8.625), ("8K+m", 8.75)])
+@pytest.mark.parametrize(
+    ("bits", "bpw"), [("4K", 4.75), ("8/16K", 8.625), ("8K+m", 8.75), ("6/16K", 6.625)]
+)
 def test_k_quant_scales_are_held_as_int8_steps_of_a_factor_per_256_columns(
     variants: list[Kernel], bits: str, bpw: float
 ) -> None:
@@ -206,14 +214,11 @@ def test_k_quant_scales_are_held_as_int8_steps_of_a_factor_per_256_columns(
     packed = variants[0].pack(w)
     assert packed.scale_super is not None and packed.scales.dtype == torch.int8
     assert packed.nbytes * 8 == bpw * 48 * 768  # a float32 scale per group would add 1-2 bits
-    shape = packed.scales.shape
-    offsets = None if w.offsets is None else tiled(w.offsets).view(shape)
-    plain = replace(  # the same matrix with float32 scales and offsets: the same results
-        packed, scales=tiled(w.scales).view(shape), offsets=offsets, scale_super=None
-    )
-    plain = replace(plain, offset_super=None)
+    plain = variants[0].pack(w, narrow=False)  # float32 factors, 8-bit codes: same results
+    assert plain.scale_super is None and plain.bits == w.bits
     want = variants[0].qgemm(x, plain)
     assert all(torch.equal(k.qgemm(x, k.pack(w)), want) for k in variants)
+    assert torch.equal(packed.unpack().dequantize(), w.dequantize())
 
 
 def test_factor_steps_finds_the_exact_int8_form_or_none() -> None:

@@ -107,10 +107,24 @@ int hs_max_threads(void) {
 }
 
 /* Bytes of packed codes per tile and group. */
-static inline int64_t tile_bytes(int bits) { return bits == 4 ? QUADS / 2 * QB : QUADS * QB; }
+static inline int64_t tile_bytes(int bits) { return bits == 8 ? QUADS * QB : QUADS / 2 * QB * bits / 4; }
+
+/* The code at quad u, row r, byte e of one tile's group (``src``), as the kernel multiplies it:
+ * 0..15 (4 bits), c + 32 (6 bits: 0..63), c + 128 (8 bits: 0..255). */
+static inline int code_at(const uint8_t *src, int bits, int u, int64_t r, int e) {
+    if (bits == 8) return src[u * QB + r * 4 + e];
+    int c = (src[(u % 4) * QB + r * 4 + e] >> (4 * (u / 4))) & 15;
+    if (bits == 6) c |= ((src[(4 + u / 4) * QB + r * 4 + e] >> (2 * (u % 4))) & 3) << 4;
+    return c;
+}
+
+/* The integer the kernel subtracts per code, times the sum of q: 32 (6 bits), 128 (8 bits). */
+static inline int code_zero(int bits) { return bits == 8 ? 128 : (bits == 6 ? 32 : 0); }
 
 /* The packed layout (top of file) of codes [N, K] as ``quant`` keeps them: 4 bits two a byte in
- * column order (low nibble first), 8 bits one a byte (int8). out: [ceil(N / 16), G,
+ * column order (low nibble first), 8 bits one a byte (int8); bits 6: int8 codes -32..31 held
+ * in 6 bits, c + 32, as a 4-bit tile followed by 2 vectors of the high 2 bits (quads u of
+ * 4 (u / 4) + i at bits 2 i). out: [ceil(N / 16), G,
  * tile_bytes]; rows past N are zero. The scales and offsets are laid out by the caller. */
 void hs_pack(const uint8_t *codes, int bits, int64_t N, int64_t K, uint8_t *out) {
     int64_t G = K / GS, tb = tile_bytes(bits);
@@ -125,6 +139,10 @@ void hs_pack(const uint8_t *codes, int bits, int64_t N, int64_t K, uint8_t *out)
                 if (bits == 4) {
                     uint8_t c = (codes[n * (K / 2) + k / 2] >> (4 * (k % 2))) & 15;
                     dst[(u % 4) * QB + r * 4 + e] |= (uint8_t)(c << (4 * (u / 4)));
+                } else if (bits == 6) { /* int8 codes -32..31 as c + 32: 4 low bits, 2 high */
+                    uint8_t c = (uint8_t)((int8_t)codes[n * K + k] + 32);
+                    dst[(u % 4) * QB + r * 4 + e] |= (uint8_t)((c & 15) << (4 * (u / 4)));
+                    dst[(4 + u / 4) * QB + r * 4 + e] |= (uint8_t)((c >> 4) << (2 * (u % 4)));
                 } else {
                     dst[u * QB + r * 4 + e] = codes[n * K + k] ^ 0x80; /* c + 128 */
                 }
@@ -158,8 +176,7 @@ void hs_dequant_rows(const uint8_t *packed, const float *scales, const int8_t *s
                 int64_t at = (g * S + j / group) * ROWS + r;
                 float d = factor_at(td, at, g, (int)r), m = factor_at(tm, at, g, (int)r);
                 int u = j / 4, e = j % 4;
-                float c = bits == 4 ? (float)((src[(u % 4) * QB + r * 4 + e] >> (4 * (u / 4))) & 15)
-                                    : (float)((int)src[u * QB + r * 4 + e] - 128);
+                float c = (float)(code_at(src, bits, u, r, e) - code_zero(bits));
                 out[i * K + g * GS + j] = f32_to_bf16(offset ? fmaf(d, c, m) : d * c);
             }
         }
@@ -267,11 +284,21 @@ static inline __attribute__((always_inline)) void tile_dot(
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *src = codes + g * tb;
         __m512i c[QUADS];
-        if (bits == 4) {
+        if (bits != 8) {
             for (int p = 0; p < 4; p++) {
                 __m512i b = _mm512_loadu_si512((const void *)(src + QB * p));
                 c[p] = _mm512_and_si512(b, low4);
                 c[p + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+            }
+            if (bits == 6) { /* bits 4, 5 of quad u from bits 2 (u % 4) of high vector u / 4 */
+                const __m512i mask = _mm512_set1_epi8(0x30);
+                for (int v = 0; v < 2; v++) {
+                    __m512i b = _mm512_loadu_si512((const void *)(src + QB * (4 + v)));
+                    c[4 * v] = _mm512_or_si512(c[4 * v], _mm512_and_si512(_mm512_slli_epi16(b, 4), mask));
+                    c[4 * v + 1] = _mm512_or_si512(c[4 * v + 1], _mm512_and_si512(_mm512_slli_epi16(b, 2), mask));
+                    c[4 * v + 2] = _mm512_or_si512(c[4 * v + 2], _mm512_and_si512(b, mask));
+                    c[4 * v + 3] = _mm512_or_si512(c[4 * v + 3], _mm512_and_si512(_mm512_srli_epi16(b, 2), mask));
+                }
             }
         } else {
             for (int u = 0; u < QUADS; u++) c[u] = _mm512_loadu_si512((const void *)(src + QB * u));
@@ -281,9 +308,8 @@ static inline __attribute__((always_inline)) void tile_dot(
             const __m512 d = factors512(dw, at, g);
             const __m512 m = offset ? factors512(mw, at, g) : _mm512_setzero_ps();
             __m512i s[TILE_T];
-            for (int i = 0; i < tt; i++) /* 8 bits: - 128 sum q */
-                s[i] = bits == 8 ? _mm512_set1_epi32(-128 * qs[i * GS_ + g * S + h])
-                                 : _mm512_setzero_si512();
+            for (int i = 0; i < tt; i++) /* 6, 8 bits: - 32 or - 128 sum q */
+                s[i] = _mm512_set1_epi32(-code_zero(bits) * qs[i * GS_ + g * S + h]);
             for (int u = h * span; u < (h + 1) * span; u++) { /* rows of x innermost */
                 for (int i = 0; i < tt; i++) {
                     int32_t quad;
@@ -300,7 +326,6 @@ static inline __attribute__((always_inline)) void tile_dot(
     }
     for (int i = 0; i < tt; i++) _mm512_storeu_ps(out[i], acc[i]);
 #elif defined(HS_SIMD)
-    (void)qs;
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256i bias = _mm256_set1_epi8((char)0x80);
     for (int half = 0; half < 2; half++) { /* rows 0..7, then 8..15 */
@@ -309,11 +334,21 @@ static inline __attribute__((always_inline)) void tile_dot(
         for (int64_t g = 0; g < G; g++) {
             const uint8_t *src = codes + g * tb + 32 * half;
             __m256i c[QUADS];
-            if (bits == 4) {
+            if (bits != 8) {
                 for (int p = 0; p < 4; p++) {
                     __m256i b = _mm256_loadu_si256((const __m256i *)(src + QB * p));
                     c[p] = _mm256_and_si256(b, low4);
                     c[p + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+                }
+                if (bits == 6) { /* codes 0..63: u8 x s8 pairs stay within int16 */
+                    const __m256i mask = _mm256_set1_epi8(0x30);
+                    for (int v = 0; v < 2; v++) {
+                        __m256i b = _mm256_loadu_si256((const __m256i *)(src + QB * (4 + v)));
+                        c[4 * v] = _mm256_or_si256(c[4 * v], _mm256_and_si256(_mm256_slli_epi16(b, 4), mask));
+                        c[4 * v + 1] = _mm256_or_si256(c[4 * v + 1], _mm256_and_si256(_mm256_slli_epi16(b, 2), mask));
+                        c[4 * v + 2] = _mm256_or_si256(c[4 * v + 2], _mm256_and_si256(b, mask));
+                        c[4 * v + 3] = _mm256_or_si256(c[4 * v + 3], _mm256_and_si256(_mm256_srli_epi16(b, 2), mask));
+                    }
                 }
             } else {
                 for (int u = 0; u < QUADS; u++) {
@@ -327,7 +362,8 @@ static inline __attribute__((always_inline)) void tile_dot(
                 const __m256 d = factors256(dw, at, g, half);
                 const __m256 m = offset ? factors256(mw, at, g, half) : _mm256_setzero_ps();
                 __m256i s[TILE_T];
-                for (int i = 0; i < tt; i++) s[i] = _mm256_setzero_si256();
+                for (int i = 0; i < tt; i++) /* 6 bits: - 32 sum q (8 bits: signed codes) */
+                    s[i] = _mm256_set1_epi32(bits == 6 ? -32 * qs[i * GS_ + g * S + h] : 0);
                 for (int u = h * span; u < (h + 1) * span; u++) {
                     for (int i = 0; i < tt; i++) {
                         int32_t quad;
@@ -362,8 +398,7 @@ static inline __attribute__((always_inline)) void tile_dot(
                     int32_t s = 0;
                     for (int j = 4 * h * span; j < 4 * (h + 1) * span; j++) {
                         int u = j / 4, e = j % 4;
-                        int c = bits == 4 ? (src[(u % 4) * QB + r * 4 + e] >> (4 * (u / 4))) & 15
-                                          : (int)src[u * QB + r * 4 + e] - 128;
+                        int c = code_at(src, bits, u, r, e) - code_zero(bits);
                         s += c * qg[j];
                     }
                     const int64_t at = (g * S + h) * ROWS + r;
