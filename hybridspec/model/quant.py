@@ -202,6 +202,13 @@ class PackedWeight:
         )
 
 
+def held_bytes(matrix: torch.Tensor | QuantizedWeight | PackedWeight) -> int:
+    """Bytes a matrix holds: a forward reads them once."""
+    if isinstance(matrix, torch.Tensor):
+        return matrix.numel() * matrix.element_size()
+    return matrix.nbytes
+
+
 def tiled(part: torch.Tensor) -> torch.Tensor:
     """Per-row factors ``[N, X]`` in tiles of ``ROWS`` rows, ``[ceil(N / 16), X, 16]`` (rows
     past ``N`` zero)."""
