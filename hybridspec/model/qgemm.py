@@ -56,12 +56,12 @@ _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "hs_qgemm": [
         *(_ptr, _int, _i64, _i64, _int, _ptr, ctypes.c_float),  # x, f32, T, K, prologue, norm
-        *(_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),  # packed, scales (3), offsets (3)
+        *(_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),  # packed, scales, offsets (4)
         *(_int, _int),  # bits, group
         *(_i64, _ptr, _ptr),  # N, residual, y
     ],
     "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
-    "hs_dequant_rows": [*(_ptr,) * 7, _int, _int, _i64, _ptr, _i64, _ptr],
+    "hs_dequant_rows": [*(_ptr,) * 9, _int, _int, _i64, _ptr, _i64, _ptr],
     "hs_rope_store": [
         *(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr),  # qkv, T, H, KV, hd, rope, slots, pos
         *(_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr),  # keys, values, q_out
@@ -131,7 +131,8 @@ class Kernel:
     def pack(self, weight: QuantizedWeight, narrow: bool = True) -> PackedWeight:
         """``weight`` in the kernel's tiled layout (csrc/qgemm.c): 8-bit codes within -32..31
         in 6 bits; its scales and offsets as int8 steps times a float32 factor per 256 columns
-        where they have that form exactly (``quant.factor_steps``), else float32. ``narrow``
+        where they have that form exactly (``quant.factor_steps``), else float16 where every
+        one is a float16 value (a Q8_0 or Q4_1 block's d and m), else float32. ``narrow``
         False: codes and factors as ``weight`` holds them (the same products, more bytes)."""
         if weight.device.type != "cpu":
             raise ValueError(f"weight: the block kernel runs on CPU, not {weight.device.type}")
@@ -163,6 +164,9 @@ class Kernel:
         shape = (tiles, groups, subs * ROWS)
         if offsets is not None and offset_super is None:
             offsets = offsets.float()
+        if narrow and scale_super is None and _is_half(scales) and _is_half(offsets):
+            scales = scales.half()  # a block's float16 d (and m): half the bytes, same values
+            offsets = None if offsets is None else offsets.half()
         return PackedWeight(
             packed,
             tiled(scales).view(shape),
@@ -321,15 +325,24 @@ def _data(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def _is_half(part: torch.Tensor | None) -> bool:
+    """Whether every value of ``part`` (float32) is a float16 value (None: trivially)."""
+    return part is None or bool(torch.equal(part.half().float(), part))
+
+
 def _factors(weight: PackedWeight) -> tuple[int | None, ...]:
-    """The kernel's six pointers to the scales and offsets: float32, else int8 steps and
-    float32 super-block factors (csrc/qgemm.c, ``factors_t``)."""
+    """The kernel's eight pointers to the scales and offsets: float32, float16, or int8 steps
+    and float32 super-block factors (csrc/qgemm.c, ``factors_t``)."""
     parts: list[int | None] = []
     for part, sup in ((weight.scales, weight.scale_super), (weight.offsets, weight.offset_super)):
-        if sup is None:
-            parts += [_data(part), None, None]
+        if part is None:
+            parts += [None, None, None, None]
+        elif sup is not None:
+            parts += [None, None, part.data_ptr(), sup.data_ptr()]
+        elif part.dtype == torch.float16:
+            parts += [None, part.data_ptr(), None, None]
         else:
-            parts += [None, _data(part), sup.data_ptr()]
+            parts += [part.data_ptr(), None, None, None]
     return tuple(parts)
 
 

@@ -131,8 +131,9 @@ class PackedWeight:
     (uint8), a 6-bit one (``bits`` 6: 8-bit codes within -32..31, as Q6_K's and the 5-bit
     types' are) ``c + 32``: its low 4 bits as a 4-bit tile, then its high 2 bits, quad
     ``4 v + i`` at bits ``2 i`` of 2 more quads' bytes ``v``. Scales and offsets
-    ``[N / 16, G32, S * 16]`` (``S = 32 / group`` sub-groups): float32, or (``scale_super``
-    given) int8 steps whose factor is ``step * super`` with
+    ``[N / 16, G32, S * 16]`` (``S = 32 / group`` sub-groups): float32, float16 (where every
+    one is a float16 value), or (``scale_super`` given) int8 steps whose factor is
+    ``step * super`` with
     ``super [N / 16, ceil(G32 / 8), 16]`` float32 per row and 256 columns: a K-quant's
     ``d * sc``, held in the bytes the file spends on it (``factor_steps``). Offsets are
     factored when the scales are. Rows past ``N`` are zero.

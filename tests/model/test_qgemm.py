@@ -205,14 +205,18 @@ def test_the_fused_runtime_agrees_with_the_unfused_one(monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize(
-    ("bits", "bpw"), [("4K", 4.75), ("8/16K", 8.625), ("8K+m", 8.75), ("6/16K", 6.625)]
+    ("bits", "bpw"),
+    [("4K", 4.75), ("8/16K", 8.625), ("8K+m", 8.75), ("6/16K", 6.625), ("4", 5.0), ("8", 8.5)],
 )
-def test_k_quant_scales_are_held_as_int8_steps_of_a_factor_per_256_columns(
+def test_scales_are_held_in_the_bytes_of_the_files_blocks(
     variants: list[Kernel], bits: str, bpw: float
 ) -> None:
+    """K-quants: int8 steps of a float32 factor per 256 columns; Q4_1, Q8_0: float16."""
     w, x = weight(bits, 48, 768, 21), activations(9, 768, 22)
     packed = variants[0].pack(w)
-    assert packed.scale_super is not None and packed.scales.dtype == torch.int8
+    kquant = "K" in bits
+    assert (packed.scale_super is not None) == kquant
+    assert packed.scales.dtype == (torch.int8 if kquant else torch.float16)
     assert packed.nbytes * 8 == bpw * 48 * 768  # a float32 scale per group would add 1-2 bits
     plain = variants[0].pack(w, narrow=False)  # float32 factors, 8-bit codes: same results
     assert plain.scale_super is None and plain.bits == w.bits

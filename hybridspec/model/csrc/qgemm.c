@@ -8,7 +8,8 @@
  * int32 lane r is row r, or two 256-bit halves of 8 rows). A 4-bit tile stores quads u and
  * u + 4 in one vector, in the low and the high nibbles; an 8-bit tile stores c + 128 (0..255).
  * Scales and offsets are stored [tiles, G, S, 16]; with S = 2, quads 0..3 take the first
- * sub-group's, quads 4..7 the second's. They are float32, or (``factors_t``) int8 steps times a
+ * sub-group's, quads 4..7 the second's. They are float32, float16 (where each is one: a block's
+ * float16 d or m), or (``factors_t``) int8 steps times a
  * float32 factor per row and super-block of 256 columns (8 groups), [tiles, ceil(G / 8), 16]:
  * a K-quant's d sc, whose float32 product is exact, formed in the kernel from the bytes that
  * the file holds per 256 weights instead of 4 bytes per 16 or 32.
@@ -68,22 +69,37 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Per-sub-group factors (scales or offsets) of one matrix: float32 ``f``, or int8 ``step``
- * times float32 ``super`` per super-block of 8 groups; all NULL: none (zero). Pointers start
- * at one tile's (hs_qgemm) or at the matrix's (hs_dequant_rows). */
+/* Per-sub-group factors (scales or offsets) of one matrix: float32 ``f``, float16 ``h``, or
+ * int8 ``step`` times float32 ``super`` per super-block of 8 groups; all NULL: none (zero).
+ * Pointers start at one tile's (hs_qgemm) or at the matrix's (hs_dequant_rows). */
 typedef struct {
     const float *f;
+    const uint16_t *h;
     const int8_t *step;
     const float *super;
 } factors_t;
 
 #define SUPER 8 /* groups of 32 per super-block (256 columns) */
 
-static inline int has_factors(factors_t w) { return w.f || w.step; }
+static inline int has_factors(factors_t w) { return w.f || w.h || w.step; }
+
+/* A float16 value in float32, exactly (subnormals, infinities and NaN included). */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff;
+    float f;
+    if (exp == 0) {
+        f = (float)man * 5.9604644775390625e-8f; /* man 2^-24, exact */
+        return sign ? -f : f;
+    }
+    uint32_t u = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 /* The factor of rows at ``at`` (of [G, S, 16]) in group g: exact, as float32 products are. */
 static inline float factor_at(factors_t w, int64_t at, int64_t g, int r) {
     if (w.f) return w.f[at];
+    if (w.h) return f16_to_f32(w.h[at]);
     if (w.step) return (float)w.step[at] * w.super[(g / SUPER) * ROWS + r];
     return 0.0f;
 }
@@ -155,17 +171,19 @@ void hs_pack(const uint8_t *codes, int bits, int64_t N, int64_t K, uint8_t *out)
  * W[n, 32 g + j] = d c + m in float32, rounded once. */
 static factors_t tile_factors(factors_t w, int64_t tile, int64_t G, int64_t S) {
     int64_t sb = tile * G * S * ROWS, supers = (G + SUPER - 1) / SUPER;
-    factors_t t = {w.f ? w.f + sb : NULL, w.step ? w.step + sb : NULL,
+    factors_t t = {w.f ? w.f + sb : NULL, w.h ? w.h + sb : NULL, w.step ? w.step + sb : NULL,
                    w.step ? w.super + tile * supers * ROWS : NULL};
     return t;
 }
 
-void hs_dequant_rows(const uint8_t *packed, const float *scales, const int8_t *scale_steps,
-                     const float *scale_super, const float *offsets, const int8_t *offset_steps,
+void hs_dequant_rows(const uint8_t *packed, const float *scales, const uint16_t *scales_f16,
+                     const int8_t *scale_steps, const float *scale_super, const float *offsets,
+                     const uint16_t *offsets_f16, const int8_t *offset_steps,
                      const float *offset_super, int bits, int group, int64_t K,
                      const int64_t *index, int64_t count, uint16_t *out) {
     int64_t G = K / GS, S = GS / group, tb = tile_bytes(bits);
-    factors_t dw = {scales, scale_steps, scale_super}, mw = {offsets, offset_steps, offset_super};
+    factors_t dw = {scales, scales_f16, scale_steps, scale_super};
+    factors_t mw = {offsets, offsets_f16, offset_steps, offset_super};
     int offset = has_factors(mw);
     for (int64_t i = 0; i < count; i++) {
         int64_t n = index[i], tile = n / ROWS, r = n % ROWS;
@@ -253,6 +271,7 @@ static void quantize_row(const uint16_t *x, const float *x32, int64_t K, int pro
 /* The factors of a tile's 16 rows at ``at`` in group g, as float32 (exact products). */
 static inline __m512 factors512(factors_t w, int64_t at, int64_t g) {
     if (w.f) return _mm512_loadu_ps(w.f + at);
+    if (w.h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.h + at)));
     if (!w.step) return _mm512_setzero_ps();
     __m512i steps = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w.step + at)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(steps), _mm512_loadu_ps(w.super + (g / SUPER) * ROWS));
@@ -260,6 +279,15 @@ static inline __m512 factors512(factors_t w, int64_t at, int64_t g) {
 #elif defined(HS_SIMD)
 static inline __m256 factors256(factors_t w, int64_t at, int64_t g, int half) {
     if (w.f) return _mm256_loadu_ps(w.f + at);
+#if defined(__F16C__)
+    if (w.h) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w.h + at)));
+#else
+    if (w.h) {
+        float v[8];
+        for (int i = 0; i < 8; i++) v[i] = f16_to_f32(w.h[at + i]);
+        return _mm256_loadu_ps(v);
+    }
+#endif
     if (!w.step) return _mm256_setzero_ps();
     __m256i steps = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w.step + at)));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(steps),
@@ -433,17 +461,18 @@ static void tile_dot_rows(const uint8_t *codes, factors_t dw, factors_t mw, int 
 }
 
 /* y [T, N] = prologue(x) @ W.T (+ residual), W packed by hs_pack with its scales and offsets
- * (``factors_t``: float32, or int8 steps and float32 super-block factors; offsets all NULL:
- * none). x [T, Kx] bfloat16 with Kx = K (2 K for PRO_SILU_MUL), or float32 when x_f32 (not
+ * (``factors_t``: float32, float16, or int8 steps and float32 super-block factors; offsets
+ * all NULL: none). x [T, Kx] bfloat16 with Kx = K (2 K for PRO_SILU_MUL), or float32 when x_f32 (not
  * with PRO_SILU_MUL). Returns 0, or -1 when scratch memory cannot be had. */
 int hs_qgemm(const void *x, int x_f32, int64_t T, int64_t K, int prologue, const uint16_t *norm_w,
-             float eps, const uint8_t *packed, const float *scales, const int8_t *scale_steps,
-             const float *scale_super, const float *offsets, const int8_t *offset_steps,
-             const float *offset_super, int bits, int group, int64_t N, const uint16_t *residual,
-             uint16_t *y) {
+             float eps, const uint8_t *packed, const float *scales, const uint16_t *scales_f16,
+             const int8_t *scale_steps, const float *scale_super, const float *offsets,
+             const uint16_t *offsets_f16, const int8_t *offset_steps, const float *offset_super,
+             int bits, int group, int64_t N, const uint16_t *residual, uint16_t *y) {
     int64_t G = K / GS, S = GS / group, Kx = prologue == PRO_SILU_MUL ? 2 * K : K;
     int64_t tiles = (N + ROWS - 1) / ROWS, tb = tile_bytes(bits);
-    factors_t dw = {scales, scale_steps, scale_super}, mw = {offsets, offset_steps, offset_super};
+    factors_t dw = {scales, scales_f16, scale_steps, scale_super};
+    factors_t mw = {offsets, offsets_f16, offset_steps, offset_super};
     int8_t *q = malloc((size_t)(T * K));
     float *dx = malloc(sizeof(float) * (size_t)(T * G));
     float *sx = malloc(sizeof(float) * (size_t)(T * G * S));
