@@ -162,8 +162,10 @@ class LlamaCppMethod:
         # An empty KV cache: generate() would otherwise reuse the prefix it shares with the
         # previous request and skip that part of prompt processing.
         self.llama.reset()
+        self._first_token_at: float | None = None
         generated, ended = self._generate(list(prompt_token_ids), options, max_new_tokens)
         elapsed = time.perf_counter() - start
+        first = None if self._first_token_at is None else self._first_token_at - start
         fed = self._timer.input_tokens
         num_generated = len(generated) + ended
         speculation = Speculation(
@@ -173,7 +175,7 @@ class LlamaCppMethod:
             num_drafts=sum(n - 1 for n in fed[1:]),
             num_accepted_tokens=max(0, num_generated - len(fed)),
         )
-        return Measurement((speculation,), elapsed, self._timer.seconds)
+        return Measurement((speculation,), elapsed, self._timer.seconds, first)
 
     def _generate(
         self, prompt: list[int], options: dict[str, float | int], max_new_tokens: int
@@ -183,6 +185,8 @@ class LlamaCppMethod:
         tokens = self.llama.generate(prompt, reset=False, **options)
         try:
             for token in tokens:
+                if self._first_token_at is None:
+                    self._first_token_at = time.perf_counter()
                 if token in self._eos:
                     return generated, True
                 generated.append(int(token))

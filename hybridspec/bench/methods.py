@@ -138,7 +138,9 @@ class EngineMethod:
         self._timer.reset()
         params = [self._params(s, max_new_tokens) for s in samplings]
         results, elapsed = closed_loop(engine, prompts, params, concurrency)
-        return Measurement(tuple(_speculation(r) for r in results), elapsed, self._timer.seconds)
+        first = results[0].stats.time_to_first_token_s if len(results) == 1 else None
+        requests = tuple(_speculation(r) for r in results)
+        return Measurement(requests, elapsed, self._timer.seconds, first)
 
 
 def _speculation(result: GenerationResult) -> Speculation:

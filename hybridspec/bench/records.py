@@ -32,6 +32,7 @@ class Measurement:
     requests: tuple[Speculation, ...]
     elapsed_s: float  # wall time, first request queued to last token finished, prefill included
     forward_s: float  # of which inside the target model's forward
+    first_token_s: float | None = None  # of which until the first token; None: not observed
 
     @property
     def num_generated(self) -> int:

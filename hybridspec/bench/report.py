@@ -16,6 +16,7 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from hybridspec.bench.hf_baseline import ParityResult
+from hybridspec.bench.memory_bound import MemoryBound
 from hybridspec.bench.names import BASELINE, HF_BASELINE, LLAMACPP_BASELINE
 from hybridspec.bench.session import BenchOutcome
 from hybridspec.bench.summary import GROUNDED, OPEN_ENDED, Agreement, Cell, Summary
@@ -35,6 +36,9 @@ HEADERS = (
     "accept",
     "acc.len",
     "outside",
+    "ttft ms",
+    "dec tok/s",
+    "dec vs llamacpp-plain",
     "accept by position",
 )
 
@@ -67,6 +71,9 @@ def cell_row(cell: Cell, group_label: str) -> list[str]:
         _num(cell.acceptance_rate, ".2f"),
         _num(cell.mean_accepted_length, ".2f"),
         f"{cell.outside_forward_share:.1%}",
+        _num(cell.first_token_ms, ".0f"),
+        _num(cell.decode_tokens_per_s, ".1f"),
+        _ratio(cell.decode_vs_llamacpp_plain),
         _positions(cell.acceptance_per_position),
     ]
 
@@ -172,6 +179,9 @@ def format_outcome(outcome: BenchOutcome, categories: dict[str, Category]) -> st
         "",
         format_targets(outcome.targets),
     ]
+    bound = outcome.meta.get("memory_bound")
+    if bound:
+        parts += ["", MemoryBound.from_dict(bound).line()]
     return "\n".join(parts)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import transformers
 
+from hybridspec.bench import memory_bound
 from hybridspec.bench.harness import BenchConfig, BenchPrompt, run_benchmark, warm_up
 from hybridspec.bench.hf_baseline import (
     HFMethod,
@@ -38,7 +39,7 @@ from hybridspec.bench.llamacpp_baseline import (
 from hybridspec.bench.methods import BenchMethod, EngineMethod, build_methods
 from hybridspec.bench.names import BASELINE
 from hybridspec.bench.records import Record
-from hybridspec.bench.summary import Agreement, Summary, greedy_agreement
+from hybridspec.bench.summary import ALL, Agreement, Summary, greedy_agreement
 from hybridspec.bench.targets import TargetResult, evaluate_targets
 from hybridspec.bench.timing import EngineForwardTimer
 from hybridspec.bench.workload import Workload, encode_prompt
@@ -207,6 +208,10 @@ def execute(
     engine_names = [m.name for m in session.methods if isinstance(m, EngineMethod)]
     reference = BASELINE if BASELINE in engine_names else next(iter(engine_names), None)
     meta = _meta(session, config, started, load_before, records)
+    greedy = summary.cell(BASELINE, 0.0, ALL) if 0.0 in summary.temperatures else None
+    rate = None if greedy is None else greedy.decode_tokens_per_s
+    bound = memory_bound.measure(session.target, rate)
+    meta["memory_bound"] = None if bound is None else bound.to_dict()
     return BenchOutcome(
         records,
         summary,

@@ -17,6 +17,11 @@ closed-loop trials at concurrency N form a group of their own (``concurrent xN``
   over repeats: they do not depend on the machine's speed.
 - outside-forward share = 1 - (seconds in the target forward / wall seconds): proposing,
   verifying, committing, scheduling and Python overhead; the median over repeats.
+- time to first token (the prompt's prefill and the first token) and the decode rate after
+  it: tokens after the first / seconds after the first token, summed over a repeat's requests,
+  median over repeats; "decode vs" a method is the median over repeats of the ratio of decode
+  rates. Methods that do not report their first token (``hf-*``), and concurrent groups, show
+  none: their tokens/s include prefill.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class Cell:
     mean_accepted_length: float | None  # None when no forward committed tokens
     acceptance_per_position: tuple[float, ...] | None  # [K]; None when not observable
     outside_forward_share: float
+    first_token_ms: float | None = None  # median over repeats of the mean; None: not observed
+    decode_tokens_per_s: float | None = None  # after the first token; None: not observed
+    decode_vs_llamacpp_plain: float | None = None  # ratio of decode rates
 
 
 def category_groups(categories: dict[str, Category]) -> dict[str, frozenset[str]]:
@@ -172,7 +180,23 @@ class Summary:
             ),
             acceptance_per_position=acceptance_per_position(requests),
             outside_forward_share=statistics.median(shares.values()),
+            first_token_ms=_median_or_none(first_token_ms_by_repeat(records)),
+            decode_tokens_per_s=_median_or_none(decode_rates_by_repeat(records)),
+            decode_vs_llamacpp_plain=self.decode_speedup(
+                method, LLAMACPP_BASELINE, group, temperature
+            ),
         )
+
+    def decode_speedup(
+        self, method: str, over: str, group: str, temperature: float
+    ) -> float | None:
+        """Median over repeats of the ratio of decode rates (after the first token)."""
+        if group in self._concurrent:
+            return None
+        mine = decode_rates_by_repeat(self.select(method, temperature, group))
+        theirs = decode_rates_by_repeat(self.select(over, temperature, group))
+        ratios = [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r] > 0]
+        return statistics.median(ratios) if ratios else None
 
     def cells(self) -> list[Cell]:
         """Every measured cell: by temperature, then group, then method."""
@@ -209,6 +233,40 @@ def rates_by_repeat(records: Iterable[Record]) -> dict[int, float]:
         for repeat, rs in by_repeat(records).items()
         if _elapsed(rs) > 0
     }
+
+
+def _median_or_none(values: dict[int, float]) -> float | None:
+    return statistics.median(values.values()) if values else None
+
+
+def _observed(records: Iterable[Record]) -> dict[int, list[Record]]:
+    """Repeats whose records are all single requests with their first token timed."""
+    return {
+        repeat: rs
+        for repeat, rs in by_repeat(records).items()
+        if all(r.measurement.first_token_s is not None and r.concurrency == 1 for r in rs)
+    }
+
+
+def first_token_ms_by_repeat(records: Iterable[Record]) -> dict[int, float]:
+    """Mean milliseconds to the first token of each repeat's requests."""
+    return {
+        repeat: 1e3 * sum(r.measurement.first_token_s or 0.0 for r in rs) / len(rs)
+        for repeat, rs in _observed(records).items()
+    }
+
+
+def decode_rates_by_repeat(records: Iterable[Record]) -> dict[int, float]:
+    """Tokens/s after the first token of each repeat: (generated - 1) over (wall - first
+    token), both summed over the repeat's requests. Example: 64 tokens in 4.0 s, the first
+    after 0.85 s: 63 / 3.15 = 20 tokens/s."""
+    rates = {}
+    for repeat, rs in _observed(records).items():
+        seconds = sum(r.measurement.elapsed_s - (r.measurement.first_token_s or 0.0) for r in rs)
+        tokens = sum(max(0, r.measurement.num_generated - 1) for r in rs)
+        if seconds > 0:
+            rates[repeat] = tokens / seconds
+    return rates
 
 
 def acceptance_per_position(requests: Sequence[Speculation]) -> tuple[float, ...] | None:

@@ -36,7 +36,15 @@ from pathlib import Path
 import torch
 
 from hybridspec.model.gguf import default_cache_dir
-from hybridspec.model.quant import GROUP_SIZE, ROWS, PackedWeight, QuantizedWeight
+from hybridspec.model.quant import (
+    GROUP_SIZE,
+    ROWS,
+    SUPER,
+    PackedWeight,
+    QuantizedWeight,
+    factor_steps,
+    tiled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +56,12 @@ _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "hs_qgemm": [
         *(_ptr, _int, _i64, _i64, _int, _ptr, ctypes.c_float),  # x, f32, T, K, prologue, norm
-        *(_ptr, _ptr, _ptr, _ptr, _int, _int),  # packed, scales, offsets, csum, bits, group
+        *(_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),  # packed, scales, offsets (4)
+        *(_int, _int),  # bits, group
         *(_i64, _ptr, _ptr),  # N, residual, y
     ],
-    "hs_pack": [_ptr, _ptr, _ptr, _int, _int, _i64, _i64, _ptr, _ptr, _ptr, _ptr],
-    "hs_dequant_rows": [_ptr, _ptr, _ptr, _int, _int, _i64, _ptr, _i64, _ptr],
+    "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
+    "hs_dequant_rows": [*(_ptr,) * 9, _int, _int, _i64, _ptr, _i64, _ptr],
     "hs_rope_store": [
         *(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr),  # qkv, T, H, KV, hd, rope, slots, pos
         *(_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr),  # keys, values, q_out
@@ -119,38 +128,55 @@ class Kernel:
     def max_threads(self) -> int:
         return int(self._lib.hs_max_threads())
 
-    def pack(self, weight: QuantizedWeight) -> PackedWeight:
-        """``weight`` in the kernel's tiled layout (csrc/qgemm.c)."""
+    def pack(self, weight: QuantizedWeight, narrow: bool = True) -> PackedWeight:
+        """``weight`` in the kernel's tiled layout (csrc/qgemm.c): 8-bit codes within -32..31
+        in 6 bits; its scales and offsets as int8 steps times a float32 factor per 256 columns
+        where they have that form exactly (``quant.factor_steps``), else float16 where every
+        one is a float16 value (a Q8_0 or Q4_1 block's d and m), else float32. ``narrow``
+        False: codes and factors as ``weight`` holds them (the same products, more bytes)."""
         if weight.device.type != "cpu":
             raise ValueError(f"weight: the block kernel runs on CPU, not {weight.device.type}")
         rows, cols = weight.shape
         tiles, groups = -(-rows // ROWS), cols // GROUP_SIZE
-        per_group = ROWS * GROUP_SIZE // (2 if weight.bits == 4 else 1)
+        bits = weight.bits
+        if (
+            narrow
+            and bits == 8
+            and rows
+            and int(weight.codes.min()) >= -32
+            and int(weight.codes.max()) < 32
+        ):
+            bits = 6  # Q6_K, Q5_K, Q5_0, Q5_1, widened 4-bit codes: 6 bits (+ 32) hold them
         subs = GROUP_SIZE // weight.group  # scales per group of 32
         codes = weight.codes.contiguous()
-        scales = weight.scales.float().contiguous()
-        offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
-        packed = torch.empty((tiles, groups, per_group), dtype=torch.uint8)
-        packed_scales = torch.empty((tiles, groups, subs * ROWS), dtype=torch.float32)
-        packed_offsets = None if offsets is None else torch.empty_like(packed_scales)
-        csum = None
-        if weight.bits == 8:
-            csum = torch.empty((tiles, groups, subs * ROWS), dtype=torch.int32)
-        self._lib.hs_pack(
-            codes.data_ptr(),
-            scales.data_ptr(),
-            _data(offsets),
-            weight.bits,
+        packed = torch.empty((tiles, groups, ROWS * GROUP_SIZE * bits // 8), dtype=torch.uint8)
+        self._lib.hs_pack(codes.data_ptr(), bits, rows, cols, packed.data_ptr())
+        scales, offsets = weight.scales.float(), weight.offsets
+        factored = factor_steps(scales, SUPER * subs) if narrow else None
+        offset_factored = None
+        if narrow and offsets is not None:
+            offset_factored = factor_steps(offsets.float(), SUPER * subs)
+        scale_super = offset_super = None
+        if factored is not None and (offsets is None or offset_factored is not None):
+            scales, scale_super = factored[0], tiled(factored[1])
+            if offset_factored is not None:
+                offsets, offset_super = offset_factored[0], tiled(offset_factored[1])
+        shape = (tiles, groups, subs * ROWS)
+        if offsets is not None and offset_super is None:
+            offsets = offsets.float()
+        if narrow and scale_super is None and _is_half(scales) and _is_half(offsets):
+            scales = scales.half()  # a block's float16 d (and m): half the bytes, same values
+            offsets = None if offsets is None else offsets.half()
+        return PackedWeight(
+            packed,
+            tiled(scales).view(shape),
+            None if offsets is None else tiled(offsets).view(shape),
+            scale_super,
+            offset_super,
+            bits,
             weight.group,
             rows,
             cols,
-            packed.data_ptr(),
-            packed_scales.data_ptr(),
-            _data(packed_offsets),
-            _data(csum),
-        )
-        return PackedWeight(
-            packed, packed_scales, packed_offsets, csum, weight.bits, weight.group, rows, cols
         )
 
     def qgemm(
@@ -191,9 +217,7 @@ class Kernel:
             _data(norm),
             eps,
             weight.codes.data_ptr(),
-            weight.scales.data_ptr(),
-            _data(weight.offsets),
-            _data(weight.csum),
+            *_factors(weight),
             weight.bits,
             weight.group,
             rows,
@@ -286,8 +310,7 @@ class Kernel:
         out = torch.empty((index.numel(), weight.cols), dtype=torch.bfloat16)
         self._lib.hs_dequant_rows(
             weight.codes.data_ptr(),
-            weight.scales.data_ptr(),
-            _data(weight.offsets),
+            *_factors(weight),
             weight.bits,
             weight.group,
             weight.cols,
@@ -300,6 +323,27 @@ class Kernel:
 
 def _data(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+def _is_half(part: torch.Tensor | None) -> bool:
+    """Whether every value of ``part`` (float32) is a float16 value (None: trivially)."""
+    return part is None or bool(torch.equal(part.half().float(), part))
+
+
+def _factors(weight: PackedWeight) -> tuple[int | None, ...]:
+    """The kernel's eight pointers to the scales and offsets: float32, float16, or int8 steps
+    and float32 super-block factors (csrc/qgemm.c, ``factors_t``)."""
+    parts: list[int | None] = []
+    for part, sup in ((weight.scales, weight.scale_super), (weight.offsets, weight.offset_super)):
+        if part is None:
+            parts += [None, None, None, None]
+        elif sup is not None:
+            parts += [None, None, part.data_ptr(), sup.data_ptr()]
+        elif part.dtype == torch.float16:
+            parts += [None, part.data_ptr(), None, None]
+        else:
+            parts += [part.data_ptr(), None, None, None]
+    return tuple(parts)
 
 
 def load(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> Kernel:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 GROUP_SIZE = 32  # the activations' group: every K is a multiple of it
@@ -115,6 +116,9 @@ class QuantizedWeight:
         )
 
 
+SUPER = 8  # groups of 32 per super-block of a ``PackedWeight``'s factored scales (256 columns)
+
+
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
     """A ``QuantizedWeight`` in the block kernel's tiles of ``ROWS`` = 16 rows (``model.qgemm``,
@@ -123,15 +127,23 @@ class PackedWeight:
 
     Codes ``[N / 16, G32, 16 * 32 * bits / 8]`` (``G32 = K / 32``): per tile and group of 32
     columns, 8 quads of 4 columns, each as 16 rows x 4 bytes; a 4-bit tile holds quads ``u``
-    and ``u + 4`` in the low and high nibbles of one quad's bytes. Scales and offsets
-    ``[N / 16, G32, S * 16]`` float32 (``S = 32 / group`` sub-groups), ``csum`` (8 bits)
-    ``-128 *`` the sum of each sub-group's codes, int32 alike. Rows past ``N`` are zero.
+    and ``u + 4`` in the low and high nibbles of one quad's bytes, an 8-bit one ``c + 128``
+    (uint8), a 6-bit one (``bits`` 6: 8-bit codes within -32..31, as Q6_K's and the 5-bit
+    types' are) ``c + 32``: its low 4 bits as a 4-bit tile, then its high 2 bits, quad
+    ``4 v + i`` at bits ``2 i`` of 2 more quads' bytes ``v``. Scales and offsets
+    ``[N / 16, G32, S * 16]`` (``S = 32 / group`` sub-groups): float32, float16 (where every
+    one is a float16 value), or (``scale_super`` given) int8 steps whose factor is
+    ``step * super`` with
+    ``super [N / 16, ceil(G32 / 8), 16]`` float32 per row and 256 columns: a K-quant's
+    ``d * sc``, held in the bytes the file spends on it (``factor_steps``). Offsets are
+    factored when the scales are. Rows past ``N`` are zero.
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor | None
-    csum: torch.Tensor | None
+    scale_super: torch.Tensor | None
+    offset_super: torch.Tensor | None
     bits: int
     group: int
     rows: int
@@ -147,30 +159,32 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: codes, scales, offsets and sums."""
-        parts = (self.codes, self.scales, self.offsets, self.csum)
+        """Bytes held: codes, scales and offsets (with their super-block factors)."""
+        parts = (self.codes, self.scales, self.offsets, self.scale_super, self.offset_super)
         return sum(p.numel() * p.element_size() for p in parts if p is not None)
 
     def unpack(self) -> QuantizedWeight:
         """The ``QuantizedWeight`` this was packed from, exactly (a permutation of bytes)."""
         tiles, groups = self.codes.shape[:2]
         if self.bits == 8:  # [tiles, G32, u, r, e] -> [tiles, r, G32, u, e]
-            quads = self.codes.view(tiles, groups, 8, ROWS, 4).view(torch.int8)
+            quads = (self.codes.view(tiles, groups, 8, ROWS, 4) ^ 0x80).view(torch.int8)
         else:
-            low = self.codes.view(tiles, groups, 4, ROWS, 4)
+            low = self.codes[..., : 4 * ROWS * 4].reshape(tiles, groups, 4, ROWS, 4)
             quads = torch.cat((low & 0x0F, low >> 4), dim=2)
+        if self.bits == 6:  # high 2 bits of quad 4 v + i at bits 2 i of vector v; c + 32
+            high = self.codes[..., 4 * ROWS * 4 :].reshape(tiles, groups, 2, 1, ROWS, 4)
+            shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
+            high = ((high >> shifts) & 3).reshape(tiles, groups, 8, ROWS, 4)
+            quads = ((quads | (high << 4)).to(torch.int16) - 32).to(torch.int8)
         codes = quads.permute(0, 3, 1, 2, 4).reshape(tiles * ROWS, self.cols)[: self.rows]
         if self.bits == 4:
             codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-
-        def per_row(part: torch.Tensor) -> torch.Tensor:  # [tiles, G32, S * 16] -> [N, G32 S]
-            part = part.view(tiles, groups, -1, ROWS).permute(0, 3, 1, 2)
-            return part.reshape(tiles * ROWS, -1)[: self.rows].contiguous()
-
-        offsets = None if self.offsets is None else per_row(self.offsets)
-        return QuantizedWeight(
-            codes.contiguous(), per_row(self.scales), offsets, self.bits, self.group
-        )
+        scales = _per_row(self.scales, self.scale_super, self.rows)
+        offsets = None
+        if self.offsets is not None:
+            offsets = _per_row(self.offsets, self.offset_super, self.rows)
+        bits = 8 if self.bits == 6 else self.bits
+        return QuantizedWeight(codes.contiguous(), scales, offsets, bits, self.group)
 
     def to(self, device: torch.device | str) -> PackedWeight:
         def move(part: torch.Tensor | None) -> torch.Tensor | None:
@@ -180,12 +194,83 @@ class PackedWeight:
             self.codes.to(device),
             self.scales.to(device),
             move(self.offsets),
-            move(self.csum),
+            move(self.scale_super),
+            move(self.offset_super),
             self.bits,
             self.group,
             self.rows,
             self.cols,
         )
+
+
+def held_bytes(matrix: torch.Tensor | QuantizedWeight | PackedWeight) -> int:
+    """Bytes a matrix holds: a forward reads them once."""
+    if isinstance(matrix, torch.Tensor):
+        return matrix.numel() * matrix.element_size()
+    return matrix.nbytes
+
+
+def tiled(part: torch.Tensor) -> torch.Tensor:
+    """Per-row factors ``[N, X]`` in tiles of ``ROWS`` rows, ``[ceil(N / 16), X, 16]`` (rows
+    past ``N`` zero)."""
+    rows, width = part.shape
+    tiles = -(-rows // ROWS)
+    padded = part.new_zeros((tiles * ROWS, width))
+    padded[:rows] = part
+    return padded.view(tiles, ROWS, width).transpose(1, 2).contiguous()
+
+
+def _per_row(part: torch.Tensor, sup: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """``tiled``'s inverse for a ``PackedWeight``'s scales or offsets: float32 ``[N, G32 S]``."""
+    tiles, groups = part.shape[:2]
+    flat = part.reshape(tiles, -1, ROWS).transpose(1, 2).reshape(tiles * ROWS, -1)[:rows]
+    if sup is None:
+        return flat.contiguous()
+    per_super = flat.shape[1] // groups * SUPER
+    factor = sup.transpose(1, 2).reshape(tiles * ROWS, -1)[:rows]
+    factor = factor.repeat_interleave(per_super, dim=1)[:, : flat.shape[1]]
+    return (flat.float() * factor).contiguous()
+
+
+def factor_steps(values: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """float32 ``values [N, X]`` as int8 steps ``[N, X]`` times a float32 factor per row and run
+    of ``per`` columns ``[N, ceil(X / per)]``, the products exactly ``values``; None where some
+    run has no such form.
+
+    The factor is the greatest common divisor of the run's values (as integers at the run's
+    least exponent): a K-quant's ``d * sc_j`` gives ``d * gcd(sc)`` and steps
+    ``sc_j / gcd(sc)`` (within 6 bits, or Q6_K's int8, negated with the factor where d < 0
+    and a step would be +128). For example ``0.75, 1.25, 0`` is ``0.25 * (3, 5, 0)``.
+    """
+    rows, width = values.shape
+    runs = -(-width // per)
+    padded = torch.zeros((rows, runs * per), dtype=torch.float32)
+    padded[:, :width] = values
+    if not bool(torch.isfinite(padded).all()):
+        return None
+    mantissa, exponent = np.frexp(padded.numpy().astype(np.float64).reshape(rows, runs, per))
+    integers = np.rint(np.ldexp(mantissa, 24)).astype(np.int64)  # exact: 24-bit significands
+    exponent = exponent.astype(np.int64) - 24
+    nonzero = integers != 0
+    least = np.where(nonzero, exponent, np.iinfo(np.int64).max).min(axis=-1, keepdims=True)
+    least = np.where(nonzero.any(axis=-1, keepdims=True), least, 0)
+    shift = np.where(nonzero, exponent - least, 0)
+    if shift.max(initial=0) > 38:  # 24 + 38 bits: still within int64
+        return None
+    aligned = integers << shift
+    divisor = np.gcd.reduce(aligned, axis=-1, keepdims=True)
+    divisor = np.where(divisor == 0, 1, divisor)
+    divisor = np.where((aligned // divisor).max(axis=-1, keepdims=True) > 127, -divisor, divisor)
+    steps = aligned // divisor  # a negative factor where a step would be +128 (d < 0, sc -128)
+    if steps.min(initial=0) < -128 or steps.max(initial=0) > 127:
+        return None
+    factor = np.ldexp(divisor.astype(np.float64), least).astype(np.float32)[..., 0]
+    steps_t = torch.from_numpy(steps.astype(np.int8).reshape(rows, runs * per)[:, :width])
+    factor_t = torch.from_numpy(np.ascontiguousarray(factor))
+    rebuilt = steps_t.float() * factor_t.repeat_interleave(per, dim=1)[:, :width]
+    if not torch.equal(rebuilt, values.float()):
+        return None
+    return steps_t.contiguous(), factor_t
 
 
 def widen(weight: QuantizedWeight, bits: int, group: int, offsets: bool) -> QuantizedWeight:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 4  # bump when the payload's layout changes
+FORMAT = 5  # bump when the payload's layout changes
 KEEP_ENTRIES = 2  # per GGUF file and dtype: the current one and, say, another checkout's
 _LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaLayerWeights))
 
@@ -166,7 +166,7 @@ def _matrix_payload(matrix: Matrix | None) -> torch.Tensor | dict[str, Any] | No
 def _matrix(payload: torch.Tensor | dict[str, Any] | None) -> Matrix | None:
     if payload is None or isinstance(payload, torch.Tensor):
         return payload
-    return PackedWeight(**payload) if "csum" in payload else QuantizedWeight(**payload)
+    return PackedWeight(**payload) if "scale_super" in payload else QuantizedWeight(**payload)
 
 
 def _from_payload(payload: dict[str, Any]) -> ConvertedGGUF:

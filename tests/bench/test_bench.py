@@ -181,6 +181,29 @@ def test_speedup_is_the_median_of_per_repeat_ratios() -> None:
     assert summary.cell("ngram", 0.0, "chat") is None  # nothing measured there
 
 
+def test_decode_rate_and_time_to_first_token_leave_the_prefill_apart() -> None:
+    def timed(method: str, repeat: int, tokens: int, seconds: float, first: float | None) -> Record:
+        speculation = Speculation(tuple(range(tokens)), tokens, tokens, 0, 0)
+        measurement = Measurement((speculation,), seconds, seconds, first)
+        return Record(method, 0.0, repeat, ("code-1",), "code", measurement, 0.0)
+
+    records = [
+        timed("none", 0, 64, 4.0, 0.85),  # 63 / 3.15 = 20 tokens/s after the first
+        timed("none", 1, 64, 3.5, 0.35),  # 63 / 3.15 again
+        timed("llamacpp-plain", 0, 64, 5.05, 0.55),  # 63 / 4.5 = 14 tokens/s
+        timed("llamacpp-plain", 1, 64, 4.75, 0.25),  # 14 again
+        timed("hf-plain", 0, 64, 4.0, None),  # not observed
+    ]
+    summary = Summary(records, CATEGORIES)
+    none = summary.cell("none", 0.0, "code")
+    assert none is not None and none.decode_tokens_per_s == pytest.approx(20.0)
+    assert none.first_token_ms == pytest.approx((850 + 350) / 2)
+    assert none.tokens_per_s == pytest.approx((16.0 + 64 / 3.5) / 2)  # prefill included
+    assert none.decode_vs_llamacpp_plain == pytest.approx(20 / 14)
+    hf = summary.cell("hf-plain", 0.0, "code")
+    assert hf is not None and hf.decode_tokens_per_s is None and hf.first_token_ms is None
+
+
 def test_greedy_agreement_finds_where_outputs_diverge() -> None:
     def run(method: str, prompt: str, tokens: tuple[int, ...]) -> Record:
         speculation = Speculation(tokens, len(tokens), len(tokens), 0, 0)
@@ -328,6 +351,12 @@ def test_bench_smoke_on_tiny_llama(
         cell = cells[(method, 0.0, ALL)]
         assert cell["mean_accepted_length"] == 1.0 and cell["acceptance_rate"] is None
     assert cells[("none", 0.0, ALL)]["speedup_vs_none"] == 1.0
+    assert cells[("none", 0.0, ALL)]["decode_tokens_per_s"] > 0  # after the first token
+    assert cells[("none", 0.0, ALL)]["first_token_ms"] > 0
+    assert cells[("hf-plain", 0.0, ALL)]["decode_tokens_per_s"] is None  # not observed
+    bound = report["meta"]["memory_bound"]  # none's bytes x decode rate over a 1 GiB read
+    assert bound["bytes_per_token"] > 0 and bound["share"] > 0
+    assert "memory bound (none, greedy, all prompts)" in stdout
     for method in ("none", "ngram", "draft"):  # over one none request at a time
         assert cells[(method, 0.0, "concurrent x2")]["speedup_vs_none"] > 0
     assert cells[("hf-plain", 0.8, ALL)]["speedup_vs_hf_plain"] == 1.0

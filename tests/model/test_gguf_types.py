@@ -129,7 +129,7 @@ def test_every_type_loads_onto_its_blocks_with_the_default_settings(mixed_file: 
     held += [layer1.wqkv, layer1.wo, layer1.w_gate_up]
     assert all(isinstance(m, PackedWeight) for m in held)  # in the kernel's tiles, once
     assert isinstance(layer1.w_down, torch.Tensor)  # F16 stays dense
-    assert (layer0.wqkv.bits, layer0.wqkv.group) == (8, 16)  # Q4_K q, k beside a Q6_K v
+    assert (layer0.wqkv.bits, layer0.wqkv.group) == (6, 16)  # Q4_K q, k beside a Q6_K v: 6 bits
     assert (layer0.w_gate_up.bits, layer0.w_gate_up.group) == (4, 16)  # Q2_K and Q3_K
     dense = load_model(ModelConfig(name_or_path=str(mixed_file), quantize="none", dtype="float32"))
     runtime = model.create_runtime(1, 128)

@@ -15,7 +15,7 @@ from hybridspec.model import qgemm
 from hybridspec.model.linear import PackedLinear
 from hybridspec.model.llama import build_linear
 from hybridspec.model.qgemm import BlockLinear, Kernel
-from hybridspec.model.quant import QuantizedWeight, quantize, widen
+from hybridspec.model.quant import QuantizedWeight, factor_steps, quantize, widen
 from hybridspec.model.quant_linear import Int4Linear
 from hybridspec.model.runtime import ForwardBatch
 from tests.engine.tiny import VOCAB, tiny_loaded
@@ -42,7 +42,9 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> list[Kernel]:
 
 
 # scheme -> (bits, group, offsets): Q4_1 / Q4_K; Q8_0 / Q5_0; Q5_1 / Q5_K; Q2_K / Q3_K; Q6_K;
-# and a fused q/k/v of mixed types widened to the widest scheme
+# and a fused q/k/v of mixed types widened to the widest scheme. "K": a K-quant's scales and
+# offsets, d * sc per 256 columns (d float16, sc 6 bits), held factored by the kernel. 6: 8-bit
+# codes within -32..31 (Q6_K, Q5_K, Q5_0, Q5_1), held in 6 bits.
 SCHEMES = {
     "4": (4, 32, True),
     "8": (8, 32, False),
@@ -50,6 +52,11 @@ SCHEMES = {
     "4/16": (4, 16, True),
     "8/16": (8, 16, False),
     "8/16+m": (8, 16, True),
+    "4K": (4, 32, True),
+    "8/16K": (8, 16, False),
+    "8K+m": (8, 32, True),
+    "6/16K": (6, 16, False),
+    "6+m": (6, 32, True),
 }
 
 
@@ -57,11 +64,31 @@ def weight(bits: int | str, rows: int, cols: int, seed: int) -> QuantizedWeight:
     """A random matrix in a scheme (``SCHEMES``), each sub-group with a scale of its own."""
     scheme = SCHEMES[str(bits)]
     gen = torch.Generator().manual_seed(seed)
-    w = widen(quantize(torch.randn(rows, cols, generator=gen) * 0.05, scheme[0]), *scheme)
+    bits_held = 8 if scheme[0] == 6 else scheme[0]
+    w = quantize(torch.randn(rows, cols, generator=gen) * 0.05, bits_held)
+    w = widen(w, bits_held, *scheme[1:])
+    if scheme[0] == 6:
+        w = QuantizedWeight(w.codes // 4, w.scales, w.offsets, 8, w.group)
+    if str(bits).endswith("K") or str(bits).endswith("K+m"):
+        return QuantizedWeight(
+            w.codes,
+            k_factors(w.scales.shape, 256 // w.group, -63, gen),
+            None if w.offsets is None else k_factors(w.scales.shape, 256 // w.group, 0, gen),
+            w.bits,
+            w.group,
+        )
     if w.group == 16:  # sub-groups of one group no longer share a scale
         factors = 0.5 + torch.rand(w.scales.shape, generator=gen)
         w = QuantizedWeight(w.codes, w.scales * factors, w.offsets, w.bits, w.group)
     return w
+
+
+def k_factors(shape: torch.Size, per: int, low: int, gen: torch.Generator) -> torch.Tensor:
+    """``d * sc``: d float16 per row and ``per`` groups (256 columns), sc in ``low..63``."""
+    rows, width = shape
+    sc = torch.randint(low, 64, (rows, width), generator=gen).float()
+    d = (torch.rand(rows, -(-width // per), generator=gen) * 1e-3 - 5e-4).half().float()
+    return d.repeat_interleave(per, dim=1)[:, :width] * sc
 
 
 def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -100,7 +127,7 @@ def test_every_instruction_set_path_and_thread_count_computes_the_same(
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("bits", ["4", "8", "8/16+m"])
+@pytest.mark.parametrize("bits", ["4", "8", "8/16+m", "6+m"])
 def test_a_row_comes_out_alike_alone_and_among_others(kernel: Kernel, bits: str) -> None:
     linear = BlockLinear(weight(bits, 200, 1536, 5), kernel)
     assert_rows_alike(linear, 1536, torch.Generator().manual_seed(6))
@@ -175,6 +202,35 @@ def test_the_fused_runtime_agrees_with_the_unfused_one(monkeypatch: pytest.Monke
         logits.append(runtime.forward(ForwardBatch.from_lists([0], [ids[30:]])).logits)
     assert relative_error(logits[0], logits[1].float()) < 5e-2
     assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize(
+    ("bits", "bpw"),
+    [("4K", 4.75), ("8/16K", 8.625), ("8K+m", 8.75), ("6/16K", 6.625), ("4", 5.0), ("8", 8.5)],
+)
+def test_scales_are_held_in_the_bytes_of_the_files_blocks(
+    variants: list[Kernel], bits: str, bpw: float
+) -> None:
+    """K-quants: int8 steps of a float32 factor per 256 columns; Q4_1, Q8_0: float16."""
+    w, x = weight(bits, 48, 768, 21), activations(9, 768, 22)
+    packed = variants[0].pack(w)
+    kquant = "K" in bits
+    assert (packed.scale_super is not None) == kquant
+    assert packed.scales.dtype == (torch.int8 if kquant else torch.float16)
+    assert packed.nbytes * 8 == bpw * 48 * 768  # a float32 scale per group would add 1-2 bits
+    plain = variants[0].pack(w, narrow=False)  # float32 factors, 8-bit codes: same results
+    assert plain.scale_super is None and plain.bits == w.bits
+    want = variants[0].qgemm(x, plain)
+    assert all(torch.equal(k.qgemm(x, k.pack(w)), want) for k in variants)
+    assert torch.equal(packed.unpack().dequantize(), w.dequantize())
+
+
+def test_factor_steps_finds_the_exact_int8_form_or_none() -> None:
+    steps = factor_steps(torch.tensor([[0.75, 1.25, 0.0, -0.5]]), 4)
+    assert steps is not None
+    assert steps[0].tolist() == [[3, 5, 0, -2]] and steps[1].tolist() == [[0.25]]
+    assert factor_steps(torch.tensor([[1.0, 1.0 + 2**-20]]), 2) is None  # steps past int8
+    assert factor_steps(torch.tensor([[float("nan"), 1.0]]), 2) is None
 
 
 @pytest.mark.parametrize("bits", list(SCHEMES))

@@ -6,13 +6,19 @@
  * -128..127). ``hs_pack`` reorders them into tiles of 16 rows (``ROWS``): for each tile and
  * group of 32, 8 quads of 4 columns, each quad as 16 rows x 4 bytes (one 512-bit vector whose
  * int32 lane r is row r, or two 256-bit halves of 8 rows). A 4-bit tile stores quads u and
- * u + 4 in one vector, in the low and the high nibbles. Scales and offsets are stored
- * [tiles, G, S, 16]; with S = 2, quads 0..3 take the first sub-group's, quads 4..7 the second's.
+ * u + 4 in one vector, in the low and the high nibbles; an 8-bit tile stores c + 128 (0..255).
+ * Scales and offsets are stored [tiles, G, S, 16]; with S = 2, quads 0..3 take the first
+ * sub-group's, quads 4..7 the second's. They are float32, float16 (where each is one: a block's
+ * float16 d or m), or (``factors_t``) int8 steps times a
+ * float32 factor per row and super-block of 256 columns (8 groups), [tiles, ceil(G / 8), 16]:
+ * a K-quant's d sc, whose float32 product is exact, formed in the kernel from the bytes that
+ * the file holds per 256 weights instead of 4 bytes per 16 or 32.
  *
  * The activations are quantized per row and group of 32 to 8 bits (llama.cpp's Q8_1: scale
  * dx = amax / 127, codes q rounded to nearest even), so that each group's sum is an integer
  * one, exact, then scaled:
  *   acc = fma(float(sum_j c q), d dx, acc);  acc = fma(m, dx sum_j q, acc)
+ * (8 bits: sum_j c q = sum_j (c + 128) q - 128 sum_j q, the same integer)
  * for each sub-group in order (j over its columns), in this order, for every (t, n) alike, in one thread: a row's result does not depend on the
  * other rows of x, nor on the instruction set (AVX512-VNNI, AVX2, or portable C compute the
  * same integers and the same float operations).
@@ -63,6 +69,41 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Per-sub-group factors (scales or offsets) of one matrix: float32 ``f``, float16 ``h``, or
+ * int8 ``step`` times float32 ``super`` per super-block of 8 groups; all NULL: none (zero).
+ * Pointers start at one tile's (hs_qgemm) or at the matrix's (hs_dequant_rows). */
+typedef struct {
+    const float *f;
+    const uint16_t *h;
+    const int8_t *step;
+    const float *super;
+} factors_t;
+
+#define SUPER 8 /* groups of 32 per super-block (256 columns) */
+
+static inline int has_factors(factors_t w) { return w.f || w.h || w.step; }
+
+/* A float16 value in float32, exactly (subnormals, infinities and NaN included). */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff;
+    float f;
+    if (exp == 0) {
+        f = (float)man * 5.9604644775390625e-8f; /* man 2^-24, exact */
+        return sign ? -f : f;
+    }
+    uint32_t u = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The factor of rows at ``at`` (of [G, S, 16]) in group g: exact, as float32 products are. */
+static inline float factor_at(factors_t w, int64_t at, int64_t g, int r) {
+    if (w.f) return w.f[at];
+    if (w.h) return f16_to_f32(w.h[at]);
+    if (w.step) return (float)w.step[at] * w.super[(g / SUPER) * ROWS + r];
+    return 0.0f;
+}
+
 const char *hs_isa(void) {
 #if defined(HS_VNNI)
     return "avx512vnni";
@@ -82,43 +123,45 @@ int hs_max_threads(void) {
 }
 
 /* Bytes of packed codes per tile and group. */
-static inline int64_t tile_bytes(int bits) { return bits == 4 ? QUADS / 2 * QB : QUADS * QB; }
+static inline int64_t tile_bytes(int bits) { return bits == 8 ? QUADS * QB : QUADS / 2 * QB * bits / 4; }
+
+/* The code at quad u, row r, byte e of one tile's group (``src``), as the kernel multiplies it:
+ * 0..15 (4 bits), c + 32 (6 bits: 0..63), c + 128 (8 bits: 0..255). */
+static inline int code_at(const uint8_t *src, int bits, int u, int64_t r, int e) {
+    if (bits == 8) return src[u * QB + r * 4 + e];
+    int c = (src[(u % 4) * QB + r * 4 + e] >> (4 * (u / 4))) & 15;
+    if (bits == 6) c |= ((src[(4 + u / 4) * QB + r * 4 + e] >> (2 * (u % 4))) & 3) << 4;
+    return c;
+}
+
+/* The integer the kernel subtracts per code, times the sum of q: 32 (6 bits), 128 (8 bits). */
+static inline int code_zero(int bits) { return bits == 8 ? 128 : (bits == 6 ? 32 : 0); }
 
 /* The packed layout (top of file) of codes [N, K] as ``quant`` keeps them: 4 bits two a byte in
- * column order (low nibble first), 8 bits one a byte. out: [ceil(N / 16), G, tile_bytes];
- * scales_out, offsets_out [ceil(N / 16), G, 16] (offsets may be NULL); csum_out (8 bits only)
- * [ceil(N / 16), G, 16]: -128 * sum of the group's codes. Rows past N are zero. */
-void hs_pack(const uint8_t *codes, const float *scales, const float *offsets, int bits,
-             int group, int64_t N, int64_t K, uint8_t *out, float *scales_out,
-             float *offsets_out, int32_t *csum_out) {
-    int64_t G = K / GS, S = GS / group, tiles = (N + ROWS - 1) / ROWS, tb = tile_bytes(bits);
-    size_t per = (size_t)(tiles * G * S * ROWS);
-    memset(out, 0, (size_t)(tiles * G * tb));
-    memset(scales_out, 0, sizeof(float) * per);
-    if (offsets_out) memset(offsets_out, 0, sizeof(float) * per);
-    if (csum_out) memset(csum_out, 0, sizeof(int32_t) * per);
+ * column order (low nibble first), 8 bits one a byte (int8); bits 6: int8 codes -32..31 held
+ * in 6 bits, c + 32, as a 4-bit tile followed by 2 vectors of the high 2 bits (quads u of
+ * 4 (u / 4) + i at bits 2 i). out: [ceil(N / 16), G,
+ * tile_bytes]; rows past N are zero. The scales and offsets are laid out by the caller. */
+void hs_pack(const uint8_t *codes, int bits, int64_t N, int64_t K, uint8_t *out) {
+    int64_t G = K / GS, tb = tile_bytes(bits);
+    memset(out, 0, (size_t)(((N + ROWS - 1) / ROWS) * G * tb));
     for (int64_t n = 0; n < N; n++) {
         int64_t tile = n / ROWS, r = n % ROWS;
         for (int64_t g = 0; g < G; g++) {
             uint8_t *dst = out + (tile * G + g) * tb;
-            for (int64_t h = 0; h < S; h++) {
-                int64_t at = ((tile * G + g) * S + h) * ROWS + r;
-                scales_out[at] = scales[n * G * S + g * S + h];
-                if (offsets_out) offsets_out[at] = offsets[n * G * S + g * S + h];
-                int32_t sum = 0;
-                for (int j = (int)h * group; j < (int)(h + 1) * group; j++) {
-                    int64_t k = g * GS + j;
-                    int u = j / 4, e = j % 4;
-                    if (bits == 4) {
-                        uint8_t c = (codes[n * (K / 2) + k / 2] >> (4 * (k % 2))) & 15;
-                        dst[(u % 4) * QB + r * 4 + e] |= (uint8_t)(c << (4 * (u / 4)));
-                    } else {
-                        uint8_t c = codes[n * K + k];
-                        dst[u * QB + r * 4 + e] = c;
-                        sum += (int8_t)c;
-                    }
+            for (int j = 0; j < GS; j++) {
+                int64_t k = g * GS + j;
+                int u = j / 4, e = j % 4;
+                if (bits == 4) {
+                    uint8_t c = (codes[n * (K / 2) + k / 2] >> (4 * (k % 2))) & 15;
+                    dst[(u % 4) * QB + r * 4 + e] |= (uint8_t)(c << (4 * (u / 4)));
+                } else if (bits == 6) { /* int8 codes -32..31 as c + 32: 4 low bits, 2 high */
+                    uint8_t c = (uint8_t)((int8_t)codes[n * K + k] + 32);
+                    dst[(u % 4) * QB + r * 4 + e] |= (uint8_t)((c & 15) << (4 * (u / 4)));
+                    dst[(4 + u / 4) * QB + r * 4 + e] |= (uint8_t)((c >> 4) << (2 * (u % 4)));
+                } else {
+                    dst[u * QB + r * 4 + e] = codes[n * K + k] ^ 0x80; /* c + 128 */
                 }
-                if (csum_out) csum_out[at] = -128 * sum;
             }
         }
     }
@@ -126,20 +169,33 @@ void hs_pack(const uint8_t *codes, const float *scales, const float *offsets, in
 
 /* Rows ``index`` of the packed matrix dequantized to bfloat16 (an embedding lookup):
  * W[n, 32 g + j] = d c + m in float32, rounded once. */
-void hs_dequant_rows(const uint8_t *packed, const float *scales, const float *offsets, int bits,
-                     int group, int64_t K, const int64_t *index, int64_t count, uint16_t *out) {
+static factors_t tile_factors(factors_t w, int64_t tile, int64_t G, int64_t S) {
+    int64_t sb = tile * G * S * ROWS, supers = (G + SUPER - 1) / SUPER;
+    factors_t t = {w.f ? w.f + sb : NULL, w.h ? w.h + sb : NULL, w.step ? w.step + sb : NULL,
+                   w.step ? w.super + tile * supers * ROWS : NULL};
+    return t;
+}
+
+void hs_dequant_rows(const uint8_t *packed, const float *scales, const uint16_t *scales_f16,
+                     const int8_t *scale_steps, const float *scale_super, const float *offsets,
+                     const uint16_t *offsets_f16, const int8_t *offset_steps,
+                     const float *offset_super, int bits, int group, int64_t K,
+                     const int64_t *index, int64_t count, uint16_t *out) {
     int64_t G = K / GS, S = GS / group, tb = tile_bytes(bits);
+    factors_t dw = {scales, scales_f16, scale_steps, scale_super};
+    factors_t mw = {offsets, offsets_f16, offset_steps, offset_super};
+    int offset = has_factors(mw);
     for (int64_t i = 0; i < count; i++) {
         int64_t n = index[i], tile = n / ROWS, r = n % ROWS;
+        factors_t td = tile_factors(dw, tile, G, S), tm = tile_factors(mw, tile, G, S);
         for (int64_t g = 0; g < G; g++) {
             const uint8_t *src = packed + (tile * G + g) * tb;
             for (int j = 0; j < GS; j++) {
-                int64_t at = ((tile * G + g) * S + j / group) * ROWS + r;
-                float d = scales[at], m = offsets ? offsets[at] : 0.0f;
+                int64_t at = (g * S + j / group) * ROWS + r;
+                float d = factor_at(td, at, g, (int)r), m = factor_at(tm, at, g, (int)r);
                 int u = j / 4, e = j % 4;
-                float c = bits == 4 ? (float)((src[(u % 4) * QB + r * 4 + e] >> (4 * (u / 4))) & 15)
-                                    : (float)(int8_t)src[u * QB + r * 4 + e];
-                out[i * K + g * GS + j] = f32_to_bf16(offsets ? fmaf(d, c, m) : d * c);
+                float c = (float)(code_at(src, bits, u, r, e) - code_zero(bits));
+                out[i * K + g * GS + j] = f32_to_bf16(offset ? fmaf(d, c, m) : d * c);
             }
         }
     }
@@ -170,7 +226,7 @@ static inline float fast_exp(float x) {
  * to the nearest integer (even on ties) adds and subtracts 1.5 * 2^23, exact for |v| < 2^22. */
 static void quantize_row(const uint16_t *x, const float *x32, int64_t K, int prologue,
                          const uint16_t *norm_w, float eps, int group, float *a, int8_t *q,
-                         float *dx, float *sx) {
+                         float *dx, float *sx, int32_t *qs) {
     if (prologue == PRO_SILU_MUL) {
         for (int64_t k = 0; k < K; k++) {
             float g = bf16_to_f32(x[k]);
@@ -205,19 +261,50 @@ static void quantize_row(const uint16_t *x, const float *x32, int64_t K, int pro
                 sum += v;
             }
             sx[g * S + h] = d * (float)sum;
+            qs[g * S + h] = sum;
         }
         dx[g] = d;
     }
 }
 
+#if defined(HS_VNNI)
+/* The factors of a tile's 16 rows at ``at`` in group g, as float32 (exact products). */
+static inline __m512 factors512(factors_t w, int64_t at, int64_t g) {
+    if (w.f) return _mm512_loadu_ps(w.f + at);
+    if (w.h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.h + at)));
+    if (!w.step) return _mm512_setzero_ps();
+    __m512i steps = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w.step + at)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(steps), _mm512_loadu_ps(w.super + (g / SUPER) * ROWS));
+}
+#elif defined(HS_SIMD)
+static inline __m256 factors256(factors_t w, int64_t at, int64_t g, int half) {
+    if (w.f) return _mm256_loadu_ps(w.f + at);
+#if defined(__F16C__)
+    if (w.h) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w.h + at)));
+#else
+    if (w.h) {
+        float v[8];
+        for (int i = 0; i < 8; i++) v[i] = f16_to_f32(w.h[at + i]);
+        return _mm256_loadu_ps(v);
+    }
+#endif
+    if (!w.step) return _mm256_setzero_ps();
+    __m256i steps = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w.step + at)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(steps),
+                         _mm256_loadu_ps(w.super + (g / SUPER) * ROWS + 8 * half));
+}
+#endif
+
 /* out[i][r] for rows t0 + i of x (tt of them) against one tile of 16 rows of W, whose scales
- * come in S sub-groups per group of 32 (quads 8 / S at a time). */
+ * come in S sub-groups per group of 32 (quads 8 / S at a time). qs: the integer sums of q per
+ * sub-group (for 8-bit codes held as c + 128). */
 static inline __attribute__((always_inline)) void tile_dot(
-    const uint8_t *codes, const float *dw, const float *mw, const int32_t *csum, int bits, int S,
-    int64_t G, int64_t K, const int8_t *q, const float *dx, const float *sx, int tt,
+    const uint8_t *codes, factors_t dw, factors_t mw, int bits, int S, int64_t G, int64_t K,
+    const int8_t *q, const float *dx, const float *sx, const int32_t *qs, int tt,
     float out[][ROWS]) {
     const int64_t tb = tile_bytes(bits), GS_ = G * S;
     const int span = QUADS / S; /* quads per sub-group */
+    const int offset = has_factors(mw);
 #if defined(HS_VNNI)
     __m512 acc[TILE_T];
     for (int i = 0; i < tt; i++) acc[i] = _mm512_setzero_ps();
@@ -225,34 +312,37 @@ static inline __attribute__((always_inline)) void tile_dot(
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *src = codes + g * tb;
         __m512i c[QUADS];
-        if (bits == 4) {
+        if (bits != 8) {
             for (int p = 0; p < 4; p++) {
                 __m512i b = _mm512_loadu_si512((const void *)(src + QB * p));
                 c[p] = _mm512_and_si512(b, low4);
                 c[p + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+            }
+            if (bits == 6) { /* bits 4, 5 of quad u from bits 2 (u % 4) of high vector u / 4 */
+                const __m512i mask = _mm512_set1_epi8(0x30);
+                for (int v = 0; v < 2; v++) {
+                    __m512i b = _mm512_loadu_si512((const void *)(src + QB * (4 + v)));
+                    c[4 * v] = _mm512_or_si512(c[4 * v], _mm512_and_si512(_mm512_slli_epi16(b, 4), mask));
+                    c[4 * v + 1] = _mm512_or_si512(c[4 * v + 1], _mm512_and_si512(_mm512_slli_epi16(b, 2), mask));
+                    c[4 * v + 2] = _mm512_or_si512(c[4 * v + 2], _mm512_and_si512(b, mask));
+                    c[4 * v + 3] = _mm512_or_si512(c[4 * v + 3], _mm512_and_si512(_mm512_srli_epi16(b, 2), mask));
+                }
             }
         } else {
             for (int u = 0; u < QUADS; u++) c[u] = _mm512_loadu_si512((const void *)(src + QB * u));
         }
         for (int h = 0; h < S; h++) {
             const int64_t at = (g * S + h) * ROWS;
-            const __m512 d = _mm512_loadu_ps(dw + at);
-            const __m512 m = mw ? _mm512_loadu_ps(mw + at) : _mm512_setzero_ps();
-            const __m512i init = bits == 8 ? _mm512_loadu_si512((const void *)(csum + at))
-                                           : _mm512_setzero_si512();
+            const __m512 d = factors512(dw, at, g);
+            const __m512 m = offset ? factors512(mw, at, g) : _mm512_setzero_ps();
             __m512i s[TILE_T];
-            for (int i = 0; i < tt; i++) s[i] = init;
+            for (int i = 0; i < tt; i++) /* 6, 8 bits: - 32 or - 128 sum q */
+                s[i] = _mm512_set1_epi32(-code_zero(bits) * qs[i * GS_ + g * S + h]);
             for (int u = h * span; u < (h + 1) * span; u++) { /* rows of x innermost */
                 for (int i = 0; i < tt; i++) {
                     int32_t quad;
                     memcpy(&quad, q + i * K + g * GS + 4 * u, 4);
-                    __m512i qb = _mm512_set1_epi32(quad);
-                    if (bits == 4) {
-                        s[i] = _mm512_dpbusd_epi32(s[i], c[u], qb); /* codes u8 x q s8 */
-                    } else {
-                        qb = _mm512_add_epi8(qb, _mm512_set1_epi8((char)0x80)); /* q + 128 */
-                        s[i] = _mm512_dpbusd_epi32(s[i], qb, c[u]); /* + init: -128 sum c */
-                    }
+                    s[i] = _mm512_dpbusd_epi32(s[i], c[u], _mm512_set1_epi32(quad)); /* u8 x s8 */
                 }
             }
             for (int i = 0; i < tt; i++) {
@@ -264,32 +354,44 @@ static inline __attribute__((always_inline)) void tile_dot(
     }
     for (int i = 0; i < tt; i++) _mm512_storeu_ps(out[i], acc[i]);
 #elif defined(HS_SIMD)
-    (void)csum;
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
     for (int half = 0; half < 2; half++) { /* rows 0..7, then 8..15 */
         __m256 acc[TILE_T];
         for (int i = 0; i < tt; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < G; g++) {
             const uint8_t *src = codes + g * tb + 32 * half;
             __m256i c[QUADS];
-            if (bits == 4) {
+            if (bits != 8) {
                 for (int p = 0; p < 4; p++) {
                     __m256i b = _mm256_loadu_si256((const __m256i *)(src + QB * p));
                     c[p] = _mm256_and_si256(b, low4);
                     c[p + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
                 }
+                if (bits == 6) { /* codes 0..63: u8 x s8 pairs stay within int16 */
+                    const __m256i mask = _mm256_set1_epi8(0x30);
+                    for (int v = 0; v < 2; v++) {
+                        __m256i b = _mm256_loadu_si256((const __m256i *)(src + QB * (4 + v)));
+                        c[4 * v] = _mm256_or_si256(c[4 * v], _mm256_and_si256(_mm256_slli_epi16(b, 4), mask));
+                        c[4 * v + 1] = _mm256_or_si256(c[4 * v + 1], _mm256_and_si256(_mm256_slli_epi16(b, 2), mask));
+                        c[4 * v + 2] = _mm256_or_si256(c[4 * v + 2], _mm256_and_si256(b, mask));
+                        c[4 * v + 3] = _mm256_or_si256(c[4 * v + 3], _mm256_and_si256(_mm256_srli_epi16(b, 2), mask));
+                    }
+                }
             } else {
                 for (int u = 0; u < QUADS; u++) {
-                    c[u] = _mm256_loadu_si256((const __m256i *)(src + QB * u));
+                    c[u] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + QB * u)),
+                                            bias); /* c (int8) */
                     c[u] = _mm256_sign_epi8(c[u], c[u]); /* |c| (the sign goes to q below) */
                 }
             }
             for (int h = 0; h < S; h++) {
                 const int64_t at = (g * S + h) * ROWS + 8 * half;
-                const __m256 d = _mm256_loadu_ps(dw + at);
-                const __m256 m = mw ? _mm256_loadu_ps(mw + at) : _mm256_setzero_ps();
+                const __m256 d = factors256(dw, at, g, half);
+                const __m256 m = offset ? factors256(mw, at, g, half) : _mm256_setzero_ps();
                 __m256i s[TILE_T];
-                for (int i = 0; i < tt; i++) s[i] = _mm256_setzero_si256();
+                for (int i = 0; i < tt; i++) /* 6 bits: - 32 sum q (8 bits: signed codes) */
+                    s[i] = _mm256_set1_epi32(bits == 6 ? -32 * qs[i * GS_ + g * S + h] : 0);
                 for (int u = h * span; u < (h + 1) * span; u++) {
                     for (int i = 0; i < tt; i++) {
                         int32_t quad;
@@ -297,7 +399,7 @@ static inline __attribute__((always_inline)) void tile_dot(
                         __m256i qb = _mm256_set1_epi32(quad);
                         if (bits == 8) { /* |c| (u8) x sign(q, c) (s8): pairs within int16 */
                             __m256i raw = _mm256_loadu_si256((const __m256i *)(src + QB * u));
-                            qb = _mm256_sign_epi8(qb, raw);
+                            qb = _mm256_sign_epi8(qb, _mm256_xor_si256(raw, bias));
                         }
                         s[i] = _mm256_add_epi32(
                             s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c[u], qb), ones));
@@ -313,7 +415,7 @@ static inline __attribute__((always_inline)) void tile_dot(
         for (int i = 0; i < tt; i++) _mm256_storeu_ps(out[i] + 8 * half, acc[i]);
     }
 #else
-    (void)csum;
+    (void)qs;
     for (int i = 0; i < tt; i++) {
         for (int r = 0; r < ROWS; r++) {
             float acc = 0.0f;
@@ -324,13 +426,12 @@ static inline __attribute__((always_inline)) void tile_dot(
                     int32_t s = 0;
                     for (int j = 4 * h * span; j < 4 * (h + 1) * span; j++) {
                         int u = j / 4, e = j % 4;
-                        int c = bits == 4 ? (src[(u % 4) * QB + r * 4 + e] >> (4 * (u / 4))) & 15
-                                          : (int)(int8_t)src[u * QB + r * 4 + e];
+                        int c = code_at(src, bits, u, r, e) - code_zero(bits);
                         s += c * qg[j];
                     }
                     const int64_t at = (g * S + h) * ROWS + r;
-                    float m = mw ? mw[at] : 0.0f;
-                    acc = fmaf((float)s, dw[at] * dx[i * G + g], acc);
+                    float m = offset ? factor_at(mw, at, g, r) : 0.0f;
+                    acc = fmaf((float)s, factor_at(dw, at, g, r) * dx[i * G + g], acc);
                     acc = fmaf(m, sx[i * GS_ + g * S + h], acc);
                 }
             }
@@ -343,15 +444,14 @@ static inline __attribute__((always_inline)) void tile_dot(
 #define TILE_DOT_CASE(n)                                                                 \
     case n:                                                                              \
         if (S == 1)                                                                      \
-            tile_dot(codes, dw, mw, csum, bits, 1, G, K, q, dx, sx, n, out);             \
+            tile_dot(codes, dw, mw, bits, 1, G, K, q, dx, sx, qs, n, out);               \
         else                                                                             \
-            tile_dot(codes, dw, mw, csum, bits, 2, G, K, q, dx, sx, n, out);             \
+            tile_dot(codes, dw, mw, bits, 2, G, K, q, dx, sx, qs, n, out);               \
         break;
 
-static void tile_dot_rows(const uint8_t *codes, const float *dw, const float *mw,
-                          const int32_t *csum, int bits, int S, int64_t G, int64_t K,
-                          const int8_t *q, const float *dx, const float *sx, int tt,
-                          float out[][ROWS]) {
+static void tile_dot_rows(const uint8_t *codes, factors_t dw, factors_t mw, int bits, int S,
+                          int64_t G, int64_t K, const int8_t *q, const float *dx,
+                          const float *sx, const int32_t *qs, int tt, float out[][ROWS]) {
     switch (tt) { /* constant heights, so that the accumulators live in registers */
         TILE_DOT_CASE(1) TILE_DOT_CASE(2) TILE_DOT_CASE(3) TILE_DOT_CASE(4)
 #if TILE_T > 4
@@ -360,19 +460,24 @@ static void tile_dot_rows(const uint8_t *codes, const float *dw, const float *mw
     }
 }
 
-/* y [T, N] = prologue(x) @ W.T (+ residual), W packed by hs_pack. x [T, Kx] bfloat16 with
- * Kx = K (2 K for PRO_SILU_MUL), or float32 when x_f32 (not with PRO_SILU_MUL). Returns 0, or
- * -1 when scratch memory cannot be had. */
+/* y [T, N] = prologue(x) @ W.T (+ residual), W packed by hs_pack with its scales and offsets
+ * (``factors_t``: float32, float16, or int8 steps and float32 super-block factors; offsets
+ * all NULL: none). x [T, Kx] bfloat16 with Kx = K (2 K for PRO_SILU_MUL), or float32 when x_f32 (not
+ * with PRO_SILU_MUL). Returns 0, or -1 when scratch memory cannot be had. */
 int hs_qgemm(const void *x, int x_f32, int64_t T, int64_t K, int prologue, const uint16_t *norm_w,
-             float eps, const uint8_t *packed, const float *scales, const float *offsets,
-             const int32_t *csum, int bits, int group, int64_t N, const uint16_t *residual,
-             uint16_t *y) {
+             float eps, const uint8_t *packed, const float *scales, const uint16_t *scales_f16,
+             const int8_t *scale_steps, const float *scale_super, const float *offsets,
+             const uint16_t *offsets_f16, const int8_t *offset_steps, const float *offset_super,
+             int bits, int group, int64_t N, const uint16_t *residual, uint16_t *y) {
     int64_t G = K / GS, S = GS / group, Kx = prologue == PRO_SILU_MUL ? 2 * K : K;
     int64_t tiles = (N + ROWS - 1) / ROWS, tb = tile_bytes(bits);
+    factors_t dw = {scales, scales_f16, scale_steps, scale_super};
+    factors_t mw = {offsets, offsets_f16, offset_steps, offset_super};
     int8_t *q = malloc((size_t)(T * K));
     float *dx = malloc(sizeof(float) * (size_t)(T * G));
     float *sx = malloc(sizeof(float) * (size_t)(T * G * S));
-    int failed = !q || !dx || !sx;
+    int32_t *qs = malloc(sizeof(int32_t) * (size_t)(T * G * S));
+    int failed = !q || !dx || !sx || !qs;
     if (!failed) {
 #pragma omp parallel
         {
@@ -386,19 +491,19 @@ int hs_qgemm(const void *x, int x_f32, int64_t T, int64_t K, int prologue, const
                 if (a)
                     quantize_row(x_f32 ? NULL : (const uint16_t *)x + t * Kx,
                                  x_f32 ? (const float *)x + t * Kx : NULL, K, prologue, norm_w,
-                                 eps, group, a, q + t * K, dx + t * G, sx + t * G * S);
+                                 eps, group, a, q + t * K, dx + t * G, sx + t * G * S,
+                                 qs + t * G * S);
             free(a);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < tiles; b++) {
                 if (failed) continue;
                 int rows = N - b * ROWS < ROWS ? (int)(N - b * ROWS) : ROWS;
+                factors_t td = tile_factors(dw, b, G, S), tm = tile_factors(mw, b, G, S);
                 for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
                     int tt = T - t0 < TILE_T ? (int)(T - t0) : TILE_T;
                     float out[TILE_T][ROWS];
-                    int64_t sb = b * G * S * ROWS; /* the tile's scales */
-                    tile_dot_rows(packed + b * G * tb, scales + sb, offsets ? offsets + sb : NULL,
-                                  csum ? csum + sb : NULL, bits, (int)S, G, K, q + t0 * K,
-                                  dx + t0 * G, sx + t0 * G * S, tt, out);
+                    tile_dot_rows(packed + b * G * tb, td, tm, bits, (int)S, G, K, q + t0 * K,
+                                  dx + t0 * G, sx + t0 * G * S, qs + t0 * G * S, tt, out);
                     for (int i = 0; i < tt; i++) {
                         for (int r = 0; r < rows; r++) {
                             int64_t at = (t0 + i) * N + b * ROWS + r;
@@ -414,6 +519,7 @@ int hs_qgemm(const void *x, int x_f32, int64_t T, int64_t K, int prologue, const
     free(q);
     free(dx);
     free(sx);
+    free(qs);
     return failed ? -1 : 0;
 }
 
