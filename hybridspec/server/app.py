@@ -29,6 +29,7 @@ from hybridspec.server.metrics import ServerMetrics
 from hybridspec.server.middleware import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
+    HeadMiddleware,
     RequestCountingMiddleware,
     RouteTemplates,
     TimeoutMiddleware,
@@ -121,7 +122,7 @@ def create_app(
 
     app = FastAPI(title="hybridspec", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app, server_config.retry_after_s)
-    # Added innermost first: counting, timeouts, the key, then the body cap run before routing.
+    # Added innermost first: HEAD, counting, timeouts, the key, the body cap run before routing.
     templates = RouteTemplates(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=server_config.max_body_bytes)
     if server_config.api_key is not None:
@@ -132,6 +133,7 @@ def create_app(
         write_timeout_s=server_config.stream_write_timeout_s,
     )
     app.add_middleware(RequestCountingMiddleware, metrics=metrics, templates=templates)
+    app.add_middleware(HeadMiddleware)
     for router in ROUTERS:
         app.include_router(router)
     install_openapi(app, api_key_required=server_config.api_key is not None)

@@ -1,7 +1,9 @@
-"""The app's ASGI middleware, outermost first: count, time out, authenticate, cap the body.
+"""The app's ASGI middleware, outermost first: HEAD, count, time out, authenticate, cap the body.
 
-All four run before routing, so a request they refuse reaches no route and queues no work:
+All five run before routing, so a request they refuse reaches no route and queues no work:
 
+- ``HeadMiddleware`` answers ``HEAD`` as the route's ``GET`` without the body (FastAPI routes
+  a GET route's HEAD to 405; HTTP says HEAD is GET without the body).
 - ``RequestCountingMiddleware`` counts every HTTP response in the metrics, refusals included.
 - ``TimeoutMiddleware`` answers 408 to a request whose body has not arrived within
   ``ServerConfig.request_read_timeout_s``, and cuts a response whose client has not read any of
@@ -238,6 +240,28 @@ class BodySizeLimitMiddleware:
             code="request_too_large",
         )
         await response(scope, receive, send)
+
+
+class HeadMiddleware:
+    """``HEAD`` runs as ``GET`` (the same status and headers, Content-Length included) and
+    its body is dropped; a path without a GET answers as GET would (405, 404)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, send_headers_only)
 
 
 class BodyReadTimeout(HTTPException):

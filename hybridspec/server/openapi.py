@@ -35,9 +35,13 @@ STATUS_DESCRIPTIONS = {
     400: "Invalid request: a field's value, type or an unknown field (OpenAI error body)",
     401: "Missing or wrong API key",
     404: "Unknown model",
+    408: "The request body did not arrive within the server's read timeout",
     413: "Request body over the server's limit",
     500: "The request failed inside the server; the message carries a request id",
-    503: "Overloaded: the request queue is full (Retry-After), or the engine does not answer",
+    503: (
+        "Overloaded: the request queue is full or too many grammars are compiling "
+        "(Retry-After); the server is shutting down; or the engine does not answer"
+    ),
 }
 
 
@@ -48,7 +52,7 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-GENERATION_ERRORS = error_responses(400, 404, 413, 500, 503)
+GENERATION_ERRORS = error_responses(400, 404, 408, 413, 500, 503)
 # The chunk model of each streamed route's events (a text completion streams CompletionResponse
 # chunks, as OpenAI's legacy API does).
 STREAM_CHUNKS: dict[str, type[BaseModel]] = {

@@ -24,6 +24,8 @@ tokenizer's), ``num_words = ceil(vocab_size / 32)`` of xgrammar's int32 bitmask.
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -67,11 +69,15 @@ def bitmask_of(tokens: Iterable[int], vocab_size: int) -> torch.Tensor:
 
 
 class Grammars:
-    """Compiles ``GrammarSpec``s against one tokenizer; xgrammar keeps the compiled grammars
-    in a cache of ``cache_bytes`` (least recently used first out; it evicts after adding, so
-    it may pass the bound by up to one grammar). Safe to call from
-    several threads at once (the server compiles on worker threads: ``server.grammars``);
-    sources beyond ``verifier.grammar_bounds`` are refused before compiling.
+    """Compiles ``GrammarSpec``s against one tokenizer and keeps the compiled grammars in a
+    cache of ``cache_bytes`` (``_Cache``: least recently used first out, by each grammar's
+    ``memory_size_bytes``). Safe to call from several threads at once (the server compiles on
+    worker threads: ``server.grammars``); sources beyond ``verifier.grammar_bounds`` are
+    refused before compiling.
+
+    xgrammar's own cache is off: it holds resident memory several times the bytes it
+    counts against its limit (its intermediate results as well as the compiled grammars), so
+    its limit does not bound the process; ``_Cache`` holds only the compiled grammars.
 
     ``stop_token_ids`` are the tokens that end the output once the grammar is complete (the
     model's EOS ids). JSON is compiled without free whitespace (xgrammar's compact separators
@@ -93,18 +99,23 @@ class Grammars:
         )
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_bytes)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._cache = _Cache(cache_bytes)
 
     @property
     def cache_bytes(self) -> int:
         """Bytes the compiled grammars in the cache take now."""
-        return int(self._compiler.get_cache_size_bytes())
+        return self._cache.size_bytes
 
     def compile(self, spec: GrammarSpec, param: str = "grammar") -> xgr.CompiledGrammar:
         """The compiled grammar; GrammarError naming ``param`` (the field the grammar came
         from) when it is beyond the bounds, invalid, or allows no output at all."""
         if spec.compiled is not None:
             return spec.compiled
+        key = (spec.kind, spec.source)
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            return compiled
         check_bounds(spec, param)
         try:
             compiled = self._compile(spec)
@@ -115,6 +126,7 @@ class Grammars:
                 f"{param}: the {spec.kind} does not compile: {_clean(str(exc))}", param
             ) from None
         _check_allows_output(compiled, spec, param)
+        self._cache.put(key, compiled)
         return compiled
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
@@ -129,6 +141,36 @@ class Grammars:
     def state(self, spec: GrammarSpec) -> GrammarState:
         """A fresh matcher of ``spec`` at the start of the output."""
         return GrammarState(self.compile(spec), self.tokenizer, self.vocab_size)
+
+
+class _Cache:
+    """Compiled grammars by (kind, source), least recently used first out, within
+    ``limit_bytes`` of xgrammar's ``memory_size_bytes`` (a grammar larger than the limit is
+    not kept). Thread-safe."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self._limit = limit_bytes
+        self._entries: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.size_bytes = 0
+
+    def get(self, key: tuple[str, str]) -> xgr.CompiledGrammar | None:
+        with self._lock:
+            compiled = self._entries.get(key)
+            if compiled is not None:
+                self._entries.move_to_end(key)
+            return compiled
+
+    def put(self, key: tuple[str, str], compiled: xgr.CompiledGrammar) -> None:
+        size = int(compiled.memory_size_bytes)
+        with self._lock:
+            if key in self._entries or size > self._limit:
+                return
+            self._entries[key] = compiled
+            self.size_bytes += size
+            while self.size_bytes > self._limit:
+                _, old = self._entries.popitem(last=False)
+                self.size_bytes -= int(old.memory_size_bytes)
 
 
 def _check_allows_output(compiled: xgr.CompiledGrammar, spec: GrammarSpec, param: str) -> None:

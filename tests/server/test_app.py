@@ -177,3 +177,20 @@ def test_engine_built_warmed_and_stepped_on_the_engine_thread(
         card = client.get("/v1/models").json()["data"][0]
     assert engines[0].threads == {"hybridspec-engine"}
     assert card["hybridspec"]["num_threads"] == 1
+
+
+def test_head_answers_as_get_without_a_body(make_app: AppFactory) -> None:
+    with TestClient(make_app({"api_key": "k"})) as client:
+        for path in ("/health", "/", "/playground"):  # open without the key, as GET is
+            get, head = client.get(path), client.head(path)
+            assert (get.status_code, head.status_code) == (200, 200), path
+            assert head.content == b"" and get.content, path
+            assert head.headers["content-type"] == get.headers["content-type"], path
+            assert head.headers["content-length"] == str(len(get.content)), path
+        assert client.head("/v1/models").status_code == 401  # the key, as for GET
+        keyed = {"authorization": "Bearer k"}
+        for path in ("/v1/models", "/metrics", "/openapi.json"):
+            head = client.head(path, headers=keyed)
+            assert head.status_code == 200 and head.content == b"", path
+        head = client.head("/v1/chat/completions", headers=keyed)  # POST only: as GET, 405
+        assert head.status_code == 405 and head.content == b""
