@@ -57,6 +57,9 @@ def app_routes(app: Starlette) -> list[Any]:
     return list(flatten(app.routes)) if flatten is not None else list(app.routes)
 
 
+SENT_METHOD = "hybridspec.sent_method"  # a scope key: the method before HeadMiddleware
+
+
 @dataclass(frozen=True, slots=True)
 class _Route:
     template: str  # "/v1/models/{model:path}"
@@ -125,7 +128,7 @@ class RequestCountingMiddleware:
         try:
             await self.app(scope, receive, send_counting)
         finally:
-            self.metrics.observe_http(scope["method"], path, status)
+            self.metrics.observe_http(scope.get(SENT_METHOD, scope["method"]), path, status)
 
 
 def _bearer_token(scope: Scope) -> bytes | None:
@@ -261,7 +264,9 @@ class HeadMiddleware:
                 message = {"type": "http.response.body", "body": b"", "more_body": False}
             await send(message)
 
-        await self.app({**scope, "method": "GET"}, receive, send_headers_only)
+        # the metrics count it by the method the client sent
+        head = {**scope, "method": "GET", SENT_METHOD: "HEAD"}
+        await self.app(head, receive, send_headers_only)
 
 
 class BodyReadTimeout(HTTPException):
