@@ -253,7 +253,8 @@ class ProposeRequest:
     for proposers that sample their drafts. ``num_prompt_tokens`` and ``stop_token_ids`` are
     what a proposer that returns q needs to put it under the request's sampling controls
     (``history``, ``verifier.controls``). ``constraint`` is the request's grammar (structured
-    output), None for none: the drafts it forbids are cut where the proposal enters the engine.
+    output) at its committed position, None for none: the drafts it forbids are cut where the
+    proposal enters the engine.
 
     ``draft_prefix``: drafts already chosen for this round before this proposer was asked (the
     grammar's forced tokens, ``proposers.grammar``), for a proposer that declares

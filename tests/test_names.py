@@ -18,6 +18,8 @@ RETIRED = {
     r"\bcorrection\b": "recovered (the token that replaces the first rejected draft)",
     r"\bQuantizedLinear\b": "Int8DraftLinear (the eagle head's 8-bit drafting matmul)",
     r"(proposer|self|inner|model)\.hidden_layers\b": "Proposer.feature_layers",
+    r"\bconstraint_of\b|\bconstraint fields\b": "grammar_source; a grammar is what a request "
+    "states, a constraint is that grammar at its committed position (the glossary)",
 }
 
 

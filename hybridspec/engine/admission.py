@@ -94,11 +94,15 @@ class Admission(RoundSteps):
         prompts: Sequence[Sequence[int]],
         params: GenerationParams | Sequence[GenerationParams] | None = None,
         n: int = 1,
+        checked: bool = False,
     ) -> list[list[str]]:
         """Queue ``n`` choices of each prompt (``params``: one for all, or one per prompt),
         all or none; each prompt is prefilled once for its choices, and choice ``i`` samples
-        with seed ``seed + i`` (``engine.choices``). Returns the ids, ``[prompt][choice]``."""
-        check_choices(n, len(prompts), self.max_num_seqs, self.config.max_queue_size)
+        with seed ``seed + i`` (``engine.choices``). Returns the ids, ``[prompt][choice]``.
+        ``checked``: the caller ran ``check_choices`` with this engine's bounds where the
+        request entered (the server, before tokenizing), so it is not run twice."""
+        if not checked:
+            check_choices(n, len(prompts), self.max_num_seqs, self.config.max_queue_size)
         if params is None or isinstance(params, GenerationParams):
             params = [params or GenerationParams()] * len(prompts)
         check(len(params) == len(prompts), "params", "expected one GenerationParams per prompt")

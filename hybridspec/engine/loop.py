@@ -40,6 +40,7 @@ class _Add:
     prompts: Sequence[Sequence[int]]
     params: Sequence[GenerationParams]  # one per prompt
     n: int  # choices per prompt (``Engine.add_choices``)
+    checked: bool  # ``n`` and the prompts' count checked where they entered (``add_choices``)
     accepted: asyncio.Future[list[list[str]]]
     outputs: asyncio.Queue[RequestOutput]  # every choice's outputs
     loop: asyncio.AbstractEventLoop
@@ -116,13 +117,15 @@ class EngineLoop:
         prompts: Sequence[Sequence[int]],
         params: Sequence[GenerationParams],
         n: int,
+        checked: bool = False,
     ) -> tuple[list[list[str]], asyncio.Queue[RequestOutput]]:
-        """Queue ``n`` choices of each prompt, all or none (``Engine.add_choices``); raises
-        the refusal, else gives their ids ``[prompt][choice]`` and one queue of all outputs."""
+        """Queue ``n`` choices of each prompt, all or none (``Engine.add_choices``, which
+        ``checked`` is passed to); raises the refusal, else gives their ids
+        ``[prompt][choice]`` and one queue of all outputs."""
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[list[list[str]]] = loop.create_future()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._inbox.put(_Add(prompts, params, n, accepted, outputs, loop))
+        self._inbox.put(_Add(prompts, params, n, checked, accepted, outputs, loop))
         request_ids = await accepted
         return request_ids, outputs
 
@@ -138,11 +141,12 @@ class EngineLoop:
         prompts: Sequence[Sequence[int]],
         params: Sequence[GenerationParams],
         n: int,
+        checked: bool = False,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Submit ``n`` choices of each prompt, then yield ``(index, output)`` as they come,
         ``index = prompt * n + choice``, until every one has finished; closing the iterator
         early aborts those that have not."""
-        request_ids, outputs = await self.submit_choices(prompts, params, n)
+        request_ids, outputs = await self.submit_choices(prompts, params, n, checked)
         index = {rid: i for i, rid in enumerate(rid for ids in request_ids for rid in ids)}
         running = set(index)
         try:
@@ -206,7 +210,9 @@ class EngineLoop:
     def _handle(self, command: _Add | _Abort | _Call | None) -> None:
         if isinstance(command, _Add):
             try:
-                ids = self.engine.add_choices(command.prompts, command.params, command.n)
+                ids = self.engine.add_choices(
+                    command.prompts, command.params, command.n, checked=command.checked
+                )
             except Exception as exc:
                 command.loop.call_soon_threadsafe(_set_exception, command.accepted, exc)
                 return

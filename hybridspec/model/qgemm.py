@@ -10,6 +10,9 @@ MLP's ``silu(gate) * up``, as the prologue and the residual add as the epilogue,
 ``Kernel.rope_store`` rotates q and k and writes k and v into the KV cache in one call: a layer
 is three matmul calls, that one and the attention.
 
+(One module over 400 lines, on purpose: the ctypes signatures and the Python checks of one C
+library's entry points sit beside each other.)
+
 Each output row is computed alike whatever rows share the call (one fixed order of summation,
 in one thread), so a token's logits do not depend on how many drafts it is verified with.
 

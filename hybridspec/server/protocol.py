@@ -8,6 +8,10 @@ request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos``, ``
 ``guided_grammar``. In a response: ``hybridspec`` (the request's speculation statistics, its
 choices' together; in a stream, each choice's on its final chunk).
 
+One module over 400 lines, on purpose: the request and response models share their message
+classes (a ``ToolCall`` is part of an assistant message in a request and in a response), and the
+OpenAPI document (``server.openapi``) is built from the whole set.
+
 Every optional field takes null and then means its default, as OpenAI's schema allows (clients
 that send every field send nulls); a field whose default is not null says it in its
 description.

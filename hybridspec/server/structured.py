@@ -49,7 +49,7 @@ ToolMode = Literal["none", "auto", "required", "named"]
 
 def _require(condition: bool, param: str, message: str) -> None:
     """IncompatibleFieldsError (code ``incompatible_fields``) unless ``condition``: what tools,
-    tool_choice and the constraint fields ask together, which no request schema states."""
+    tool_choice and the output-format fields ask together, which no request schema states."""
     if not condition:
         raise IncompatibleFieldsError(f"{param}: {message}", param)
 
@@ -119,10 +119,10 @@ def grammar_of(
     body: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None
 ) -> GrammarSpec | None:
     """The grammar the output must match, or None for free text."""
-    return constraint_of(body, tools)[1]
+    return grammar_source(body, tools)[1]
 
 
-def constraint_of(
+def grammar_source(
     body: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None
 ) -> tuple[str, GrammarSpec | None]:
     """The field the output's grammar comes from (what its errors name) and the grammar, or

@@ -225,3 +225,24 @@ def test_stop_token_ids_end_the_text(
     assert body["usage"]["completion_tokens"] == expected.token_ids.index(stop) < 12
     bad = client.post("/v1/completions", json={**options, "stop_token_ids": [260]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
+
+
+def test_n_and_the_prompts_are_checked_once_where_the_request_enters(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hybridspec.engine.admission as admission
+    import hybridspec.server.preparation as preparation
+
+    calls: list[str] = []
+    for module in (admission, preparation):
+        checker = module.check_choices
+
+        def counting(*args: Any, _name: str = module.__name__, _check: Any = checker) -> None:
+            calls.append(_name)
+            _check(*args)
+
+        monkeypatch.setattr(module, "check_choices", counting)
+    assert len(texts(completion(client, prompt=["a", "b"], n=2))) == 4
+    assert calls == ["hybridspec.server.preparation"]  # the server's, before tokenizing
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 5})
+    assert response.status_code == 400 and calls == ["hybridspec.server.preparation"] * 2

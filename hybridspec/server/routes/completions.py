@@ -25,10 +25,10 @@ from hybridspec.server.generation import (
     final_outputs,
     next_output,
     observe,
-    prepare,
     response_body,
 )
 from hybridspec.server.openapi import GENERATION_ERRORS
+from hybridspec.server.preparation import prepare
 from hybridspec.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,

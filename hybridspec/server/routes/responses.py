@@ -32,10 +32,10 @@ from hybridspec.server.generation import (
     final_outputs,
     next_output,
     observe,
-    prepare,
     speculation_stats,
 )
 from hybridspec.server.openapi import GENERATION_ERRORS
+from hybridspec.server.preparation import prepare
 from hybridspec.server.responses import (
     ResponsesRequest,
     call_item,
