@@ -68,6 +68,20 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def select_prompts(
+    workload: Workload, conversations: int, turns: int, num_prompts: int
+) -> tuple[list[list[WorkloadPrompt]], list[WorkloadPrompt], list[WorkloadPrompt]]:
+    """The workloads' prompts: ``conversations`` of ``turns`` prompts each, over the
+    input-grounded prompts and then the open-ended ones; the first ``num_prompts`` grounded
+    prompts (the repeat workload) and open-ended ones (first-time)."""
+    grounded = [p for p in workload.prompts if workload.categories[p.category].input_grounded]
+    open_ended = [p for p in workload.prompts if p not in grounded]
+    ordered = [*grounded, *open_ended]
+    starts = range(0, min(len(ordered) - turns + 1, conversations * turns), turns)
+    chats = [ordered[start : start + turns] for start in starts]
+    return chats, grounded[:num_prompts], open_ended[:num_prompts]
+
+
 def run_conversations(
     engine: Engine,
     workload: Workload,
@@ -80,20 +94,16 @@ def run_conversations(
     """Run the three measurements (module docstring) on ``engine``, greedy: ``conversations``
     of ``turns`` turns, then ``num_prompts`` prompts of each kind for the other two."""
     figures = ConversationFigures()
-    grounded = [p for p in workload.prompts if workload.categories[p.category].input_grounded]
-    open_ended = [p for p in workload.prompts if p not in grounded]
-    ordered = [*grounded, *open_ended]
-    for start in range(0, min(len(ordered) - turns + 1, conversations * turns), turns):
-        _conversation(engine, ordered[start : start + turns], max_new_tokens, figures, log)
-    for prompt in grounded[
-        :num_prompts
-    ]:  # asked once by each method, then again: the second is timed
+    chats, repeat, first_time = select_prompts(workload, conversations, turns, num_prompts)
+    for prompts in chats:
+        _conversation(engine, prompts, max_new_tokens, figures, log)
+    for prompt in repeat:  # asked once by each method, then again: the second is timed
         ids = engine.encode(messages=list(prompt.messages))
         _generate(engine, ids, "suffix", max_new_tokens)
         for name in ("none", "suffix"):
             result = _generate(engine, ids, name, max_new_tokens)
             figures.repeat_tps.setdefault(name, []).append(result.stats.tokens_per_second)
-    for prompt in open_ended[:num_prompts]:
+    for prompt in first_time:
         ids = engine.encode(messages=list(prompt.messages))
         for name in ("none", "suffix"):
             result = _generate(engine, ids, name, max_new_tokens, cache_prompt=False)

@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hybridspec.bench.conversations import select_prompts
 from hybridspec.bench.loadgen import COMPLETIONS_ROUTE
 
 if TYPE_CHECKING:
@@ -141,14 +142,8 @@ class ConversationPlan:
     ) -> ConversationPlan:
         """Conversations over the grounded prompts, then the open-ended ones, ``turns`` each;
         the first ``prompts`` of each kind for the repeat and first-time runs."""
-        grounded = [p for p in workload.prompts if workload.categories[p.category].input_grounded]
-        open_ended = [p for p in workload.prompts if p not in grounded]
-        ordered = [*grounded, *open_ended]
-        starts = range(0, min(len(ordered) - turns + 1, conversations * turns), turns)
-        chats = [ordered[s : s + turns] for s in starts]
-        return cls(
-            chats, grounded[:prompts], open_ended[:prompts], output_tokens, temperature, seed
-        )
+        chats, repeat, first_time = select_prompts(workload, conversations, turns, prompts)
+        return cls(chats, repeat, first_time, output_tokens, temperature, seed)
 
 
 def run_conversational(
@@ -221,43 +216,3 @@ def _conversation(
             + (f" (cold {cold.ttft_s:.3f} s)" if cold is not None else "")
         )
         history.append({"role": "assistant", "content": warm.text})
-
-
-def conversational_table(results: dict[str, ConversationServing], peers: list[str]) -> str:
-    """Markdown: each server's figures, and ours over each peer's."""
-    headers = ["server", "history (tokens)", "TTFT p50 turns 2+", "cold", "cached / cold"]
-    headers += [f"TTFT vs {p}" for p in peers]
-    headers += ["repeat tok/s", "first-time tok/s"]
-    headers += [f"repeat vs {p}" for p in peers]
-    rows = []
-    for name, figures in results.items():
-        s = figures.summary()
-        row = [
-            name,
-            f"{s['max_prompt_tokens']:.0f}",
-            _seconds(s["ttft_p50_cached_s"]),
-            _seconds(s["ttft_p50_cold_s"]),
-            _ratio(s["ttft_p50_cached_s"], s["ttft_p50_cold_s"]),
-        ]
-        row += [
-            _ratio(s["ttft_p50_cached_s"], results[p].summary()["ttft_p50_cached_s"]) for p in peers
-        ]
-        row += [_rate(s["repeat_tok_s"]), _rate(s["first_time_tok_s"])]
-        row += [_ratio(s["repeat_tok_s"], results[p].summary()["repeat_tok_s"]) for p in peers]
-        rows.append(row)
-    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
-
-
-def _seconds(value: float) -> str:
-    return "-" if value != value else f"{value:.3f} s"
-
-
-def _rate(value: float) -> str:
-    return "-" if value != value else f"{value:.1f}"
-
-
-def _ratio(numerator: float, denominator: float) -> str:
-    if numerator != numerator or denominator != denominator or denominator <= 0:
-        return "-"
-    return f"{numerator / denominator:.2f}x"

@@ -18,7 +18,7 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from hybridspec.bench.loadgen import ServingPoint
-from hybridspec.bench.serve_conversations import ConversationServing, conversational_table
+from hybridspec.bench.serve_conversations import ConversationServing
 
 GOAL_AT_ONE = 1.0  # output tok/s ratio at concurrency 1
 GOAL_ABOVE_ONE = 2.0  # at every concurrency >= 2
@@ -181,6 +181,46 @@ def library_table(results: ServingResults, workload: str) -> str:
         cells = ["-", "-"] if served is None else [f"{served:.1f}", _x(_over(served, rate))]
         rows.append([server, f"{rate:.1f}", *cells])
     return _table(["server", "library tok/s", "served tok/s (c=1)", "served / library"], rows)
+
+
+def conversational_table(results: dict[str, ConversationServing], peers: list[str]) -> str:
+    """Markdown: each server's figures, and ours over each peer's."""
+    headers = ["server", "history (tokens)", "TTFT p50 turns 2+", "cold", "cached / cold"]
+    headers += [f"TTFT vs {p}" for p in peers]
+    headers += ["repeat tok/s", "first-time tok/s"]
+    headers += [f"repeat vs {p}" for p in peers]
+    rows = []
+    for name, figures in results.items():
+        s = figures.summary()
+        row = [
+            name,
+            f"{s['max_prompt_tokens']:.0f}",
+            _seconds(s["ttft_p50_cached_s"]),
+            _seconds(s["ttft_p50_cold_s"]),
+            _ratio(s["ttft_p50_cached_s"], s["ttft_p50_cold_s"]),
+        ]
+        row += [
+            _ratio(s["ttft_p50_cached_s"], results[p].summary()["ttft_p50_cached_s"]) for p in peers
+        ]
+        row += [_rate(s["repeat_tok_s"]), _rate(s["first_time_tok_s"])]
+        row += [_ratio(s["repeat_tok_s"], results[p].summary()["repeat_tok_s"]) for p in peers]
+        rows.append(row)
+    return _table(headers, rows) + "\n"
+
+
+def _seconds(value: float) -> str:
+    return "-" if value != value else f"{value:.3f} s"
+
+
+def _rate(value: float) -> str:
+    return "-" if value != value else f"{value:.1f}"
+
+
+def _ratio(numerator: float, denominator: float) -> str:
+    """``_x`` of the ratio; "-" where either side was not measured (NaN)."""
+    if numerator != numerator or denominator != denominator:
+        return "-"
+    return _x(_over(numerator, denominator))
 
 
 def format_results(results: ServingResults) -> str:

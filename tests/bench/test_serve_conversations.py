@@ -12,11 +12,10 @@ from fastapi import FastAPI
 from hybridspec.bench.serve_conversations import (
     ConversationPlan,
     ConversationServing,
-    conversational_table,
     run_conversational,
     stream_completion,
 )
-from hybridspec.bench.serving_report import ServingResults, format_results
+from hybridspec.bench.serving_report import ServingResults, conversational_table, format_results
 from hybridspec.bench.workload import parse_workload
 from hybridspec.config import EngineConfig, ModelConfig
 from hybridspec.engine import Engine
