@@ -306,8 +306,17 @@ class LlamaRuntime:
             qk = apply_rope(qk, cos, sin)  # [T, H + KV, hd]
             v = qkv[:, self._qk_width :].view(-1, dims.num_kv_heads, dims.head_dim)
             attn = attention(i, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)
-        # Each block-kernel matrix takes its residual add, norm or silu * up inside its call;
-        # a dense one (a file may keep some matrices as F16) computes them in torch.
+        # Each block-kernel matrix takes its residual add, norm or silu * up inside its call
+        # (all three in one call where all three are the kernel's); a dense one (a file may
+        # keep some matrices as F16) computes them in torch.
+        if (
+            isinstance(layer.wo, BlockLinear)
+            and isinstance(layer.w_gate_up, BlockLinear)
+            and isinstance(layer.w_down, BlockLinear)
+        ):
+            return layer.wo.kernel.mlp_block(
+                layer.wo, layer.w_gate_up, layer.w_down, attn, x, layer.mlp_norm, eps
+            )
         if isinstance(layer.wo, BlockLinear):
             x = layer.wo(attn, residual=x)
         else:

@@ -148,6 +148,26 @@ def test_fused_prologues_and_the_residual_epilogue(kernel: Kernel) -> None:
     assert torch.equal(linear(x, residual), (linear(x).float() + residual.float()).bfloat16())
 
 
+@pytest.mark.parametrize("attn_dtype", [torch.bfloat16, torch.float32])
+def test_the_mlp_block_equals_its_three_calls_to_the_bit(
+    kernel: Kernel, attn_dtype: torch.dtype
+) -> None:
+    wo = BlockLinear(weight(4, 64, 96, 20), kernel)  # attention width 96 -> model width 64
+    gate_up = BlockLinear(weight("6+m", 2 * 96, 64, 21), kernel)  # 2 x 96 intermediate
+    down = BlockLinear(weight(8, 64, 96, 22), kernel)
+    attn, x = activations(7, 96, 23).to(attn_dtype), activations(7, 64, 24)
+    norm = activations(1, 64, 25)[0]
+    h = wo(attn, residual=x)
+    want = down.after_silu_mul(gate_up.after_norm(h, norm, 1e-5), residual=h)
+    assert torch.equal(kernel.mlp_block(wo, gate_up, down, attn, x, norm, 1e-5), want)
+    for rows in (1, 3):  # a row alone comes out as among others
+        got = kernel.mlp_block(wo, gate_up, down, attn[:rows], x[:rows], norm, 1e-5)
+        assert torch.equal(got, want[:rows])
+    assert kernel.mlp_block(wo, gate_up, down, attn[:0], x[:0], norm, 1e-5).shape == (0, 64)
+    with pytest.raises(ValueError, match="mlp_block"):
+        kernel.mlp_block(wo, down, gate_up, attn, x, norm, 1e-5)  # matrices in the wrong order
+
+
 def test_float32_activations_are_read_as_they_are(kernel: Kernel) -> None:
     linear = BlockLinear(weight(4, 40, 64, 15), kernel)
     x = activations(5, 64, 16)
