@@ -158,12 +158,9 @@ class LlamaRuntime:
             half = rope_tables(weights.inv_freq, max_seq_len, torch.float32)[:, :, 0]
             half = half[..., : dims.head_dim // 2]  # [2, S, hd / 2]: cos, sin
             self._rope_pairs = half.permute(1, 2, 0).contiguous()
-            self._cache_layouts = [
-                self._block.cache_layout(keys, values)
-                for keys, values in zip(
-                    self._cache.layer_keys, self._cache.layer_values, strict=True
-                )
-            ]
+            layer_caches = list(zip(self._cache.layer_keys, self._cache.layer_values, strict=True))
+            self._cache_layouts = [self._block.cache_layout(k, v) for k, v in layer_caches]
+            self._cache_structs = [self._block.cache_struct(k, v) for k, v in layer_caches]
         self._rep = dims.num_heads // dims.num_kv_heads
         self._qk_width = (dims.num_heads + dims.num_kv_heads) * dims.head_dim
         self._v_width = dims.num_kv_heads * dims.head_dim
@@ -282,6 +279,30 @@ class LlamaRuntime:
     ) -> torch.Tensor:
         dims, eps = self.weights.dims, self.weights.dims.rms_norm_eps
         wqkv = layer.wqkv
+        if (
+            self._block is not None
+            and isinstance(attention, KernelAttention)
+            and isinstance(wqkv, BlockLinear)
+            and layer.qkv_bias is None
+            and layer.q_norm is None
+            and x.dtype is torch.bfloat16
+            and layer.attn_norm.dtype is torch.bfloat16
+        ):  # norm, q/k/v projection, rope and the cache stores in one call
+            q = self._block.attn_in(
+                wqkv,
+                x.contiguous(),
+                layer.attn_norm,
+                eps,
+                dims.num_heads,
+                dims.num_kv_heads,
+                dims.head_dim,
+                self._rope_pairs,
+                attention.token_slots,
+                attention.positions,
+                self._cache_structs[i],
+            )
+            attn = attention.attend_stored(i, q)  # [T, H hd] float32, into wo as it is
+            return self._after_attention(x, layer, attn, eps)
         if isinstance(wqkv, BlockLinear):
             qkv = wqkv.after_norm(x, layer.attn_norm, eps)  # [T, (H + 2 KV) hd]
         else:
@@ -306,6 +327,12 @@ class LlamaRuntime:
             qk = apply_rope(qk, cos, sin)  # [T, H + KV, hd]
             v = qkv[:, self._qk_width :].view(-1, dims.num_kv_heads, dims.head_dim)
             attn = attention(i, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)
+        return self._after_attention(x, layer, attn, eps)
+
+    def _after_attention(
+        self, x: torch.Tensor, layer: _RuntimeLayer, attn: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """The layer's output projection and MLP, each with its residual add."""
         # Each block-kernel matrix takes its residual add, norm or silu * up inside its call
         # (all three in one call where all three are the kernel's); a dense one (a file may
         # keep some matrices as F16) computes them in torch.

@@ -74,6 +74,20 @@ class QWeight(ctypes.Structure):
 
 
 _QW = ctypes.POINTER(QWeight)
+
+
+class CacheLayout(ctypes.Structure):
+    """csrc/qgemm.c's ``cache_layout_t``: one layer's keys ``[slots, KV, hd, S]`` and values
+    ``[slots, KV, S, hd]``, pointers and element strides (``Kernel.cache_layout``)."""
+
+    _fields_ = [
+        ("keys", _ptr),
+        *((name, _i64) for name in ("ks_slot", "ks_head", "ks_dim")),
+        ("values", _ptr),
+        *((name, _i64) for name in ("vs_slot", "vs_head", "vs_pos")),
+    ]
+
+
 _SIGNATURES = {
     "hs_qgemm": [
         *(_ptr, _int, _i64, _i64, _int, _ptr, ctypes.c_float),  # x, f32, T, K, prologue, norm
@@ -85,6 +99,11 @@ _SIGNATURES = {
     "hs_qgemm_w": [_QW, _ptr, _int, _i64, _int, _ptr, ctypes.c_float, _ptr, _ptr],
     # wo, w_gate_up, w_down, attn, attn_f32, T, x, mlp_norm, eps, y
     "hs_mlp_block": [_QW, _QW, _QW, _ptr, _int, _i64, _ptr, _ptr, ctypes.c_float, _ptr],
+    # wqkv, x, T, attn_norm, eps, H, KV, hd, rope, slots, positions, cache, q_out
+    "hs_attn_in": [
+        *(_QW, _ptr, _i64, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _ptr, _ptr),
+        *(ctypes.POINTER(CacheLayout), _ptr),
+    ],
     "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
     "hs_dequant_rows": [*(_ptr,) * 9, _int, _int, _i64, _ptr, _i64, _ptr],
     "hs_rope_store": [
@@ -145,7 +164,7 @@ class Kernel:
         self._lib = ctypes.CDLL(str(path))
         for name, argtypes in _SIGNATURES.items():
             getattr(self._lib, name).argtypes = argtypes
-        for name in ("hs_qgemm", "hs_qgemm_w", "hs_mlp_block"):
+        for name in ("hs_qgemm", "hs_qgemm_w", "hs_mlp_block", "hs_attn_in"):
             getattr(self._lib, name).restype = ctypes.c_int
         self._lib.hs_isa.restype = ctypes.c_char_p
         self.path = path
@@ -354,6 +373,11 @@ class Kernel:
         )
 
     @staticmethod
+    def cache_struct(keys: torch.Tensor, values: torch.Tensor) -> ctypes._Pointer[CacheLayout]:
+        """One layer's cache as ``attn_in`` takes it (``cache_layout`` as one struct)."""
+        return ctypes.pointer(CacheLayout(*Kernel.cache_layout(keys, values)))
+
+    @staticmethod
     def cache_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, ...]:
         """One layer's cache as ``rope_store_unchecked`` takes it: pointers and element strides
         (keys ``[slots, KV, hd, S]``, values ``[slots, KV, S, hd]``, the last stride 1)."""
@@ -386,6 +410,45 @@ class Kernel:
             *cache,
             q.data_ptr(),
         )
+        return q
+
+    def attn_in(
+        self,
+        wqkv: BlockLinear,
+        x: torch.Tensor,  # [T, D] bfloat16, contiguous
+        attn_norm: torch.Tensor,  # [D] bfloat16, contiguous
+        eps: float,
+        num_heads: int,
+        num_kv: int,
+        head_dim: int,
+        rope: torch.Tensor,  # as rope_store_unchecked takes them
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        cache: ctypes._Pointer[CacheLayout],  # pointer(CacheLayout(*cache_layout(k, v)))
+    ) -> torch.Tensor:
+        """``rope_store_unchecked(wqkv.after_norm(x, attn_norm, eps), ...)`` in one call
+        (csrc/qgemm.c, ``hs_attn_in``), equal to it; for the runtime, which builds every
+        argument to fit (no checks). q ``[T, H, hd]`` float32."""
+        q = torch.empty((x.shape[0], num_heads, head_dim), dtype=torch.float32)
+        if x.shape[0] == 0:
+            return q
+        status = self._lib.hs_attn_in(
+            wqkv.pointer,
+            x.data_ptr(),
+            x.shape[0],
+            attn_norm.data_ptr(),
+            eps,
+            num_heads,
+            num_kv,
+            head_dim,
+            rope.data_ptr(),
+            slots.data_ptr(),
+            positions.data_ptr(),
+            cache,
+            q.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("attn_in: no scratch memory")
         return q
 
     def dequantize_rows(self, weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:

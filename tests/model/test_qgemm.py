@@ -206,6 +206,31 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v_at_each_tokens_slot(kerne
         kernel.rope_store(qkv.float(), heads, pairs, slots, positions, keys, values)
 
 
+def test_attn_in_equals_the_projection_then_rope_store_to_the_bit(kernel: Kernel) -> None:
+    heads, kv_heads, hd, seq, tokens = 4, 2, 32, 16, 3
+    wqkv = BlockLinear(weight(4, (heads + 2 * kv_heads) * hd, 64, 30), kernel)
+    x, norm = activations(tokens, 64, 31), activations(1, 64, 32)[0]
+    angles = torch.rand(seq, hd // 2, generator=torch.Generator().manual_seed(33)) * 6
+    pairs = torch.stack((angles.cos(), angles.sin()), dim=-1).contiguous()
+    slots, positions = torch.tensor([0, 1, 1]), torch.tensor([2, 0, 1])
+    caches = [
+        (
+            torch.zeros(2, kv_heads, hd, seq, dtype=torch.bfloat16),
+            torch.zeros(2, kv_heads, seq, hd, dtype=torch.bfloat16),
+        )
+        for _ in range(2)
+    ]
+    want = kernel.rope_store(
+        wqkv.after_norm(x, norm, 1e-5), heads, pairs, slots, positions, *caches[0]
+    )
+    got = kernel.attn_in(
+        wqkv, x, norm, 1e-5, heads, kv_heads, hd, pairs, slots, positions,
+        kernel.cache_struct(*caches[1]),
+    )  # fmt: skip
+    assert torch.equal(got, want)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
 def test_the_fused_runtime_agrees_with_the_unfused_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The block kernel's forward (norms, rope, cache writes fused) against the same weights
     through torch's int4 kernel and torch ops: the same model, up to 8-bit activations."""

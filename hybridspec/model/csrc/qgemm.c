@@ -608,3 +608,29 @@ void hs_rope_store(const uint16_t *qkv, int64_t T, int64_t H, int64_t KV, int64_
                    row + (H + KV) * hd + kv * hd, sizeof(uint16_t) * (size_t)hd);
     }
 }
+
+/* One layer's cache as hs_rope_store reads it (``hybridspec.model.qgemm.CacheLayout``): built
+ * once per layer, since the cache's tensors stay where they are. */
+typedef struct {
+    uint16_t *keys;
+    int64_t ks_slot, ks_head, ks_dim;
+    uint16_t *values;
+    int64_t vs_slot, vs_head, vs_pos;
+} cache_layout_t;
+
+/* A decoder layer up to its attention in one call, as hs_qgemm then hs_rope_store would
+ * compute it: qkv = rms_norm(x) * attn_norm @ wqkv.T, then q, k and v as hs_rope_store
+ * leaves them. x [T, wqkv.K] bfloat16; q_out [T, H, hd] float32. Equal to the two calls. */
+int hs_attn_in(const qweight_t *wqkv, const uint16_t *x, int64_t T, const uint16_t *attn_norm,
+               float eps, int64_t H, int64_t KV, int64_t hd, const float *rope,
+               const int64_t *slots, const int64_t *positions, const cache_layout_t *cache,
+               float *q_out) {
+    uint16_t *qkv = malloc(sizeof(uint16_t) * (size_t)(T * wqkv->N));
+    int failed = !qkv || qgemm_run(wqkv, x, 0, T, PRO_RMSNORM, attn_norm, eps, NULL, qkv);
+    if (!failed)
+        hs_rope_store(qkv, T, H, KV, hd, rope, slots, positions, cache->keys, cache->ks_slot,
+                      cache->ks_head, cache->ks_dim, cache->values, cache->vs_slot,
+                      cache->vs_head, cache->vs_pos, q_out);
+    free(qkv);
+    return failed ? -1 : 0;
+}
