@@ -41,7 +41,7 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.name} ({self.page}, line {self.line})"
+        return f"{self.name} (line {self.line})"
 
 
 @dataclass(frozen=True, slots=True)

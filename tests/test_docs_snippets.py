@@ -91,6 +91,8 @@ def test_a_block_names_its_language(block: Block) -> None:
     assert block.language, f"{block.where}: a bare fence; name its language (bash, text...)"
     if block.language == "json":
         json.loads(block.code)
+    if block.language == "python":
+        ast.parse(block.code)  # without the embedded model, the runs below skip
 
 
 def test_what_is_not_run_still_names_a_snippet() -> None:
@@ -222,7 +224,10 @@ def test_a_python_snippet_runs(
     earlier = [b for b in PYTHON if b.page == block.page and b.number < block.number]
     for before in earlier:  # what a reader ran before this block, when run alone
         if before.number not in session.done and not missing_packages(before.code):
-            run_python(before, session, request)
+            try:
+                run_python(before, session, request)
+            except Exception as exc:
+                raise AssertionError(f"{block.where}: the page's {before.where} failed") from exc
     try:
         run_python(block, session, request)
     except Exception as exc:
@@ -311,7 +316,7 @@ def not_run(name: str, block: Block) -> str | None:
 def test_a_shell_command_runs(
     name: str, block: Block, command: Command, shared_model: None, request: pytest.FixtureRequest
 ) -> None:
-    where = f"{name} `{command.text.splitlines()[0]}` ({block.page}, line {block.line})"
+    where = f"{name} (line {block.line}) `{command.text.splitlines()[0].strip()}`"
     reason = not_run(name, block)
     program = command.program
     if reason is not None:
