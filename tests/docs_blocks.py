@@ -55,10 +55,20 @@ class Command:
 
     @property
     def program(self) -> str:
-        """The program, without a path (``.venv/bin/hybridspec`` is ``hybridspec``) or the
-        environment assignments before it."""
-        words = [w for w in self.words if not re.fullmatch(r"[A-Z_]+=\S*", w)]
-        return words[0].rsplit("/", 1)[-1] if words else ""
+        """The program, without a path (``.venv/bin/hybridspec`` is ``hybridspec``)."""
+        return self._words()[0].rsplit("/", 1)[-1]
+
+    @property
+    def arguments(self) -> list[str]:
+        return self._words()[1:]
+
+    def _words(self) -> list[str]:
+        """The words after the environment assignments (``HF_HUB_OFFLINE=1 lm_eval``), and
+        before a trailing ``&`` (run in the background)."""
+        words = list(self.words[:-1] if self.words[-1] == "&" else self.words)
+        while len(words) > 1 and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+            words.pop(0)
+        return words
 
 
 def blocks(pages: list[Path] = PAGES) -> list[Block]:

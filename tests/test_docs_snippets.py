@@ -22,6 +22,7 @@ installed (an extra) is skipped, naming it.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import dataclasses
@@ -45,6 +46,7 @@ from hybridspec.server import create_app
 from tests.conftest import embedded_model_installed
 from tests.docs_blocks import (
     ROOT,
+    SERVER_URL,
     SHELL,
     Block,
     Command,
@@ -63,13 +65,13 @@ SHRUNK = ("max_new_tokens", "max_tokens", "max_output_tokens", "max_completion_t
 NOT_RUN: dict[str, tuple[str, str]] = {
     "README.md#1:2": ("make test", "the whole suite, this test included"),
     "docs/benchmarks.md#1": ("hybridspec bench", "a benchmark: minutes of interleaved trials"),
-    "docs/conversations.md#2": ("hybridspec bench serve", "needs llama.cpp's llama-server"),
-    "docs/distill.md#1": ("hybridspec distill", "a training run of hours"),
-    "docs/distill.md#2": ("hybridspec distill", "downloads Llama-3.2-1B; trains on a GPU"),
+    "docs/conversations.md#2": ("bench serve", "a serving benchmark against llama-server"),
+    "docs/distill.md#1": ("hybridspec distill", "a training run of an hour"),
+    "docs/distill.md#2:1": ("hybridspec distill", "downloads Llama-3.2-1B; a training run"),
     "docs/lm-eval.md#1": ("make install", "installs lm-eval and runs its full evaluation"),
     "docs/models.md#1:2": ("hybridspec bench", "downloads the GGUF; a benchmark"),
     "docs/ray.md#2": ("serve deploy", "needs a running Ray cluster"),
-    "docs/serving-performance.md#2": ("python benchmarks/", "a benchmark: minutes"),
+    "docs/serving-performance.md#2": ("python benchmarks/", "a benchmark of servers: minutes"),
     "docs/serving-performance.md#3": ("hybridspec bench serve", "a serving benchmark: minutes"),
 }
 BLOCKS = blocks()
@@ -96,7 +98,7 @@ def test_a_block_names_its_language(block: Block) -> None:
 
 
 def test_what_is_not_run_still_names_a_snippet() -> None:
-    texts = {name: b.code for b in BLOCKS for name in [b.name]}
+    texts = {b.name: b.code for b in BLOCKS}
     texts.update({name: c.text for name, _, c in SHELL_COMMANDS})
     for name, (start, _) in NOT_RUN.items():
         assert name in texts, f"NOT_RUN names {name}, which no page has"
@@ -192,7 +194,7 @@ def missing_packages(code: str) -> list[str]:
 
 @dataclasses.dataclass
 class Session:
-    """A page's python blocks run so far, and their names."""
+    """A page's namespace, and the numbers of its python blocks run in it so far."""
 
     namespace: dict[str, Any] = dataclasses.field(default_factory=dict)
     done: set[int] = dataclasses.field(default_factory=set)
@@ -205,7 +207,7 @@ def sessions() -> dict[str, Session]:
 
 def run_python(block: Block, session: Session, request: pytest.FixtureRequest) -> None:
     code = block.code
-    if with_server(code, "") != code:
+    if SERVER_URL.search(code):
         code = with_server(code, request.getfixturevalue("server_url"))
     tree = ast.fix_missing_locations(Shrink().visit(ast.parse(code)))
     with contextlib.redirect_stdout(io.StringIO()):
@@ -259,17 +261,28 @@ def check_options(argv: list[str], where: str) -> None:
             assert word.split("=")[0] in known, f"{where}: hybridspec has no option {word}"
 
 
-def run_hybridspec(argv: list[str], where: str) -> None:
+def parsed(argv: list[str], where: str) -> argparse.Namespace | None:
+    """``argv`` as ``hybridspec`` parses it; None for a usage line (``[--opt VALUE]``,
+    ``a|b``), whose options are what can be checked."""
     check_options(argv, where)
-    if any(re.search(r"[\[\]|]", w) for w in argv):
-        return  # a usage line: its options are what can be checked
+    if any(re.search(r"[\[\]|]", w) for w in argv) or "--help" in argv:
+        return None
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as exc:
+        raise AssertionError(f"{where}: hybridspec refuses its arguments") from exc
+
+
+def run_hybridspec(argv: list[str], where: str) -> None:
+    args = parsed(argv, where)
     out = io.StringIO()
     if "--help" in argv:
         with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 0 and "usage: hybridspec" in out.getvalue(), where
         return
-    args = build_parser().parse_args(argv)
+    if args is None:
+        return
     if args.command == "serve":
         server_config(args)  # what `serve` builds before it loads and listens
         return
@@ -321,10 +334,10 @@ def test_a_shell_command_runs(
     program = command.program
     if reason is not None:
         if program == "hybridspec":
-            check_options(list(command.words[1:]), where)
+            parsed(command.arguments, where)
         pytest.skip(f"{name}: {reason}")
     if program == "hybridspec":
-        run_hybridspec(list(command.words[1:]), where)
+        run_hybridspec(command.arguments, where)
     elif program == "curl":
         run_curl(command, request.getfixturevalue("server_url"), where)
     elif command.words[:2] == ("make", "serve"):
