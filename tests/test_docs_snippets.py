@@ -30,6 +30,7 @@ import importlib.util
 import io
 import json
 import re
+import signal
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -59,6 +60,7 @@ from tests.docs_blocks import (
 from tests.server.conftest import serve_in_thread
 
 MAX_TOKENS = 16
+SNIPPET_TIMEOUT_S = 240  # a snippet's own run; far above the ~5 s each takes on a loaded machine
 SHRUNK = ("max_new_tokens", "max_tokens", "max_output_tokens", "max_completion_tokens")
 # What is not run, by block (all its commands) or command (block:n, from 1), with the start of
 # its text (so that an entry left behind by an edit fails) and the reason.
@@ -210,8 +212,21 @@ def run_python(block: Block, session: Session, request: pytest.FixtureRequest) -
     if SERVER_URL.search(code):
         code = with_server(code, request.getfixturevalue("server_url"))
     tree = ast.fix_missing_locations(Shrink().visit(ast.parse(code)))
-    with contextlib.redirect_stdout(io.StringIO()):
-        exec(compile(tree, block.where, "exec"), session.namespace)
+    compiled = compile(tree, block.where, "exec")
+
+    def over_time(signum: int, frame: object) -> None:
+        raise TimeoutError(f"{block.where} ran over {SNIPPET_TIMEOUT_S} s")
+
+    # A snippet that never ends fails instead of holding the suite (a sampled tool call's
+    # argument can run on to the context); the alarm interrupts a wait on the server too.
+    previous = signal.signal(signal.SIGALRM, over_time)
+    signal.alarm(SNIPPET_TIMEOUT_S)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compiled, session.namespace)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     session.done.add(block.number)
 
 
