@@ -10,20 +10,28 @@ every local layer drops keys).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from hybridspec.config import ModelConfig
 from hybridspec.model.attention_kernels import attend
 from hybridspec.model.kv_cache import numpy_view
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.llama_weights import LlamaWeights
+from hybridspec.model.loader import load_model
 from hybridspec.model.qgemm import BlockLinear, kernel
 from hybridspec.model.runtime import ForwardBatch
 from tests.conftest import TINY_VOCAB_SIZE
 from tests.model.test_invariance import assert_logits_alike_decoded_verified_and_batched
-from tests.model.tiny_families import tiny_family
+from tests.model.tiny_families import (
+    SPM_EOS,
+    SPM_TOKENS,
+    tiny_family,
+    write_family_gguf,
+)
 
 GEMMAS = ("gemma2", "gemma3")
 TOLERANCE = 1e-3  # issue 34's bar for float32 logits against transformers
@@ -131,3 +139,28 @@ def test_rows_alike_decoded_verified_batched_and_rolled_back(
     # and close to transformers' float32 logits (bfloat16, quantized: a loose bound)
     expected = reference_logits(model, ids[:49])[39:]
     assert (plain - expected).abs().max().item() < 0.1 * expected.abs().max().item()
+
+
+def test_a_gemma_gguf_brings_its_sentencepiece_vocabulary_and_chat_template(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYBRIDSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_family("gemma3", seed=12, vocab_size=len(SPM_TOKENS))
+    path = write_family_gguf(tmp_path / "gemma3.gguf", model, spm=True)
+    loaded = load_model(ModelConfig(str(path), dtype="float32"))
+    assert loaded.is_native and loaded.eos_token_ids == (SPM_EOS,)
+    tokenizer = loaded.tokenizer
+    assert tokenizer is not None
+    ids = tokenizer.encode("Hi there", add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(ids)[:3] == ["H", "i", "▁t"]
+    assert tokenizer.decode(ids) == "Hi there"
+    assert tokenizer.decode(tokenizer.encode("é", add_special_tokens=False)) == "é"  # bytes
+    chat = [{"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == "<s><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    runtime = loaded.create_runtime(1, 32)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    assert prompt[:2] == [2, 4]  # <s>, <start_of_turn>: the template's specials, one id each
+    logits = runtime.forward(ForwardBatch.from_lists([runtime.allocate()], [prompt])).logits
+    expected = reference_logits(model, prompt)
+    assert (logits - expected).abs().max().item() <= TOLERANCE

@@ -111,10 +111,41 @@ def tiny_family(
     return model
 
 
-def write_family_gguf(path: Path, model: PreTrainedModel) -> Path:
-    """Write ``model`` (F32, the tiny byte-level vocabulary) with llama.cpp's tensor names for
-    its architecture: ``llama`` (q/k rows permuted) for Mistral, else the family's own; Gemma's
-    norms as ``1 + w`` and its windows' metadata, as llama.cpp's converter writes them."""
+# A SentencePiece vocabulary as Gemma's GGUF files hold theirs (tokenizer model "llama"): Gemma's
+# special ids (pad 0, eos 1, bos 2, unk 3), its turn markers, byte fallback, a few pieces.
+_SPM_PIECES = ["▁", "H", "i", "▁t", "h", "e", "r", "▁the", "re", "t"]
+SPM_TOKENS = (
+    ["<pad>", "</s>", "<s>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    + [f"<0x{b:02X}>" for b in range(256)]
+    + _SPM_PIECES
+)
+SPM_EOS = 1
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<start_of_turn>' + m['role'] + '\n' + m['content'] + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def _add_spm_vocabulary(writer: GGUFWriter) -> None:
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(SPM_TOKENS)
+    writer.add_token_scores([0.0] * 262 + [-float(i) for i in range(len(_SPM_PIECES))])
+    writer.add_token_types([3, 3, 3, 2, 4, 4] + [6] * 256 + [1] * len(_SPM_PIECES))
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(SPM_EOS)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(GEMMA_CHAT_TEMPLATE)
+
+
+def write_family_gguf(path: Path, model: PreTrainedModel, spm: bool = False) -> Path:
+    """Write ``model`` (F32, the tiny byte-level vocabulary, or with ``spm`` ``SPM_TOKENS``)
+    with llama.cpp's tensor names for its architecture: ``llama`` (q/k rows permuted) for
+    Mistral, else the family's own; Gemma's norms as ``1 + w`` and its windows' metadata, as
+    llama.cpp's converter writes them."""
     config = model.config
     arch = {"mistral": "llama", "gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
     gemma = arch.startswith("gemma")
@@ -142,13 +173,16 @@ def write_family_gguf(path: Path, model: PreTrainedModel) -> Path:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(byte_level_tokens())
-    writer.add_token_types([1] * 256 + [3] * len(TINY_SPECIAL_TOKENS))
-    writer.add_token_merges([])
-    writer.add_token_scores([0.0] * len(byte_level_tokens()))
-    writer.add_bos_token_id(TINY_BOS)
-    writer.add_eos_token_id(TINY_EOS)
+    if spm:
+        _add_spm_vocabulary(writer)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(byte_level_tokens())
+        writer.add_token_types([1] * 256 + [3] * len(TINY_SPECIAL_TOKENS))
+        writer.add_token_merges([])
+        writer.add_token_scores([0.0] * len(byte_level_tokens()))
+        writer.add_bos_token_id(TINY_BOS)
+        writer.add_eos_token_id(TINY_EOS)
     for name, tensor in model.state_dict().items():
         if name in _GGUF_GLOBAL_NAMES:
             gguf_name = _GGUF_GLOBAL_NAMES[name]
