@@ -15,12 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import AutoConfig
 
 from hybridspec.config import ModelConfig
 from hybridspec.model.attention_kernels import attend
 from hybridspec.model.kv_cache import numpy_view
 from hybridspec.model.llama import LlamaRuntime
-from hybridspec.model.llama_weights import LlamaWeights
+from hybridspec.model.llama_weights import LlamaDims, LlamaWeights, native_support_problem
 from hybridspec.model.loader import load_model
 from hybridspec.model.qgemm import BlockLinear, kernel
 from hybridspec.model.runtime import ForwardBatch
@@ -29,6 +30,7 @@ from tests.model.test_invariance import assert_logits_alike_decoded_verified_and
 from tests.model.tiny_families import (
     SPM_EOS,
     SPM_TOKENS,
+    family_config,
     tiny_family,
     write_family_gguf,
 )
@@ -164,3 +166,14 @@ def test_a_gemma_gguf_brings_its_sentencepiece_vocabulary_and_chat_template(
     logits = runtime.forward(ForwardBatch.from_lists([runtime.allocate()], [prompt])).logits
     expected = reference_logits(model, prompt)
     assert (logits - expected).abs().max().item() <= TOLERANCE
+
+
+def test_gemma_configurations_outside_the_family_name_the_reason() -> None:
+    bidirectional = family_config("gemma3", 300, use_bidirectional_attention=True)
+    assert "use_bidirectional_attention" in str(native_support_problem(bidirectional))
+    silu = family_config("gemma2", 300, hidden_activation="silu")
+    assert "gelu_pytorch_tanh" in str(native_support_problem(silu))
+    multimodal = AutoConfig.for_model("gemma3")  # Gemma3ForConditionalGeneration: not the text
+    assert "model_type is 'gemma3'" in str(native_support_problem(multimodal))
+    scaled = LlamaDims.from_hf_config(family_config("gemma2", 300, query_pre_attn_scalar=24))
+    assert scaled.attn_scale == 24**-0.5 and scaled.attn_softcap == 2.0
