@@ -11,6 +11,9 @@ Dimensions: ``T`` new tokens, ``B`` sequences, ``H`` query heads, ``KV`` key/val
 
 Every way takes a ``Scoring``: the query scale, a soft cap of the scores and each layer's sliding
 window (Gemma's local layers attend only the last ``window`` keys), all per layer, row by row.
+
+One module over 400 lines, on purpose: the four ways share ``Scoring`` and the masks, and
+the runtime picks one per forward; apart, each would import the others' helpers.
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ from gguf.quants import dequantize
 
 from hybridspec.errors import ModelLoadError
 from hybridspec.model.gguf_blocks import DENSE_TYPES, GGUF_TYPES, from_gguf_blocks
-from hybridspec.model.llama_weights import default_inv_freq, llama3_inv_freq
 from hybridspec.model.quant import QuantizedWeight
+from hybridspec.model.rope import default_inv_freq, llama3_inv_freq
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

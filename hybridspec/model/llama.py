@@ -22,6 +22,9 @@ and the attention per layer, ``attn_in`` and ``mlp_block``, where the family add
 between them), or, where that kernel cannot be built, torch's CPU int4 kernel
 (``model.quant_linear``); the embedding looks up and dequantizes only the rows of the batch's
 tokens.
+
+One module over 400 lines, on purpose: the one forward every family runs, whose layer steps
+read the runtime's tables (rope, cache layouts, the kernel); apart, they would pass them all.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ from hybridspec.model.families import (
     layer_windows,
 )
 from hybridspec.model.quant import PackedWeight, QuantizedWeight, cat_rows, quantize
+from hybridspec.model.rope import default_inv_freq, llama3_inv_freq
 
 logger = logging.getLogger(__name__)
 
@@ -158,29 +158,6 @@ def local_rope_inv_freq(config: PretrainedConfig) -> torch.Tensor | None:
     if not isinstance(params.get("sliding_attention"), Mapping):
         return None
     return rope_inv_freq(config, "sliding_attention")
-
-
-def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
-    """Unscaled rope inverse frequencies ``theta ** (-2i / hd)``, ``[hd // 2]`` float32."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / (theta**exponents)
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
-    """Llama 3.1 frequency scaling: keep short wavelengths, divide long ones by ``factor``, and
-    blend in between (transformers' ``_compute_llama3_parameters``)."""
-    factor = float(params["factor"])
-    low_freq_factor = float(params["low_freq_factor"])
-    high_freq_factor = float(params["high_freq_factor"])
-    old_context_len = float(params["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_context_len / low_freq_factor, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_context_len / high_freq_factor) & (
-        wavelen <= old_context_len / low_freq_factor
-    )
-    return torch.where(is_medium, smoothed, scaled)
 
 
 @dataclass(frozen=True, slots=True)
