@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,16 +88,27 @@ class PrefixCacheStats:
     evicted_tokens: int  # tokens of entries evicted (LRU, or to free a slot)
     num_entries: int
     num_cached_tokens: int
+    # Bytes of memory pages the entries' slots hold (``KVCache.resident_bytes``: whole pages,
+    # at least a page per key row on the native runtime); 0 where the runtime cannot say.
+    resident_bytes: int = 0
 
 
 class PrefixCache:
     """Finished requests' slots of ``runtime``, at most ``num_slots`` of them, reused by later
     requests that share a prefix (see the module docstring)."""
 
-    def __init__(self, runtime: ModelRuntime, num_slots: int) -> None:
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        num_slots: int,
+        resident_bytes: Callable[[int], int] | None = None,
+    ) -> None:
+        """``resident_bytes(slot)``: the memory a slot holds (``LlamaRuntime.resident_bytes``),
+        for ``stats``; None where the runtime cannot say."""
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
             raise ValueError(f"num_slots: expected an integer >= 0, got {num_slots!r}")
         self.runtime = runtime
+        self._resident_bytes = resident_bytes
         self.num_slots = num_slots
         self._entries: list[_Entry] = []
         self._clock = 0
@@ -110,6 +122,9 @@ class PrefixCache:
             self._evicted_tokens,
             len(self._entries),
             sum(len(e.token_ids) for e in self._entries),
+            sum(map(self._resident_bytes, (e.slot for e in self._entries)))
+            if self._resident_bytes is not None
+            else 0,
         )
 
     def allocate(self, prompt_token_ids: list[int] | None) -> tuple[int, int]:
@@ -176,6 +191,12 @@ class PrefixCache:
         for entry in list(self._entries):
             self._entries.remove(entry)
             self.runtime.free(entry.slot)
+
+    def reset(self) -> None:
+        """Free every entry and zero the counts: the cache as just built."""
+        self.clear()
+        self._clock = 0
+        self._lookups = self._hits = self._hit_tokens = self._evicted_tokens = 0
 
     def _best_match(self, prompt_token_ids: list[int] | None) -> tuple[_Entry | None, int]:
         """The entry sharing the longest prefix with the prompt but its last token, and the

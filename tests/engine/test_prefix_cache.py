@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridspec import Engine, EngineConfig, GenerationParams
-from hybridspec.engine.prefix_cache import num_slots_for
+from hybridspec.engine.prefix_cache import kv_bytes_per_token, num_slots_for
 from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers import NoProposer
 from tests.engine.tiny import make_engine, tiny_loaded
@@ -193,3 +193,18 @@ def test_a_next_turn_takes_the_entry_over_without_a_copy(
     slot, cached = cache.allocate([*SYSTEM, 1])
     assert cached == len(SYSTEM) and slot != entry.slot and len(copies) == 1
     assert cache.stats().num_entries == 1
+
+
+def test_stats_count_the_memory_the_entries_hold(exact_target: LoadedModel) -> None:
+    engine = make_engine(exact_target, max_seq_len=2048, prefix_cache_mb=64)
+    cache = engine.prefix_cache
+    assert cache.stats().resident_bytes == 0
+    run(engine, SYSTEM, "none")
+    run(engine, [51, *SYSTEM], "none")
+    slots = [entry.slot for entry in cache._entries]
+    held = cache.stats().resident_bytes
+    assert len(slots) == 2 and held == sum(map(engine.runtime.resident_bytes, slots)) > 0
+    # Whole pages, at least one per key row of each slot; never more than whole slots.
+    assert held <= len(slots) * kv_bytes_per_token(exact_target) * 2048
+    engine.reset()
+    assert cache.stats().resident_bytes == 0 and cache.stats().lookups == 0
