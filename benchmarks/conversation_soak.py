@@ -5,6 +5,11 @@ context, it runs ``--requests`` short requests, a few at a time, drawn from a ha
 conversations that grow turn by turn and restart, half of them with ``suffix`` and half with
 ``ngram``, and reports errors, the prefix cache's hits and evictions, its entries against its
 slots, and the process's resident memory after the warm-up and at the end (``/proc``, Linux).
+
+Memory is checked against the budgets: the keys and values resident (``KVCache.resident_bytes``
+summed over every slot, free or not, since a written page stays resident) may grow by at most
+the running requests' slots (``max_num_seqs`` whole slots) plus the prefix cache's budget; the
+rest of the growth (the suffix pools, Python's heap, the allocator) by at most ``--allowance-mb``.
 Run from the repository root::
 
     python benchmarks/conversation_soak.py --requests 1000
@@ -21,6 +26,7 @@ import torch
 
 from hybridspec.config import EngineConfig, ModelConfig, SuffixConfig
 from hybridspec.engine import Engine, FinishReason, GenerationParams, warm_up
+from hybridspec.engine.prefix_cache import kv_bytes_per_token
 
 
 def resident_mb() -> float:
@@ -38,6 +44,7 @@ def main() -> None:
     parser.add_argument("--prefix-cache-mb", type=int, default=64)
     parser.add_argument("--suffix-cache-tokens", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--allowance-mb", type=float, default=32.0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = ModelConfig(max_seq_len=args.max_seq_len, max_num_seqs=4)
@@ -53,7 +60,7 @@ def main() -> None:
     vocab = [t for t in range(1000, 20000)]
     histories = [[] for _ in range(args.conversations)]  # type: list[list[int]]
     began, errors, done, peak = time.perf_counter(), 0, 0, 0.0
-    base = resident_mb()
+    base, kv_base = resident_mb(), kv_resident_mb(engine)
     pending: dict[str, int] = {}
     submitted = 0
     while done < args.requests:
@@ -81,13 +88,30 @@ def main() -> None:
                     histories[which].extend(output.result.token_ids)
         peak = max(peak, resident_mb())
     stats = engine.prefix_cache.stats()
+    end, kv_end = resident_mb(), kv_resident_mb(engine)
+    slot_mb = kv_bytes_per_token(engine.target) * engine.max_seq_len / 2**20
+    kv_bound = engine.max_num_seqs * slot_mb + args.prefix_cache_mb
+    within = (
+        kv_end - kv_base <= kv_bound and (peak - base) - (kv_end - kv_base) <= args.allowance_mb
+    )
     print(
         f"{done} requests in {time.perf_counter() - began:.0f} s, {errors} errors; prefix cache: "
         f"{stats.hits} hits, {stats.hit_tokens} tokens read, {stats.evicted_tokens} evicted, "
         f"{stats.num_entries}/{engine.prefix_cache.num_slots} entries, "
-        f"{stats.num_cached_tokens} tokens held; resident {base:.0f} MiB after the warm-up, "
-        f"{peak:.0f} MiB at most, {resident_mb():.0f} MiB at the end"
+        f"{stats.num_cached_tokens} tokens held in {stats.resident_bytes / 2**20:.1f} MiB; "
+        f"resident {base:.0f} MiB after the warm-up, {peak:.0f} MiB at most, {end:.0f} MiB at "
+        f"the end; keys and values {kv_base:.1f} -> {kv_end:.1f} MiB (growth bound: "
+        f"{engine.max_num_seqs} running slots of {slot_mb:.1f} MiB + the cache's "
+        f"{args.prefix_cache_mb} MB = {kv_bound:.1f} MiB); the rest grew "
+        f"{(peak - base) - (kv_end - kv_base):.1f} MiB at most (allowance {args.allowance_mb:.0f}"
+        f" MiB); within the budgets: {'yes' if within else 'NO'}"
     )
+
+
+def kv_resident_mb(engine: Engine) -> float:
+    """MiB of memory pages the target's keys and values hold, over every slot."""
+    slots = range(engine.runtime.max_num_seqs)
+    return sum(engine.runtime.resident_bytes(slot) for slot in slots) / 2**20  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

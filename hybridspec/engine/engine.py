@@ -102,7 +102,9 @@ class Engine(Admission):
         self.runtime = self.target.create_runtime(
             self.max_num_seqs + cache_slots, self.config.target.max_seq_len
         )
-        self.prefix_cache = PrefixCache(self.runtime, cache_slots)
+        self.prefix_cache = PrefixCache(
+            self.runtime, cache_slots, getattr(self.runtime, "resident_bytes", None)
+        )
         self.max_seq_len = self.runtime.max_seq_len
         self.vocab_size = self.runtime.vocab_size
         self.scheduler = Scheduler(self.config.max_queue_size, self.config.prefill_chunk_size)
@@ -343,8 +345,7 @@ class Engine(Admission):
         request counter and the prefix cache, so that it runs as if just built (after
         ``engine.warmup``). Only between requests: every slot must be free."""
         check(not self.has_unfinished(), "engine", "reset with requests still in the engine")
-        self.prefix_cache.clear()
-        self.prefix_cache = PrefixCache(self.runtime, self.prefix_cache.num_slots)
+        self.prefix_cache.reset()
         assert self.runtime.num_free_slots() == self.runtime.max_num_seqs
         self._seq_ids = itertools.count()
         if self.speculation is not None:

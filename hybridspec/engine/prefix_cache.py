@@ -1,19 +1,21 @@
-"""A prefix cache across requests: finished requests' KV-cache slots kept, and copied from.
+"""A prefix cache across requests: finished requests' KV-cache slots kept, and reused.
 
 When a request ends, its slot is not freed but *retained* with the tokens it caches (its prompt
 and output, but the last token, which was never fed). A later request whose prompt starts with
-some of those tokens gets that longest common prefix copied into its own slot
-(``ModelRuntime.copy_prefix``) and prefills only the rest: a conversation's next turn, an agent
-resending its system prompt and its previous answer, a retried or regenerated request.
+some of those tokens reuses that longest common prefix (the entry's slot taken over, or the
+prefix copied into its own slot with ``ModelRuntime.copy_prefix``) and prefills only the
+rest: a conversation's next turn, an agent resending its system prompt and its previous answer,
+a retried or regenerated request.
 
 Design: retained slots rather than a separate block store keyed by hash chains. The runtime's
 cache is slot-indexed, ``copy_prefix`` already exists for every runtime (``engine.choices``
 shares a prompt's prefill with it), and a finished request's keys and values are then kept where
 they lie at no cost: a block store would copy every finished request out and every hit back in.
-A hit costs one copy of the matched prefix and a lookup, a longest-common-prefix scan over the
-retained entries' token arrays (a few dozen at most), both far below prefilling the prefix.
-The cost of the design is granularity: a slot holds one sequence, so the budget buys whole
-slots (``num_slots_for``), and an entry that another entry extends is dropped as redundant.
+A hit costs a lookup, a longest-common-prefix scan over the retained entries' token arrays (a
+few dozen at most), and at most one copy of the matched prefix: a prompt that extends an entry
+whole (a conversation's next turn) takes that entry's slot over as it lies, with no copy. The
+cost of the design is granularity: a slot holds one sequence, so the budget buys whole slots
+(``num_slots_for``), and an entry that another entry extends is dropped as redundant.
 
 Exactness: the copied keys and values are the bits the prefix's own prefill would write on a
 row-invariant runtime (the native CPU one: ``engine.choices`` relies on the same), so a request
@@ -28,14 +30,17 @@ num_slots`` slots of ``max_seq_len`` tokens, and the cache's share at most its b
 Dimensions: ``P`` prompt tokens; ``E`` retained entries.
 
 Worked example: turn 1 (prompt 300 tokens, answer 50) ends and its slot is retained with 349
-tokens. Turn 2's prompt (420 tokens) repeats them and adds 71: 349 are copied, and 71 prefilled.
-When turn 2 ends with 399 + 40 tokens, turn 1's entry is a prefix of it and is freed.
+tokens. Turn 2's prompt (420 tokens) repeats them and adds 71: turn 2 takes the slot over with
+its 349 positions and prefills 71. A regenerated turn 2 (the same 420 tokens) then finds turn
+2's entry (420 + 40 - 1 tokens) and matches 419 of them: those are copied into a fresh slot, and
+the entry stays.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,16 +88,27 @@ class PrefixCacheStats:
     evicted_tokens: int  # tokens of entries evicted (LRU, or to free a slot)
     num_entries: int
     num_cached_tokens: int
+    # Bytes of memory pages the entries' slots hold (``KVCache.resident_bytes``: whole pages,
+    # at least a page per key row on the native runtime); 0 where the runtime cannot say.
+    resident_bytes: int = 0
 
 
 class PrefixCache:
     """Finished requests' slots of ``runtime``, at most ``num_slots`` of them, reused by later
     requests that share a prefix (see the module docstring)."""
 
-    def __init__(self, runtime: ModelRuntime, num_slots: int) -> None:
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        num_slots: int,
+        resident_bytes: Callable[[int], int] | None = None,
+    ) -> None:
+        """``resident_bytes(slot)``: the memory a slot holds (``LlamaRuntime.resident_bytes``),
+        for ``stats``; None where the runtime cannot say."""
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
             raise ValueError(f"num_slots: expected an integer >= 0, got {num_slots!r}")
         self.runtime = runtime
+        self._resident_bytes = resident_bytes
         self.num_slots = num_slots
         self._entries: list[_Entry] = []
         self._clock = 0
@@ -106,17 +122,27 @@ class PrefixCache:
             self._evicted_tokens,
             len(self._entries),
             sum(len(e.token_ids) for e in self._entries),
+            sum(map(self._resident_bytes, (e.slot for e in self._entries)))
+            if self._resident_bytes is not None
+            else 0,
         )
 
     def allocate(self, prompt_token_ids: list[int] | None) -> tuple[int, int]:
         """A slot for a new request and how many tokens of its prompt it already caches.
 
         ``prompt_token_ids`` None: the request does not read the cache (a fresh slot). Else the
-        longest prefix of the prompt but its last token that an entry holds is copied in; when
-        no slot is free, the least recently used entries are evicted first (the matching one
-        last: if it must go, the request takes its slot over, truncated to the match).
+        longest prefix of the prompt but its last token that an entry holds is reused. An entry
+        the prompt extends whole (a conversation's next turn) hands its slot over as it is: it
+        would be dropped as redundant when the request ends, so nothing is copied. A partial
+        match is copied into a fresh slot, the entry kept; when no slot is free, the least
+        recently used entries are evicted first (the matching one last: if it must go, the
+        request takes its slot over, truncated to the match).
         """
         match, length = self._best_match(prompt_token_ids)
+        if match is not None and length == len(match.token_ids):
+            self._entries.remove(match)
+            self._count_hit(length)
+            return match.slot, length
         while self.runtime.num_free_slots() == 0:
             victims = [e for e in self._entries if e is not match] or self._entries
             if not victims:
@@ -165,6 +191,12 @@ class PrefixCache:
         for entry in list(self._entries):
             self._entries.remove(entry)
             self.runtime.free(entry.slot)
+
+    def reset(self) -> None:
+        """Free every entry and zero the counts: the cache as just built."""
+        self.clear()
+        self._clock = 0
+        self._lookups = self._hits = self._hit_tokens = self._evicted_tokens = 0
 
     def _best_match(self, prompt_token_ids: list[int] | None) -> tuple[_Entry | None, int]:
         """The entry sharing the longest prefix with the prompt but its last token, and the

@@ -19,6 +19,8 @@ next forward overwrites them.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 
@@ -182,6 +184,40 @@ class KVCache:
         self.values[:, dest, :, :length] = self.values[:, source, :, :length]
         self._finite_len[dest] = max(self._finite_len[dest], length)
 
+    def resident_bytes(self, slot: int) -> int:
+        """Bytes of the memory pages that ``slot``'s positions written so far occupy (CPU): what
+        the slot adds to the process's resident memory, allocated or free. A page once written
+        stays resident when the slot is freed or truncated, so this counts every position ever
+        written (or zero-filled), and whole pages: with transposed keys each of the ``layers *
+        KV * hd`` key rows of ``S`` positions is touched from its first position on, so one
+        token costs a page per row (23 MB for SmolLM2-135M), where values cost ``hd`` per head.
+
+        Worked example (bfloat16, 2 layers, 1 head, hd 4, S 4096: key rows of 8 KiB, a slot's
+        values one 32 KiB run per layer): 10 positions written touch 1 page of each of the 8 key
+        rows and 1 page of values per layer, 10 pages of 4 KiB in all.
+        """
+        length = self._finite_len[slot]
+        if length == 0:
+            return 0
+        itemsize = self.keys.element_size()
+        num_slots, num_kv = self.keys.shape[1], self.keys.shape[2]
+        max_seq_len = self.slots.max_seq_len
+        head_dim = self.values.shape[-1]
+        layers = np.arange(self.keys.shape[0])
+        # One run of bytes per key row (transposed: [KV, hd] rows of S positions) or per head.
+        rows_per_slot = num_kv * head_dim if self.transposed_keys else num_kv
+        row_bytes = (
+            max_seq_len * itemsize if self.transposed_keys else max_seq_len * head_dim * itemsize
+        )
+        key_span = length * itemsize if self.transposed_keys else length * head_dim * itemsize
+        rows = (layers[:, None] * num_slots + slot) * rows_per_slot + np.arange(rows_per_slot)
+        key_starts = self.keys.data_ptr() + rows.ravel() * row_bytes
+        heads = (layers[:, None] * num_slots + slot) * num_kv + np.arange(num_kv)
+        value_starts = self.values.data_ptr() + heads.ravel() * (max_seq_len * head_dim * itemsize)
+        return _pages_bytes(key_starts, key_span) + _pages_bytes(
+            value_starts, length * head_dim * itemsize
+        )
+
     def make_finite(self, slot: int, end: int) -> None:
         """Zero-fill positions of ``slot`` never written before, up to ``end`` (all layers)."""
         start = self._finite_len[slot]
@@ -228,6 +264,18 @@ class KVCache:
         else:
             keys[token_slots, :, positions] = k
         self.layer_values[layer][token_slots, :, positions] = v
+
+
+def _pages_bytes(starts: np.ndarray, span: int) -> int:
+    """Bytes of the distinct memory pages that runs of ``span`` bytes from each of ``starts``
+    (addresses) touch."""
+    page = mmap.PAGESIZE
+    first, last = starts // page, (starts + span - 1) // page
+    widths = last - first + 1
+    pages = np.repeat(first, widths) + (
+        np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)
+    )
+    return len(np.unique(pages)) * page
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:

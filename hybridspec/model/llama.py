@@ -236,6 +236,10 @@ class LlamaRuntime:
     def copy_prefix(self, source: int, dest: int, length: int) -> None:
         self._cache.copy_prefix(source, dest, length)
 
+    def resident_bytes(self, slot: int) -> int:
+        """Bytes of memory pages ``slot``'s keys and values hold (``KVCache.resident_bytes``)."""
+        return self._cache.resident_bytes(slot)
+
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Append the batch's tokens to their slots; logits ``[num_logits, V]`` float32 and the
         outputs of ``batch.hidden_layers``, ``[T, len(hidden_layers), D]`` (``ForwardOutput``)."""

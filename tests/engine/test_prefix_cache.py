@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridspec import Engine, EngineConfig, GenerationParams
-from hybridspec.engine.prefix_cache import num_slots_for
+from hybridspec.engine.prefix_cache import kv_bytes_per_token, num_slots_for
 from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers import NoProposer
 from tests.engine.tiny import make_engine, tiny_loaded
@@ -170,3 +170,41 @@ def test_choices_share_a_cached_prefix(exact_target: LoadedModel) -> None:
     warm = make_engine(exact_target, prefix_cache_mb=64)
     assert choices(warm) == choices(make_engine(exact_target, prefix_cache_mb=0))
     assert warm.prefix_cache.stats().hit_tokens >= len(SYSTEM)
+
+
+def test_a_next_turn_takes_the_entry_over_without_a_copy(
+    exact_target: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(exact_target, prefix_cache_mb=64)
+    copies: list[tuple[int, int, int]] = []
+    copy_prefix = engine.runtime.copy_prefix
+    monkeypatch.setattr(
+        engine.runtime, "copy_prefix", lambda *a: copies.append(a) or copy_prefix(*a)
+    )
+    tokens = run(engine, SYSTEM, "none")[0]
+    cache = engine.prefix_cache
+    (entry,) = cache._entries
+    slot, cached = cache.allocate([*SYSTEM, *tokens, 1, 2])  # the next turn
+    assert (slot, cached) == (entry.slot, len(SYSTEM) + len(tokens) - 1)
+    assert engine.runtime.seq_len(slot) == cached and copies == []
+    assert cache.stats().num_entries == 0 and cache.stats().hit_tokens == cached
+    cache.release(slot, [*SYSTEM, *tokens, 1, 2], retain=True)
+    # A partial match (a regenerated turn: the same prompt) copies and keeps the entry.
+    slot, cached = cache.allocate([*SYSTEM, 1])
+    assert cached == len(SYSTEM) and slot != entry.slot and len(copies) == 1
+    assert cache.stats().num_entries == 1
+
+
+def test_stats_count_the_memory_the_entries_hold(exact_target: LoadedModel) -> None:
+    engine = make_engine(exact_target, max_seq_len=2048, prefix_cache_mb=64)
+    cache = engine.prefix_cache
+    assert cache.stats().resident_bytes == 0
+    run(engine, SYSTEM, "none")
+    run(engine, [51, *SYSTEM], "none")
+    slots = [entry.slot for entry in cache._entries]
+    held = cache.stats().resident_bytes
+    assert len(slots) == 2 and held == sum(map(engine.runtime.resident_bytes, slots)) > 0
+    # Whole pages, at least one per key row of each slot; never more than whole slots.
+    assert held <= len(slots) * kv_bytes_per_token(exact_target) * 2048
+    engine.reset()
+    assert cache.stats().resident_bytes == 0 and cache.stats().lookups == 0

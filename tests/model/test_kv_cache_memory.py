@@ -1,0 +1,83 @@
+"""``KVCache.resident_bytes``: what a slot adds to resident memory, against the kernel's count."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hybridspec.model.kv_cache import KVCache
+
+PAGE = mmap.PAGESIZE
+
+
+def resident_pages(tensor: torch.Tensor) -> int:
+    """Pages of ``tensor``'s memory resident now (Linux ``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = tensor.data_ptr() // PAGE * PAGE
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    num_pages = -(-(end - start) // PAGE)
+    vec = (ctypes.c_ubyte * num_pages)()
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0
+    return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
+
+
+def slot_resident_pages(cache: KVCache, slot: int) -> int:
+    """Resident pages of ``slot``'s memory in every layer, keys and values."""
+    return sum(resident_pages(layer[slot]) for layer in (*cache.layer_keys, *cache.layer_values))
+
+
+def big_cache(transposed: bool) -> KVCache:
+    # 2 x 4 x 2 x 64 x 16384 bfloat16 = 32 MiB each for keys and values: fresh mapped pages,
+    # none resident before a write.
+    return KVCache(
+        num_layers=2,
+        max_num_seqs=4,
+        num_kv_heads=2,
+        max_seq_len=16384,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        transposed_keys=transposed,
+    )
+
+
+def write(cache: KVCache, slot: int, start: int, num: int) -> None:
+    k = torch.ones(num, 2, 64, dtype=torch.bfloat16)
+    for layer in range(2):
+        cache.write(layer, slot, start, k, k)
+    cache.commit([slot], [start + num])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore is Linux's")
+@pytest.mark.parametrize("transposed", [True, False])
+def test_resident_bytes_match_the_pages_the_kernel_holds(transposed: bool) -> None:
+    cache = big_cache(transposed)
+    cache.slots.allocate()  # slot 0, unwritten: its first page holds the allocation's header
+    slot = cache.slots.allocate()
+    assert cache.resident_bytes(slot) == 0
+    if slot_resident_pages(cache, slot) > 0:
+        pytest.skip("the allocator handed out memory already resident")
+    write(cache, slot, 0, 10)
+    # Transposed: one page per key row (2 layers x 2 heads x 64 dims) and per value run (4).
+    expected = (2 * 2 * 64 + 4) * PAGE if transposed else (4 + 4) * PAGE
+    assert cache.resident_bytes(slot) == expected
+    assert slot_resident_pages(cache, slot) * PAGE == expected
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore is Linux's")
+def test_written_pages_stay_counted_after_truncate_and_free() -> None:
+    cache = big_cache(True)
+    slot = cache.slots.allocate()
+    write(cache, slot, 0, 3000)  # 6000 bytes a key row: 2 pages each
+    held = cache.resident_bytes(slot)
+    assert held == (2 * 2 * 64 * 2 + 4 * -(-3000 * 128 // PAGE)) * PAGE
+    cache.slots.truncate(slot, 5)
+    cache.slots.free(slot)
+    assert cache.resident_bytes(slot) == held  # the pages stay resident
+    assert resident_pages(cache.keys) * PAGE >= 2 * 2 * 64 * 2 * PAGE
