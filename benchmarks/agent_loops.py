@@ -26,7 +26,14 @@ failure, counted with its exception. The agent loops are capped at ``MAX_TURNS``
 model that calls the tool on every turn would otherwise run to each framework's own limit).
 ``--plain`` then asks questions that need no tool, with the tool attached (openai SDK), to
 check that they still get text. Sampling is the server's default (temperature 1), so figures
-are rates over tries, not a greedy pin.
+are rates over tries, not a greedy pin. ``--max-tokens`` bounds every request (a text answer
+cut short is still a text answer; a call is far shorter), so that a run ends in minutes.
+
+``--first-tokens N`` measures the model's choice alone, cheaply: each framework's first
+request for each prompt (its body captured from the framework without a server), sent with
+``max_tokens`` 1 and ``logprobs``, once greedy and with ``n`` = N at the request's own
+settings; a first token that starts with ``[`` begins a call. ``plain`` is the openai SDK's
+request for the questions that need no tool.
 """
 
 from __future__ import annotations
@@ -286,6 +293,59 @@ def run_framework(name: str, base: str, model: str, tries: int, verbose: bool) -
     return tally
 
 
+class Capture(Recorder):
+    """A recorder whose clients never reach a server: each chat request's body is kept and
+    answered with the text ``ok`` (so every loop ends after its first request)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bodies: list[dict[str, Any]] = []
+
+    def _answer(self, request: httpx.Request) -> httpx.Response:
+        self.bodies.append(json.loads(request.content or b"{}"))
+        message = {"role": "assistant", "content": "ok"}
+        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        body = {"id": "x", "object": "chat.completion", "created": 0, "model": "m"}
+        return httpx.Response(200, json={**body, "choices": [choice], "usage": usage})
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(transport=httpx.MockTransport(self._answer))
+
+    def async_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(self._answer))
+
+
+def first_request(name: str, model: str, prompt: str) -> dict[str, Any]:
+    """The body of the first chat request that framework ``name``'s loop sends for ``prompt``."""
+    capture = Capture()
+    with contextlib.suppress(Exception):  # instructor raises on the text answer
+        LOOPS[name]("http://127.0.0.1:1/v1", model, prompt, capture)
+    return capture.bodies[0]
+
+
+def probe(name: str, base: str, model: str, samples: int) -> tuple[int, int, int, int]:
+    """The first token of each prompt's first request, greedy and ``samples`` times sampled
+    (the request's own settings, ``max_tokens`` 1): greedy calls, sampled calls (a first token
+    that starts with ``[``), and the counts of each."""
+    greedy = sampled = total = 0
+    prompts = PLAIN if name == "plain" else PROMPTS
+    with httpx.Client(timeout=600) as client:
+        for prompt in prompts:
+            body = first_request("openai" if name == "plain" else name, model, prompt)
+            for n, extra in ((1, {"temperature": 0}), (samples, {})):
+                request = {**body, **extra, "n": n, "max_tokens": 1, "logprobs": True}
+                answer = client.post(f"{base}/chat/completions", json=request)
+                answer.raise_for_status()
+                tokens = [c["logprobs"]["content"][0]["token"] for c in answer.json()["choices"]]
+                calls = sum(token.startswith("[") for token in tokens)
+                if n == 1:
+                    greedy += calls
+                else:
+                    sampled, total = sampled + calls, total + len(tokens)
+    return greedy, len(prompts), sampled, total
+
+
 def run_plain(base: str, model: str) -> Counter[str]:
     """The answers (``call`` or ``text``) to questions that need no tool, the tool attached."""
     found: Counter[str] = Counter()
@@ -313,6 +373,14 @@ def main() -> None:
     parser.add_argument("--tries", type=int, default=6, help="loops per framework")
     parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
     parser.add_argument("--plain", action="store_true", help="also ask questions needing no tool")
+    parser.add_argument(
+        "--first-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the loops: each framework's first request's first token, greedy and "
+        "N times sampled (the model's choice between a call and text)",
+    )
     parser.add_argument("--url", default=None, help="a running server instead of a new one")
     parser.add_argument(
         "--max-tokens", type=int, default=MAX_TOKENS[0], help="each request's bound"
@@ -325,6 +393,13 @@ def main() -> None:
     with server(args.url) as url:
         base = f"{url}/v1"
         model = httpx.get(f"{base}/models").json()["data"][0]["id"]
+        if args.first_tokens:
+            print("| framework | greedy first token a call | sampled first tokens calls |")
+            print("| --- | --- | --- |")
+            for name in [*args.frameworks, "plain"]:
+                greedy, prompts, sampled, total = probe(name, base, model, args.first_tokens)
+                print(f"| {name} | {greedy}/{prompts} | {sampled}/{total} |", flush=True)
+            return
         tallies = {
             n: run_framework(n, base, model, args.tries, args.verbose) for n in args.frameworks
         }

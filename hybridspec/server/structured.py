@@ -19,8 +19,8 @@ One grammar per request, from (at most one of) ``response_format`` ``json_object
 
 Where the template does not show tools, a constrained request's tools are described to the
 model in a system message instead (``described_tools``): the grammar forces the call's form, the
-description says what the functions are for (and, for ``auto``, how to call one, with an
-example exchange that calls the first function).
+description says what the functions are for (and, for ``auto``, how to call one, with two
+example exchanges that call the first function).
 
 A forced call cut short (by max_tokens or a stop string) is answered as OpenAI answers it: the
 calls with the arguments written so far (``cut_calls``).
@@ -243,19 +243,23 @@ def tool_messages(
 def described_tools(tools: ToolPlan) -> list[dict[str, Any]]:
     """The messages that show a constrained request's tools to a model whose template does not:
     a system message with the functions (and, for ``auto``, how to call one), then, for
-    ``auto``, an example exchange: a user asking for the first function and the assistant's
-    call of it (``example_call``). A model never trained on calls (SmolLM2-135M) almost never
-    starts an answer with ``[`` from the instruction alone; one worked call in the
-    conversation is what makes it call when a request asks for a function."""
+    ``auto``, two example exchanges: a user naming the first function, then one saying what
+    it does (its description), each answered by a call of it (``example_call``). A model never
+    trained on calls (SmolLM2-135M) almost never starts an answer with ``[`` from the
+    instruction alone; calls in the conversation are what make it call when a request asks
+    for a function (docs/tools.md: how often, on each agent framework's loop)."""
     functions = [tool.function.model_dump(exclude_none=True) for tool in tools.tools]
     described = f"You can call these functions: {json.dumps(functions, separators=(',', ':'))}"
     if tools.mode != "auto":
         return [{"role": "system", "content": described}]
-    first = tools.tools[0].function.name
+    first = tools.tools[0].function
+    call = json.dumps([example_call(tools.tools[0])])
     return [
         {"role": "system", "content": f"{described} {AUTO_INSTRUCTION}"},
-        {"role": "user", "content": f"Call {first}."},
-        {"role": "assistant", "content": json.dumps([example_call(tools.tools[0])])},
+        {"role": "user", "content": f"Call {first.name}."},
+        {"role": "assistant", "content": call},
+        {"role": "user", "content": first.description or f"Use {first.name}."},
+        {"role": "assistant", "content": call},
     ]
 
 
