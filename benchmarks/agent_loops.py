@@ -61,7 +61,9 @@ from hybridspec.bench.servers import LOOPBACK, ServerSpec, running
 
 KEY = "unused"
 MAX_TURNS = 3
-MAX_TOKENS = [256]  # each request's max_tokens (--max-tokens): bounds a rambling text answer
+# Each request's max_tokens (--max-tokens; None: not set, the server's default): bounds a
+# rambling text answer.
+MAX_TOKENS: list[int | None] = [256]
 PROMPTS = (
     "What is the weather in Paris?",
     "Use the weather tool to look up the weather in Tokyo.",
@@ -383,11 +385,14 @@ def main() -> None:
     )
     parser.add_argument("--url", default=None, help="a running server instead of a new one")
     parser.add_argument(
-        "--max-tokens", type=int, default=MAX_TOKENS[0], help="each request's bound"
+        "--max-tokens",
+        type=int,
+        default=MAX_TOKENS[0],
+        help="each request's bound; 0: none (instructor raises on a text answer cut short)",
     )
     parser.add_argument("--verbose", action="store_true", help="print each failure's traceback")
     args = parser.parse_args()
-    MAX_TOKENS[0] = args.max_tokens
+    MAX_TOKENS[0] = args.max_tokens or None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the server on a kill too
 
     with server(args.url) as url:
