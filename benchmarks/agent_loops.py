@@ -337,6 +337,7 @@ def probe(name: str, base: str, model: str, samples: int) -> tuple[int, int, int
             body = first_request("openai" if name == "plain" else name, model, prompt)
             for n, extra in ((1, {"temperature": 0}), (samples, {})):
                 request = {**body, **extra, "n": n, "max_tokens": 1, "logprobs": True}
+                request.pop("max_completion_tokens", None)  # LangChain's name for max_tokens
                 answer = client.post(f"{base}/chat/completions", json=request)
                 answer.raise_for_status()
                 tokens = [c["logprobs"]["content"][0]["token"] for c in answer.json()["choices"]]
