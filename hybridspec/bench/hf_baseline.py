@@ -57,6 +57,9 @@ def hf_model_from_weights(loaded: LoadedModel) -> LlamaForCausalLM:
     # Buffers are not in the state dict: rebuild the rotary table from the config, as
     # transformers does at construction, on the weights' device.
     model.model.rotary_emb = type(model.model.rotary_emb)(config).to(weights.device)
+    embed = model.model.embed_tokens  # Gemma's scaled embedding keeps its scale in a buffer
+    if isinstance(getattr(embed, "embed_scale", None), torch.Tensor):
+        embed.embed_scale = torch.tensor(embed.scalar_embed_scale, device=weights.device)
     return model.eval()
 
 

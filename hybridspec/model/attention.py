@@ -8,12 +8,19 @@ forward and calls it once per decoder layer.
 
 Dimensions: ``T`` new tokens, ``B`` sequences, ``H`` query heads, ``KV`` key/value heads,
 ``rep = H // KV``, ``hd`` head_dim, ``L`` keys attended.
+
+Every way takes a ``Scoring``: the query scale, a soft cap of the scores and each layer's sliding
+window (Gemma's local layers attend only the last ``window`` keys), all per layer, row by row.
+
+One module over 400 lines, on purpose: the four ways share ``Scoring`` and the masks, and
+the runtime picks one per forward; apart, each would import the others' helpers.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,6 +28,56 @@ import torch.nn.functional as F
 
 from hybridspec.model.attention_kernels import ITEM_COLUMNS, attend
 from hybridspec.model.kv_cache import KVCache, numpy_view
+
+
+@dataclass(frozen=True, slots=True)
+class Scoring:
+    """How each layer scores its keys: ``scale`` multiplies the scores (None: ``hd ** -0.5``,
+    Gemma's ``query_pre_attn_scalar ** -0.5``), ``softcap`` > 0 caps them at ``softcap *
+    tanh(score / softcap)`` before the softmax (Gemma 2), and ``windows[layer]`` > 0 is the
+    number of most recent keys, its own included, that a query of that layer attends (0 or no
+    entry: every earlier key)."""
+
+    scale: float | None = None
+    softcap: float = 0.0
+    windows: tuple[int, ...] = ()
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if layer < len(self.windows) else 0
+
+    def distinct_windows(self) -> set[int]:
+        return {0, *self.windows}
+
+
+PLAIN = Scoring()
+
+
+def visible_keys(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Which keys each query sees, ``key_pos [L]`` against ``query_pos [..., 1]``: the earlier
+    ones, and within a ``window`` > 0 only the last ``window`` of them."""
+    visible = key_pos <= query_pos
+    if window > 0:
+        visible &= key_pos > query_pos - window
+    return visible
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scoring: Scoring,
+) -> torch.Tensor:
+    """SDPA of ``q`` over ``keys`` and ``values`` with ``scoring``'s scale and soft cap (a cap
+    needs the scores themselves: then computed here, the softmax in float32)."""
+    if scoring.softcap <= 0:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scoring.scale)
+    scale = scoring.scale if scoring.scale is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / scoring.softcap) * scoring.softcap
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), values)
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -42,7 +99,15 @@ class OneSequenceAttention:
     head ``kv * rep + r`` (transformers' ``repeat_kv`` grouping), against keys ``[1, KV, L, hd]``.
     """
 
-    def __init__(self, cache: KVCache, slot: int, start: int, num_new: int, rep: int) -> None:
+    def __init__(
+        self,
+        cache: KVCache,
+        slot: int,
+        start: int,
+        num_new: int,
+        rep: int,
+        scoring: Scoring = PLAIN,
+    ) -> None:
         self.cache, self.slot, self.start, self.end, self.rep = (
             cache,
             slot,
@@ -50,13 +115,20 @@ class OneSequenceAttention:
             start + num_new,
             rep,
         )
-        self.mask: torch.Tensor | None = None  # [n * rep, L] additive; None: all keys visible
-        if num_new > 1:
-            device = cache.keys.device
-            key_pos = torch.arange(self.end, device=device)
-            query_pos = torch.arange(start, self.end, device=device)
-            visible = (key_pos[None, :] <= query_pos[:, None]).repeat_interleave(rep, dim=0)
-            self.mask = additive_mask(visible, cache.keys.dtype)
+        self.scoring = scoring
+        # window -> [n * rep, L] additive mask; None: all keys visible
+        self.masks: dict[int, torch.Tensor | None] = {}
+        device = cache.keys.device
+        key_pos = torch.arange(self.end, device=device)
+        query_pos = torch.arange(start, self.end, device=device)
+        for window in scoring.distinct_windows():
+            if num_new == 1 and (window == 0 or self.end <= window):
+                self.masks[window] = None
+                continue
+            visible = visible_keys(key_pos[None, :], query_pos[:, None], window)
+            self.masks[window] = additive_mask(
+                visible.repeat_interleave(rep, dim=0), cache.keys.dtype
+            )
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -68,8 +140,9 @@ class OneSequenceAttention:
         keys = self.cache.key_view(layer, self.slot, self.end)  # [KV, L, hd]
         values = self.cache.layer_values[layer][self.slot][:, : self.end]
         q = q.view(n, num_kv, self.rep, hd).transpose(0, 1).reshape(1, num_kv, n * self.rep, hd)
-        out = F.scaled_dot_product_attention(
-            q, keys[None], values[None], attn_mask=self.mask
+        mask = self.masks[self.scoring.window(layer)]
+        out = softmax_attention(
+            q, keys[None], values[None], mask, self.scoring
         )  # [1, KV, n * rep, hd]
         return out.view(num_kv, n, self.rep, hd).transpose(0, 1).reshape(n, num_heads * hd)
 
@@ -94,9 +167,16 @@ class PaddedAttention:
     MAX_RANGE_PADDING = 2
 
     def __init__(
-        self, cache: KVCache, slots: list[int], starts: list[int], num_new: list[int], rep: int
+        self,
+        cache: KVCache,
+        slots: list[int],
+        starts: list[int],
+        num_new: list[int],
+        rep: int,
+        scoring: Scoring = PLAIN,
     ) -> None:
         device = cache.keys.device
+        self.scoring = scoring
         ends = [s + n for s, n in zip(starts, num_new, strict=True)]
         for slot in slots:  # the padded reads below reach up to max(ends) in every slot
             cache.make_finite(slot, max(ends))
@@ -126,9 +206,12 @@ class PaddedAttention:
         query_pos = row_start[:, None] + torch.arange(self.max_new)  # [R, max_n]
         key_pos = torch.arange(self.max_end)
         is_real = torch.arange(self.max_new)[None, :] < row_new[:, None]  # [R, max_n]
-        visible = torch.where(is_real[..., None], key_pos <= query_pos[..., None], key_pos == 0)
-        visible = visible.repeat_interleave(rep, dim=1)[:, None]  # [R, 1, max_n rep, L]
-        self.mask = additive_mask(visible.to(device), cache.keys.dtype)
+        self.masks: dict[int, torch.Tensor] = {}  # window -> [R, 1, max_n rep, L] additive
+        for window in scoring.distinct_windows():
+            seen = visible_keys(key_pos, query_pos[..., None], window)
+            visible = torch.where(is_real[..., None], seen, key_pos == 0)
+            visible = visible.repeat_interleave(rep, dim=1)[:, None]
+            self.masks[window] = additive_mask(visible.to(device), cache.keys.dtype)
 
     @classmethod
     def block_range(cls, slots: list[int]) -> tuple[int, int] | None:
@@ -156,11 +239,12 @@ class PaddedAttention:
         padded = q.new_zeros(num_rows, self.max_new, num_heads, hd)
         padded[self.block_row, self.row] = q
         padded = padded.view(num_rows, self.max_new, num_kv, self.rep, hd).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
+        out = softmax_attention(
             padded.reshape(num_rows, num_kv, self.max_new * self.rep, hd),
             self._block(layer_keys),
             self._block(layer_values),
-            attn_mask=self.mask,
+            self.masks[self.scoring.window(layer)],
+            self.scoring,
         )
         out = out.view(num_rows, num_kv, self.max_new, self.rep, hd).transpose(1, 2)
         return out[self.block_row, self.row].reshape(num_tokens, num_heads * hd)
@@ -184,7 +268,13 @@ class RaggedAttention:
     MAX_PADDED_TOKENS = 32
 
     def __init__(
-        self, cache: KVCache, slots: list[int], starts: list[int], num_new: list[int], rep: int
+        self,
+        cache: KVCache,
+        slots: list[int],
+        starts: list[int],
+        num_new: list[int],
+        rep: int,
+        scoring: Scoring = PLAIN,
     ) -> None:
         device = cache.keys.device
         offsets = [0, *itertools.accumulate(num_new)]
@@ -201,7 +291,9 @@ class RaggedAttention:
             attention: Attention
             if len(members) == 1 and num_new[members[0]] > self.MAX_PADDED_TOKENS:
                 i = members[0]
-                attention = OneSequenceAttention(cache, slots[i], starts[i], num_new[i], rep)
+                attention = OneSequenceAttention(
+                    cache, slots[i], starts[i], num_new[i], rep, scoring
+                )
                 tokens: torch.Tensor | slice = slice(offsets[i], offsets[i + 1])
             else:
                 attention = PaddedAttention(
@@ -210,6 +302,7 @@ class RaggedAttention:
                     [starts[i] for i in members],
                     [num_new[i] for i in members],
                     rep,
+                    scoring,
                 )
                 tokens = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members]).to(
                     device
@@ -253,7 +346,13 @@ class KernelAttention:
     LONG_SPAN_TOKENS = 16
 
     def __init__(
-        self, cache: KVCache, slots: list[int], starts: list[int], num_new: list[int], rep: int
+        self,
+        cache: KVCache,
+        slots: list[int],
+        starts: list[int],
+        num_new: list[int],
+        rep: int,
+        scoring: Scoring = PLAIN,
     ) -> None:
         if not cache.transposed_keys:
             raise ValueError("cache: KernelAttention reads keys transposed (transposed_keys)")
@@ -283,7 +382,10 @@ class KernelAttention:
                 [torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
             )  # [T]
             self.token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(num_new))
-        self.scale = np.float32(1.0 / math.sqrt(cache.keys.shape[3]))
+        scale = scoring.scale
+        self.scale = np.float32(1.0 / math.sqrt(cache.keys.shape[3]) if scale is None else scale)
+        self.softcap = np.float32(scoring.softcap)
+        self.scoring = scoring
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -308,6 +410,8 @@ class KernelAttention:
             self.cache.kernel_values[layer],
             self.items,
             self.scale,
+            self.softcap,
+            np.int64(self.scoring.window(layer)),
             out,
         )
         return torch.from_numpy(out).view(num_tokens, num_heads * hd)

@@ -8,13 +8,18 @@ share the call, by enough to change a greedy argmax. The matmuls of the runtime 
 the missing piece.
 
 What it computes, for every query row: softmax attention over the keys at positions ``0 ..
-position`` of its sequence, in float32, with a fixed order of operations that depends only on
-the row itself (its query, its keys and values, its length ``L = position + 1``):
+position`` of its sequence (with a sliding ``window`` > 0: only the last ``window`` of them,
+positions ``position - window + 1 .. position``, as Gemma's local layers attend), in float32,
+with a fixed order of operations that depends only on the row itself (its query, its keys and
+values, its length ``L = position + 1``):
 
 - score ``j`` sums ``(q[d] * scale) * k[d, j]`` over ``d`` in groups of ``GROUP`` = 8 dims, group
   after group (``score += ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))``), then any dims
   left over (``hd % 8``) one at a time;
-- ``m`` is the maximum score (exact in any order); ``e_j = exp(score_j - m)`` by ``fast_exp``;
+- with ``softcap`` > 0 (Gemma 2), each score becomes ``softcap * tanh(score / softcap)``, the
+  tanh by ``fast_exp`` too (``soft_cap``);
+- ``m`` is the maximum score over the positions attended (exact in any order); ``e_j =
+  exp(score_j - m)`` by ``fast_exp``, and ``e_j = 0`` for a position before the window;
 - ``sum``: ``LANES`` = 16 partial sums, lane ``l`` taking ``e_j`` for ``j % 16 == l`` over the
   full blocks of 16 from position 0, folded in a fixed tree (lane ``l += l + w`` for ``w`` = 8,
   4, 2, 1), plus the last ``L % 16`` values summed in order;
@@ -43,7 +48,16 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-__all__ = ["GROUP", "ITEM_COLUMNS", "LANES", "attend", "fast_exp", "widen", "widen_row"]
+__all__ = [
+    "GROUP",
+    "ITEM_COLUMNS",
+    "LANES",
+    "attend",
+    "fast_exp",
+    "soft_cap",
+    "widen",
+    "widen_row",
+]
 
 # Columns of the int32 ``items`` array: cache slot, key/value head, index of the item's first
 # query token in ``q``, position of that token in its sequence, number of consecutive tokens.
@@ -77,6 +91,13 @@ def widen_row(source, target):  # numba-typed; no annotations
 
 
 @njit(inline="always", cache=True)
+def widen_row_at(source, offset, target):  # numba-typed; no annotations
+    """``target[i] = widen(source[offset + i])`` for the first ``len(target)`` elements."""
+    for i in range(target.shape[0]):
+        target[i] = widen(source[offset + i])
+
+
+@njit(inline="always", cache=True)
 def fast_exp(x):  # numba-typed (float32); no annotations
     """``exp(x)`` in float32 for ``x <= 0`` (Cephes ``expf``: range reduction by ln 2 and a
     degree-6 polynomial; relative error about 1e-7). Branch-free, so loops over it vectorise;
@@ -95,6 +116,17 @@ def fast_exp(x):  # numba-typed (float32); no annotations
 
 
 @njit(inline="always", cache=True)
+def soft_cap(x, cap):  # numba-typed (float32); no annotations
+    """``cap * tanh(x / cap)`` in float32, the tanh as ``(1 - e) / (1 + e)`` with ``e =
+    exp(-2 |x / cap|)`` by ``fast_exp`` (one fixed formula: no library call whose vector and
+    scalar forms could round differently), the sign put back."""
+    z = x / cap
+    e = fast_exp(_F32(-2.0) * abs(z))
+    t = (_F32(1.0) - e) / (_F32(1.0) + e)
+    return cap * (t if z >= _F32(0.0) else -t)
+
+
+@njit(inline="always", cache=True)
 def group_sum(a0, a1, a2, a3, a4, a5, a6, a7, block, i):  # numba-typed; no annotations
     """``sum over g of a_g * block[g, i]`` for g = 0..7, bracketed as the module docstring says."""
     return ((a0 * block[0, i] + a1 * block[1, i]) + (a2 * block[2, i] + a3 * block[3, i])) + (
@@ -103,8 +135,9 @@ def group_sum(a0, a1, a2, a3, a4, a5, a6, a7, block, i):  # numba-typed; no anno
 
 
 @njit(cache=True, boundscheck=False)
-def add_scores(qs, keys_t, block, scores):  # numba-typed; no annotations
-    """``scores[m, j] += sum over d of qs[m, d] * keys_t[d, j]`` for ``j < scores.shape[1]``.
+def add_scores(qs, keys_t, start, block, scores):  # numba-typed; no annotations
+    """``scores[m, j] += sum over d of qs[m, d] * keys_t[d, start + j]`` for ``j <
+    scores.shape[1]``.
 
     ``qs`` ``[rows, hd]`` float32 (queries, already scaled), ``keys_t`` ``[hd, S]`` one head's
     transposed keys, ``block`` ``[GROUP, width]`` float32 scratch, ``scores`` ``[rows, width]``
@@ -116,7 +149,7 @@ def add_scores(qs, keys_t, block, scores):  # numba-typed; no annotations
     grouped = hd - hd % GROUP
     for d0 in range(0, grouped, GROUP):
         for g in range(GROUP):
-            widen_row(keys_t[d0 + g], block[g])
+            widen_row_at(keys_t[d0 + g], start, block[g])
         for m in range(rows):
             a0, a1, a2, a3 = qs[m, d0], qs[m, d0 + 1], qs[m, d0 + 2], qs[m, d0 + 3]
             a4, a5, a6, a7 = qs[m, d0 + 4], qs[m, d0 + 5], qs[m, d0 + 6], qs[m, d0 + 7]
@@ -124,7 +157,7 @@ def add_scores(qs, keys_t, block, scores):  # numba-typed; no annotations
             for j in range(width):
                 row[j] += group_sum(a0, a1, a2, a3, a4, a5, a6, a7, block, j)
     for d in range(grouped, hd):
-        widen_row(keys_t[d], block[0])
+        widen_row_at(keys_t[d], start, block[0])
         for m in range(rows):
             a0 = qs[m, d]
             row = scores[m]
@@ -133,12 +166,15 @@ def add_scores(qs, keys_t, block, scores):  # numba-typed; no annotations
 
 
 @njit(cache=True, boundscheck=False)
-def softmax_weights(row, length, lanes):  # numba-typed; no annotations
-    """Replace ``row[:length]`` (float32 scores) by ``exp(score - max)``; return ``1 / sum``.
+def softmax_weights(row, first, length, lanes):  # numba-typed; no annotations
+    """Replace ``row[:length]`` (float32 scores) by ``exp(score - max)``, zero before position
+    ``first`` (the window's first key; 0 without a window); return ``1 / sum``.
 
     ``lanes`` is ``[LANES]`` float32 scratch. Order of the sum: module docstring.
     """
     blocked = length - length % LANES
+    for j in range(first):
+        row[j] = -np.inf
     top = row[0]
     for lane in range(LANES):
         lanes[lane] = top
@@ -149,18 +185,18 @@ def softmax_weights(row, length, lanes):  # numba-typed; no annotations
         top = max(top, lanes[lane])
     for j in range(blocked, length):
         top = max(top, row[j])
+    for j in range(length):
+        row[j] = fast_exp(row[j] - top)
+    for j in range(first):
+        row[j] = 0
     for lane in range(LANES):
         lanes[lane] = 0
     for j0 in range(0, blocked, LANES):
         for lane in range(LANES):
-            e = fast_exp(row[j0 + lane] - top)
-            row[j0 + lane] = e
-            lanes[lane] += e
+            lanes[lane] += row[j0 + lane]
     tail = _F32(0.0)
     for j in range(blocked, length):
-        e = fast_exp(row[j] - top)
-        row[j] = e
-        tail += e
+        tail += row[j]
     w = LANES // 2
     while w >= 1:
         for lane in range(w):
@@ -170,12 +206,13 @@ def softmax_weights(row, length, lanes):  # numba-typed; no annotations
 
 
 @njit(cache=True, boundscheck=False)
-def add_weighted_values(weights, values, position0, rep, block, acc):  # numba-typed
-    """``acc[m] += sum over j < length(m) of weights[m, j] * values[j]``, each row in its own
-    order (module docstring).
+def add_weighted_values(weights, values, start, position0, rep, block, acc):  # numba-typed
+    """``acc[m] += sum over j < length(m) of weights[m, j] * values[start + j]``, each row in
+    its own order (module docstring).
 
-    Row ``m`` belongs to token ``m // rep`` of the item, at position ``position0 + m // rep``,
-    so its length is ``position0 + m // rep + 1``. ``weights`` ``[rows, width]`` float32,
+    Row ``m`` belongs to token ``m // rep`` of the item, at position ``start + position0 + m //
+    rep``, so its length past ``start`` is ``position0 + m // rep + 1``. ``start`` is a
+    multiple of ``GROUP``. ``weights`` ``[rows, width]`` float32,
     ``values`` ``[S, hd]`` one head's values, ``block`` ``[GROUP, hd]`` float32 scratch, ``acc``
     ``[rows, hd]`` float32 (zeros on entry). A group of positions is shared by the rows long
     enough to hold all of it; each row then adds its own last ``length % GROUP`` positions.
@@ -189,7 +226,7 @@ def add_weighted_values(weights, values, position0, rep, block, acc):  # numba-t
         if first >= rows:
             break
         for g in range(GROUP):
-            widen_row(values[j0 + g], block[g])
+            widen_row(values[start + j0 + g], block[g])
         for m in range(first, rows):
             p0, p1, p2, p3 = (
                 weights[m, j0],
@@ -210,15 +247,20 @@ def add_weighted_values(weights, values, position0, rep, block, acc):  # numba-t
         length = position0 + m // rep + 1
         row = acc[m]
         for j in range(length - length % GROUP, length):
-            widen_row(values[j], block[0])
+            widen_row(values[start + j], block[0])
             p = weights[m, j]
             for d in range(hd):
                 row[d] += p * block[0, d]
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
-def attend(q, keys_t, values, items, scale, out):  # numba-typed; no annotations
+def attend(q, keys_t, values, items, scale, softcap, window, out):  # numba-typed
     """Attention of every query row named by ``items`` (module docstring).
+
+    ``scale`` multiplies the queries; ``softcap`` (0: none) caps the scores; ``window`` (0:
+    none) is the number of most recent keys a row attends, its own included. With a window, an
+    item skips the whole blocks of ``LANES`` positions before its first row's window: their
+    weights would be zeros, which leave every sum as it is, so a row's bits do not change.
 
     ``q`` and ``out`` are ``[T, H, hd]`` float32; ``keys_t`` ``[slots, KV, hd, S]`` and
     ``values`` ``[slots, KV, S, hd]``, uint16 (bfloat16 bits) or float32; ``items`` int32
@@ -231,20 +273,36 @@ def attend(q, keys_t, values, items, scale, out):  # numba-typed; no annotations
         slot, head, token0 = items[it, ITEM_SLOT], items[it, ITEM_HEAD], items[it, ITEM_TOKEN]
         position0, num_tokens = items[it, ITEM_POSITION], items[it, ITEM_NUM_TOKENS]
         rows = num_tokens * rep  # row m: token m // rep, query head head * rep + m % rep
-        width = position0 + num_tokens  # keys seen by the item's last token
+        # positions from ``start`` on (a multiple of LANES, at or before every row's window)
+        start = 0
+        if window > 0:
+            start = max(0, position0 + 1 - window) // LANES * LANES
+        width = position0 + num_tokens - start  # keys seen by the item's last token
         qs = np.empty((rows, hd), _F32)
         for m in range(rows):
             for d in range(hd):
                 qs[m, d] = q[token0 + m // rep, head * rep + m % rep, d] * scale
-        scores = np.zeros((rows, width), _F32)
-        add_scores(qs, keys_t[slot, head], np.empty((GROUP, width), _F32), scores)
+        scores = np.zeros((rows, width), _F32)  # column j: position start + j
+        add_scores(qs, keys_t[slot, head], start, np.empty((GROUP, width), _F32), scores)
         lanes = np.empty(LANES, _F32)
         inverse_sum = np.empty(rows, _F32)
         for m in range(rows):
-            inverse_sum[m] = softmax_weights(scores[m], position0 + m // rep + 1, lanes)
+            length = position0 + m // rep + 1
+            if softcap > 0:
+                row = scores[m]
+                for j in range(length - start):
+                    row[j] = soft_cap(row[j], softcap)
+            first = max(0, length - window) if window > 0 else 0
+            inverse_sum[m] = softmax_weights(scores[m], first - start, length - start, lanes)
         acc = np.zeros((rows, hd), _F32)
         add_weighted_values(
-            scores, values[slot, head], position0, rep, np.empty((GROUP, hd), _F32), acc
+            scores,
+            values[slot, head],
+            start,
+            position0 - start,
+            rep,
+            np.empty((GROUP, hd), _F32),
+            acc,
         )
         for m in range(rows):
             token = token0 + m // rep

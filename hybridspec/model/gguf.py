@@ -3,6 +3,13 @@
 Architectures: ``SUPPORTED_ARCHITECTURES`` (the families of ``model.families`` whose GGUF
 architecture has the family's name; llama.cpp writes dense Mistral as ``llama``).
 
+Gemma files: llama.cpp's converter adds Gemma's 1 to every norm weight (its RMSNorm scales by
+``w``); it is taken off here, so that the state dict is the checkpoint's. What llama.cpp does not
+read from the file, the config mirrors from llama.cpp's own loader: every 6th layer global in
+Gemma 3 (every 2nd in Gemma 2) unless ``attention.sliding_window_pattern`` says otherwise,
+``query_pre_attn_scalar`` = ``head_dim`` (``hidden_size / heads`` for the 27B models), Gemma 2's
+window 4096 when the file names none.
+
 ``read_gguf`` dequantises every tensor (Q4_K, Q8_0, F16, F32, ...) to float32 (or, with
 ``keep_quantized``, keeps quantized matrices as their blocks: ``QuantizedWeight``,
 ``model.gguf_blocks``),
@@ -37,15 +44,15 @@ from gguf.quants import dequantize
 
 from hybridspec.errors import ModelLoadError
 from hybridspec.model.gguf_blocks import DENSE_TYPES, GGUF_TYPES, from_gguf_blocks
-from hybridspec.model.llama_weights import default_inv_freq, llama3_inv_freq
 from hybridspec.model.quant import QuantizedWeight
+from hybridspec.model.rope import default_inv_freq, llama3_inv_freq
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 _PERMUTED_ARCHITECTURES = ("llama",)  # whose q/k rows llama.cpp's converter reorders
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _LAYER_NAMES = {
@@ -63,6 +70,15 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _FUSED_UP = {"phi3": "mlp.gate_up_proj"}  # architectures whose ffn_up holds gate and up
+_GEMMA_NAMES = {  # Gemma's norm around attention and the MLP
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA = {  # architecture: transformers model_type, layers per global one, 27B's layer count
+    "gemma2": ("gemma2", 2, 46),
+    "gemma3": ("gemma3_text", 6, 62),
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -142,6 +158,7 @@ def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> 
             "attn_k": int(config.num_key_value_heads or 0),
         }
     names = _LAYER_NAMES | ({"ffn_up": _FUSED_UP[arch]} if arch in _FUSED_UP else {})
+    names |= _GEMMA_NAMES if arch in _GEMMA else {}
     state_dict = {}
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight":  # folded into config.rope_parameters by _llama_config
@@ -164,6 +181,8 @@ def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> 
             raise ModelLoadError(
                 f"GGUF file {meta.path!r}: cannot dequantize {name} ({kind}): {exc}"
             ) from exc
+        if arch in _GEMMA and name.endswith("norm.weight") and isinstance(values, torch.Tensor):
+            values = values - 1  # the converter's 1 + w back to w
         match = _LAYER_TENSOR.fullmatch(name)
         if match is not None and match.group(2) in names:
             layer, kind, suffix = match.groups()
@@ -219,8 +238,17 @@ def _config(meta: _Metadata, tensors: dict[str, Any]) -> PretrainedConfig:
             "channels) are not supported"
         )
     embed_rows = int(tensors["token_embd.weight"].shape[1])
+    extra = _gemma_fields(meta, arch, hidden, num_heads, head_dim) if arch in _GEMMA else {}
+    rope = _rope_parameters(meta, arch, tensors, head_dim)
+    if arch == "gemma3":  # its global and local layers' ropes
+        local = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+        rope = {"full_attention": rope, "sliding_attention": _default_rope(local)}
+    fields = dict(
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        rope_parameters=rope,
+    )
     config = AutoConfig.for_model(
-        arch,
+        _GEMMA[arch][0] if arch in _GEMMA else arch,
         vocab_size=int(meta.get(f"{arch}.vocab_size", embed_rows)),
         hidden_size=hidden,
         intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
@@ -233,11 +261,42 @@ def _config(meta: _Metadata, tensors: dict[str, Any]) -> PretrainedConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         tie_word_embeddings="output.weight" not in tensors,
-        rope_parameters=_rope_parameters(meta, arch, tensors, head_dim),
+        **(fields | extra),
     )
     return config
+
+
+def _default_rope(theta: float) -> dict[str, Any]:
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+def _gemma_fields(
+    meta: _Metadata, arch: str, hidden: int, num_heads: int, head_dim: int
+) -> dict[str, Any]:
+    """A Gemma file's attention fields, as llama.cpp's loader reads them (module docstring)."""
+    _, every, layers_27b = _GEMMA[arch]
+    num_layers = int(meta.require(f"{arch}.block_count"))
+    window = int(meta.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else 0))
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", every)
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:  # llama.cpp's set_swa_pattern: every n-th layer global
+        n = int(pattern)
+        sliding = [n == 0 or i % n < n - 1 for i in range(num_layers)]
+    if window <= 0:
+        sliding = [False] * num_layers
+    caps = {
+        f"{name}_logit_softcapping": float(value) if value else None
+        for name in ("attn", "final")
+        for value in [meta.get(f"{arch}.{name}_logit_softcapping")]
+    }
+    return {
+        "sliding_window": window or None,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "query_pre_attn_scalar": hidden // num_heads if num_layers == layers_27b else head_dim,
+        **caps,
+    }
 
 
 def _rope_parameters(
@@ -251,7 +310,7 @@ def _rope_parameters(
     if scaling != "none":
         raise ModelLoadError(f"GGUF file {meta.path!r}: rope scaling {scaling!r} is not supported")
     if "rope_freqs.weight" not in tensors:
-        return {"rope_type": "default", "rope_theta": theta}
+        return _default_rope(theta)
     # Llama 3.x files carry the per-frequency divisors instead of the scaling parameters; find
     # the llama3 parameters that reproduce them.
     divisors = torch.from_numpy(_dequantize(tensors["rope_freqs.weight"])).flatten()

@@ -2,9 +2,10 @@
 (gpt-fast style).
 
 ``LlamaRuntime`` runs the weights of ``llama_weights`` (the configurations it covers are listed
-there); what a family adds to the layer (``families.Family``: q/k/v biases, q/k norms) is read
-from the weights' tensors, all of it row by row. Other models load through the generic
-transformers runtime (``hf_runtime``).
+there); what a family adds to the layer (``families.Family``: q/k/v biases, q/k norms, Gemma's
+post-norms, activation, embedding scale, attention scale, soft caps, sliding windows and local
+rope) is read from the weights' tensors, dims and family, all of it row by row. Other models
+load through the generic transformers runtime (``hf_runtime``).
 
 Dimensions: ``T`` new tokens in the batch (flat), ``B`` sequences, ``H`` query heads, ``KV``
 key/value heads, ``rep = H // KV`` query heads per key/value head, ``hd`` head_dim, ``D``
@@ -16,14 +17,20 @@ attention folds the ``rep`` query heads of a key/value head into extra query row
 values are never repeated; a single sequence attends to slice views of its cache (no gathers);
 the LM head runs only at ``logits_indices``. Quantized matrices (``model.quant``) run through
 the block kernel (``model.qgemm``), which also takes each RMSNorm, the MLP's
-``silu(gate) * up``, the residual adds, rope and the KV-cache writes into its calls (four calls
-and the attention per layer), or, where that kernel cannot be built, torch's CPU int4 kernel
+``silu(gate) * up``, the residual adds, rope and the KV-cache writes into its calls (two calls
+and the attention per layer, ``attn_in`` and ``mlp_block``, where the family adds nothing
+between them), or, where that kernel cannot be built, torch's CPU int4 kernel
 (``model.quant_linear``); the embedding looks up and dequantizes only the rows of the batch's
 tokens.
+
+One module over 400 lines, on purpose: the one forward every family runs, whose layer steps
+read the runtime's tables (rope, cache layouts, the kernel); apart, they would pass them all.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +41,7 @@ from hybridspec.model.attention import (
     KernelAttention,
     OneSequenceAttention,
     RaggedAttention,
+    Scoring,
 )
 from hybridspec.model.kv_cache import KVCache
 from hybridspec.model.linear import PackedLinear
@@ -84,9 +92,12 @@ class _RuntimeLayer:
     qkv_bias: torch.Tensor | None  # [(H + 2 KV) hd] (the family's, ``LlamaLayerWeights``)
     q_norm: torch.Tensor | None  # [hd]
     k_norm: torch.Tensor | None  # [hd]
+    post_attn_norm: torch.Tensor | None  # [D] Gemma's, before the residual adds
+    post_mlp_norm: torch.Tensor | None  # [D]
+    rope: int  # which rope table: 0 the global one, 1 the sliding layers' own
 
     @staticmethod
-    def of(layer: LlamaLayerWeights, prepack: bool) -> _RuntimeLayer:
+    def of(layer: LlamaLayerWeights, prepack: bool, rope: int) -> _RuntimeLayer:
         return _RuntimeLayer(
             attn_norm=layer.attn_norm,
             wqkv=build_linear(layer.wqkv, prepack),
@@ -97,6 +108,9 @@ class _RuntimeLayer:
             qkv_bias=layer.qkv_bias,
             q_norm=layer.q_norm,
             k_norm=layer.k_norm,
+            post_attn_norm=layer.post_attn_norm,
+            post_mlp_norm=layer.post_mlp_norm,
+            rope=rope,
         )
 
 
@@ -134,7 +148,25 @@ class LlamaRuntime:
                 "weights: quantized matrices run on CPU in bfloat16, not on "
                 f"{weights.device.type} in {weights.dtype}"
             )
-        self._layers = tuple(_RuntimeLayer.of(layer, prepack) for layer in weights.layers)
+        # Gemma 3's sliding layers rotate by their own rope (table 1); every other layer by 0.
+        inv_freqs = [weights.inv_freq]
+        if weights.local_inv_freq is not None:
+            inv_freqs.append(weights.local_inv_freq)
+        windows = dims.layer_windows
+        self._layers = tuple(
+            _RuntimeLayer.of(
+                layer, prepack, int(len(inv_freqs) > 1 and i < len(windows) and windows[i] > 0)
+            )
+            for i, layer in enumerate(weights.layers)
+        )
+        self._scoring = Scoring(dims.attn_scale, dims.attn_softcap, windows)
+        self._activation: Callable[[torch.Tensor], torch.Tensor] = F.silu
+        if weights.family.activation == "gelu_pytorch_tanh":
+            self._activation = functools.partial(F.gelu, approximate="tanh")
+        self._embed_scale = None  # Gemma's sqrt(D), rounded to the model's dtype as transformers
+        if weights.family.gemma_layer:
+            scale = torch.tensor(dims.hidden_size**0.5, dtype=torch.float32)
+            self._embed_scale = scale.to(weights.dtype).to(weights.device)
         self._lm_head = build_linear(weights.lm_head, prepack)
         self._cache = KVCache(
             num_layers=dims.num_layers,
@@ -148,22 +180,23 @@ class LlamaRuntime:
         )
         self._slots = self._cache.slots
         self._observers = ForwardObservers(weights.device)
-        self._rope = rope_tables(weights.inv_freq, max_seq_len, weights.dtype)  # [2, S, 1, hd]
+        self._ropes = [  # each [2, S, 1, hd]
+            rope_tables(inv_freq, max_seq_len, weights.dtype) for inv_freq in inv_freqs
+        ]
         # The block kernel rotates q and k and stores k and v itself where attention runs
         # through the row-invariant kernel: it takes cos and sin in float32, [S, hd / 2, 2].
         self._block = None
         wqkv = self._layers[0].wqkv if self._layers else None
         if isinstance(wqkv, BlockLinear) and invariant_attention:
             self._block = wqkv.kernel
-            half = rope_tables(weights.inv_freq, max_seq_len, torch.float32)[:, :, 0]
-            half = half[..., : dims.head_dim // 2]  # [2, S, hd / 2]: cos, sin
-            self._rope_pairs = half.permute(1, 2, 0).contiguous()
-            self._cache_layouts = [
-                self._block.cache_layout(keys, values)
-                for keys, values in zip(
-                    self._cache.layer_keys, self._cache.layer_values, strict=True
-                )
-            ]
+            self._rope_pairs = []
+            for inv_freq in inv_freqs:
+                half = rope_tables(inv_freq, max_seq_len, torch.float32)[:, :, 0]
+                half = half[..., : dims.head_dim // 2]  # [2, S, hd / 2]: cos, sin
+                self._rope_pairs.append(half.permute(1, 2, 0).contiguous())
+            layer_caches = list(zip(self._cache.layer_keys, self._cache.layer_values, strict=True))
+            self._cache_layouts = [self._block.cache_layout(k, v) for k, v in layer_caches]
+            self._cache_structs = [self._block.cache_struct(k, v) for k, v in layer_caches]
         self._rep = dims.num_heads // dims.num_kv_heads
         self._qk_width = (dims.num_heads + dims.num_kv_heads) * dims.head_dim
         self._v_width = dims.num_kv_heads * dims.head_dim
@@ -226,22 +259,26 @@ class LlamaRuntime:
         device = self.device
         slots, num_new = host.slots, host.num_new_tokens
         attention: Attention
+        args = (self._cache, slots, starts, num_new, self._rep, self._scoring)
         if self.invariant_attention:
-            attention = KernelAttention(self._cache, slots, starts, num_new, self._rep)
+            attention = KernelAttention(*args)
         elif len(slots) == 1:
             attention = OneSequenceAttention(
-                self._cache, slots[0], starts[0], num_new[0], self._rep
+                self._cache, slots[0], starts[0], num_new[0], self._rep, self._scoring
             )
         else:
-            attention = RaggedAttention(self._cache, slots, starts, num_new, self._rep)
-        if len(slots) == 1:
-            cos, sin = self._rope[:, starts[0] : starts[0] + num_new[0]]  # [T, 1, hd] views
+            attention = RaggedAttention(*args)
+        if len(slots) == 1:  # [T, 1, hd] views
+            ropes = [rope[:, starts[0] : starts[0] + num_new[0]] for rope in self._ropes]
         else:
             assert not isinstance(attention, OneSequenceAttention)
-            cos, sin = self._rope[:, attention.positions]
+            ropes = [rope[:, attention.positions] for rope in self._ropes]
         x = self._embed(host.token_ids.to(device, non_blocking=True))  # [T, D]
+        if self._embed_scale is not None:
+            x = x * self._embed_scale
         kept: dict[int, torch.Tensor] = {}  # layer -> its output; each layer makes a new x
         for i, layer in enumerate(self._layers):
+            cos, sin = ropes[layer.rope]
             x = self._decoder_layer(x, i, layer, cos, sin, attention)
             if i in host.hidden_layers:
                 kept[i] = x
@@ -255,7 +292,11 @@ class LlamaRuntime:
             logits = self._lm_head.after_norm(x, self.weights.norm, eps)
         else:
             logits = self._lm_head(F.rms_norm(x, self._norm_shape, self.weights.norm, eps))
-        return ForwardOutput(logits.float(), hidden_states)  # [num_logits, V]
+        logits = logits.float()
+        cap = self.weights.dims.final_softcap
+        if cap > 0:  # Gemma 2's soft cap of the logits
+            logits = torch.tanh(logits / cap) * cap
+        return ForwardOutput(logits, hidden_states)  # [num_logits, V]
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings ``[T, D]`` of ``token_ids [T]`` (quantized: those rows dequantized)."""
@@ -282,6 +323,30 @@ class LlamaRuntime:
     ) -> torch.Tensor:
         dims, eps = self.weights.dims, self.weights.dims.rms_norm_eps
         wqkv = layer.wqkv
+        if (
+            self._block is not None
+            and isinstance(attention, KernelAttention)
+            and isinstance(wqkv, BlockLinear)
+            and layer.qkv_bias is None
+            and layer.q_norm is None
+            and x.dtype is torch.bfloat16
+            and layer.attn_norm.dtype is torch.bfloat16
+        ):  # norm, q/k/v projection, rope and the cache stores in one call
+            q = self._block.attn_in(
+                wqkv,
+                x.contiguous(),
+                layer.attn_norm,
+                eps,
+                dims.num_heads,
+                dims.num_kv_heads,
+                dims.head_dim,
+                self._rope_pairs[layer.rope],
+                attention.token_slots,
+                attention.positions,
+                self._cache_structs[i],
+            )
+            attn = attention.attend_stored(i, q)  # [T, H hd] float32, into wo as it is
+            return self._after_attention(x, layer, attn, eps)
         if isinstance(wqkv, BlockLinear):
             qkv = wqkv.after_norm(x, layer.attn_norm, eps)  # [T, (H + 2 KV) hd]
         else:
@@ -293,7 +358,7 @@ class LlamaRuntime:
                 dims.num_heads,
                 dims.num_kv_heads,
                 dims.head_dim,
-                self._rope_pairs,
+                self._rope_pairs[layer.rope],
                 attention.token_slots,
                 attention.positions,
                 self._cache_layouts[i],
@@ -306,9 +371,31 @@ class LlamaRuntime:
             qk = apply_rope(qk, cos, sin)  # [T, H + KV, hd]
             v = qkv[:, self._qk_width :].view(-1, dims.num_kv_heads, dims.head_dim)
             attn = attention(i, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)
-        # Each block-kernel matrix takes its residual add, norm or silu * up inside its call;
-        # a dense one (a file may keep some matrices as F16) computes them in torch.
-        if isinstance(layer.wo, BlockLinear):
+        return self._after_attention(x, layer, attn, eps)
+
+    def _after_attention(
+        self, x: torch.Tensor, layer: _RuntimeLayer, attn: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """The layer's output projection and MLP, each with its residual add."""
+        # Each block-kernel matrix takes its residual add, norm or silu * up inside its call
+        # (all three in one call where all three are the kernel's); a dense one (a file may
+        # keep some matrices as F16) computes them in torch, as does Gemma's layer its
+        # post-norms (between a matmul and its residual add) and GeGLU.
+        if (
+            isinstance(layer.wo, BlockLinear)
+            and isinstance(layer.w_gate_up, BlockLinear)
+            and isinstance(layer.w_down, BlockLinear)
+            and layer.post_attn_norm is None
+            and layer.post_mlp_norm is None
+            and self._activation is F.silu
+        ):
+            return layer.wo.kernel.mlp_block(
+                layer.wo, layer.w_gate_up, layer.w_down, attn, x, layer.mlp_norm, eps
+            )
+        if layer.post_attn_norm is not None:
+            out = layer.wo(attn if isinstance(layer.wo, BlockLinear) else attn.to(x.dtype))
+            x = x + F.rms_norm(out, self._norm_shape, layer.post_attn_norm, eps)
+        elif isinstance(layer.wo, BlockLinear):
             x = layer.wo(attn, residual=x)
         else:
             x = x + layer.wo(attn.to(x.dtype))
@@ -316,10 +403,17 @@ class LlamaRuntime:
             h = layer.w_gate_up.after_norm(x, layer.mlp_norm, eps)  # [T, 2 I]
         else:
             h = layer.w_gate_up(F.rms_norm(x, self._norm_shape, layer.mlp_norm, eps))
-        if isinstance(layer.w_down, BlockLinear):
+        if (
+            isinstance(layer.w_down, BlockLinear)
+            and layer.post_mlp_norm is None
+            and self._activation is F.silu
+        ):
             return layer.w_down.after_silu_mul(h, residual=x)
         gate, up = h.chunk(2, dim=-1)  # [T, I] each
-        return x + layer.w_down(F.silu(gate) * up)
+        out = layer.w_down(self._activation(gate) * up)
+        if layer.post_mlp_norm is not None:
+            out = F.rms_norm(out, self._norm_shape, layer.post_mlp_norm, eps)
+        return x + out
 
     def _family_qkv(self, qkv: torch.Tensor, layer: _RuntimeLayer) -> torch.Tensor:
         """``qkv [T, (H + 2 KV) hd]`` with what the family adds before rope (``families``):

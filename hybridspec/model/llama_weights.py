@@ -5,9 +5,10 @@ into one matrix, gate/up into another); ``hf_state_dict`` gives the transformers
 views. Matrices (projections, embeddings, LM head) are dense tensors or ``QuantizedWeight`` (a GGUF
 file's own blocks, or quantized at load: ``quantize_bits``); norms and rope stay dense.
 ``native_support_problem`` says which configurations the native forward covers: a family of
-``model.families`` (Llama, Mistral, Qwen2, Qwen3, Phi-3; its biases, q/k norms and fused
-checkpoint layout), with grouped-query attention, tied or untied embeddings, explicit
-``head_dim``, and rope of type default, linear or llama3 (Llama 3.x).
+``model.families`` (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3; its biases, q/k
+norms, fused checkpoint layout, Gemma's norms and windows), with grouped-query attention, tied
+or untied embeddings, explicit ``head_dim``, and rope of type default, linear or llama3 (Llama
+3.x). Gemma's ``1 + w`` norm weights are held with the 1 added (``Family.norm_offset``).
 
 Dimensions: ``H`` query heads, ``KV`` key/value heads, ``hd`` head_dim, ``D`` hidden_size, ``I``
 intermediate_size, ``V`` vocab_size.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +25,17 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from hybridspec.model.families import LLAMA, Family, attention_window, family_of, family_problem
+from hybridspec.model.families import (
+    LLAMA,
+    Family,
+    attention_scale,
+    attention_window,
+    family_of,
+    family_problem,
+    layer_windows,
+)
 from hybridspec.model.quant import PackedWeight, QuantizedWeight, cat_rows, quantize
+from hybridspec.model.rope import default_inv_freq, llama3_inv_freq
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +69,8 @@ def _cat(parts: list[Matrix], dtype: torch.dtype) -> Matrix:
 class LlamaDims:
     """The shape of a Llama model, read from its transformers config.
 
-    ``max_position_embeddings`` is capped at a sliding attention window (``families``)."""
+    ``max_position_embeddings`` is capped at a sliding attention window (``families``); the
+    attention fields are Gemma's (``attention.Scoring``; 0: none)."""
 
     vocab_size: int
     hidden_size: int
@@ -71,6 +81,10 @@ class LlamaDims:
     head_dim: int
     rms_norm_eps: float
     max_position_embeddings: int
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # scores capped at c * tanh(score / c)
+    final_softcap: float = 0.0  # logits capped the same way
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: global)
 
     @staticmethod
     def from_hf_config(config: PretrainedConfig) -> LlamaDims:
@@ -87,6 +101,10 @@ class LlamaDims:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
             rms_norm_eps=float(config.rms_norm_eps),
             max_position_embeddings=context if window is None else min(context, window),
+            attn_scale=attention_scale(config),
+            attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+            final_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
+            layer_windows=layer_windows(config),
         )
 
 
@@ -95,25 +113,31 @@ def native_support_problem(config: PretrainedConfig) -> str | None:
     problem = family_problem(config)
     if problem is not None:
         return problem
-    rope_type = _rope_parameters(config).get("rope_type", "default")
-    if rope_type not in NATIVE_ROPE_TYPES:
-        return f"rope_type {rope_type!r} is not one of {NATIVE_ROPE_TYPES}"
+    for layer_type in ("full_attention", "sliding_attention"):
+        rope_type = _rope_parameters(config, layer_type).get("rope_type", "default")
+        if rope_type not in NATIVE_ROPE_TYPES:
+            return f"rope_type {rope_type!r} is not one of {NATIVE_ROPE_TYPES}"
     if config.num_attention_heads % (getattr(config, "num_key_value_heads", None) or 1):
         return "num_attention_heads is not a multiple of num_key_value_heads"
     return None
 
 
-def _rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+def _rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict[str, Any]:
+    """The rope parameters of ``layer_type``'s layers (Gemma 3 keeps one dict per layer type;
+    None: the global layers')."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     params = dict(params or {})
+    if isinstance(params.get("full_attention"), Mapping):
+        params = dict(params.get(layer_type or "full_attention") or params["full_attention"])
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 
 
-def rope_inv_freq(config: PretrainedConfig) -> torch.Tensor:
-    """Rope inverse frequencies ``[hd // 2]`` float32, as transformers' rope init computes them."""
-    params = _rope_parameters(config)
+def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> torch.Tensor:
+    """Rope inverse frequencies ``[hd // 2]`` float32, as transformers' rope init computes them
+    (for ``layer_type``'s layers where they differ by type, as Gemma 3's local ones)."""
+    params = _rope_parameters(config, layer_type)
     inv_freq = default_inv_freq(
         float(params["rope_theta"]), LlamaDims.from_hf_config(config).head_dim
     )
@@ -127,27 +151,13 @@ def rope_inv_freq(config: PretrainedConfig) -> torch.Tensor:
     return inv_freq
 
 
-def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
-    """Unscaled rope inverse frequencies ``theta ** (-2i / hd)``, ``[hd // 2]`` float32."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / (theta**exponents)
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
-    """Llama 3.1 frequency scaling: keep short wavelengths, divide long ones by ``factor``, and
-    blend in between (transformers' ``_compute_llama3_parameters``)."""
-    factor = float(params["factor"])
-    low_freq_factor = float(params["low_freq_factor"])
-    high_freq_factor = float(params["high_freq_factor"])
-    old_context_len = float(params["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_context_len / low_freq_factor, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_context_len / high_freq_factor) & (
-        wavelen <= old_context_len / low_freq_factor
-    )
-    return torch.where(is_medium, smoothed, scaled)
+def local_rope_inv_freq(config: PretrainedConfig) -> torch.Tensor | None:
+    """The rope of the sliding-window layers where it is their own (Gemma 3's
+    ``rope_local_base_freq``), or None."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params.get("sliding_attention"), Mapping):
+        return None
+    return rope_inv_freq(config, "sliding_attention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +171,8 @@ class LlamaLayerWeights:
     qkv_bias: torch.Tensor | None = None  # [(H + 2 KV) hd] where the family has biases
     q_norm: torch.Tensor | None = None  # [hd] where the family norms q and k
     k_norm: torch.Tensor | None = None  # [hd]
+    post_attn_norm: torch.Tensor | None = None  # [D] Gemma's norm of the attention output
+    post_mlp_norm: torch.Tensor | None = None  # [D] and of the MLP's
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +187,7 @@ class LlamaWeights:
     lm_head: Matrix  # [V, D]; the very object ``embed`` when embeddings are tied
     inv_freq: torch.Tensor  # [hd // 2] float32
     family: Family = LLAMA  # what the forward does beyond Llama's layer
+    local_inv_freq: torch.Tensor | None = None  # [hd // 2] the sliding layers' own rope
 
     @property
     def dtype(self) -> torch.dtype:
@@ -248,18 +261,22 @@ class LlamaWeights:
                 return quantize(value, quantize_bits).to(device)
             return value.to(device=device, dtype=dtype).contiguous()
 
+        family, d = family_of(config), dims.hidden_size
+
         def vector(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             value = tensor(name, shape)
             assert isinstance(value, torch.Tensor)  # one-dimensional: never quantized
+            if family.norm_offset and name.endswith("norm.weight"):  # Gemma's 1 + w
+                value = (value.float() + family.norm_offset).to(dtype)
             return value
 
-        family, d = family_of(config), dims.hidden_size
         layers = tuple(
             _layer(tensor, vector, dims, family, f"model.layers.{i}.", dtype)
             for i in range(dims.num_layers)
         )
         embed = tensor("model.embed_tokens.weight", (dims.vocab_size, d))
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
+        local = local_rope_inv_freq(config)
         return LlamaWeights(
             dims=dims,
             embed=embed,
@@ -268,6 +285,7 @@ class LlamaWeights:
             lm_head=embed if tied else tensor("lm_head.weight", (dims.vocab_size, d)),
             inv_freq=rope_inv_freq(config).to(device),
             family=family,
+            local_inv_freq=None if local is None else local.to(device),
         )
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -277,16 +295,28 @@ class LlamaWeights:
         q_rows = dims.num_heads * dims.head_dim
         kv_rows = dims.num_kv_heads * dims.head_dim
         embed = dense(self.embed, self.dtype)
-        state = {"model.embed_tokens.weight": embed, "model.norm.weight": self.norm}
+        offset = self.family.norm_offset
+
+        def norm(weight: torch.Tensor) -> torch.Tensor:  # Gemma's: w back from 1 + w
+            return (weight.float() - offset).to(weight.dtype) if offset else weight
+
+        state = {"model.embed_tokens.weight": embed, "model.norm.weight": norm(self.norm)}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             qkv, gate_up = dense(layer.wqkv, self.dtype), dense(layer.w_gate_up, self.dtype)
             state |= {
-                p + "input_layernorm.weight": layer.attn_norm,
+                p + "input_layernorm.weight": norm(layer.attn_norm),
                 p + "self_attn.o_proj.weight": dense(layer.wo, self.dtype),
-                p + "post_attention_layernorm.weight": layer.mlp_norm,
                 p + "mlp.down_proj.weight": dense(layer.w_down, self.dtype),
             }
+            if layer.post_attn_norm is not None and layer.post_mlp_norm is not None:
+                state |= {
+                    p + "post_attention_layernorm.weight": norm(layer.post_attn_norm),
+                    p + "pre_feedforward_layernorm.weight": norm(layer.mlp_norm),
+                    p + "post_feedforward_layernorm.weight": norm(layer.post_mlp_norm),
+                }
+            else:
+                state[p + "post_attention_layernorm.weight"] = layer.mlp_norm
             if self.family.fused_checkpoint:
                 state[p + "self_attn.qkv_proj.weight"] = qkv
                 state[p + "mlp.gate_up_proj.weight"] = gate_up
@@ -301,8 +331,8 @@ class LlamaWeights:
                     p + f"self_attn.{n}_proj.bias": b for n, b in zip("qkv", biases, strict=True)
                 }
             if layer.q_norm is not None and layer.k_norm is not None:
-                state[p + "self_attn.q_norm.weight"] = layer.q_norm
-                state[p + "self_attn.k_norm.weight"] = layer.k_norm
+                state[p + "self_attn.q_norm.weight"] = norm(layer.q_norm)
+                state[p + "self_attn.k_norm.weight"] = norm(layer.k_norm)
         if self.lm_head is not self.embed:
             state["lm_head.weight"] = dense(self.lm_head, self.dtype)
         return state
@@ -338,14 +368,23 @@ def _layer(
     if family.qk_norm:
         q_norm = vector(p + "self_attn.q_norm.weight", (hd,))
         k_norm = vector(p + "self_attn.k_norm.weight", (hd,))
+    post_attn_norm = post_mlp_norm = None
+    if family.gemma_layer:  # Gemma's post_attention_layernorm norms the attention output
+        post_attn_norm = vector(p + "post_attention_layernorm.weight", (d,))
+        post_mlp_norm = vector(p + "post_feedforward_layernorm.weight", (d,))
+        mlp_norm = vector(p + "pre_feedforward_layernorm.weight", (d,))
+    else:
+        mlp_norm = vector(p + "post_attention_layernorm.weight", (d,))
     return LlamaLayerWeights(
         attn_norm=vector(p + "input_layernorm.weight", (d,)),
         wqkv=wqkv,
         wo=tensor(p + "self_attn.o_proj.weight", (d, q_rows)),
-        mlp_norm=vector(p + "post_attention_layernorm.weight", (d,)),
+        mlp_norm=mlp_norm,
         w_gate_up=w_gate_up,
         w_down=tensor(p + "mlp.down_proj.weight", (d, inter)),
         qkv_bias=qkv_bias,
         q_norm=q_norm,
         k_norm=k_norm,
+        post_attn_norm=post_attn_norm,
+        post_mlp_norm=post_mlp_norm,
     )

@@ -56,12 +56,53 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
 _X_DTYPES = (torch.bfloat16, torch.float32)
 _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class QWeight(ctypes.Structure):
+    """csrc/qgemm.c's ``qweight_t``: one packed matrix's pointers, bits, group and shape, built
+    once per matrix (``BlockLinear``) so that each call passes one pointer for all of them."""
+
+    _fields_ = [
+        ("packed", _ptr),
+        *((name, _ptr) for name in ("scales", "scales_f16", "scale_steps", "scale_super")),
+        *((name, _ptr) for name in ("offsets", "offsets_f16", "offset_steps", "offset_super")),
+        ("bits", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+        ("N", _i64),
+        ("K", _i64),
+    ]
+
+
+_QW = ctypes.POINTER(QWeight)
+
+
+class CacheLayout(ctypes.Structure):
+    """csrc/qgemm.c's ``cache_layout_t``: one layer's keys ``[slots, KV, hd, S]`` and values
+    ``[slots, KV, S, hd]``, pointers and element strides (``Kernel.cache_layout``)."""
+
+    _fields_ = [
+        ("keys", _ptr),
+        *((name, _i64) for name in ("ks_slot", "ks_head", "ks_dim")),
+        ("values", _ptr),
+        *((name, _i64) for name in ("vs_slot", "vs_head", "vs_pos")),
+    ]
+
+
 _SIGNATURES = {
     "hs_qgemm": [
         *(_ptr, _int, _i64, _i64, _int, _ptr, ctypes.c_float),  # x, f32, T, K, prologue, norm
         *(_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),  # packed, scales, offsets (4)
         *(_int, _int),  # bits, group
         *(_i64, _ptr, _ptr),  # N, residual, y
+    ],
+    # weight, x, x_f32, T, prologue, norm, eps, residual, y
+    "hs_qgemm_w": [_QW, _ptr, _int, _i64, _int, _ptr, ctypes.c_float, _ptr, _ptr],
+    # wo, w_gate_up, w_down, attn, attn_f32, T, x, mlp_norm, eps, y
+    "hs_mlp_block": [_QW, _QW, _QW, _ptr, _int, _i64, _ptr, _ptr, ctypes.c_float, _ptr],
+    # wqkv, x, T, attn_norm, eps, H, KV, hd, rope, slots, positions, cache, q_out
+    "hs_attn_in": [
+        *(_QW, _ptr, _i64, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _ptr, _ptr),
+        *(ctypes.POINTER(CacheLayout), _ptr),
     ],
     "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
     "hs_dequant_rows": [*(_ptr,) * 9, _int, _int, _i64, _ptr, _i64, _ptr],
@@ -123,7 +164,8 @@ class Kernel:
         self._lib = ctypes.CDLL(str(path))
         for name, argtypes in _SIGNATURES.items():
             getattr(self._lib, name).argtypes = argtypes
-        self._lib.hs_qgemm.restype = ctypes.c_int
+        for name in ("hs_qgemm", "hs_qgemm_w", "hs_mlp_block", "hs_attn_in"):
+            getattr(self._lib, name).restype = ctypes.c_int
         self._lib.hs_isa.restype = ctypes.c_char_p
         self.path = path
         self.isa: str = self._lib.hs_isa().decode()
@@ -208,27 +250,87 @@ class Kernel:
             if residual.dtype != torch.bfloat16 or residual.shape != (x.shape[0], rows):
                 raise ValueError(f"residual: expected bfloat16 [{x.shape[0]}, {rows}]")
             residual = residual.contiguous()
-        y = torch.empty((x.shape[0], rows), dtype=torch.bfloat16)
-        if x.shape[0] == 0:
+        return self.qgemm_unchecked(
+            x, ctypes.pointer(qweight(weight)), rows, prologue, _data(norm), eps, residual
+        )
+
+    def qgemm_unchecked(
+        self,
+        x: torch.Tensor,
+        weight: ctypes._Pointer[QWeight],  # pointer(qweight(the PackedWeight))
+        rows: int,
+        prologue: int,
+        norm: int | None,  # the norm's data_ptr(), for PROLOGUE_RMSNORM
+        eps: float,
+        residual: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``qgemm`` for callers that hold what it checks true (``BlockLinear``): contiguous
+        ``x`` and ``residual`` of the shapes and dtypes ``qgemm`` names. No checks, the least
+        work per call: the runtime makes about four calls per layer and token."""
+        tokens = x.shape[0]
+        y = torch.empty((tokens, rows), dtype=torch.bfloat16)
+        if tokens == 0:
             return y
-        status = self._lib.hs_qgemm(
+        status = self._lib.hs_qgemm_w(
+            weight,
             x.data_ptr(),
-            x.dtype == torch.float32,
-            x.shape[0],
-            cols,
+            x.dtype is torch.float32,
+            tokens,
             prologue,
-            _data(norm),
+            norm,
             eps,
-            weight.codes.data_ptr(),
-            *_factors(weight),
-            weight.bits,
-            weight.group,
-            rows,
-            _data(residual),
+            None if residual is None else residual.data_ptr(),
             y.data_ptr(),
         )
         if status != 0:
             raise MemoryError("qgemm: no scratch memory for the quantized activations")
+        return y
+
+    def mlp_block(
+        self,
+        wo: BlockLinear,
+        w_gate_up: BlockLinear,
+        w_down: BlockLinear,
+        attn: torch.Tensor,  # [T, wo's K] bfloat16 or float32
+        x: torch.Tensor,  # [T, D] bfloat16, the layer's input
+        mlp_norm: torch.Tensor,  # [D] bfloat16
+        eps: float,
+    ) -> torch.Tensor:
+        """A decoder layer after its attention in one call (csrc/qgemm.c, ``hs_mlp_block``):
+        ``h = wo(attn, residual=x)``, then ``w_down.after_silu_mul(w_gate_up.after_norm(h,
+        mlp_norm, eps), residual=h)``, equal to those three calls to the bit."""
+        dims = wo.weight.rows
+        if (
+            attn.dim() != 2
+            or attn.shape[1] != wo.weight.cols
+            or attn.dtype not in _X_DTYPES
+            or x.shape != (attn.shape[0], dims)
+            or x.dtype is not torch.bfloat16
+            or w_gate_up.weight.cols != dims
+            or w_down.weight.cols * 2 != w_gate_up.weight.rows
+            or w_down.weight.rows != dims
+            or mlp_norm.shape != (dims,)
+            or mlp_norm.dtype is not torch.bfloat16
+        ):
+            raise ValueError("mlp_block: tensors or matrices of unexpected shapes or dtypes")
+        attn, x, mlp_norm = attn.contiguous(), x.contiguous(), mlp_norm.contiguous()
+        y = torch.empty((attn.shape[0], dims), dtype=torch.bfloat16)
+        if attn.shape[0] == 0:
+            return y
+        status = self._lib.hs_mlp_block(
+            wo.pointer,
+            w_gate_up.pointer,
+            w_down.pointer,
+            attn.data_ptr(),
+            attn.dtype is torch.float32,
+            attn.shape[0],
+            x.data_ptr(),
+            mlp_norm.data_ptr(),
+            eps,
+            y.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("mlp_block: no scratch memory")
         return y
 
     def rope_store(
@@ -271,6 +373,11 @@ class Kernel:
         )
 
     @staticmethod
+    def cache_struct(keys: torch.Tensor, values: torch.Tensor) -> ctypes._Pointer[CacheLayout]:
+        """One layer's cache as ``attn_in`` takes it (``cache_layout`` as one struct)."""
+        return ctypes.pointer(CacheLayout(*Kernel.cache_layout(keys, values)))
+
+    @staticmethod
     def cache_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, ...]:
         """One layer's cache as ``rope_store_unchecked`` takes it: pointers and element strides
         (keys ``[slots, KV, hd, S]``, values ``[slots, KV, S, hd]``, the last stride 1)."""
@@ -305,6 +412,45 @@ class Kernel:
         )
         return q
 
+    def attn_in(
+        self,
+        wqkv: BlockLinear,
+        x: torch.Tensor,  # [T, D] bfloat16, contiguous
+        attn_norm: torch.Tensor,  # [D] bfloat16, contiguous
+        eps: float,
+        num_heads: int,
+        num_kv: int,
+        head_dim: int,
+        rope: torch.Tensor,  # as rope_store_unchecked takes them
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        cache: ctypes._Pointer[CacheLayout],  # pointer(CacheLayout(*cache_layout(k, v)))
+    ) -> torch.Tensor:
+        """``rope_store_unchecked(wqkv.after_norm(x, attn_norm, eps), ...)`` in one call
+        (csrc/qgemm.c, ``hs_attn_in``), equal to it; for the runtime, which builds every
+        argument to fit (no checks). q ``[T, H, hd]`` float32."""
+        q = torch.empty((x.shape[0], num_heads, head_dim), dtype=torch.float32)
+        if x.shape[0] == 0:
+            return q
+        status = self._lib.hs_attn_in(
+            wqkv.pointer,
+            x.data_ptr(),
+            x.shape[0],
+            attn_norm.data_ptr(),
+            eps,
+            num_heads,
+            num_kv,
+            head_dim,
+            rope.data_ptr(),
+            slots.data_ptr(),
+            positions.data_ptr(),
+            cache,
+            q.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("attn_in: no scratch memory")
+        return q
+
     def dequantize_rows(self, weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` of the matrix in bfloat16, ``[len(index), K]`` (an embedding lookup)."""
         index = index.to(torch.int64).contiguous()
@@ -331,6 +477,19 @@ def _data(tensor: torch.Tensor | None) -> int | None:
 def _is_half(part: torch.Tensor | None) -> bool:
     """Whether every value of ``part`` (float32) is a float16 value (None: trivially)."""
     return part is None or bool(torch.equal(part.half().float(), part))
+
+
+def qweight(weight: PackedWeight) -> QWeight:
+    """``weight`` as the kernel's ``qweight_t``: pointers into its tensors, which must outlive
+    it (``BlockLinear`` holds both)."""
+    return QWeight(
+        weight.codes.data_ptr(),
+        *_factors(weight),
+        weight.bits,
+        weight.group,
+        weight.rows,
+        weight.cols,
+    )
 
 
 def _factors(weight: PackedWeight) -> tuple[int | None, ...]:
@@ -376,11 +535,13 @@ class BlockLinear:
     or a ``QuantizedWeight`` packed here.
     """
 
-    __slots__ = ("_kernel", "weight")
+    __slots__ = ("_kernel", "pointer", "weight")
 
     def __init__(self, weight: QuantizedWeight | PackedWeight, kernel: Kernel) -> None:
         self.weight = weight if isinstance(weight, PackedWeight) else kernel.pack(weight)
         self._kernel = kernel
+        # the weight's tensors are never changed in place: one qweight_t serves every call
+        self.pointer = ctypes.pointer(qweight(self.weight))
 
     @property
     def kernel(self) -> Kernel:
@@ -388,15 +549,50 @@ class BlockLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ residual)``: x bfloat16 or float32, the result bfloat16."""
-        return self._kernel.qgemm(x, self.weight, residual=residual)
+        return self._call(x, PROLOGUE_NONE, None, 0.0, residual)
 
     def after_norm(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
         """``(rms_norm(x) * norm) @ W.T``, the norm computed in float32 inside the kernel."""
-        return self._kernel.qgemm(x, self.weight, PROLOGUE_RMSNORM, norm, eps)
+        if norm.shape != (self.weight.cols,) or norm.dtype != torch.bfloat16:
+            raise ValueError(f"norm: expected bfloat16 [{self.weight.cols}] for the RMSNorm")
+        norm = norm.contiguous()  # held here while the kernel reads it
+        return self._call(x, PROLOGUE_RMSNORM, norm.data_ptr(), eps, None)
 
     def after_silu_mul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """``(silu(x[:, :K]) * x[:, K:]) @ W.T (+ residual)``: the MLP's down projection."""
-        return self._kernel.qgemm(x, self.weight, PROLOGUE_SILU_MUL, residual=residual)
+        return self._call(x, PROLOGUE_SILU_MUL, None, 0.0, residual)
+
+    def _call(
+        self,
+        x: torch.Tensor,
+        prologue: int,
+        norm: int | None,
+        eps: float,
+        residual: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The shapes and dtypes the kernel reads checked in the fewest steps, then
+        ``Kernel.qgemm_unchecked`` (``Kernel.qgemm`` checks the same, named)."""
+        cols = self.weight.cols
+        width = 2 * cols if prologue == PROLOGUE_SILU_MUL else cols
+        if (
+            x.dim() != 2
+            or x.shape[1] != width
+            or not (x.dtype is torch.bfloat16 or (x.dtype is torch.float32 and width == cols))
+        ):
+            raise ValueError(f"x: expected bfloat16 [T, {width}], got {x.dtype} {tuple(x.shape)}")
+        if residual is not None and (
+            residual.dtype is not torch.bfloat16 or residual.shape != (x.shape[0], self.weight.rows)
+        ):
+            raise ValueError(f"residual: expected bfloat16 [{x.shape[0]}, {self.weight.rows}]")
+        return self._kernel.qgemm_unchecked(
+            x.contiguous(),
+            self.pointer,
+            self.weight.rows,
+            prologue,
+            norm,
+            eps,
+            None if residual is None else residual.contiguous(),
+        )
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """``W[index]`` in bfloat16: the embedding lookup of a tied matrix."""

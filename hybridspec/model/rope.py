@@ -3,10 +3,17 @@ target (``llama``: tables of every position, precomputed) and the eagle head (``
 the positions it feeds). The C kernel's ``hs_rope_store`` rotates on its own, from
 ``rope_tables``' float32 halves.
 
+Also the inverse frequencies a model's config or file names: plain (``default_inv_freq``) and
+Llama 3.1's scaling (``llama3_inv_freq``).
+
 Dimensions: ``hd`` head_dim, ``S`` positions of a table.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -41,3 +48,26 @@ def apply_rope(
     if fused:
         return torch.addcmul(x * cos, rotated, sin)
     return x * cos + rotated * sin
+
+
+def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    """Unscaled rope inverse frequencies ``theta ** (-2i / hd)``, ``[hd // 2]`` float32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: keep short wavelengths, divide long ones by ``factor``, and
+    blend in between (transformers' ``_compute_llama3_parameters``)."""
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context_len / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context_len / high_freq_factor) & (
+        wavelen <= old_context_len / low_freq_factor
+    )
+    return torch.where(is_medium, smoothed, scaled)

@@ -146,6 +146,7 @@ def _to_payload(converted: ConvertedGGUF) -> dict[str, Any]:
         "norm": weights.norm,
         "lm_head": None if weights.lm_head is weights.embed else _matrix_payload(weights.lm_head),
         "inv_freq": weights.inv_freq,
+        "local_inv_freq": weights.local_inv_freq,
         "family": weights.family.name,
         "layers": [
             {f: _matrix_payload(getattr(layer, f)) for f in _LAYER_FIELDS}
@@ -181,6 +182,7 @@ def _from_payload(payload: dict[str, Any]) -> ConvertedGGUF:
         lm_head=embed if lm_head is None else lm_head,  # tied
         inv_freq=payload["inv_freq"],
         family=FAMILIES[payload["family"]],
+        local_inv_freq=payload.get("local_inv_freq"),
     )
     return ConvertedGGUF(
         weights,

@@ -65,7 +65,8 @@ class VerifyInput:
 
     def __post_init__(self) -> None:
         layout = self.layout
-        check(isinstance(layout, DraftLayout), "layout", f"expected a DraftLayout, got {layout!r}")
+        if not isinstance(layout, DraftLayout):  # the message formatted only on failure
+            check(False, "layout", f"expected a DraftLayout, got {layout!r}")
         counts, num_seqs = layout.num_drafts, layout.num_seqs
         if not self.keyed:
             object.__setattr__(self, "keyed", (None,) * num_seqs)

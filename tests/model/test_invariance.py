@@ -59,7 +59,16 @@ def test_kernel_matches_softmax_attention_and_ignores_memory_past_each_row(
     q = torch.randn(token, kv * rep, hd, generator=gen)
     out = np.full((token, kv * rep, hd), np.nan, dtype=np.float32)
     scale = np.float32(hd**-0.5)
-    attend(q.numpy(), numpy_view(keys_t), numpy_view(values), np.array(items, np.int32), scale, out)
+    attend(
+        q.numpy(),
+        numpy_view(keys_t),
+        numpy_view(values),
+        np.array(items, np.int32),
+        scale,
+        np.float32(0),
+        0,
+        out,
+    )
     token = 0
     for slot, position, count in spans:
         for i in range(count):
@@ -86,7 +95,16 @@ def test_kernel_computes_a_row_alike_alone_and_in_any_item(hd: int) -> None:
             items += [(0, h, token, first_position + token, count) for h in range(kv)]
             token += count
         out = np.full(queries.shape, np.nan, dtype=np.float32)
-        attend(queries, kernel_keys, kernel_values, np.array(items, np.int32), scale, out)
+        attend(
+            queries,
+            kernel_keys,
+            kernel_values,
+            np.array(items, np.int32),
+            scale,
+            np.float32(0),
+            0,
+            out,
+        )
         return out
 
     # first positions and lengths cross the groups of 8 positions and the 16 sum lanes

@@ -31,7 +31,7 @@ from hybridspec.model import loader as loader_module
 from hybridspec.model.gguf import load_gguf_tokenizer, permute_qk, unpermute_qk
 from hybridspec.model.hf_runtime import HFRuntime
 from hybridspec.model.llama import LlamaRuntime
-from hybridspec.model.llama_weights import LlamaWeights, default_inv_freq, llama3_inv_freq
+from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.loader import (
     CPU_AUTO_DTYPE,
     LoadedModel,
@@ -39,6 +39,7 @@ from hybridspec.model.loader import (
     load_model,
     resolve_dtype,
 )
+from hybridspec.model.rope import default_inv_freq, llama3_inv_freq
 from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 from tests.conftest import (
     TINY_BOS,

@@ -148,6 +148,26 @@ def test_fused_prologues_and_the_residual_epilogue(kernel: Kernel) -> None:
     assert torch.equal(linear(x, residual), (linear(x).float() + residual.float()).bfloat16())
 
 
+@pytest.mark.parametrize("attn_dtype", [torch.bfloat16, torch.float32])
+def test_the_mlp_block_equals_its_three_calls_to_the_bit(
+    kernel: Kernel, attn_dtype: torch.dtype
+) -> None:
+    wo = BlockLinear(weight(4, 64, 96, 20), kernel)  # attention width 96 -> model width 64
+    gate_up = BlockLinear(weight("6+m", 2 * 96, 64, 21), kernel)  # 2 x 96 intermediate
+    down = BlockLinear(weight(8, 64, 96, 22), kernel)
+    attn, x = activations(7, 96, 23).to(attn_dtype), activations(7, 64, 24)
+    norm = activations(1, 64, 25)[0]
+    h = wo(attn, residual=x)
+    want = down.after_silu_mul(gate_up.after_norm(h, norm, 1e-5), residual=h)
+    assert torch.equal(kernel.mlp_block(wo, gate_up, down, attn, x, norm, 1e-5), want)
+    for rows in (1, 3):  # a row alone comes out as among others
+        got = kernel.mlp_block(wo, gate_up, down, attn[:rows], x[:rows], norm, 1e-5)
+        assert torch.equal(got, want[:rows])
+    assert kernel.mlp_block(wo, gate_up, down, attn[:0], x[:0], norm, 1e-5).shape == (0, 64)
+    with pytest.raises(ValueError, match="mlp_block"):
+        kernel.mlp_block(wo, down, gate_up, attn, x, norm, 1e-5)  # matrices in the wrong order
+
+
 def test_float32_activations_are_read_as_they_are(kernel: Kernel) -> None:
     linear = BlockLinear(weight(4, 40, 64, 15), kernel)
     x = activations(5, 64, 16)
@@ -184,6 +204,31 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v_at_each_tokens_slot(kerne
     )
     with pytest.raises(ValueError, match="rope_store"):
         kernel.rope_store(qkv.float(), heads, pairs, slots, positions, keys, values)
+
+
+def test_attn_in_equals_the_projection_then_rope_store_to_the_bit(kernel: Kernel) -> None:
+    heads, kv_heads, hd, seq, tokens = 4, 2, 32, 16, 3
+    wqkv = BlockLinear(weight(4, (heads + 2 * kv_heads) * hd, 64, 30), kernel)
+    x, norm = activations(tokens, 64, 31), activations(1, 64, 32)[0]
+    angles = torch.rand(seq, hd // 2, generator=torch.Generator().manual_seed(33)) * 6
+    pairs = torch.stack((angles.cos(), angles.sin()), dim=-1).contiguous()
+    slots, positions = torch.tensor([0, 1, 1]), torch.tensor([2, 0, 1])
+    caches = [
+        (
+            torch.zeros(2, kv_heads, hd, seq, dtype=torch.bfloat16),
+            torch.zeros(2, kv_heads, seq, hd, dtype=torch.bfloat16),
+        )
+        for _ in range(2)
+    ]
+    want = kernel.rope_store(
+        wqkv.after_norm(x, norm, 1e-5), heads, pairs, slots, positions, *caches[0]
+    )
+    got = kernel.attn_in(
+        wqkv, x, norm, 1e-5, heads, kv_heads, hd, pairs, slots, positions,
+        kernel.cache_struct(*caches[1]),
+    )  # fmt: skip
+    assert torch.equal(got, want)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
 def test_the_fused_runtime_agrees_with_the_unfused_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -460,19 +460,31 @@ static void tile_dot_rows(const uint8_t *codes, factors_t dw, factors_t mw, int 
     }
 }
 
+/* One packed matrix as the kernel reads it: hs_pack's codes, its scales and offsets
+ * (``factors_t``), bits, group, and its shape N x K. Built once per matrix by the caller
+ * (``hybridspec.model.qgemm.QWeight``), so that a call passes one pointer for all of it. */
+typedef struct {
+    const uint8_t *packed;
+    factors_t scales;
+    factors_t offsets;
+    int32_t bits;
+    int32_t group;
+    int64_t N;
+    int64_t K;
+} qweight_t;
+
 /* y [T, N] = prologue(x) @ W.T (+ residual), W packed by hs_pack with its scales and offsets
  * (``factors_t``: float32, float16, or int8 steps and float32 super-block factors; offsets
  * all NULL: none). x [T, Kx] bfloat16 with Kx = K (2 K for PRO_SILU_MUL), or float32 when x_f32 (not
  * with PRO_SILU_MUL). Returns 0, or -1 when scratch memory cannot be had. */
-int hs_qgemm(const void *x, int x_f32, int64_t T, int64_t K, int prologue, const uint16_t *norm_w,
-             float eps, const uint8_t *packed, const float *scales, const uint16_t *scales_f16,
-             const int8_t *scale_steps, const float *scale_super, const float *offsets,
-             const uint16_t *offsets_f16, const int8_t *offset_steps, const float *offset_super,
-             int bits, int group, int64_t N, const uint16_t *residual, uint16_t *y) {
+static int qgemm_run(const qweight_t *w, const void *x, int x_f32, int64_t T, int prologue,
+                     const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *y) {
+    const uint8_t *packed = w->packed;
+    int bits = w->bits, group = w->group;
+    int64_t N = w->N, K = w->K;
     int64_t G = K / GS, S = GS / group, Kx = prologue == PRO_SILU_MUL ? 2 * K : K;
     int64_t tiles = (N + ROWS - 1) / ROWS, tb = tile_bytes(bits);
-    factors_t dw = {scales, scales_f16, scale_steps, scale_super};
-    factors_t mw = {offsets, offsets_f16, offset_steps, offset_super};
+    factors_t dw = w->scales, mw = w->offsets;
     int8_t *q = malloc((size_t)(T * K));
     float *dx = malloc(sizeof(float) * (size_t)(T * G));
     float *sx = malloc(sizeof(float) * (size_t)(T * G * S));
@@ -523,6 +535,40 @@ int hs_qgemm(const void *x, int x_f32, int64_t T, int64_t K, int prologue, const
     return failed ? -1 : 0;
 }
 
+int hs_qgemm(const void *x, int x_f32, int64_t T, int64_t K, int prologue, const uint16_t *norm_w,
+             float eps, const uint8_t *packed, const float *scales, const uint16_t *scales_f16,
+             const int8_t *scale_steps, const float *scale_super, const float *offsets,
+             const uint16_t *offsets_f16, const int8_t *offset_steps, const float *offset_super,
+             int bits, int group, int64_t N, const uint16_t *residual, uint16_t *y) {
+    qweight_t w = {packed, {scales, scales_f16, scale_steps, scale_super},
+                   {offsets, offsets_f16, offset_steps, offset_super}, bits, group, N, K};
+    return qgemm_run(&w, x, x_f32, T, prologue, norm_w, eps, residual, y);
+}
+
+/* hs_qgemm with the matrix as one ``qweight_t``: what the runtime calls, four times a layer. */
+int hs_qgemm_w(const qweight_t *w, const void *x, int x_f32, int64_t T, int prologue,
+               const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *y) {
+    return qgemm_run(w, x, x_f32, T, prologue, norm_w, eps, residual, y);
+}
+
+/* A decoder layer after its attention, as three hs_qgemm calls would compute it, in one call:
+ * h = attn @ wo.T + x; y = silu_mul(rms_norm(h) * mlp_norm @ w_gate_up.T) @ w_down.T + h.
+ * attn [T, wo.K] bfloat16 or float32 (attn_f32); x and y [T, wo.N] bfloat16. The same
+ * operations in the same order as the three calls: the results are equal to the bit. */
+int hs_mlp_block(const qweight_t *wo, const qweight_t *w_gate_up, const qweight_t *w_down,
+                 const void *attn, int attn_f32, int64_t T, const uint16_t *x,
+                 const uint16_t *mlp_norm, float eps, uint16_t *y) {
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(T * wo->N));
+    uint16_t *gate_up = malloc(sizeof(uint16_t) * (size_t)(T * w_gate_up->N));
+    int failed = !h || !gate_up;
+    if (!failed) failed = qgemm_run(wo, attn, attn_f32, T, PRO_NONE, NULL, 0.0f, x, h);
+    if (!failed) failed = qgemm_run(w_gate_up, h, 0, T, PRO_RMSNORM, mlp_norm, eps, NULL, gate_up);
+    if (!failed) failed = qgemm_run(w_down, gate_up, 0, T, PRO_SILU_MUL, NULL, 0.0f, h, y);
+    free(h);
+    free(gate_up);
+    return failed ? -1 : 0;
+}
+
 /* The attention's inputs from the fused q/k/v projection ``qkv [T, (H + 2 KV) hd]`` bfloat16:
  * q and k rotated by rope (rotate-half convention, float32: out[i] = x[i] c - x[i + hd/2] s,
  * out[i + hd/2] = x[i + hd/2] c + x[i] s with c, s = ``rope[pos, i]``), q written to ``q_out
@@ -561,4 +607,30 @@ void hs_rope_store(const uint16_t *qkv, int64_t T, int64_t H, int64_t KV, int64_
             memcpy(values + slot * vs_slot + kv * vs_head + pos * vs_pos,
                    row + (H + KV) * hd + kv * hd, sizeof(uint16_t) * (size_t)hd);
     }
+}
+
+/* One layer's cache as hs_rope_store reads it (``hybridspec.model.qgemm.CacheLayout``): built
+ * once per layer, since the cache's tensors stay where they are. */
+typedef struct {
+    uint16_t *keys;
+    int64_t ks_slot, ks_head, ks_dim;
+    uint16_t *values;
+    int64_t vs_slot, vs_head, vs_pos;
+} cache_layout_t;
+
+/* A decoder layer up to its attention in one call, as hs_qgemm then hs_rope_store would
+ * compute it: qkv = rms_norm(x) * attn_norm @ wqkv.T, then q, k and v as hs_rope_store
+ * leaves them. x [T, wqkv.K] bfloat16; q_out [T, H, hd] float32. Equal to the two calls. */
+int hs_attn_in(const qweight_t *wqkv, const uint16_t *x, int64_t T, const uint16_t *attn_norm,
+               float eps, int64_t H, int64_t KV, int64_t hd, const float *rope,
+               const int64_t *slots, const int64_t *positions, const cache_layout_t *cache,
+               float *q_out) {
+    uint16_t *qkv = malloc(sizeof(uint16_t) * (size_t)(T * wqkv->N));
+    int failed = !qkv || qgemm_run(wqkv, x, 0, T, PRO_RMSNORM, attn_norm, eps, NULL, qkv);
+    if (!failed)
+        hs_rope_store(qkv, T, H, KV, hd, rope, slots, positions, cache->keys, cache->ks_slot,
+                      cache->ks_head, cache->ks_dim, cache->values, cache->vs_slot,
+                      cache->vs_head, cache->vs_pos, q_out);
+    free(qkv);
+    return failed ? -1 : 0;
 }

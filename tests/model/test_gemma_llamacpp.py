@@ -1,0 +1,130 @@
+"""Gemma 2 and Gemma 3 through llama.cpp's own converter and against llama.cpp, with Gemma's
+kind of vocabulary: a tiny SentencePiece model trained here (byte fallback, Gemma's special
+ids: pad 0, eos 1, bos 2, unk 3) and Gemma's chat template, both carried by the GGUF file.
+
+As ``test_families_llamacpp`` (which this reuses): F32 and Q8_0 by ``convert_hf_to_gguf.py``,
+Q4_K_M by ``llama_cpp.llama_model_quantize``; every file loads with default settings, and on
+F32 our greedy tokens equal llama.cpp's for 4 raw prompts x 16 tokens (at least 3 of 4). The
+models have the layer pattern llama.cpp assumes (Gemma 3: 5 local layers, then a global one;
+Gemma 2: alternating) and a window of 8 keys, shorter than prompt plus generated tokens.
+
+Needs the converter, ``llama_cpp`` and ``sentencepiece``; skipped without them (CI has none).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridspec.config import ModelConfig
+from hybridspec.engine import Engine
+from hybridspec.model.families import FAMILIES
+from hybridspec.model.loader import load_model
+from tests.model.test_families_llamacpp import (
+    NEW_TOKENS,
+    PROMPTS,
+    convert,
+    llama_cpp_greedy,
+    quantize_q4_k_m,
+)
+from tests.model.tiny_families import GGUF_READY, tiny_family
+
+spm = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed")
+
+# Gemma's own template (its chat turns; the system turn folded into the first user turn).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Once upon a time there was a king who had three daughters.",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10",
+    "def main():\n    print('hello world')\n    return 0",
+]
+
+
+def write_spm_tokenizer(folder: Path) -> int:
+    """A tiny SentencePiece vocabulary in ``folder`` as Gemma's checkpoints ship theirs
+    (tokenizer.model and tokenizer_config.json); returns its size."""
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_TEXT * 20),
+        model_writer=model,
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        character_coverage=1.0,
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    config = {
+        "tokenizer_class": "GemmaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return 400
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HYBRIDSPEC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_converted_gemma_files_load_and_match_llama_cpp(family: str, tmp_path: Path) -> None:
+    folder = tmp_path / family
+    vocab = write_spm_tokenizer(folder)
+    layers = {"num_hidden_layers": 6, "layer_types": None} if family == "gemma3" else {}
+    model = tiny_family(family, seed=0, vocab_size=vocab, **GGUF_READY.get(family, {}), **layers)
+    with torch.no_grad():  # sharper logits: fewer near ties between the two implementations
+        model.lm_head.weight.mul_(4)
+    model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id = 0, 1, 2
+    model.save_pretrained(folder)
+    f32 = convert(folder, "f32")
+    files = [f32, convert(folder, "q8_0"), quantize_q4_k_m(f32)]
+    for path in files:  # default settings: quantize "auto", dtype "auto"
+        loaded = load_model(ModelConfig(str(path)))
+        assert loaded.is_native, path.name
+    loaded = load_model(ModelConfig(str(f32), dtype="float32", quantize="none"))
+    assert loaded.weights.family is FAMILIES[family]  # type: ignore[union-attr]
+    windows = loaded.weights.dims.layer_windows  # type: ignore[union-attr]
+    assert windows == ((8, 8, 8, 8, 8, 0) if family == "gemma3" else (8, 0))
+    # the file's vocabulary and chat template
+    tokenizer = loaded.tokenizer
+    assert tokenizer is not None and 1 in loaded.eos_token_ids
+    chat = [{"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == "<s><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    from tests.engine.tiny import make_engine
+
+    engine: Engine = make_engine(loaded)
+    agree = 0
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        assert len(ids) + NEW_TOKENS > 8  # past the window
+        ours = engine.generate(
+            prompt_token_ids=ids, proposer="none", max_new_tokens=NEW_TOKENS
+        ).token_ids
+        agree += ours == llama_cpp_greedy(f32, ids)
+    print(f"{family}: {agree} of {len(PROMPTS)} prompts equal llama.cpp's greedy tokens")
+    assert agree >= 3, f"{family}: {agree} of {len(PROMPTS)} prompts equal llama.cpp's"
