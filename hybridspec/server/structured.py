@@ -18,8 +18,9 @@ One grammar per request, from (at most one of) ``response_format`` ``json_object
 - ``none``: free text, no call.
 
 Where the template does not show tools, a constrained request's tools are described to the
-model in a system message instead (``tool_messages``): the grammar forces the call's form, the
-description says what the functions are for (and, for ``auto``, how to call one).
+model in a system message instead (``described_tools``): the grammar forces the call's form, the
+description says what the functions are for (and, for ``auto``, how to call one, with two
+example exchanges that call the first function).
 
 A forced call cut short (by max_tokens or a stop string) is answered as OpenAI answers it: the
 calls with the arguments written so far (``cut_calls``).
@@ -63,6 +64,16 @@ CUT_CALL = re.compile(
 # ``auto`` without a template that shows tools: a text answer is empty or starts with anything
 # but ``[`` (which starts the call array) or whitespace (which would hide it).
 AUTO_TEXT = r'root ::= "" | [^\[ \t\r\n] [^]*'
+# The example call's value of each parameter type (``example_call``).
+PLACEHOLDERS: dict[str, Any] = {
+    "string": "...",
+    "integer": 0,
+    "number": 0,
+    "boolean": False,
+    "array": [],
+    "object": {},
+    "null": None,
+}
 AUTO_INSTRUCTION = (
     'To call functions, answer with only a JSON array of calls: [{"name": <a function>, '
     '"arguments": <its arguments>}]. Otherwise answer in text.'
@@ -225,12 +236,56 @@ def tool_messages(
             entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     if tools is not None and tools.constrains and not renders_tools:
-        functions = [tool.function.model_dump(exclude_none=True) for tool in tools.tools]
-        described = f"You can call these functions: {json.dumps(functions, separators=(',', ':'))}"
-        if tools.mode == "auto":
-            described += f" {AUTO_INSTRUCTION}"
-        out.insert(0, {"role": "system", "content": described})
+        out[0:0] = described_tools(tools)
     return out
+
+
+def described_tools(tools: ToolPlan) -> list[dict[str, Any]]:
+    """The messages that show a constrained request's tools to a model whose template does not:
+    a system message with the functions (and, for ``auto``, how to call one), then, for
+    ``auto``, two example exchanges: a user naming the first function, then one saying what
+    it does (its description), each answered by a call of it (``example_call``). A model never
+    trained on calls (SmolLM2-135M) almost never starts an answer with ``[`` from the
+    instruction alone; calls in the conversation are what make it call when a request asks
+    for a function (docs/tools.md: how often, on each agent framework's loop)."""
+    functions = [tool.function.model_dump(exclude_none=True) for tool in tools.tools]
+    described = f"You can call these functions: {json.dumps(functions, separators=(',', ':'))}"
+    if tools.mode != "auto":
+        return [{"role": "system", "content": described}]
+    first = tools.tools[0].function
+    call = json.dumps([example_call(tools.tools[0])])
+    return [
+        {"role": "system", "content": f"{described} {AUTO_INSTRUCTION}"},
+        {"role": "user", "content": f"Call {first.name}."},
+        {"role": "assistant", "content": call},
+        {"role": "user", "content": first.description or f"Use {first.name}."},
+        {"role": "assistant", "content": call},
+    ]
+
+
+def example_call(tool: Tool) -> dict[str, Any]:
+    """A call of ``tool`` in the ``required`` format, each required parameter a placeholder of
+    its type: ``{"name": "get_weather", "arguments": {"city": "..."}}``."""
+    parameters = _parameters(tool)
+    properties = parameters.get("properties") or {}
+    required = parameters.get("required", list(properties))
+    arguments = {
+        name: _placeholder(schema)
+        for name, schema in properties.items()
+        if name in required and isinstance(schema, dict)
+    }
+    return {"name": tool.function.name, "arguments": arguments}
+
+
+def _placeholder(schema: dict[str, Any]) -> Any:
+    """A value of ``schema``'s type that stands for "fill this in"."""
+    if "const" in schema:
+        return schema["const"]
+    if schema.get("enum"):
+        return schema["enum"][0]
+    kind = schema.get("type")
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    return PLACEHOLDERS.get(kind, "...") if isinstance(kind, str) else "..."
 
 
 def _call_dict(call: ToolCall) -> dict[str, Any]:

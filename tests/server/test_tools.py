@@ -21,7 +21,9 @@ from hybridspec.server.protocol import (
     CompletionRequest,
     FunctionDefinition,
     StreamOptions,
+    Tool,
 )
+from hybridspec.server.structured import AUTO_INSTRUCTION, example_call, tool_messages, tool_plan
 from tests.conftest import save_tiny_llama
 from tests.server.conftest import TINY_MODEL_NAME, tiny_engine_config
 from tests.server.helpers import sse_chunks
@@ -109,6 +111,59 @@ def test_the_tools_are_described_with_how_to_call_them(long_client: TestClient) 
     hidden = post(long_client, tool_choice="none", **options)["usage"]["prompt_tokens"]
     described = post(long_client, **options)["usage"]["prompt_tokens"]
     assert described - hidden > len(json.dumps([t["function"] for t in TOOLS]))
+
+
+@pytest.mark.parametrize("description", [None, "Light a room."])
+def test_auto_shows_the_functions_then_two_calls_of_the_first(
+    long_client: TestClient, description: str | None
+) -> None:
+    """What a model whose template does not show tools is shown for auto: the functions and
+    how to call one, then two exchanges that call the first function (named, then asked for by
+    its description), then the conversation; the chat route's prompt is exactly that through
+    the tiny model's chat template."""
+    lamp = {"name": "lamp", "description": description, **TOOLS[0]["function"]}
+    tools = [{"type": "function", "function": lamp}, TOOLS[1]]
+    functions = [{k: v for k, v in t["function"].items() if v is not None} for t in tools]
+    listed = json.dumps(functions, separators=(",", ":"))
+    call = json.dumps([{"name": "lamp", "arguments": {"room": "hall"}}])  # enum: its first
+    shown = [
+        {"role": "system", "content": f"You can call these functions: {listed} {AUTO_INSTRUCTION}"},
+        {"role": "user", "content": "Call lamp."},
+        {"role": "assistant", "content": call},
+        {"role": "user", "content": description or "Use lamp."},
+        {"role": "assistant", "content": call},
+        *USER,
+    ]
+    body = ChatCompletionRequest.model_validate({"messages": USER, "tools": tools})
+    assert tool_messages(body.messages, tool_plan(body, False), False) == shown
+    engine = long_client.app.state.server.loop.engine  # type: ignore[attr-defined]
+    usage = post(long_client, messages=USER, tools=tools, max_tokens=1)["usage"]
+    assert usage["prompt_tokens"] == len(engine.encode(messages=shown))
+
+
+@pytest.mark.parametrize(
+    ("schema", "value"),
+    [
+        ({"type": "string"}, "..."),
+        ({"type": "integer"}, 0),
+        ({"type": "number"}, 0),
+        ({"type": "boolean"}, False),
+        ({"type": "array", "items": {"type": "string"}}, []),
+        ({"type": "object"}, {}),
+        ({"type": ["string", "null"]}, "..."),
+        ({"enum": ["hall", "attic"]}, "hall"),
+        ({"const": 3}, 3),
+        ({}, "..."),
+    ],
+)
+def test_the_example_call_fills_each_required_parameter_by_its_type(
+    schema: dict[str, Any], value: Any
+) -> None:
+    parameters = {"type": "object", "properties": {"a": schema, "b": schema}, "required": ["a"]}
+    tool = Tool.model_validate(
+        {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    )
+    assert example_call(tool) == {"name": "f", "arguments": {"a": value}}
 
 
 def optional_fields(model: type[BaseModel]) -> list[str]:
