@@ -123,8 +123,9 @@ class TextConfig(_Body):
 
 class ResponsesRequest(_Body):
     """``POST /v1/responses`` (module docstring). ``store``, ``metadata``, ``user``,
-    ``service_tier``, ``parallel_tool_calls``, ``prompt_cache_key``, ``prompt_cache_retention``
-    and ``safety_identifier`` change nothing here and are accepted; fields typed null are
+    ``service_tier``, ``prompt_cache_key``, ``prompt_cache_retention`` and
+    ``safety_identifier`` change nothing here and are accepted; ``parallel_tool_calls`` false
+    allows one call, as on the chat route; fields typed null are
     OpenAI's that this server does not serve (stored responses, reasoning...)."""
 
     model: str | None = None
@@ -196,6 +197,7 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         num_speculative_tokens=body.num_speculative_tokens,
         tools=tools,
         tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls,
         response_format=_response_format(body.text),
     )
 

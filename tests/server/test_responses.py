@@ -120,6 +120,27 @@ def test_function_tool_call_and_its_result(served: str, stream: bool) -> None:
     assert follow_up.output[0].type == "message"
 
 
+def test_parallel_tool_calls_false_allows_one_call(served: str) -> None:
+    options: dict[str, Any] = {
+        "model": TINY_MODEL_NAME,
+        "input": "Weather in Paris and in Rome?",
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_output_tokens": 80,
+    }
+    calls = {
+        parallel: [
+            item
+            for item in sdk(served).responses.create(parallel_tool_calls=parallel, **options).output
+            if item.type == "function_call"
+        ]
+        for parallel in (True, False)
+    }
+    assert len(calls[False]) == 1, calls[False]
+    assert calls[False][0].arguments == calls[True][0].arguments  # the same first call
+
+
 def test_agents_sdk_runs_one_tool(served: str) -> None:
     agents = pytest.importorskip("agents")
     called: list[str] = []
