@@ -91,13 +91,6 @@ def widen_row(source, target):  # numba-typed; no annotations
 
 
 @njit(inline="always", cache=True)
-def widen_row_at(source, offset, target):  # numba-typed; no annotations
-    """``target[i] = widen(source[offset + i])`` for the first ``len(target)`` elements."""
-    for i in range(target.shape[0]):
-        target[i] = widen(source[offset + i])
-
-
-@njit(inline="always", cache=True)
 def fast_exp(x):  # numba-typed (float32); no annotations
     """``exp(x)`` in float32 for ``x <= 0`` (Cephes ``expf``: range reduction by ln 2 and a
     degree-6 polynomial; relative error about 1e-7). Branch-free, so loops over it vectorise;
@@ -149,7 +142,7 @@ def add_scores(qs, keys_t, start, block, scores):  # numba-typed; no annotations
     grouped = hd - hd % GROUP
     for d0 in range(0, grouped, GROUP):
         for g in range(GROUP):
-            widen_row_at(keys_t[d0 + g], start, block[g])
+            widen_row(keys_t[d0 + g, start : start + width], block[g])
         for m in range(rows):
             a0, a1, a2, a3 = qs[m, d0], qs[m, d0 + 1], qs[m, d0 + 2], qs[m, d0 + 3]
             a4, a5, a6, a7 = qs[m, d0 + 4], qs[m, d0 + 5], qs[m, d0 + 6], qs[m, d0 + 7]
@@ -157,7 +150,7 @@ def add_scores(qs, keys_t, start, block, scores):  # numba-typed; no annotations
             for j in range(width):
                 row[j] += group_sum(a0, a1, a2, a3, a4, a5, a6, a7, block, j)
     for d in range(grouped, hd):
-        widen_row_at(keys_t[d], start, block[0])
+        widen_row(keys_t[d, start : start + width], block[0])
         for m in range(rows):
             a0 = qs[m, d]
             row = scores[m]
