@@ -195,7 +195,6 @@ class LlamaRuntime:
                 half = half[..., : dims.head_dim // 2]  # [2, S, hd / 2]: cos, sin
                 self._rope_pairs.append(half.permute(1, 2, 0).contiguous())
             layer_caches = list(zip(self._cache.layer_keys, self._cache.layer_values, strict=True))
-            self._cache_layouts = [self._block.cache_layout(k, v) for k, v in layer_caches]
             self._cache_structs = [self._block.cache_struct(k, v) for k, v in layer_caches]
         self._rep = dims.num_heads // dims.num_kv_heads
         self._qk_width = (dims.num_heads + dims.num_kv_heads) * dims.head_dim
@@ -327,20 +326,10 @@ class LlamaRuntime:
     ) -> torch.Tensor:
         dims, eps = self.weights.dims, self.weights.dims.rms_norm_eps
         wqkv = layer.wqkv
-        if (
-            self._block is not None
-            and isinstance(attention, KernelAttention)
-            and isinstance(wqkv, BlockLinear)
-            and layer.qkv_bias is None
-            and layer.q_norm is None
-            and x.dtype is torch.bfloat16
-            and layer.attn_norm.dtype is torch.bfloat16
-        ):  # norm, q/k/v projection, rope and the cache stores in one call
-            q = self._block.attn_in(
-                wqkv,
-                x.contiguous(),
-                layer.attn_norm,
-                eps,
+        if self._block is not None and isinstance(attention, KernelAttention):
+            # rope, k and v into the cache in the kernel, after the projection in the same
+            # call where the family adds nothing between them
+            rope = (
                 dims.num_heads,
                 dims.num_kv_heads,
                 dims.head_dim,
@@ -349,33 +338,33 @@ class LlamaRuntime:
                 attention.positions,
                 self._cache_structs[i],
             )
+            if (
+                isinstance(wqkv, BlockLinear)
+                and layer.qkv_bias is None
+                and layer.q_norm is None
+                and x.dtype is torch.bfloat16
+                and layer.attn_norm.dtype is torch.bfloat16
+            ):
+                q = self._block.attn_in(wqkv, x.contiguous(), layer.attn_norm, eps, *rope)
+            else:
+                q = self._block.rope_store_unchecked(self._qkv(x, layer, eps), *rope)
             attn = attention.attend_stored(i, q)  # [T, H hd] float32, into wo as it is
             return self._after_attention(x, layer, attn, eps)
-        if isinstance(wqkv, BlockLinear):
-            qkv = wqkv.after_norm(x, layer.attn_norm, eps)  # [T, (H + 2 KV) hd]
-        else:
-            qkv = wqkv(F.rms_norm(x, self._norm_shape, layer.attn_norm, eps))
-        qkv = self._family_qkv(qkv, layer)
-        if self._block is not None and isinstance(attention, KernelAttention):
-            q = self._block.rope_store_unchecked(  # rope, k and v into the cache: one call
-                qkv,
-                dims.num_heads,
-                dims.num_kv_heads,
-                dims.head_dim,
-                self._rope_pairs[layer.rope],
-                attention.token_slots,
-                attention.positions,
-                self._cache_layouts[i],
-            )
-            attn = attention.attend_stored(i, q)  # [T, H hd] float32, into wo as it is
-        else:
-            qk = qkv[:, : self._qk_width].view(
-                -1, dims.num_heads + dims.num_kv_heads, dims.head_dim
-            )
-            qk = apply_rope(qk, cos, sin)  # [T, H + KV, hd]
-            v = qkv[:, self._qk_width :].view(-1, dims.num_kv_heads, dims.head_dim)
-            attn = attention(i, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)
+        qkv = self._qkv(x, layer, eps)
+        qk = qkv[:, : self._qk_width].view(-1, dims.num_heads + dims.num_kv_heads, dims.head_dim)
+        qk = apply_rope(qk, cos, sin)  # [T, H + KV, hd]
+        v = qkv[:, self._qk_width :].view(-1, dims.num_kv_heads, dims.head_dim)
+        attn = attention(i, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)
         return self._after_attention(x, layer, attn, eps)
+
+    def _qkv(self, x: torch.Tensor, layer: _RuntimeLayer, eps: float) -> torch.Tensor:
+        """The layer's normed q/k/v projection ``[T, (H + 2 KV) hd]``, with what the family
+        adds before rope (``_family_qkv``)."""
+        if isinstance(layer.wqkv, BlockLinear):
+            qkv = layer.wqkv.after_norm(x, layer.attn_norm, eps)
+        else:
+            qkv = layer.wqkv(F.rms_norm(x, self._norm_shape, layer.attn_norm, eps))
+        return self._family_qkv(qkv, layer)
 
     def _after_attention(
         self, x: torch.Tensor, layer: _RuntimeLayer, attn: torch.Tensor, eps: float

@@ -78,7 +78,7 @@ _QW = ctypes.POINTER(QWeight)
 
 class CacheLayout(ctypes.Structure):
     """csrc/qgemm.c's ``cache_layout_t``: one layer's keys ``[slots, KV, hd, S]`` and values
-    ``[slots, KV, S, hd]``, pointers and element strides (``Kernel.cache_layout``)."""
+    ``[slots, KV, S, hd]``, pointers and element strides (``Kernel.cache_struct``)."""
 
     _fields_ = [
         ("keys", _ptr),
@@ -86,6 +86,9 @@ class CacheLayout(ctypes.Structure):
         ("values", _ptr),
         *((name, _i64) for name in ("vs_slot", "vs_head", "vs_pos")),
     ]
+
+
+_CACHE = ctypes.POINTER(CacheLayout)
 
 
 _SIGNATURES = {
@@ -102,14 +105,12 @@ _SIGNATURES = {
     # wqkv, x, T, attn_norm, eps, H, KV, hd, rope, slots, positions, cache, q_out
     "hs_attn_in": [
         *(_QW, _ptr, _i64, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _ptr, _ptr),
-        *(ctypes.POINTER(CacheLayout), _ptr),
+        *(_CACHE, _ptr),
     ],
     "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
     "hs_dequant_rows": [*(_ptr,) * 9, _int, _int, _i64, _ptr, _i64, _ptr],
-    "hs_rope_store": [
-        *(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr),  # qkv, T, H, KV, hd, rope, slots, pos
-        *(_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr),  # keys, values, q_out
-    ],
+    # qkv, T, H, KV, hd, rope, slots, positions, cache, q_out
+    "hs_rope_store": [*(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr), _CACHE, _ptr],
 }
 
 
@@ -233,26 +234,9 @@ class Kernel:
         eps: float = 0.0,
         residual: torch.Tensor | None = None,  # [T, N] bfloat16
     ) -> torch.Tensor:
-        """``prologue(x) @ W.T (+ residual)`` in bfloat16, ``[T, N]`` (module docstring)."""
-        rows, cols = weight.rows, weight.cols
-        width = 2 * cols if prologue == PROLOGUE_SILU_MUL else cols
-        dtypes = (torch.bfloat16,) if prologue == PROLOGUE_SILU_MUL else _X_DTYPES
-        if x.dtype not in dtypes or x.dim() != 2 or x.shape[1] != width:
-            raise ValueError(f"x: expected bfloat16 [T, {width}], got {x.dtype} {tuple(x.shape)}")
-        x = x.contiguous()
-        if prologue == PROLOGUE_RMSNORM:
-            if norm is None or norm.shape != (cols,) or norm.dtype != torch.bfloat16:
-                raise ValueError(f"norm: expected bfloat16 [{cols}] for the RMSNorm prologue")
-            norm = norm.contiguous()
-        else:
-            norm = None
-        if residual is not None:
-            if residual.dtype != torch.bfloat16 or residual.shape != (x.shape[0], rows):
-                raise ValueError(f"residual: expected bfloat16 [{x.shape[0]}, {rows}]")
-            residual = residual.contiguous()
-        return self.qgemm_unchecked(
-            x, ctypes.pointer(qweight(weight)), rows, prologue, _data(norm), eps, residual
-        )
+        """``prologue(x) @ W.T (+ residual)`` in bfloat16, ``[T, N]`` (module docstring); the
+        checks are ``BlockLinear``'s."""
+        return BlockLinear(weight, self).apply(x, prologue, norm, eps, residual)
 
     def qgemm_unchecked(
         self,
@@ -369,19 +353,16 @@ class Kernel:
             rope.contiguous(),
             slots.contiguous(),
             positions.contiguous(),
-            self.cache_layout(keys, values),
+            self.cache_struct(keys, values),
         )
 
     @staticmethod
     def cache_struct(keys: torch.Tensor, values: torch.Tensor) -> ctypes._Pointer[CacheLayout]:
-        """One layer's cache as ``attn_in`` takes it (``cache_layout`` as one struct)."""
-        return ctypes.pointer(CacheLayout(*Kernel.cache_layout(keys, values)))
-
-    @staticmethod
-    def cache_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, ...]:
-        """One layer's cache as ``rope_store_unchecked`` takes it: pointers and element strides
-        (keys ``[slots, KV, hd, S]``, values ``[slots, KV, S, hd]``, the last stride 1)."""
-        return (keys.data_ptr(), *keys.stride()[:3], values.data_ptr(), *values.stride()[:3])
+        """One layer's cache as ``rope_store_unchecked`` and ``attn_in`` take it: pointers and
+        element strides (keys ``[slots, KV, hd, S]``, values ``[slots, KV, S, hd]``, the last
+        stride 1), which the caller keeps alive."""
+        layout = (keys.data_ptr(), *keys.stride()[:3], values.data_ptr(), *values.stride()[:3])
+        return ctypes.pointer(CacheLayout(*layout))
 
     def rope_store_unchecked(
         self,
@@ -392,11 +373,11 @@ class Kernel:
         rope: torch.Tensor,
         slots: torch.Tensor,
         positions: torch.Tensor,
-        cache: tuple[int, ...],
+        cache: ctypes._Pointer[CacheLayout],
     ) -> torch.Tensor:
         """``rope_store`` for the runtime, which builds every argument to fit (contiguous
         bfloat16 ``qkv``, contiguous int64 ``slots`` and ``positions`` within the cache,
-        ``cache`` from ``cache_layout``): no checks, the least work per layer."""
+        ``cache`` from ``cache_struct``): no checks, the least work per layer."""
         q = torch.empty((qkv.shape[0], num_heads, head_dim), dtype=torch.float32)
         self._lib.hs_rope_store(
             qkv.data_ptr(),
@@ -407,7 +388,7 @@ class Kernel:
             rope.data_ptr(),
             slots.data_ptr(),
             positions.data_ptr(),
-            *cache,
+            cache,
             q.data_ptr(),
         )
         return q
@@ -424,7 +405,7 @@ class Kernel:
         rope: torch.Tensor,  # as rope_store_unchecked takes them
         slots: torch.Tensor,
         positions: torch.Tensor,
-        cache: ctypes._Pointer[CacheLayout],  # pointer(CacheLayout(*cache_layout(k, v)))
+        cache: ctypes._Pointer[CacheLayout],  # cache_struct(keys, values)
     ) -> torch.Tensor:
         """``rope_store_unchecked(wqkv.after_norm(x, attn_norm, eps), ...)`` in one call
         (csrc/qgemm.c, ``hs_attn_in``), equal to it; for the runtime, which builds every
@@ -468,10 +449,6 @@ class Kernel:
             out.data_ptr(),
         )
         return out
-
-
-def _data(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
 
 
 def _is_half(part: torch.Tensor | None) -> bool:
@@ -549,30 +526,27 @@ class BlockLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ residual)``: x bfloat16 or float32, the result bfloat16."""
-        return self._call(x, PROLOGUE_NONE, None, 0.0, residual)
+        return self.apply(x, PROLOGUE_NONE, None, 0.0, residual)
 
     def after_norm(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
         """``(rms_norm(x) * norm) @ W.T``, the norm computed in float32 inside the kernel."""
-        if norm.shape != (self.weight.cols,) or norm.dtype != torch.bfloat16:
-            raise ValueError(f"norm: expected bfloat16 [{self.weight.cols}] for the RMSNorm")
-        norm = norm.contiguous()  # held here while the kernel reads it
-        return self._call(x, PROLOGUE_RMSNORM, norm.data_ptr(), eps, None)
+        return self.apply(x, PROLOGUE_RMSNORM, norm, eps, None)
 
     def after_silu_mul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """``(silu(x[:, :K]) * x[:, K:]) @ W.T (+ residual)``: the MLP's down projection."""
-        return self._call(x, PROLOGUE_SILU_MUL, None, 0.0, residual)
+        return self.apply(x, PROLOGUE_SILU_MUL, None, 0.0, residual)
 
-    def _call(
+    def apply(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor,  # [T, K] bfloat16 or float32 ([T, 2 K] bfloat16 for PROLOGUE_SILU_MUL)
         prologue: int,
-        norm: int | None,
+        norm: torch.Tensor | None,  # [K] bfloat16, for PROLOGUE_RMSNORM
         eps: float,
-        residual: torch.Tensor | None,
+        residual: torch.Tensor | None,  # [T, N] bfloat16
     ) -> torch.Tensor:
-        """The shapes and dtypes the kernel reads checked in the fewest steps, then
-        ``Kernel.qgemm_unchecked`` (``Kernel.qgemm`` checks the same, named)."""
-        cols = self.weight.cols
+        """``prologue(x) @ W.T (+ residual)``: what the kernel reads checked in the fewest
+        steps, then ``Kernel.qgemm_unchecked``."""
+        cols, rows = self.weight.cols, self.weight.rows
         width = 2 * cols if prologue == PROLOGUE_SILU_MUL else cols
         if (
             x.dim() != 2
@@ -580,16 +554,22 @@ class BlockLinear:
             or not (x.dtype is torch.bfloat16 or (x.dtype is torch.float32 and width == cols))
         ):
             raise ValueError(f"x: expected bfloat16 [T, {width}], got {x.dtype} {tuple(x.shape)}")
+        norm_data = None
+        if prologue == PROLOGUE_RMSNORM:
+            if norm is None or norm.shape != (cols,) or norm.dtype is not torch.bfloat16:
+                raise ValueError(f"norm: expected bfloat16 [{cols}] for the RMSNorm prologue")
+            norm = norm.contiguous()  # held here while the kernel reads it
+            norm_data = norm.data_ptr()
         if residual is not None and (
-            residual.dtype is not torch.bfloat16 or residual.shape != (x.shape[0], self.weight.rows)
+            residual.dtype is not torch.bfloat16 or residual.shape != (x.shape[0], rows)
         ):
-            raise ValueError(f"residual: expected bfloat16 [{x.shape[0]}, {self.weight.rows}]")
+            raise ValueError(f"residual: expected bfloat16 [{x.shape[0]}, {rows}]")
         return self._kernel.qgemm_unchecked(
             x.contiguous(),
             self.pointer,
-            self.weight.rows,
+            rows,
             prologue,
-            norm,
+            norm_data,
             eps,
             None if residual is None else residual.contiguous(),
         )

@@ -569,18 +569,28 @@ int hs_mlp_block(const qweight_t *wo, const qweight_t *w_gate_up, const qweight_
     return failed ? -1 : 0;
 }
 
+/* One layer's cache as hs_rope_store reads it (``hybridspec.model.qgemm.CacheLayout``): built
+ * once per layer, since the cache's tensors stay where they are. */
+typedef struct {
+    uint16_t *keys;
+    int64_t ks_slot, ks_head, ks_dim;
+    uint16_t *values;
+    int64_t vs_slot, vs_head, vs_pos;
+} cache_layout_t;
+
 /* The attention's inputs from the fused q/k/v projection ``qkv [T, (H + 2 KV) hd]`` bfloat16:
  * q and k rotated by rope (rotate-half convention, float32: out[i] = x[i] c - x[i + hd/2] s,
  * out[i + hd/2] = x[i + hd/2] c + x[i] s with c, s = ``rope[pos, i]``), q written to ``q_out
  * [T, H, hd]`` float32, k (rounded to bfloat16) and v (as they are) into the cache at token t's
  * ``slots[t]`` and ``positions[t]``: keys transposed, ``keys[slot, kv, d, pos]`` at element
  * offset slot ks_slot + kv ks_head + d ks_dim + pos; values ``values[slot, kv, pos, d]`` at
- * slot vs_slot + kv vs_head + pos vs_pos + d. ``rope [S, hd / 2, 2]`` float32 (cos, sin). */
+ * slot vs_slot + kv vs_head + pos vs_pos + d (``cache``). ``rope [S, hd / 2, 2]`` float32 (cos, sin). */
 void hs_rope_store(const uint16_t *qkv, int64_t T, int64_t H, int64_t KV, int64_t hd,
                    const float *rope, const int64_t *slots, const int64_t *positions,
-                   uint16_t *keys, int64_t ks_slot, int64_t ks_head, int64_t ks_dim,
-                   uint16_t *values, int64_t vs_slot, int64_t vs_head, int64_t vs_pos,
-                   float *q_out) {
+                   const cache_layout_t *cache, float *q_out) {
+    uint16_t *keys = cache->keys, *values = cache->values;
+    int64_t ks_slot = cache->ks_slot, ks_head = cache->ks_head, ks_dim = cache->ks_dim;
+    int64_t vs_slot = cache->vs_slot, vs_head = cache->vs_head, vs_pos = cache->vs_pos;
     int64_t width = (H + 2 * KV) * hd, half = hd / 2;
 #pragma omp parallel for schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++) {
@@ -609,15 +619,6 @@ void hs_rope_store(const uint16_t *qkv, int64_t T, int64_t H, int64_t KV, int64_
     }
 }
 
-/* One layer's cache as hs_rope_store reads it (``hybridspec.model.qgemm.CacheLayout``): built
- * once per layer, since the cache's tensors stay where they are. */
-typedef struct {
-    uint16_t *keys;
-    int64_t ks_slot, ks_head, ks_dim;
-    uint16_t *values;
-    int64_t vs_slot, vs_head, vs_pos;
-} cache_layout_t;
-
 /* A decoder layer up to its attention in one call, as hs_qgemm then hs_rope_store would
  * compute it: qkv = rms_norm(x) * attn_norm @ wqkv.T, then q, k and v as hs_rope_store
  * leaves them. x [T, wqkv.K] bfloat16; q_out [T, H, hd] float32. Equal to the two calls. */
@@ -628,9 +629,7 @@ int hs_attn_in(const qweight_t *wqkv, const uint16_t *x, int64_t T, const uint16
     uint16_t *qkv = malloc(sizeof(uint16_t) * (size_t)(T * wqkv->N));
     int failed = !qkv || qgemm_run(wqkv, x, 0, T, PRO_RMSNORM, attn_norm, eps, NULL, qkv);
     if (!failed)
-        hs_rope_store(qkv, T, H, KV, hd, rope, slots, positions, cache->keys, cache->ks_slot,
-                      cache->ks_head, cache->ks_dim, cache->values, cache->vs_slot,
-                      cache->vs_head, cache->vs_pos, q_out);
+        hs_rope_store(qkv, T, H, KV, hd, rope, slots, positions, cache, q_out);
     free(qkv);
     return failed ? -1 : 0;
 }
