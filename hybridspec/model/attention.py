@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from hybridspec.model.attention_kernels import ITEM_COLUMNS, attend
 from hybridspec.model.kv_cache import KVCache, numpy_view
+from hybridspec.model.qgemm import Kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,10 +326,11 @@ class RaggedAttention:
 class KernelAttention:
     """Attention for any batch on CPU, every row through the row-invariant kernel.
 
-    Each query row attends through ``attention_kernels.attend``, so its output does not depend
-    on the drafts, the batch, the split of a prompt into chunks, or the split of rows into
-    items: a greedy request's text is the same with any proposer, K, batch or prefill budget.
-    Requires ``cache.transposed_keys``.
+    Each query row attends through ``attention_kernels.attend``, or its C form (``kernel``'s
+    ``attend_unchecked``, csrc/attention.c: the same bits, 2-3x faster) where the runtime passes
+    the kernel library, so its output does not depend on the drafts, the batch, the split of a
+    prompt into chunks, or the split of rows into items: a greedy request's text is the same
+    with any proposer, K, batch or prefill budget. Requires ``cache.transposed_keys``.
 
     Rows are split into items of consecutive tokens of one sequence and one key/value head, as
     even as possible: at most ``SHORT_ITEM_TOKENS`` tokens for a span of up to
@@ -353,10 +355,12 @@ class KernelAttention:
         num_new: list[int],
         rep: int,
         scoring: Scoring = PLAIN,
+        kernel: Kernel | None = None,
     ) -> None:
         if not cache.transposed_keys:
             raise ValueError("cache: KernelAttention reads keys transposed (transposed_keys)")
         self.cache = cache
+        self.kernel = kernel
         items: list[tuple[int, int, int, int, int]] = []
         num_kv = cache.keys.shape[2]
         token = 0
@@ -403,6 +407,18 @@ class KernelAttention:
         has already stored at this batch's ``token_slots`` and ``positions`` (the quantized
         runtime's ``hs_rope_store``); ``[T, H hd]`` float32."""
         num_tokens, num_heads, hd = q.shape
+        window = self.scoring.window(layer)
+        if self.kernel is not None:
+            return self.kernel.attend_unchecked(
+                q,
+                self.cache.keys.shape[2],
+                self.cache.kernel_layouts[layer],
+                self.cache.keys.dtype is torch.float32,
+                self.items,
+                float(self.scale),
+                float(self.softcap),
+                window,
+            ).view(num_tokens, num_heads * hd)
         out = np.empty((num_tokens, num_heads, hd), dtype=np.float32)
         attend(
             numpy_view(q),
@@ -411,7 +427,7 @@ class KernelAttention:
             self.items,
             self.scale,
             self.softcap,
-            np.int64(self.scoring.window(layer)),
+            np.int64(window),
             out,
         )
         return torch.from_numpy(out).view(num_tokens, num_heads * hd)

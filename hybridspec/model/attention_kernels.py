@@ -13,9 +13,8 @@ positions ``position - window + 1 .. position``, as Gemma's local layers attend)
 with a fixed order of operations that depends only on the row itself (its query, its keys and
 values, its length ``L = position + 1``):
 
-- score ``j`` sums ``(q[d] * scale) * k[d, j]`` over ``d`` in groups of ``GROUP`` = 8 dims, group
-  after group (``score += ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))``), then any dims
-  left over (``hd % 8``) one at a time;
+- score ``j`` is ``(q[d] * scale) * k[d, j]`` summed over ``d`` in order by fused multiply-adds
+  (``fma``: one rounding per step), from 0;
 - with ``softcap`` > 0 (Gemma 2), each score becomes ``softcap * tanh(score / softcap)``, the
   tanh by ``fast_exp`` too (``soft_cap``);
 - ``m`` is the maximum score over the positions attended (exact in any order); ``e_j =
@@ -23,15 +22,18 @@ values, its length ``L = position + 1``):
 - ``sum``: ``LANES`` = 16 partial sums, lane ``l`` taking ``e_j`` for ``j % 16 == l`` over the
   full blocks of 16 from position 0, folded in a fixed tree (lane ``l += l + w`` for ``w`` = 8,
   4, 2, 1), plus the last ``L % 16`` values summed in order;
-- the output is ``(sum over j of e_j * v[j]) * (1 / sum)``, the sum running over the full groups
-  of 8 positions from position 0 (each group added as one bracketed sum, as for the scores),
-  then the last ``L % 8`` positions one at a time.
+- the output is ``(sum over j of e_j * v[j]) * (1 / sum)``, the sum over positions in order by
+  fused multiply-adds, from 0 (a position before the window adds ``0 * v``, which leaves the
+  zero sum as it is: skipping it gives the same bits).
 
 Nothing depends on the other rows of the call, on the batch, or on how the rows are split
 between threads, so a token's attention output is bit-identical in any forward that contains
 it. No fast-math flag is used (it would let the compiler reorder sums or fuse multiply-adds
-differently in a loop's vector body and its remainder); the grouping above gives the compiler
-independent sums to vectorise instead, which runs faster than one long sum per element.
+differently in a loop's vector body and its remainder); every sum is one chain of explicit
+fused multiply-adds, vectorised across positions (scores) or dims (values), never within a sum.
+The block kernel's library has the same computation in C (``csrc/attention.c``), which the
+runtime calls where the library builds: the two give the same bits (tests), so a machine
+without a C compiler computes what one with it does.
 
 Layout: keys are read transposed, ``[slots, KV, hd, S]``, so that scores vectorise over
 positions; values are ``[slots, KV, S, hd]``. bfloat16 tensors are passed as their uint16 bits
@@ -46,14 +48,14 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 __all__ = [
-    "GROUP",
     "ITEM_COLUMNS",
     "LANES",
     "attend",
     "fast_exp",
+    "fma",
     "soft_cap",
     "widen",
     "widen_row",
@@ -63,7 +65,6 @@ __all__ = [
 # query token in ``q``, position of that token in its sequence, number of consecutive tokens.
 ITEM_COLUMNS = 5
 ITEM_SLOT, ITEM_HEAD, ITEM_TOKEN, ITEM_POSITION, ITEM_NUM_TOKENS = range(ITEM_COLUMNS)
-GROUP = 8  # dims per bracketed sum of a score; positions per bracketed sum of the output
 LANES = 16  # partial sums of the softmax denominator
 
 _F32 = np.float32
@@ -119,43 +120,56 @@ def soft_cap(x, cap):  # numba-typed (float32); no annotations
     return cap * (t if z >= _F32(0.0) else -t)
 
 
+@intrinsic
+def _llvm_fma(typingctx, a, b, c):  # numba-typed; no annotations
+    if not (isinstance(a, types.Float) and a == b == c):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return a(a, b, c), codegen
+
+
 @njit(inline="always", cache=True)
-def group_sum(a0, a1, a2, a3, a4, a5, a6, a7, block, i):  # numba-typed; no annotations
-    """``sum over g of a_g * block[g, i]`` for g = 0..7, bracketed as the module docstring says."""
-    return ((a0 * block[0, i] + a1 * block[1, i]) + (a2 * block[2, i] + a3 * block[3, i])) + (
-        (a4 * block[4, i] + a5 * block[5, i]) + (a6 * block[6, i] + a7 * block[7, i])
-    )
+def fma(a, b, c):  # numba-typed; no annotations
+    """``a * b + c`` rounded once (LLVM's ``llvm.fma``: the instruction where the machine has
+    it, else a correctly rounded library call), for float32 or float64 arguments alike."""
+    return _llvm_fma(a, b, c)  # type: ignore[call-arg]  # numba supplies the typing context
 
 
 @njit(cache=True, boundscheck=False)
 def add_scores(qs, keys_t, start, block, scores):  # numba-typed; no annotations
-    """``scores[m, j] += sum over d of qs[m, d] * keys_t[d, start + j]`` for ``j <
-    scores.shape[1]``.
+    """``scores[m, j] = fma(qs[m, hd - 1], k[hd - 1, j], ... fma(qs[m, 0], k[0, j], 0))`` with
+    ``k[d, j] = keys_t[d, start + j]``, for ``j < scores.shape[1]``.
 
     ``qs`` ``[rows, hd]`` float32 (queries, already scaled), ``keys_t`` ``[hd, S]`` one head's
-    transposed keys, ``block`` ``[GROUP, width]`` float32 scratch, ``scores`` ``[rows, width]``
-    float32 (zeros on entry). Kept a separate function (not inlined into ``attend``): compiled
-    on its own its loops vectorise, which they do not inside the parallel loop.
+    transposed keys, ``block`` ``[width]`` float32 scratch, ``scores`` ``[rows, width]``
+    float32 (zeros on entry). Four rows share each widened key row. Kept a separate function
+    (not inlined into ``attend``): compiled on its own its loops vectorise, which they do not
+    inside the parallel loop.
     """
     rows, hd = qs.shape
     width = scores.shape[1]
-    grouped = hd - hd % GROUP
-    for d0 in range(0, grouped, GROUP):
-        for g in range(GROUP):
-            widen_row(keys_t[d0 + g, start : start + width], block[g])
-        for m in range(rows):
-            a0, a1, a2, a3 = qs[m, d0], qs[m, d0 + 1], qs[m, d0 + 2], qs[m, d0 + 3]
-            a4, a5, a6, a7 = qs[m, d0 + 4], qs[m, d0 + 5], qs[m, d0 + 6], qs[m, d0 + 7]
-            row = scores[m]
+    for d in range(hd):
+        widen_row(keys_t[d, start : start + width], block)
+        m = 0
+        while m + 4 <= rows:
+            a0, a1, a2, a3 = qs[m, d], qs[m + 1, d], qs[m + 2, d], qs[m + 3, d]
+            r0, r1, r2, r3 = scores[m], scores[m + 1], scores[m + 2], scores[m + 3]
             for j in range(width):
-                row[j] += group_sum(a0, a1, a2, a3, a4, a5, a6, a7, block, j)
-    for d in range(grouped, hd):
-        widen_row(keys_t[d, start : start + width], block[0])
-        for m in range(rows):
+                k = block[j]
+                r0[j] = fma(a0, k, r0[j])
+                r1[j] = fma(a1, k, r1[j])
+                r2[j] = fma(a2, k, r2[j])
+                r3[j] = fma(a3, k, r3[j])
+            m += 4
+        while m < rows:
             a0 = qs[m, d]
             row = scores[m]
             for j in range(width):
-                row[j] += a0 * block[0, j]
+                row[j] = fma(a0, block[j], row[j])
+            m += 1
 
 
 @njit(cache=True, boundscheck=False)
@@ -200,50 +214,29 @@ def softmax_weights(row, first, length, lanes):  # numba-typed; no annotations
 
 @njit(cache=True, boundscheck=False)
 def add_weighted_values(weights, values, start, position0, rep, block, acc):  # numba-typed
-    """``acc[m] += sum over j < length(m) of weights[m, j] * values[start + j]``, each row in
-    its own order (module docstring).
+    """``acc[m, d] = fma(weights[m, L - 1], v[L - 1, d], ... fma(weights[m, 0], v[0, d], 0))``
+    with ``v[j] = values[start + j]`` and ``L`` the row's length past ``start``: each row's
+    positions in order (module docstring).
 
     Row ``m`` belongs to token ``m // rep`` of the item, at position ``start + position0 + m //
-    rep``, so its length past ``start`` is ``position0 + m // rep + 1``. ``start`` is a
-    multiple of ``GROUP``. ``weights`` ``[rows, width]`` float32,
-    ``values`` ``[S, hd]`` one head's values, ``block`` ``[GROUP, hd]`` float32 scratch, ``acc``
-    ``[rows, hd]`` float32 (zeros on entry). A group of positions is shared by the rows long
-    enough to hold all of it; each row then adds its own last ``length % GROUP`` positions.
+    rep``, so its length past ``start`` is ``position0 + m // rep + 1``. ``weights`` ``[rows,
+    width]`` float32, ``values`` ``[S, hd]`` one head's values, ``block`` ``[hd]`` float32
+    scratch, ``acc`` ``[rows, hd]`` float32 (zeros on entry). A position is widened once for
+    every row long enough to hold it.
     """
     rows, hd = acc.shape
     width = weights.shape[1]
-    for j0 in range(0, width - width % GROUP, GROUP):
-        # the first row whose length reaches j0 + GROUP: token index >= j0 + GROUP - 1 - p0
-        first_token = j0 + GROUP - 1 - position0
-        first = 0 if first_token <= 0 else first_token * rep
+    for j in range(width):
+        # the first row whose length passes j: token index >= j - position0
+        first = max(0, j - position0) * rep
         if first >= rows:
             break
-        for g in range(GROUP):
-            widen_row(values[start + j0 + g], block[g])
+        widen_row(values[start + j], block)
         for m in range(first, rows):
-            p0, p1, p2, p3 = (
-                weights[m, j0],
-                weights[m, j0 + 1],
-                weights[m, j0 + 2],
-                weights[m, j0 + 3],
-            )
-            p4, p5, p6, p7 = (
-                weights[m, j0 + 4],
-                weights[m, j0 + 5],
-                weights[m, j0 + 6],
-                weights[m, j0 + 7],
-            )
+            p = weights[m, j]
             row = acc[m]
             for d in range(hd):
-                row[d] += group_sum(p0, p1, p2, p3, p4, p5, p6, p7, block, d)
-    for m in range(rows):
-        length = position0 + m // rep + 1
-        row = acc[m]
-        for j in range(length - length % GROUP, length):
-            widen_row(values[start + j], block[0])
-            p = weights[m, j]
-            for d in range(hd):
-                row[d] += p * block[0, d]
+                row[d] = fma(p, block[d], row[d])
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -276,7 +269,7 @@ def attend(q, keys_t, values, items, scale, softcap, window, out):  # numba-type
             for d in range(hd):
                 qs[m, d] = q[token0 + m // rep, head * rep + m % rep, d] * scale
         scores = np.zeros((rows, width), _F32)  # column j: position start + j
-        add_scores(qs, keys_t[slot, head], start, np.empty((GROUP, width), _F32), scores)
+        add_scores(qs, keys_t[slot, head], start, np.empty(width, _F32), scores)
         lanes = np.empty(LANES, _F32)
         inverse_sum = np.empty(rows, _F32)
         for m in range(rows):
@@ -294,7 +287,7 @@ def attend(q, keys_t, values, items, scale, softcap, window, out):  # numba-type
             start,
             position0 - start,
             rep,
-            np.empty((GROUP, hd), _F32),
+            np.empty(hd, _F32),
             acc,
         )
         for m in range(rows):

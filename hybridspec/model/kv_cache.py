@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from hybridspec.errors import CapacityError
+from hybridspec.model.qgemm import Kernel
 
 
 class SlotTable:
@@ -162,6 +163,12 @@ class KVCache:
         kernel_ready = transposed_keys and torch.device(device).type == "cpu"
         self.kernel_keys = tuple(map(numpy_view, self.layer_keys)) if kernel_ready else ()
         self.kernel_values = tuple(map(numpy_view, self.layer_values)) if kernel_ready else ()
+        # Per layer, pointers and strides as the C kernel's calls take them (csrc/cache_layout.h).
+        self.kernel_layouts = tuple(
+            Kernel.cache_struct(k, v)
+            for k, v in zip(self.layer_keys, self.layer_values, strict=True)
+            if kernel_ready
+        )
         # Per slot: positions [0, n) have been written or zeroed at least once, so hold finite
         # values. Writes always start at the slot's length, so this is at least that length.
         self._finite_len = [0] * max_num_seqs

@@ -186,6 +186,12 @@ class LlamaRuntime:
         # The block kernel rotates q and k and stores k and v itself where attention runs
         # through the row-invariant kernel: it takes cos and sin in float32, [S, hd / 2, 2].
         self._block = None
+        # The row-invariant attention in C where the kernel library has its vector path (the
+        # numba kernel computes the same bits, slower).
+        c_attention = kernel() if invariant_attention else None
+        self._attention_kernel = (
+            c_attention if c_attention and c_attention.attention_vectorized else None
+        )
         wqkv = self._layers[0].wqkv if self._layers else None
         if isinstance(wqkv, BlockLinear) and invariant_attention:
             self._block = wqkv.kernel
@@ -194,8 +200,6 @@ class LlamaRuntime:
                 half = rope_tables(inv_freq, max_seq_len, torch.float32)[:, :, 0]
                 half = half[..., : dims.head_dim // 2]  # [2, S, hd / 2]: cos, sin
                 self._rope_pairs.append(half.permute(1, 2, 0).contiguous())
-            layer_caches = list(zip(self._cache.layer_keys, self._cache.layer_values, strict=True))
-            self._cache_structs = [self._block.cache_struct(k, v) for k, v in layer_caches]
         self._rep = dims.num_heads // dims.num_kv_heads
         self._qk_width = (dims.num_heads + dims.num_kv_heads) * dims.head_dim
         self._v_width = dims.num_kv_heads * dims.head_dim
@@ -264,7 +268,7 @@ class LlamaRuntime:
         attention: Attention
         args = (self._cache, slots, starts, num_new, self._rep, self._scoring)
         if self.invariant_attention:
-            attention = KernelAttention(*args)
+            attention = KernelAttention(*args, kernel=self._attention_kernel)
         elif len(slots) == 1:
             attention = OneSequenceAttention(
                 self._cache, slots[0], starts[0], num_new[0], self._rep, self._scoring
@@ -336,7 +340,7 @@ class LlamaRuntime:
                 self._rope_pairs[layer.rope],
                 attention.token_slots,
                 attention.positions,
-                self._cache_structs[i],
+                self._cache.kernel_layouts[i],
             )
             if (
                 isinstance(wqkv, BlockLinear)

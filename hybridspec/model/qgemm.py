@@ -36,6 +36,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hybridspec.model.gguf import default_cache_dir
@@ -51,7 +52,9 @@ from hybridspec.model.quant import (
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = (_CSRC / "qgemm.c", _CSRC / "attention.c")  # and the header they share
+HEADERS = (_CSRC / "cache_layout.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
 _X_DTYPES = (torch.bfloat16, torch.float32)
@@ -109,6 +112,8 @@ _SIGNATURES = {
     ],
     "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
     "hs_dequant_rows": [*(_ptr,) * 9, _int, _int, _i64, _ptr, _i64, _ptr],
+    # q, H, KV, hd, cache, f32, items, num_items, scale, softcap, window, out
+    "hs_attend": [_ptr, *(_i64,) * 3, _CACHE, _int, _ptr, _i64, *(ctypes.c_float,) * 2, _i64, _ptr],
     # qkv, T, H, KV, hd, rope, slots, positions, cache, q_out
     "hs_rope_store": [*(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr), _CACHE, _ptr],
 }
@@ -132,7 +137,9 @@ def build(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> P
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     flags = (*FLAGS, *extra_flags)
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in (*SOURCES, *HEADERS):
+        digest.update(source.read_bytes())
     digest.update(" ".join((shutil.which(cc) or cc, *flags)).encode())
     folder = (cache_dir or default_cache_dir()) / "kernels"
     target = folder / f"qgemm-{digest.hexdigest()[:16]}.so"
@@ -143,13 +150,13 @@ def build(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> P
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *flags, "-o", scratch, str(SOURCE), "-lm"],
+            [cc, *flags, "-o", scratch, *map(str, SOURCES), "-lm"],
             capture_output=True,
             text=True,
             check=False,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()}")
+            raise RuntimeError(f"{cc} failed to build the kernel: {done.stderr.strip()}")
         os.replace(scratch, target)  # atomic: a concurrent build finds a whole library
     finally:
         if os.path.exists(scratch):
@@ -165,11 +172,14 @@ class Kernel:
         self._lib = ctypes.CDLL(str(path))
         for name, argtypes in _SIGNATURES.items():
             getattr(self._lib, name).argtypes = argtypes
-        for name in ("hs_qgemm", "hs_qgemm_w", "hs_mlp_block", "hs_attn_in"):
+        for name in ("hs_qgemm", "hs_qgemm_w", "hs_mlp_block", "hs_attn_in", "hs_attend"):
             getattr(self._lib, name).restype = ctypes.c_int
         self._lib.hs_isa.restype = ctypes.c_char_p
         self.path = path
         self.isa: str = self._lib.hs_isa().decode()
+        # The attention's vector path (AVX-512); without it the portable C is slower than the
+        # numba kernel of the same bits, which ``attention.KernelAttention`` then runs instead.
+        self.attention_vectorized = bool(self._lib.hs_attend_vectorized())
 
     def max_threads(self) -> int:
         return int(self._lib.hs_max_threads())
@@ -355,6 +365,39 @@ class Kernel:
             positions.contiguous(),
             self.cache_struct(keys, values),
         )
+
+    def attend_unchecked(
+        self,
+        q: torch.Tensor,  # [T, H, hd] float32, contiguous
+        num_kv: int,
+        cache: ctypes._Pointer[CacheLayout],  # the layer's keys and values, this batch's stored
+        cache_f32: bool,  # the cache holds float32 (else bfloat16)
+        items: np.ndarray,  # int32 [n, 5], attention_kernels.ITEM_COLUMNS
+        scale: float,
+        softcap: float,
+        window: int,
+    ) -> torch.Tensor:
+        """``attention_kernels.attend`` in C (csrc/attention.c, the same bits), for the runtime,
+        which builds every argument to fit: ``[T, H, hd]`` float32."""
+        _, num_heads, head_dim = q.shape
+        out = torch.empty_like(q)
+        status = self._lib.hs_attend(
+            q.data_ptr(),
+            num_heads,
+            num_kv,
+            head_dim,
+            cache,
+            cache_f32,
+            items.ctypes.data,
+            items.shape[0],
+            scale,
+            softcap,
+            window,
+            out.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("attend: no scratch memory")
+        return out
 
     @staticmethod
     def cache_struct(keys: torch.Tensor, values: torch.Tensor) -> ctypes._Pointer[CacheLayout]:

@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cache_layout.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -568,15 +570,6 @@ int hs_mlp_block(const qweight_t *wo, const qweight_t *w_gate_up, const qweight_
     free(gate_up);
     return failed ? -1 : 0;
 }
-
-/* One layer's cache as hs_rope_store reads it (``hybridspec.model.qgemm.CacheLayout``): built
- * once per layer, since the cache's tensors stay where they are. */
-typedef struct {
-    uint16_t *keys;
-    int64_t ks_slot, ks_head, ks_dim;
-    uint16_t *values;
-    int64_t vs_slot, vs_head, vs_pos;
-} cache_layout_t;
 
 /* The attention's inputs from the fused q/k/v projection ``qkv [T, (H + 2 KV) hd]`` bfloat16:
  * q and k rotated by rope (rotate-half convention, float32: out[i] = x[i] c - x[i + hd/2] s,
