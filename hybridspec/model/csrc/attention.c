@@ -11,7 +11,7 @@
  *     tree (``softmax_weights``);
  *   out[d] = (fma chain over positions j in order of e_j v[j, d], from 0) * (1 / sum).
  * Vector lanes hold different positions (scores) or dims (values), never parts of one sum, so
- * the AVX-512 path and the portable one give the same bits; rows share key and value loads but
+ * the AVX-512, AVX2 and portable paths give the same bits; rows share key and value loads but
  * not sums, so a row's result does not depend on the rows beside it, the items, or the threads.
  *
  * Items (int32 ``[n, 5]``: slot, key/value head, first token in q, its position, tokens) are
@@ -27,6 +27,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
 #include <immintrin.h>
 #define HA_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HA_AVX2 1
 #endif
 
 #define LANES 16
@@ -100,6 +103,26 @@ static inline __m512 att_soft_cap16(__m512 x, float cap) {
 }
 #endif
 
+#if defined(HA_AVX2)
+/* att_exp on 8 lanes: the same operations in the same order, lane by lane. */
+static inline __m256 att_exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _mm256_set1_ps(0.5f));
+    n = _mm256_round_ps(n, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(1.9875691500e-4f), r),
+                             _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 /* row[:length] becomes softcap tanh(row / softcap) where softcap > 0. */
 static void soft_cap_row(float *row, int64_t length, float softcap) {
     int64_t j = 0;
@@ -127,6 +150,14 @@ static float softmax_weights(float *row, int64_t first, int64_t length) {
     for (int64_t j0 = 0; j0 < blocked; j0 += LANES)
         vmax = _mm512_max_ps(_mm512_loadu_ps(row + j0), vmax);
     _mm512_storeu_ps(lanes, vmax);
+#elif defined(HA_AVX2)
+    __m256 lo = _mm256_loadu_ps(lanes), hi = _mm256_loadu_ps(lanes + 8);
+    for (int64_t j0 = 0; j0 < blocked; j0 += LANES) {
+        lo = _mm256_max_ps(_mm256_loadu_ps(row + j0), lo);
+        hi = _mm256_max_ps(_mm256_loadu_ps(row + j0 + 8), hi);
+    }
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
 #else
     for (int64_t j0 = 0; j0 < blocked; j0 += LANES)
         for (int l = 0; l < LANES; l++)
@@ -141,6 +172,10 @@ static float softmax_weights(float *row, int64_t first, int64_t length) {
     __m512 vtop = _mm512_set1_ps(top);
     for (; j + 16 <= length; j += 16)
         _mm512_storeu_ps(row + j, att_exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), vtop)));
+#elif defined(HA_AVX2)
+    __m256 vtop = _mm256_set1_ps(top);
+    for (; j + 8 <= length; j += 8)
+        _mm256_storeu_ps(row + j, att_exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), vtop)));
 #endif
     for (; j < length; j++)
         row[j] = att_exp(row[j] - top);
@@ -153,6 +188,14 @@ static float softmax_weights(float *row, int64_t first, int64_t length) {
     for (int64_t j0 = 0; j0 < blocked; j0 += LANES)
         vsum = _mm512_add_ps(vsum, _mm512_loadu_ps(row + j0));
     _mm512_storeu_ps(lanes, vsum);
+#elif defined(HA_AVX2)
+    __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < blocked; j0 += LANES) {
+        sum_lo = _mm256_add_ps(sum_lo, _mm256_loadu_ps(row + j0));
+        sum_hi = _mm256_add_ps(sum_hi, _mm256_loadu_ps(row + j0 + 8));
+    }
+    _mm256_storeu_ps(lanes, sum_lo);
+    _mm256_storeu_ps(lanes + 8, sum_hi);
 #else
     for (int64_t j0 = 0; j0 < blocked; j0 += LANES)
         for (int l = 0; l < LANES; l++)
@@ -235,6 +278,90 @@ static inline __attribute__((always_inline)) void values_tile(
 }
 #endif
 
+/* scores[m * ld + j] for rows [0, rows) and positions [j_lo, j_hi), one at a time. */
+static inline void scalar_scores(const float *qs, int64_t rows, int64_t hd, const char *keys,
+                                 int64_t ks_dim, int f32, int64_t j_lo, int64_t j_hi, float *scores,
+                          int64_t ld) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t j = j_lo; j < j_hi; j++) {
+            float s = 0.0f;
+            for (int64_t d = 0; d < hd; d++)
+                s = fmaf(qs[m * hd + d], att_widen(keys, f32, d * ks_dim + j), s);
+            scores[m * ld + j] = s;
+        }
+}
+
+/* acc[m * hd + d] for rows [0, rows) and dims [d_lo, hd), one at a time. */
+static inline void scalar_values(const float *w, int64_t rows, int64_t ld, const int64_t *lengths,
+                          const char *values, int64_t vs_pos, int f32, int64_t d_lo, int64_t hd,
+                          float *acc) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t d = d_lo; d < hd; d++) {
+            float s = 0.0f;
+            for (int64_t j = 0; j < lengths[m]; j++)
+                s = fmaf(w[m * ld + j], att_widen(values, f32, j * vs_pos + d), s);
+            acc[m * hd + d] = s;
+        }
+}
+
+#if defined(HA_AVX2)
+static inline __m256 load8(const char *p, int f32) {
+    if (f32)
+        return _mm256_loadu_ps((const float *)p);
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* scores_tile's AVX2 form: ``nr`` (<= 4) rows and 16 whole positions. */
+static inline __attribute__((always_inline)) void scores_tile8(
+    const float *qs, int64_t hd, const char *keys, int64_t dim_bytes, int f32, int nr,
+    float *scores, int64_t ld) {
+    __m256 acc[4][2];
+    int64_t half = f32 ? 32 : 16;
+    for (int r = 0; r < nr; r++)
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d++) {
+        const char *k = keys + d * dim_bytes;
+        __m256 k0 = load8(k, f32), k1 = load8(k + half, f32);
+        for (int r = 0; r < nr; r++) {
+            __m256 a = _mm256_set1_ps(qs[r * hd + d]);
+            acc[r][0] = _mm256_fmadd_ps(a, k0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, k1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        _mm256_storeu_ps(scores + r * ld, acc[r][0]);
+        _mm256_storeu_ps(scores + r * ld + 8, acc[r][1]);
+    }
+}
+
+/* values_tile's AVX2 form: ``nr`` (<= 2) rows and 32 whole dims. */
+static inline __attribute__((always_inline)) void values_tile8(
+    const float *w, int64_t ld, const char *values, int64_t pos_bytes, int f32, int64_t j_lo,
+    int64_t j_hi, int nr, float *acc, int64_t hd) {
+    __m256 a[2][4];
+    int64_t step = f32 ? 32 : 16;
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++)
+            a[r][c] = _mm256_loadu_ps(acc + r * hd + 8 * c);
+    for (int64_t j = j_lo; j < j_hi; j++) {
+        const char *v = values + j * pos_bytes;
+        __m256 v0 = load8(v, f32), v1 = load8(v + step, f32);
+        __m256 v2 = load8(v + 2 * step, f32), v3 = load8(v + 3 * step, f32);
+        for (int r = 0; r < nr; r++) {
+            __m256 p = _mm256_set1_ps(w[r * ld + j]);
+            a[r][0] = _mm256_fmadd_ps(p, v0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(p, v1, a[r][1]);
+            a[r][2] = _mm256_fmadd_ps(p, v2, a[r][2]);
+            a[r][3] = _mm256_fmadd_ps(p, v3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++)
+            _mm256_storeu_ps(acc + r * hd + 8 * c, a[r][c]);
+}
+#endif
+
 /* scores [rows, ld]: the first ``width`` columns of each row, from the keys at ``keys``
  * (position ``start`` of dim 0). */
 static void item_scores(const float *qs, int64_t rows, int64_t hd, const char *keys,
@@ -259,14 +386,24 @@ static void item_scores(const float *qs, int64_t rows, int64_t hd, const char *k
         default: break;
         }
     }
-#else
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t j = 0; j < width; j++) {
-            float s = 0.0f;
-            for (int64_t d = 0; d < hd; d++)
-                s = fmaf(qs[m * hd + d], att_widen(keys, f32, d * ks_dim + j), s);
-            scores[m * ld + j] = s;
+#elif defined(HA_AVX2)
+    int64_t whole = width - width % 16;
+    for (int64_t j0 = 0; j0 < whole; j0 += 16) {
+        const char *k = keys + j0 * es;
+        for (int64_t m = 0; m < rows; m += 4) {
+            float *out = scores + m * ld + j0;
+            switch (rows - m) {
+            case 3: scores_tile8(qs + m * hd, hd, k, ks_dim * es, f32, 3, out, ld); break;
+            case 2: scores_tile8(qs + m * hd, hd, k, ks_dim * es, f32, 2, out, ld); break;
+            case 1: scores_tile8(qs + m * hd, hd, k, ks_dim * es, f32, 1, out, ld); break;
+            default: scores_tile8(qs + m * hd, hd, k, ks_dim * es, f32, 4, out, ld); break;
+            }
         }
+    }
+    scalar_scores(qs, rows, hd, keys, ks_dim, f32, whole, width, scores, ld);
+#else
+    (void)es;
+    scalar_scores(qs, rows, hd, keys, ks_dim, f32, 0, width, scores, ld);
 #endif
 }
 
@@ -295,14 +432,26 @@ static void item_values(const float *w, int64_t rows, int64_t ld, const int64_t 
                             am + r * hd, hd);
         }
     }
-#else
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t d = 0; d < hd; d++) {
-            float s = 0.0f;
-            for (int64_t j = 0; j < lengths[m]; j++)
-                s = fmaf(w[m * ld + j], att_widen(values, f32, j * vs_pos + d), s);
-            acc[m * hd + d] = s;
+#elif defined(HA_AVX2)
+    int64_t whole = hd - hd % 32;
+    for (int64_t d0 = 0; d0 < whole; d0 += 32) {
+        const char *v = values + d0 * es;
+        for (int64_t m = 0; m < rows; m += 2) {
+            const float *wm = w + m * ld;
+            float *am = acc + m * hd + d0;
+            if (rows - m >= 2) {
+                values_tile8(wm, ld, v, vs_pos * es, f32, 0, lengths[m], 2, am, hd);
+                values_tile8(wm + ld, ld, v, vs_pos * es, f32, lengths[m], lengths[m + 1], 1,
+                             am + hd, hd);
+            } else {
+                values_tile8(wm, ld, v, vs_pos * es, f32, 0, lengths[m], 1, am, hd);
+            }
         }
+    }
+    scalar_values(w, rows, ld, lengths, values, vs_pos, f32, whole, hd, acc);
+#else
+    (void)es;
+    scalar_values(w, rows, ld, lengths, values, vs_pos, f32, 0, hd, acc);
 #endif
 }
 
@@ -378,9 +527,9 @@ int hs_attend(const float *q, int64_t H, int64_t KV, int64_t hd, const cache_lay
     return failed ? -1 : 0;
 }
 
-/* 1 where hs_attend runs its AVX-512 path, 0 where it runs the portable C. */
+/* 1 where hs_attend runs a vector path (AVX-512 or AVX2), 0 where it runs the portable C. */
 int hs_attend_vectorized(void) {
-#if defined(HA_AVX512)
+#if defined(HA_AVX512) || defined(HA_AVX2)
     return 1;
 #else
     return 0;
