@@ -7,8 +7,9 @@ weights leave near ties that summation order may break either way).
 
 Needs the converter (``HYBRIDSPEC_CONVERTER``: a llama.cpp checkout's convert_hf_to_gguf.py,
 run with its gguf-py beside it), ``llama_cpp`` and the embedded model's tokenizer; skipped
-without them (CI has none). Gemma and Phi-3, whose vocabularies llama.cpp reads as
-SentencePiece: ``test_gemma_llamacpp`` and ``test_phi3_llamacpp``.
+without them (CI has none). Gemma, whose converter wants a SentencePiece vocabulary, and
+Phi-3, for which llama.cpp wants Phi-3's special tokens: ``test_gemma_llamacpp`` and
+``test_phi3_llamacpp``.
 """
 
 from __future__ import annotations

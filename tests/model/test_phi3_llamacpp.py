@@ -1,9 +1,11 @@
 """Phi-3 through llama.cpp's own converter and against llama.cpp, with Phi-3's kind of
-vocabulary: llama.cpp reads a ``phi3`` file's vocabulary as SentencePiece only (byte tokens
-such as ``<0x0A>``), so the tiny checkpoint carries a SentencePiece model trained here (byte
-fallback; Llama's special ids: unk 0, bos 1, eos 2) with Phi-3's added special tokens after
-the pieces (``<|endoftext|>`` the model's eos, ``<|assistant|>``, ``<|system|>``, ``<|end|>``,
-``<|user|>``) and Phi-3's chat template, as Phi-3-mini's checkpoints ship them.
+vocabulary. llama.cpp sets token attributes by the model's name: for a ``general.name``
+holding "phi3" or "phi-3" it looks up ``</s>``, ``<unk>``, ``<s>`` and ``<|endoftext|>`` by
+text (``token_to_id.at``, llama-vocab.cpp) and fails to load a vocabulary without them
+("unordered_map::at"), as SmolLM2's BPE one. So the tiny checkpoint carries what Phi-3-mini's
+do: a SentencePiece model trained here (byte fallback; Llama's special ids: unk 0, bos 1,
+eos 2) with Phi-3's added special tokens after the pieces (``<|endoftext|>`` the model's eos,
+``<|assistant|>``, ``<|system|>``, ``<|end|>``, ``<|user|>``) and Phi-3's chat template.
 
 As ``test_gemma_llamacpp``: F32 and Q8_0 by ``convert_hf_to_gguf.py``, Q4_K_M by
 ``llama_cpp.llama_model_quantize``; every file loads with default settings, and on F32 our
