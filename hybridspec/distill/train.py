@@ -100,7 +100,8 @@ def distill_parts(model: LoadedModel, dtype: torch.dtype, device: str = "cpu") -
     parts = target_parts(model)
     embed = parts.embed.to(device=device, dtype=dtype)
     lm_head = embed if parts.lm_head is parts.embed else parts.lm_head.to(device, dtype)
-    return TargetParts(embed, parts.norm.to(device=device, dtype=dtype), lm_head)
+    norm = parts.norm.to(device=device, dtype=dtype)
+    return TargetParts(embed, norm, lm_head, parts.final_softcap)
 
 
 def draft_vocabulary(sequences: list[Sequence_], size: int, eos: tuple[int, ...]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridspec import Engine, GenerationParams
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
 from hybridspec.config import EagleConfig
 from hybridspec.distill.data import (
@@ -42,6 +43,7 @@ from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers.eagle import EagleHead, load_head, save_head
 from tests.conftest import tiny_tokenizer
 from tests.engine.tiny import EOS, PROMPTS, make_engine, plain, tiny_loaded
+from tests.model.test_family_proposers import family_loaded
 from tests.proposers.eagle_helpers import use_head
 
 
@@ -60,15 +62,30 @@ def own_sequences(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The tiny target's own greedy continuations of random prompts, with the features of
     ``layers`` (on the CPU, as the data shards hold them)."""
-    engine = make_engine(target)
+    engine = make_engine(target, max_num_seqs=12)
     reader = FeatureReader(target, 256, layers)
     rng = random.Random(0)
+    prompts = [[rng.randrange(1, EOS) for _ in range(rng.randint(3, 12))] for _ in range(12)]
+    answers = in_one_batch(engine, prompts, GenerationParams(max_new_tokens=40, proposer="none"))
     out = []
-    for _ in range(12):
-        prompt = [rng.randrange(1, EOS) for _ in range(rng.randint(3, 12))]
-        ids = prompt + plain(engine, prompt, 40)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        ids = prompt + answer
         out.append((torch.tensor(ids, dtype=torch.int32), reader(ids).cpu().to(torch.bfloat16)))
     return out
+
+
+def in_one_batch(
+    engine: Engine, prompts: list[list[int]], params: GenerationParams
+) -> list[list[int]]:
+    """The tokens ``engine`` generates for ``prompts``, all running at once."""
+    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(prompts)}
+    results: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                assert output.result is not None
+                results[ids[output.request_id]] = output.result.token_ids
+    return [results[i] for i in range(len(prompts))]
 
 
 def new_head(
@@ -103,18 +120,37 @@ def test_training_lowers_the_loss_and_the_head_drafts(
     assert drafts_losslessly(target, head) > 0
 
 
-def drafts_losslessly(target: LoadedModel, head: EagleHead) -> int:
+def drafts_losslessly(target: LoadedModel, head: EagleHead, batched: bool = False) -> int:
     """Drafts kept when ``head`` drafts for ``PROMPTS`` through the engine, each text checked
-    against plain decoding's."""
+    against plain decoding's; with ``batched``, all of them in one batch as well."""
     engine = make_engine(target, eagle=EagleConfig(cost_per_token=0.0))
     proposer = use_head(engine, head.eval())
     assert proposer.feature_layers == head.feature_layers
     drafted = 0
-    for prompt in PROMPTS:
+    expected = [plain(engine, prompt, 30) for prompt in PROMPTS]
+    for prompt, tokens in zip(PROMPTS, expected, strict=True):
         result = engine.generate(prompt_token_ids=prompt, proposer="eagle", max_new_tokens=30)
-        assert result.token_ids == plain(engine, prompt, 30)
+        assert result.token_ids == tokens
         drafted += result.stats.draft_tokens_accepted
+    if batched:
+        params = GenerationParams(max_new_tokens=30, proposer="eagle")
+        assert in_one_batch(engine, [list(p) for p in PROMPTS], params) == expected
     return drafted
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_a_head_for_another_family_trains_and_drafts_alone_and_batched(
+    family: str, tmp_path: Path
+) -> None:
+    # Qwen3's q/k norms, Gemma 3's (1 + w) norms, post-norms and windows of 8 keys: the
+    # features the head learns from are that family's, and its drafts leave the text as it is
+    target = family_loaded(family)
+    seqs = own_sequences(target)
+    head = new_head(target, seqs)
+    losses: list[float] = []
+    train(head, seqs[4:], OPTIONS, tmp_path, lambda s: losses.append(s.last_loss))
+    assert sum(losses[-5:]) < 0.9 * sum(losses[:5])
+    assert drafts_losslessly(target, head, batched=True) > 0
 
 
 def test_a_head_of_several_layers_trains_from_the_last_layers_head_and_drafts(

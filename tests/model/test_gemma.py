@@ -177,3 +177,26 @@ def test_gemma_configurations_outside_the_family_name_the_reason() -> None:
     assert "model_type is 'gemma3'" in str(native_support_problem(multimodal))
     scaled = LlamaDims.from_hf_config(family_config("gemma2", 300, query_pre_attn_scalar=24))
     assert scaled.attn_scale == 24**-0.5 and scaled.attn_softcap == 2.0
+
+
+def test_the_eagle_heads_logits_on_gemma2_are_the_targets_soft_capped_ones() -> None:
+    from hybridspec.distill.data import FeatureReader
+    from hybridspec.model.loader import LoadedModel
+    from tests.proposers.eagle_helpers import random_head
+
+    model = tiny_family("gemma2", seed=13)  # final_logit_softcapping 10
+    with torch.no_grad():  # logits well beyond the cap, where capping changes them most
+        model.lm_head.weight.mul_(8)
+    weights = LlamaWeights.from_hf_state_dict(model.state_dict(), model.config, dtype=torch.float32)
+    config = model.config
+    target = LoadedModel(weights, None, config, torch.float32, (1,), "tiny-gemma2")  # type: ignore[arg-type]
+    head = random_head(target, TINY_VOCAB_SIZE)  # the whole vocabulary: its logits are V wide
+    assert head.parts.final_softcap == 10.0
+    ids = random_ids(20, seed=14)
+    features = FeatureReader(target, 64)(ids)[:, 0]  # the last layer's outputs, [n, D]
+    expected = reference_logits(model, ids)  # transformers' Gemma 2: capped at 10
+    with torch.no_grad():
+        logits = head.logits(features)
+        uncapped = torch.nn.functional.linear(head.target_norm(features), head.draft_lm_head)
+    assert (logits - expected).abs().max().item() <= TOLERANCE
+    assert uncapped.abs().max().item() > 2 * 10.0  # without the cap: other logits

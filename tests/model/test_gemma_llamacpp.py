@@ -13,8 +13,6 @@ Needs the converter, ``llama_cpp`` and ``sentencepiece``; skipped without them (
 
 from __future__ import annotations
 
-import io
-import json
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from hybridspec.config import ModelConfig
 from hybridspec.engine import Engine
 from hybridspec.model.families import FAMILIES
 from hybridspec.model.loader import load_model
+from tests.model.spm_vocab import SpmVocabulary, write_spm_tokenizer
 from tests.model.test_families_llamacpp import (
     NEW_TOKENS,
     PROMPTS,
@@ -33,7 +32,7 @@ from tests.model.test_families_llamacpp import (
 )
 from tests.model.tiny_families import GGUF_READY, tiny_family
 
-spm = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed")
+pytest.importorskip("sentencepiece", reason="sentencepiece is not installed")
 
 # Gemma's own template (its chat turns; the system turn folded into the first user turn).
 CHAT_TEMPLATE = (
@@ -42,37 +41,10 @@ CHAT_TEMPLATE = (
     "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
-_TEXT = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Once upon a time there was a king who had three daughters.",
-    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10",
-    "def main():\n    print('hello world')\n    return 0",
-]
-
-
-def write_spm_tokenizer(folder: Path) -> int:
-    """A tiny SentencePiece vocabulary in ``folder`` as Gemma's checkpoints ship theirs
-    (tokenizer.model and tokenizer_config.json); returns its size."""
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_TEXT * 20),
-        model_writer=model,
-        vocab_size=400,
-        model_type="bpe",
-        byte_fallback=True,
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
-        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
-        character_coverage=1.0,
-        add_dummy_prefix=False,
-        remove_extra_whitespaces=False,
-        minloglevel=2,
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tokenizer.model").write_bytes(model.getvalue())
-    config = {
+GEMMA_VOCABULARY = SpmVocabulary(
+    special_ids={"pad_id": 0, "eos_id": 1, "bos_id": 2, "unk_id": 3},
+    user_symbols=("<start_of_turn>", "<end_of_turn>"),
+    config={
         "tokenizer_class": "GemmaTokenizer",
         "bos_token": "<s>",
         "eos_token": "</s>",
@@ -80,9 +52,8 @@ def write_spm_tokenizer(folder: Path) -> int:
         "unk_token": "<unk>",
         "add_bos_token": True,
         "chat_template": CHAT_TEMPLATE,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return 400
+    },
+)
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +64,7 @@ def _private_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_converted_gemma_files_load_and_match_llama_cpp(family: str, tmp_path: Path) -> None:
     folder = tmp_path / family
-    vocab = write_spm_tokenizer(folder)
+    vocab = write_spm_tokenizer(folder, GEMMA_VOCABULARY)
     layers = {"num_hidden_layers": 6, "layer_types": None} if family == "gemma3" else {}
     model = tiny_family(family, seed=0, vocab_size=vocab, **GGUF_READY.get(family, {}), **layers)
     with torch.no_grad():  # sharper logits: fewer near ties between the two implementations

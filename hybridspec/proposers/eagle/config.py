@@ -92,6 +92,10 @@ class TargetParts:
     embed: torch.Tensor  # [V, D]
     norm: torch.Tensor  # [D], the target's final norm
     lm_head: torch.Tensor  # [V, D]
+    # the target's logits are ``c * tanh(logits / c)`` (Gemma 2's final_logit_softcapping);
+    # 0: none. The head's logits are capped alike, so that its draft distribution is shaped
+    # as the target's is
+    final_softcap: float = 0.0
 
 
 def target_fingerprint(embed: torch.Tensor) -> str:

@@ -141,14 +141,14 @@ class EagleHead(DecoderLayerHead):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary ``[..., S]`` of features ``[..., D]`` (the target's
-        final norm, unless the features are normed already, and its LM head rows; for the
-        target's own features, its logits there)."""
+        final norm, unless the features are normed already, its LM head rows and its final
+        soft cap; for the target's own features, its logits there)."""
         h = features.to(self.draft_lm_head.dtype)
         if not self.config.normed_features:
             h = self.target_norm(h)
-        if self.draft_lm is not None:
-            return self.draft_lm(h)
-        return F.linear(h, self.draft_lm_head)
+        lm = self.draft_lm
+        logits = lm(h) if lm is not None else F.linear(h, self.draft_lm_head)
+        return softcap(logits, self.parts.final_softcap)
 
     def target_norm(self, features: torch.Tensor) -> torch.Tensor:
         """The target's final RMSNorm of ``features [..., D]``."""
@@ -171,3 +171,9 @@ class EagleHead(DecoderLayerHead):
         """Predicted features of each drafting step, as drafting meets them: the training-time
         unroll (``training.unrolled``)."""
         return unrolled(self, features, next_token_ids, num_steps)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(logits / cap)``, as the target caps its logits (``TargetParts``); the
+    logits as they are for ``cap`` 0."""
+    return torch.tanh(logits / cap) * cap if cap > 0 else logits

@@ -61,14 +61,15 @@ TIMING_REPEATS = 5
 
 
 def target_parts(model: LoadedModel) -> TargetParts:
-    """The target's embedding, final norm and LM head, as the head borrows them."""
+    """The target's embedding, final norm, LM head and final soft cap, as the head borrows
+    them."""
     weights = model.weights
     if isinstance(weights, LlamaWeights):  # quantized matrices dequantized (tied: once)
         table = dense(weights.embed, weights.dtype)
         lm_head = (
             table if weights.lm_head is weights.embed else dense(weights.lm_head, weights.dtype)
         )
-        return TargetParts(table, weights.norm, lm_head)
+        return TargetParts(table, weights.norm, lm_head, weights.dims.final_softcap)
     embed = weights.get_input_embeddings()
     head = weights.get_output_embeddings()
     norm = getattr(getattr(weights, "model", None), "norm", None)
@@ -83,7 +84,9 @@ def target_parts(model: LoadedModel) -> TargetParts:
         weight = module.weight
         assert isinstance(weight, torch.Tensor)
         tensors.append(weight.detach())
-    return TargetParts(*tensors)
+    cap = getattr(model.hf_config.get_text_config(), "final_logit_softcapping", None)
+    embed_weight, norm_weight, head_weight = tensors
+    return TargetParts(embed_weight, norm_weight, head_weight, float(cap or 0.0))
 
 
 def find_head(configured: str | None, parts: TargetParts) -> Path:
