@@ -1,5 +1,6 @@
-"""The forward's CPU threads: torch's intra-op threads, which the block kernel follows (it runs
-on torch's OpenMP runtime, ``qgemm``), and numba's, which the attention kernel runs on.
+"""The forward's CPU threads: torch's intra-op threads, which the block kernel and its attention
+follow (they run on torch's OpenMP runtime, ``qgemm``), and numba's, which the n-gram kernels
+and the numba attention (where the library has no vector path) run on.
 
 Both settings hold for the thread that makes them: torch applies its number to each new thread
 on that thread's first parallel work, while numba's is the calling thread's alone. So they are
