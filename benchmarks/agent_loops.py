@@ -170,6 +170,11 @@ def answer_of(response: httpx.Response) -> Answer:
     return Answer(kind, int(body["usage"]["completion_tokens"]), seconds)
 
 
+def bound() -> dict[str, int]:
+    """``max_tokens`` as a keyword, only when set: a framework's default sends none."""
+    return {} if MAX_TOKENS[0] is None else {"max_tokens": MAX_TOKENS[0]}
+
+
 Loop = Callable[[str, str, str, Recorder], None]  # base URL, model, prompt, recorder
 
 
@@ -181,7 +186,7 @@ def run_openai(base: str, model: str, prompt: str, rec: Recorder) -> None:
     )
     messages: list[Any] = [{"role": "user", "content": prompt}]
     answer = client.chat.completions.create(
-        model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS[0]
+        model=model, messages=messages, tools=[WEATHER_TOOL], **bound()
     )
     message = answer.choices[0].message
     if not message.tool_calls:
@@ -190,9 +195,7 @@ def run_openai(base: str, model: str, prompt: str, rec: Recorder) -> None:
     for call in message.tool_calls:
         city = json.loads(call.function.arguments).get("city", "")
         messages.append({"role": "tool", "tool_call_id": call.id, "content": weather(city)})
-    client.chat.completions.create(
-        model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS[0]
-    )
+    client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], **bound())
 
 
 def run_langchain(base: str, model: str, prompt: str, rec: Recorder) -> None:
@@ -278,7 +281,7 @@ def run_instructor(base: str, model: str, prompt: str, rec: Recorder) -> None:
         model=model,
         response_model=Iterable[Weather],
         messages=[{"role": "user", "content": prompt}],
-        max_tokens=MAX_TOKENS[0],
+        **bound(),
     )
     list(found)
 
