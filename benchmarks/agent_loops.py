@@ -64,6 +64,8 @@ MAX_TURNS = 3
 # Each request's max_tokens (--max-tokens; None: not set, the server's default): bounds a
 # rambling text answer.
 MAX_TOKENS: list[int | None] = [256]
+# Each client's timeout in seconds (--timeout).
+TIMEOUT = [600.0]
 PROMPTS = (
     "What is the weather in Paris?",
     "Use the weather tool to look up the weather in Tokyo.",
@@ -105,16 +107,31 @@ class Weather(BaseModel):
     city: str = Field(description="the city")
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One chat request's answer: ``call``, ``text``, ``length`` (cut by max_tokens or the
+    context) or ``HTTP <status>``; its completion tokens and seconds."""
+
+    kind: str
+    completion_tokens: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.completion_tokens}t/{self.seconds:.0f}s"
+
+
 @dataclass
 class Recorder:
     """What each chat request of the current try answered (the httpx hooks fill it)."""
 
     first: list[str] = field(default_factory=list)  # "call", "text" or "HTTP <status>"
     next_statuses: list[int] = field(default_factory=list)
+    answers: list[Answer] = field(default_factory=list)  # every request's, in order
 
     def record(self, request: httpx.Request, response: httpx.Response) -> None:
         if not request.url.path.endswith("/chat/completions"):
             return
+        self.answers.append(answer_of(response))
         body = json.loads(request.content or b"{}")
         if any(m.get("role") == "tool" for m in body.get("messages", [])):
             self.next_statuses.append(response.status_code)
@@ -132,14 +149,30 @@ class Recorder:
             response.read()
             self.record(response.request, response)
 
-        return httpx.Client(event_hooks={"response": [hook]}, timeout=600)
+        return httpx.Client(event_hooks={"response": [hook]}, timeout=TIMEOUT[0])
 
     def async_client(self) -> httpx.AsyncClient:
         async def hook(response: httpx.Response) -> None:
             await response.aread()
             self.record(response.request, response)
 
-        return httpx.AsyncClient(event_hooks={"response": [hook]}, timeout=600)
+        return httpx.AsyncClient(event_hooks={"response": [hook]}, timeout=TIMEOUT[0])
+
+
+def answer_of(response: httpx.Response) -> Answer:
+    seconds = response.elapsed.total_seconds()
+    if response.status_code != 200:
+        return Answer(f"HTTP {response.status_code}", 0, seconds)
+    body = response.json()
+    choice = body["choices"][0]
+    kind = "call" if choice["message"].get("tool_calls") else "text"
+    kind = "length" if choice["finish_reason"] == "length" else kind
+    return Answer(kind, int(body["usage"]["completion_tokens"]), seconds)
+
+
+def bound() -> dict[str, int]:
+    """``max_tokens`` as a keyword, only when set: a framework's default sends none."""
+    return {} if MAX_TOKENS[0] is None else {"max_tokens": MAX_TOKENS[0]}
 
 
 Loop = Callable[[str, str, str, Recorder], None]  # base URL, model, prompt, recorder
@@ -148,10 +181,12 @@ Loop = Callable[[str, str, str, Recorder], None]  # base URL, model, prompt, rec
 def run_openai(base: str, model: str, prompt: str, rec: Recorder) -> None:
     from openai import OpenAI
 
-    client = OpenAI(base_url=base, api_key=KEY, max_retries=0, http_client=rec.client())
+    client = OpenAI(
+        base_url=base, api_key=KEY, max_retries=0, timeout=TIMEOUT[0], http_client=rec.client()
+    )
     messages: list[Any] = [{"role": "user", "content": prompt}]
     answer = client.chat.completions.create(
-        model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS[0]
+        model=model, messages=messages, tools=[WEATHER_TOOL], **bound()
     )
     message = answer.choices[0].message
     if not message.tool_calls:
@@ -160,9 +195,7 @@ def run_openai(base: str, model: str, prompt: str, rec: Recorder) -> None:
     for call in message.tool_calls:
         city = json.loads(call.function.arguments).get("city", "")
         messages.append({"role": "tool", "tool_call_id": call.id, "content": weather(city)})
-    client.chat.completions.create(
-        model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS[0]
-    )
+    client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], **bound())
 
 
 def run_langchain(base: str, model: str, prompt: str, rec: Recorder) -> None:
@@ -174,6 +207,7 @@ def run_langchain(base: str, model: str, prompt: str, rec: Recorder) -> None:
         base_url=base,
         api_key=KEY,
         max_retries=0,
+        timeout=TIMEOUT[0],
         http_client=rec.client(),
         max_tokens=MAX_TOKENS[0],
     )
@@ -194,7 +228,9 @@ def run_pydantic_ai(base: str, model: str, prompt: str, rec: Recorder) -> None:
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    client = AsyncOpenAI(base_url=base, api_key=KEY, http_client=rec.async_client())
+    client = AsyncOpenAI(
+        base_url=base, api_key=KEY, timeout=TIMEOUT[0], http_client=rec.async_client()
+    )
     agent = Agent(OpenAIChatModel(model, provider=OpenAIProvider(openai_client=client)))
     agent.tool_plain(weather)
     agent.run_sync(
@@ -216,7 +252,13 @@ def run_agents(base: str, model: str, prompt: str, rec: Recorder) -> None:
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
-    client = AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0, http_client=rec.async_client())
+    client = AsyncOpenAI(
+        base_url=base,
+        api_key=KEY,
+        max_retries=0,
+        timeout=TIMEOUT[0],
+        http_client=rec.async_client(),
+    )
     chat_model = OpenAIChatCompletionsModel(model=model, openai_client=client)
     settings = ModelSettings(max_tokens=MAX_TOKENS[0])
     agent = Agent(
@@ -230,14 +272,16 @@ def run_instructor(base: str, model: str, prompt: str, rec: Recorder) -> None:
     from openai import OpenAI
 
     client = instructor.from_openai(
-        OpenAI(base_url=base, api_key=KEY, max_retries=0, http_client=rec.client()),
+        OpenAI(
+            base_url=base, api_key=KEY, max_retries=0, timeout=TIMEOUT[0], http_client=rec.client()
+        ),
         mode=instructor.Mode.PARALLEL_TOOLS,
     )
     found = client.chat.completions.create(
         model=model,
         response_model=Iterable[Weather],
         messages=[{"role": "user", "content": prompt}],
-        max_tokens=MAX_TOKENS[0],
+        **bound(),
     )
     list(found)
 
@@ -276,11 +320,14 @@ def short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:140]}"
 
 
-def run_framework(name: str, base: str, model: str, tries: int, verbose: bool) -> Tally:
+def run_framework(
+    name: str, base: str, model: str, tries: int, verbose: bool, first: int = 0
+) -> Tally:
     tally = Tally()
     start = time.perf_counter()
-    for i in range(tries):
+    for i in range(first, first + tries):
         prompt = PROMPTS[i % len(PROMPTS)]
+        began = time.perf_counter()
         rec = Recorder()
         try:
             LOOPS[name](base, model, prompt, rec)
@@ -290,7 +337,13 @@ def run_framework(name: str, base: str, model: str, tries: int, verbose: bool) -
                 traceback.print_exc()
         tally.first.update(rec.first or ["none"])
         tally.next_statuses.update(rec.next_statuses)
-        print(f"  {name} {i}: {rec.first} next {rec.next_statuses}", file=sys.stderr, flush=True)
+        answers = " ".join(str(a) for a in rec.answers)
+        print(
+            f"  {name} {i}: {rec.first} next {rec.next_statuses}; requests [{answers}]; "
+            f"{time.perf_counter() - began:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     tally.seconds = time.perf_counter() - start
     return tally
 
@@ -332,7 +385,7 @@ def probe(name: str, base: str, model: str, samples: int) -> tuple[int, int, int
     that starts with ``[``), and the counts of each."""
     greedy = sampled = total = 0
     prompts = PLAIN if name == "plain" else PROMPTS
-    with httpx.Client(timeout=600) as client:
+    with httpx.Client(timeout=TIMEOUT[0]) as client:
         for prompt in prompts:
             body = first_request("openai" if name == "plain" else name, model, prompt)
             for n, extra in ((1, {"temperature": 0}), (samples, {})):
@@ -391,9 +444,14 @@ def main() -> None:
         default=MAX_TOKENS[0],
         help="each request's bound; 0: none (instructor raises on a text answer cut short)",
     )
+    parser.add_argument(
+        "--timeout", type=float, default=TIMEOUT[0], help="each client's timeout in seconds"
+    )
+    parser.add_argument("--start", type=int, default=0, help="the first prompt's index")
     parser.add_argument("--verbose", action="store_true", help="print each failure's traceback")
     args = parser.parse_args()
     MAX_TOKENS[0] = args.max_tokens or None
+    TIMEOUT[0] = args.timeout
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the server on a kill too
 
     with server(args.url) as url:
@@ -407,7 +465,8 @@ def main() -> None:
                 print(f"| {name} | {greedy}/{prompts} | {sampled}/{total} |", flush=True)
             return
         tallies = {
-            n: run_framework(n, base, model, args.tries, args.verbose) for n in args.frameworks
+            n: run_framework(n, base, model, args.tries, args.verbose, args.start)
+            for n in args.frameworks
         }
         plain = run_plain(base, model) if args.plain else None
     load = os.getloadavg()

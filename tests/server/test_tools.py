@@ -24,7 +24,7 @@ from hybridspec.server.protocol import (
     Tool,
 )
 from hybridspec.server.structured import AUTO_INSTRUCTION, example_call, tool_messages, tool_plan
-from tests.conftest import save_tiny_llama
+from tests.conftest import TINY_EOS, TINY_IM_END, save_tiny_llama
 from tests.server.conftest import TINY_MODEL_NAME, tiny_engine_config
 from tests.server.helpers import sse_chunks
 from tests.server.test_structured import TOOLS, USER
@@ -103,6 +103,23 @@ def test_a_streamed_auto_answer_is_all_text_or_all_calls(
     else:
         assert not text
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+@pytest.mark.parametrize("stop_token", [TINY_EOS, TINY_IM_END])
+def test_an_auto_text_answer_ends_where_the_model_ends_it(
+    long_client: TestClient, stop_token: int, temperature: float
+) -> None:
+    """The text branch of auto's grammar allows every stop token (EOS and the template's end
+    of turn) after any text: a model that ends its answer ends it, and the answer does not
+    run to max_tokens. Text forced by ``[`` pushed down; the stop token pushed up once
+    ``min_tokens`` lets it through."""
+    bias = {str(OPEN_BRACKET): -100, str(stop_token): 100}
+    choice = auto(long_client, logit_bias=bias, min_tokens=3, temperature=temperature, seed=7)
+    content, calls = answer_of(choice)
+    assert calls is None and content and not content.startswith("[")
+    assert choice["finish_reason"] == "stop"
+    assert len(content.encode()) == 3  # the tiny vocabulary's byte tokens: 3 tokens, 3 bytes
 
 
 def test_the_tools_are_described_with_how_to_call_them(long_client: TestClient) -> None:
