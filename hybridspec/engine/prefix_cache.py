@@ -79,7 +79,7 @@ def physical_memory_bytes() -> int | None:
 
 def default_prefix_cache_mb() -> int:
     """The default budget of resident memory: a thirty-second of the machine's, at most 512 MB
-    (a 3,000-token conversation of SmolLM2-135M keeps about 115 MB)."""
+    (a 3,000-token conversation of SmolLM2-135M at 8,192 positions keeps 78 MiB)."""
     total = physical_memory_bytes()
     if total is None:
         return 256
