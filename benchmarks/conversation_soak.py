@@ -96,6 +96,13 @@ def main() -> None:
                 rest_peak = max(rest_peak, (rss - kv) - (base - kv_base))
                 charged = engine.prefix_cache.stats().resident_bytes / 2**20
                 charged_peak = max(charged_peak, charged)
+                if done % 50 == 0:  # progress, for a run cut short
+                    print(
+                        f"{done} requests, {errors} errors, {time.perf_counter() - began:.0f} s: "
+                        f"charged {charged_peak:.1f} MiB at most, keys and values "
+                        f"{kv_peak:.1f} MiB at most, the rest {rest_peak:.1f} MiB at most",
+                        flush=True,
+                    )
     stats = engine.prefix_cache.stats()
     end, kv_end = resident_mb(), kv_resident_mb(engine)
     slot_mb = kv_bytes_per_token(engine.target) * engine.max_seq_len / 2**20
