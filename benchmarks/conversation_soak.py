@@ -6,10 +6,12 @@ conversations that grow turn by turn and restart, half of them with ``suffix`` a
 ``ngram``, and reports errors, the prefix cache's hits and evictions, its entries against its
 slots, and the process's resident memory after the warm-up and at the end (``/proc``, Linux).
 
-Memory is checked against the budgets: the keys and values resident (``KVCache.resident_bytes``
-summed over every slot, free or not, since a written page stays resident) may grow by at most
-the running requests' slots (``max_num_seqs`` whole slots) plus the prefix cache's budget; the
-rest of the growth (the suffix pools, Python's heap, the allocator) by at most ``--allowance-mb``.
+Memory is checked against the budgets after every finished request: what the prefix cache
+charges (its entries' and the free slots' resident pages) stays within its budget; the keys and
+values resident (``KVCache.resident_bytes`` summed over every slot, running, retained or free)
+within the running requests' slots (``max_num_seqs`` whole slots) plus that budget; and the
+rest of the process's growth (the suffix pools, Python's heap, the allocator) within
+``--allowance-mb``.
 Run from the repository root::
 
     python benchmarks/conversation_soak.py --requests 1000
@@ -61,6 +63,7 @@ def main() -> None:
     histories = [[] for _ in range(args.conversations)]  # type: list[list[int]]
     began, errors, done, peak = time.perf_counter(), 0, 0, 0.0
     base, kv_base = resident_mb(), kv_resident_mb(engine)
+    kv_peak, charged_peak, rest_peak = kv_base, 0.0, 0.0
     pending: dict[str, int] = {}
     submitted = 0
     while done < args.requests:
@@ -78,7 +81,9 @@ def main() -> None:
             )
             pending[engine.add_request(list(history), params)] = which
             submitted += 1
-        for output in engine.step():
+        outputs = engine.step()
+        peak = max(peak, resident_mb())
+        for output in outputs:
             if output.finished:
                 which = pending.pop(output.request_id)
                 done += 1
@@ -86,25 +91,36 @@ def main() -> None:
                     errors += 1
                 elif output.result is not None:
                     histories[which].extend(output.result.token_ids)
-        peak = max(peak, resident_mb())
+                rss, kv = resident_mb(), kv_resident_mb(engine)
+                peak, kv_peak = max(peak, rss), max(kv_peak, kv)
+                rest_peak = max(rest_peak, (rss - kv) - (base - kv_base))
+                charged = engine.prefix_cache.stats().resident_bytes / 2**20
+                charged_peak = max(charged_peak, charged)
+                if done % 50 == 0:  # progress, for a run cut short
+                    print(
+                        f"{done} requests, {errors} errors, {time.perf_counter() - began:.0f} s: "
+                        f"charged {charged_peak:.1f} MiB at most, keys and values "
+                        f"{kv_peak:.1f} MiB at most, the rest {rest_peak:.1f} MiB at most",
+                        flush=True,
+                    )
     stats = engine.prefix_cache.stats()
     end, kv_end = resident_mb(), kv_resident_mb(engine)
     slot_mb = kv_bytes_per_token(engine.target) * engine.max_seq_len / 2**20
-    kv_bound = engine.max_num_seqs * slot_mb + args.prefix_cache_mb
-    within = (
-        kv_end - kv_base <= kv_bound and (peak - base) - (kv_end - kv_base) <= args.allowance_mb
-    )
+    budget_mb = stats.budget_bytes / 2**20
+    kv_bound = engine.max_num_seqs * slot_mb + budget_mb
+    within = charged_peak <= budget_mb and kv_peak <= kv_bound and rest_peak <= args.allowance_mb
     print(
         f"{done} requests in {time.perf_counter() - began:.0f} s, {errors} errors; prefix cache: "
         f"{stats.hits} hits, {stats.hit_tokens} tokens read, {stats.evicted_tokens} evicted, "
-        f"{stats.num_entries}/{engine.prefix_cache.num_slots} entries, "
-        f"{stats.num_cached_tokens} tokens held in {stats.resident_bytes / 2**20:.1f} MiB; "
-        f"resident {base:.0f} MiB after the warm-up, {peak:.0f} MiB at most, {end:.0f} MiB at "
-        f"the end; keys and values {kv_base:.1f} -> {kv_end:.1f} MiB (growth bound: "
-        f"{engine.max_num_seqs} running slots of {slot_mb:.1f} MiB + the cache's "
-        f"{args.prefix_cache_mb} MB = {kv_bound:.1f} MiB); the rest grew "
-        f"{(peak - base) - (kv_end - kv_base):.1f} MiB at most (allowance {args.allowance_mb:.0f}"
-        f" MiB); within the budgets: {'yes' if within else 'NO'}"
+        f"{stats.num_entries} entries (at most {engine.prefix_cache.num_slots}) holding "
+        f"{stats.num_cached_tokens} tokens; charged {charged_peak:.1f} MiB at most (budget "
+        f"{budget_mb:.0f} MiB), {stats.resident_bytes / 2**20:.1f} MiB at the end; resident "
+        f"{base:.0f} MiB after the warm-up, {peak:.0f} MiB at most, {end:.0f} MiB at the end; "
+        f"keys and values {kv_base:.1f} MiB after the warm-up, {kv_peak:.1f} at most, "
+        f"{kv_end:.1f} at the end (bound: {engine.max_num_seqs} running slots of "
+        f"{slot_mb:.1f} MiB + the budget = {kv_bound:.1f} MiB); the rest grew "
+        f"{rest_peak:.1f} MiB at most (allowance {args.allowance_mb:.0f} MiB); within the "
+        f"budgets: {'yes' if within else 'NO'}"
     )
 
 

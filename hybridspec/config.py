@@ -227,9 +227,10 @@ class EngineConfig:
     # cores). On a machine shared with other work, fewer threads than cores waste less time
     # waiting at the kernels' barriers for a thread the OS descheduled.
     num_threads: int | None = None
-    # The prefix cache across requests (engine.prefix_cache): megabytes of keys and values kept
-    # from finished requests for later ones sharing a prefix. None: sized to the machine where
-    # reuse is exact (the native bfloat16 runtime on CPU), else off; 0: off.
+    # The prefix cache across requests (engine.prefix_cache): megabytes of resident memory that
+    # keys and values kept from finished requests (for later ones sharing a prefix) may hold.
+    # None: sized to the machine where reuse is exact (the native bfloat16 runtime on CPU),
+    # else off; 0: off.
     prefix_cache_mb: int | None = None
 
     def __post_init__(self) -> None:

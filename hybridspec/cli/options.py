@@ -101,10 +101,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--prefix-cache-mb",
         type=int,
         default=ENGINE_DEFAULTS.prefix_cache_mb,
-        help="megabytes of keys and values kept from finished requests for later ones that "
-        "share a prefix (conversations, agents, retries); 0 turns it off (default: an eighth "
-        "of the machine's memory, at most 4096, where reuse is exact: the native bfloat16 "
-        "runtime on CPU; see docs/conversations.md)",
+        help="megabytes of resident memory the prefix cache may hold: keys and values kept from "
+        "finished requests for later ones that share a prefix (conversations, agents, "
+        "retries); 0 turns it off (default: a thirty-second of the machine's memory, at most "
+        "512, where reuse is exact: the native bfloat16 runtime on CPU; see "
+        "docs/conversations.md)",
     )
     group.add_argument(
         "--suffix-cache-tokens",

@@ -156,9 +156,13 @@ class Admission(RoundSteps):
 
     def _admit(self, outputs: list[RequestOutput]) -> None:
         for request in self.scheduler.admit(self.num_free_slots()):
-            request.slot, request.stats.cached_tokens = self.prefix_cache.allocate(
-                self._cache_lookup(request)
-            )
+            layers = request.proposer.feature_layers
+            allocation = self.prefix_cache.allocate(self._cache_lookup(request), layers)
+            request.slot, request.stats.cached_tokens = allocation.slot, allocation.num_cached
+            if allocation.features is not None:  # the cached positions' rows, as if prefilled
+                request.pending_hidden.append(allocation.features)
+            if layers and request.params.cache_prompt and self.prefix_cache.num_slots:
+                request.kept_hidden = []
             request.start_time = time.perf_counter()
             try:
                 request.proposer.start(request.seq_id, request.prompt_token_ids)
@@ -168,16 +172,11 @@ class Admission(RoundSteps):
 
     def _cache_lookup(self, request: Request) -> list[int] | None:
         """The prompt to look up in the prefix cache, or None where the request must prefill
-        it all: it asked not to, it scores its prompt (the skipped rows would be missing), its
-        proposer reads the target's features of every position, or it is a choice waiting for
-        its group's source's prefill."""
+        it all: it asked not to, it scores its prompt (the skipped rows would be missing), or
+        it is a choice waiting for its group's source's prefill. (A proposer reading the
+        target's features gets the cached positions' rows with the match.)"""
         grouped = request.group is not None and request.group.source is not request
-        if (
-            not request.params.cache_prompt
-            or request.params.prompt_logprobs is not None
-            or request.proposer.feature_layers
-            or grouped
-        ):
+        if not request.params.cache_prompt or request.params.prompt_logprobs is not None or grouped:
             return None
         return request.prompt_token_ids
 

@@ -44,6 +44,7 @@ from hybridspec.engine.prefix_cache import (
     default_prefix_cache_mb,
     kv_bytes_per_token,
     num_slots_for,
+    physical_memory_bytes,
 )
 from hybridspec.engine.prompts import Messages, encode
 from hybridspec.engine.proposer_pool import ProposerPool, proposer_context
@@ -98,12 +99,13 @@ class Engine(Admission):
         self.tokenizer = self.target.tokenizer
         self.eos_token_ids = frozenset(self.target.eos_token_ids)
         self.max_num_seqs = self.config.target.max_num_seqs
-        cache_slots = self._prefix_cache_slots()
+        budget_mb = self._prefix_cache_mb()
+        cache_slots = self._prefix_cache_slots(budget_mb)
         self.runtime = self.target.create_runtime(
             self.max_num_seqs + cache_slots, self.config.target.max_seq_len
         )
         self.prefix_cache = PrefixCache(
-            self.runtime, cache_slots, getattr(self.runtime, "resident_bytes", None)
+            self.runtime, cache_slots, budget_mb * 2**20, kv_bytes_per_token(self.target)
         )
         self.max_seq_len = self.runtime.max_seq_len
         self.vocab_size = self.runtime.vocab_size
@@ -126,20 +128,23 @@ class Engine(Admission):
                 logger.info("verify cost per token: %.4f of a forward", cost)
             self.speculation = SpeculationPolicy(cost)
 
-    def _prefix_cache_slots(self) -> int:
-        """Slots the prefix cache's budget buys beyond the running requests' (0: off). By
-        default it is on where reuse is exact to the bit: the native runtime in bfloat16 on CPU,
-        row-invariant (in float32 a token decoded alone gets keys 1e-7 off its prefilled ones)."""
+    def _prefix_cache_mb(self) -> int:
+        """The prefix cache's budget of resident memory (0: off). By default it is on where
+        reuse is exact to the bit: the native runtime in bfloat16 on CPU, row-invariant (in
+        float32 a token decoded alone gets keys 1e-7 off its prefilled ones)."""
         budget = self.config.prefix_cache_mb
         if budget is None:
             exact = self.target.is_native and self.target.dtype == torch.bfloat16
             on_cpu = torch.device(self.config.target.device).type == "cpu"
             budget = default_prefix_cache_mb() if exact and on_cpu else 0
-        if budget == 0:
-            return 0
+        return budget
+
+    def _prefix_cache_slots(self, budget_mb: int) -> int:
+        """Virtual slots the prefix cache gets beyond the running requests' (``num_slots_for``)."""
         max_seq_len = self.config.target.max_seq_len
         max_seq_len = max_seq_len or self.target.max_seq_len or self.target.context_length
-        return num_slots_for(budget, kv_bytes_per_token(self.target), max_seq_len)
+        per_token = kv_bytes_per_token(self.target)
+        return num_slots_for(budget_mb, per_token, max_seq_len, physical_memory_bytes())
 
     def _session_of(self, seq_id: int) -> str | None:
         """The session of a running request (its proposer's ``start`` asks)."""

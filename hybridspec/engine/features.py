@@ -16,6 +16,10 @@ p9, d1, d2``) and drops ``d3``'s; the commit of ``[d1, d2, c]`` hands over posit
 (12 rows, ``hidden_position = 0``). The next forward feeds ``c`` (position 12) with new drafts,
 and the next commit starts at ``hidden_position = 12``.
 
+A request served from the prefix cache starts with the cached positions' rows pending, as if
+its prefill had computed them; a request whose entry the cache may keep keeps the rows it hands
+(``Request.kept_hidden``) for the entry (``kept_features``).
+
 Proposers that ask for no layer cost nothing: a forward none of whose sequences' proposers ask
 computes no hidden states.
 """
@@ -26,6 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from hybridspec.engine.prefix_cache import CachedFeatures
 from hybridspec.engine.request import Request
 from hybridspec.model import ForwardBatch
 from hybridspec.proposers import Proposer
@@ -78,4 +83,17 @@ def take_rows(request: Request) -> tuple[torch.Tensor | None, int]:
     )
     request.pending_hidden.clear()
     request.num_hidden_handed += rows.shape[0]
+    if request.kept_hidden is not None:
+        request.kept_hidden.append(rows)
     return rows, position
+
+
+def kept_features(request: Request) -> CachedFeatures | None:
+    """The rows of every position the request computed (handed or still pending), for the
+    prefix cache to keep with its entry; None where it did not keep them."""
+    if request.kept_hidden is None:
+        return None
+    rows = request.kept_hidden + request.pending_hidden
+    if not rows:
+        return None
+    return CachedFeatures(request.proposer.feature_layers, torch.cat(rows))

@@ -14,20 +14,35 @@ they lie at no cost: a block store would copy every finished request out and eve
 A hit costs a lookup, a longest-common-prefix scan over the retained entries' token arrays (a
 few dozen at most), and at most one copy of the matched prefix: a prompt that extends an entry
 whole (a conversation's next turn) takes that entry's slot over as it lies, with no copy. The
-cost of the design is granularity: a slot holds one sequence, so the budget buys whole slots
-(``num_slots_for``), and an entry that another entry extends is dropped as redundant.
+cost of the design is granularity: a slot holds one sequence, and an entry that another entry
+extends is dropped as redundant.
 
-Exactness: the copied keys and values are the bits the prefix's own prefill would write on a
-row-invariant runtime (the native CPU one: ``engine.choices`` relies on the same), so a request
-served from the cache gives the same tokens and log-probabilities as a cold one.
+Proposers that read the target's features (``Proposer.feature_layers``: ``eagle``, ``hybrid``
+with a head) get them for every position, cached or not: an entry left by such a request keeps
+the features of its positions in those layers (``CachedFeatures``), and a hit hands the
+matched rows to the new request as if its prefill had computed them (``engine.features``), so
+the head's own cache is rebuilt from them, never reused stale. Such a request only matches
+entries that kept its layers' features; any request matches any entry's keys and values.
+
+Exactness: the copied keys and values (and features) are the bits the prefix's own prefill
+would compute on a row-invariant runtime (the native CPU one: ``engine.choices`` relies on the
+same), so a request served from the cache gives the same tokens and log-probabilities as a cold
+one.
 
 Budget: the engine's runtime holds ``max_num_seqs`` slots for running requests plus
-``num_slots`` for the cache; entries fill any slot that no running request holds, and the least
-recently used one is evicted when a running request needs its slot or the cache holds more than
-``num_slots`` entries. Resident memory for keys and values is therefore at most ``max_num_seqs +
-num_slots`` slots of ``max_seq_len`` tokens, and the cache's share at most its budget.
+``num_slots`` for the cache. Slots are virtual: a slot costs address space for its whole
+context but memory only for the pages its positions have touched (``KVCache.resident_bytes``:
+with keys stored position-innermost, at least a page per key row, 23 MiB for SmolLM2-135M
+however few the tokens). So the cache charges what it really keeps resident, to the page: its
+entries' slots and features, and the free slots whose pages are still resident (a request
+that is not retained leaves its pages for the next one to write over). When a request ends
+and the charge exceeds ``budget_bytes``, free slots give their pages back first
+(``release_pages``: they hold nothing reusable), then the least recently used entries are
+evicted and give theirs. The keys' and values' resident memory therefore stays within
+``max_num_seqs`` whole slots for the running requests plus the budget. Where the runtime cannot
+count pages (the transformers one), an entry is charged its tokens' bytes.
 
-Dimensions: ``P`` prompt tokens; ``E`` retained entries.
+Dimensions: ``P`` prompt tokens; ``E`` retained entries; ``L`` feature layers; ``D`` hidden size.
 
 Worked example: turn 1 (prompt 300 tokens, answer 50) ends and its slot is retained with 349
 tokens. Turn 2's prompt (420 tokens) repeats them and adds 71: turn 2 takes the slot over with
@@ -40,7 +55,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,24 +64,63 @@ from hybridspec.model import LlamaWeights, LoadedModel, ModelRuntime
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SHARE_OF_RAM = 8  # the default budget: this fraction of the machine's memory ...
-DEFAULT_MAX_MB = 4096  # ... but no more than this
+DEFAULT_SHARE_OF_RAM = 32  # the default budget: this fraction of the machine's memory ...
+DEFAULT_MAX_MB = 512  # ... but no more than this
 MAX_SLOTS = 64  # the most entries: the lookup scans them all
 
 
-def default_prefix_cache_mb() -> int:
-    """The default budget: an eighth of the machine's memory, at most 4 GiB."""
+def physical_memory_bytes() -> int | None:
+    """The machine's memory, or None where the system cannot say."""
     try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # not a POSIX system
-        return 1024
+        return None
+
+
+def default_prefix_cache_mb() -> int:
+    """The default budget of resident memory: a thirty-second of the machine's, at most 512 MB
+    (a 3,000-token conversation of SmolLM2-135M at 8,192 positions keeps 78 MiB)."""
+    total = physical_memory_bytes()
+    if total is None:
+        return 256
     return int(min(total // DEFAULT_SHARE_OF_RAM // 2**20, DEFAULT_MAX_MB))
 
 
-def num_slots_for(budget_mb: int, bytes_per_token: int, max_seq_len: int) -> int:
-    """How many whole slots of ``max_seq_len`` tokens fit in ``budget_mb`` (at most 64)."""
-    slot_bytes = max(1, bytes_per_token * max_seq_len)
-    return int(min(MAX_SLOTS, budget_mb * 2**20 // slot_bytes))
+def num_slots_for(
+    budget_mb: int, bytes_per_token: int, max_seq_len: int, memory_bytes: int | None
+) -> int:
+    """The cache's virtual slots for a budget of ``budget_mb`` of resident memory: no more than
+    entries of one token each could fill (an entry keeps at least its tokens' bytes), than 64
+    (the lookup scans every entry), nor than whole slots of ``max_seq_len`` tokens fit in
+    ``memory_bytes`` (the machine's memory; None: unknown), so that their address space stays
+    within what the system lets a process commit."""
+    if budget_mb == 0:
+        return 0
+    slots = min(MAX_SLOTS, budget_mb * 2**20 // max(1, bytes_per_token))
+    if memory_bytes is not None:
+        slots = min(slots, memory_bytes // max(1, bytes_per_token * max_seq_len))
+    return int(slots)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedFeatures:
+    """The target's features at an entry's positions, in the layers a proposer reads."""
+
+    layers: tuple[int, ...]  # the proposer's ``feature_layers``, in its order
+    rows: torch.Tensor  # [num_positions, L, D]: row p for position p
+
+    def serves(self, layers: tuple[int, ...]) -> bool:
+        return self.layers == layers
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """A new request's slot, how many of its prompt's positions it already holds, and, for a
+    proposer reading features, their rows."""
+
+    slot: int
+    num_cached: int
+    features: torch.Tensor | None = None  # [num_cached, L, D], or None
 
 
 @dataclass(slots=True)
@@ -75,6 +128,7 @@ class _Entry:
     slot: int
     token_ids: np.ndarray  # [num_cached] int64: the tokens whose keys and values the slot holds
     last_used: int
+    features: CachedFeatures | None  # rows for every cached position, or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,29 +142,33 @@ class PrefixCacheStats:
     evicted_tokens: int  # tokens of entries evicted (LRU, or to free a slot)
     num_entries: int
     num_cached_tokens: int
-    # Bytes of memory pages the entries' slots hold (``KVCache.resident_bytes``: whole pages,
-    # at least a page per key row on the native runtime); 0 where the runtime cannot say.
+    # What the cache charges against its budget: the memory pages that its entries' slots and
+    # the free slots hold (``KVCache.resident_bytes``), and the entries' features.
     resident_bytes: int = 0
+    budget_bytes: int = 0
 
 
 class PrefixCache:
-    """Finished requests' slots of ``runtime``, at most ``num_slots`` of them, reused by later
-    requests that share a prefix (see the module docstring)."""
+    """Finished requests' slots of ``runtime``, at most ``num_slots`` of them, holding at most
+    ``budget_bytes`` of memory, reused by later requests that share a prefix (module docstring).
+    ``bytes_per_token``: a token's keys and values, the charge where the runtime cannot count
+    pages (it has no ``resident_bytes``)."""
 
     def __init__(
-        self,
-        runtime: ModelRuntime,
-        num_slots: int,
-        resident_bytes: Callable[[int], int] | None = None,
+        self, runtime: ModelRuntime, num_slots: int, budget_bytes: int, bytes_per_token: int
     ) -> None:
-        """``resident_bytes(slot)``: the memory a slot holds (``LlamaRuntime.resident_bytes``),
-        for ``stats``; None where the runtime cannot say."""
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
             raise ValueError(f"num_slots: expected an integer >= 0, got {num_slots!r}")
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes: expected an integer >= 0, got {budget_bytes!r}")
         self.runtime = runtime
-        self._resident_bytes = resident_bytes
         self.num_slots = num_slots
+        self.budget_bytes = budget_bytes
+        self._bytes_per_token = bytes_per_token
+        self._resident = getattr(runtime, "resident_bytes", None)
+        self._release_pages = getattr(runtime, "release_pages", None)
         self._entries: list[_Entry] = []
+        self._running: set[int] = set()  # slots handed to requests and not yet released
         self._clock = 0
         self._lookups = self._hits = self._hit_tokens = self._evicted_tokens = 0
 
@@ -122,27 +180,34 @@ class PrefixCache:
             self._evicted_tokens,
             len(self._entries),
             sum(len(e.token_ids) for e in self._entries),
-            sum(map(self._resident_bytes, (e.slot for e in self._entries)))
-            if self._resident_bytes is not None
-            else 0,
+            self.charged_bytes(),
+            self.budget_bytes,
         )
 
-    def allocate(self, prompt_token_ids: list[int] | None) -> tuple[int, int]:
+    def charged_bytes(self) -> int:
+        """What the cache holds against its budget: its entries, and the free slots' pages."""
+        return sum(map(self._entry_bytes, self._entries)) + sum(
+            map(self._slot_bytes, self._idle_slots())
+        )
+
+    def allocate(
+        self, prompt_token_ids: list[int] | None, feature_layers: tuple[int, ...] = ()
+    ) -> Allocation:
         """A slot for a new request and how many tokens of its prompt it already caches.
 
         ``prompt_token_ids`` None: the request does not read the cache (a fresh slot). Else the
-        longest prefix of the prompt but its last token that an entry holds is reused. An entry
-        the prompt extends whole (a conversation's next turn) hands its slot over as it is: it
-        would be dropped as redundant when the request ends, so nothing is copied. A partial
-        match is copied into a fresh slot, the entry kept; when no slot is free, the least
-        recently used entries are evicted first (the matching one last: if it must go, the
+        longest prefix of the prompt but its last token that an entry holds is reused (with
+        ``feature_layers``, an entry that kept those layers' features, handed over too). An
+        entry the prompt extends whole (a conversation's next turn) hands its slot over as it
+        is: it would be dropped as redundant when the request ends, so nothing is copied. A
+        partial match is copied into a fresh slot, the entry kept; when no slot is free, the
+        least recently used entries are evicted first (the matching one last: if it must go, the
         request takes its slot over, truncated to the match).
         """
-        match, length = self._best_match(prompt_token_ids)
+        match, length = self._best_match(prompt_token_ids, feature_layers)
         if match is not None and length == len(match.token_ids):
             self._entries.remove(match)
-            self._count_hit(length)
-            return match.slot, length
+            return self._hand_over(match.slot, match, length)
         while self.runtime.num_free_slots() == 0:
             victims = [e for e in self._entries if e is not match] or self._entries
             if not victims:
@@ -152,42 +217,54 @@ class PrefixCache:
                 self._entries.remove(match)
                 self._evicted_tokens += len(match.token_ids) - length
                 self.runtime.truncate(match.slot, length)
-                self._count_hit(length)
-                return match.slot, length
+                return self._hand_over(match.slot, match, length)
             self._evict(victim)
         slot = self.runtime.allocate()
-        if match is not None and length > 0:
-            self.runtime.copy_prefix(match.slot, slot, length)
-            match.last_used = self._tick()
-            self._count_hit(length)
-        return slot, length
+        if match is None or length == 0:
+            return self._hand_over(slot, None, 0)
+        self.runtime.copy_prefix(match.slot, slot, length)
+        match.last_used = self._tick()
+        return self._hand_over(slot, match, length)
 
-    def release(self, slot: int, token_ids: list[int], retain: bool) -> None:
+    def release(
+        self,
+        slot: int,
+        token_ids: list[int],
+        retain: bool,
+        features: CachedFeatures | None = None,
+    ) -> None:
         """Take back a finished request's slot, which caches the first ``seq_len(slot)``
         positions of ``token_ids`` at most (the last committed token was never fed, and
         positions past the committed tokens hold rejected drafts): retained when ``retain`` and
-        the cache has room, else freed."""
+        the cache has room, with ``features`` (rows for at least those positions) if given, else
+        freed. Then the cache is brought within its budget."""
+        self._running.discard(slot)
         length = min(self.runtime.seq_len(slot), len(token_ids) - 1)
+        if features is not None and len(features.rows) < length:
+            features = None  # rows missing: the entry serves requests reading no features
         if not retain or self.num_slots == 0 or length < 1:
             self.runtime.free(slot)
+            self._fit()
             return
         self.runtime.truncate(slot, length)
         tokens = np.asarray(token_ids[:length], dtype=np.int64)
+        if features is not None:
+            features = CachedFeatures(features.layers, features.rows[:length])
         for entry in list(self._entries):
             common = _common_prefix(entry.token_ids, tokens)
-            if common == len(tokens):  # an entry already holds all of it
-                entry.last_used = self._tick()
+            if common == len(tokens) and _covers(entry.features, features):
+                entry.last_used = self._tick()  # an entry already holds all of it
                 self.runtime.free(slot)
+                self._fit()
                 return
-            if common == len(entry.token_ids):  # the new one extends this entry
-                self._entries.remove(entry)
+            if common == len(entry.token_ids) and _covers(features, entry.features):
+                self._entries.remove(entry)  # the new one extends this entry
                 self.runtime.free(entry.slot)
-        self._entries.append(_Entry(slot, tokens, self._tick()))
-        while len(self._entries) > self.num_slots:
-            self._evict(min(self._entries, key=lambda e: e.last_used))
+        self._entries.append(_Entry(slot, tokens, self._tick(), features))
+        self._fit()
 
     def clear(self) -> None:
-        """Free every entry (counts are kept)."""
+        """Free every entry (counts are kept; the free slots keep their pages)."""
         for entry in list(self._entries):
             self._entries.remove(entry)
             self.runtime.free(entry.slot)
@@ -198,9 +275,50 @@ class PrefixCache:
         self._clock = 0
         self._lookups = self._hits = self._hit_tokens = self._evicted_tokens = 0
 
-    def _best_match(self, prompt_token_ids: list[int] | None) -> tuple[_Entry | None, int]:
-        """The entry sharing the longest prefix with the prompt but its last token, and the
-        length of that prefix (None, 0 when none shares any)."""
+    def _fit(self) -> None:
+        """Evict down to ``num_slots`` entries and ``budget_bytes``: the free slots' pages go
+        first (largest first), then the least recently used entries with theirs."""
+        while len(self._entries) > self.num_slots:
+            self._evict(min(self._entries, key=lambda e: e.last_used), release=True)
+        over = self.charged_bytes() - self.budget_bytes
+        if over <= 0 or self.num_slots == 0:
+            return
+        if self._release_pages is not None:
+            for slot in sorted(self._idle_slots(), key=self._slot_bytes, reverse=True):
+                if over <= 0:
+                    return
+                over -= self._slot_bytes(slot)
+                self._release_pages(slot)
+        while over > 0 and self._entries:
+            victim = min(self._entries, key=lambda e: e.last_used)
+            over -= self._entry_bytes(victim)
+            self._evict(victim, release=True)
+
+    def _idle_slots(self) -> list[int]:
+        """The runtime's slots that neither a request nor an entry holds."""
+        held = self._running | {e.slot for e in self._entries}
+        return [s for s in range(self.runtime.max_num_seqs) if s not in held]
+
+    def _slot_bytes(self, slot: int) -> int:
+        """The memory pages ``slot`` holds (0 where the runtime cannot count them: it frees a
+        slot's memory with the slot)."""
+        return self._resident(slot) if self._resident is not None else 0
+
+    def _entry_bytes(self, entry: _Entry) -> int:
+        slot = (
+            self._resident(entry.slot)
+            if self._resident is not None
+            else len(entry.token_ids) * self._bytes_per_token
+        )
+        rows = entry.features.rows if entry.features is not None else None
+        return slot + (rows.numel() * rows.element_size() if rows is not None else 0)
+
+    def _best_match(
+        self, prompt_token_ids: list[int] | None, feature_layers: tuple[int, ...]
+    ) -> tuple[_Entry | None, int]:
+        """The entry sharing the longest prefix with the prompt but its last token (with
+        ``feature_layers``, among those that kept their features), and the length of that
+        prefix (None, 0 when none shares any)."""
         if prompt_token_ids is None:
             return None, 0
         self._lookups += 1
@@ -209,24 +327,41 @@ class PrefixCache:
         prompt = np.asarray(prompt_token_ids[:-1], dtype=np.int64)
         best, best_length = None, 0
         for entry in self._entries:
+            if feature_layers and (
+                entry.features is None or not entry.features.serves(feature_layers)
+            ):
+                continue
             length = _common_prefix(entry.token_ids, prompt)
             if length > best_length:
                 best, best_length = entry, length
         return best, best_length
 
-    def _evict(self, entry: _Entry) -> None:
-        self._entries.remove(entry)
-        self._evicted_tokens += len(entry.token_ids)
-        self.runtime.free(entry.slot)
-
-    def _count_hit(self, length: int) -> None:
+    def _hand_over(self, slot: int, entry: _Entry | None, length: int) -> Allocation:
+        """Count the hit (if any) and hand ``slot`` to a request, with the entry's features of
+        the ``length`` positions it reuses."""
+        self._running.add(slot)
         if length > 0:
             self._hits += 1
             self._hit_tokens += length
+        features = entry.features if entry is not None else None
+        return Allocation(slot, length, features.rows[:length] if features is not None else None)
+
+    def _evict(self, entry: _Entry, release: bool = False) -> None:
+        """Drop ``entry``; with ``release``, its slot's pages go back to the system too."""
+        self._entries.remove(entry)
+        self._evicted_tokens += len(entry.token_ids)
+        self.runtime.free(entry.slot)
+        if release and self._release_pages is not None:
+            self._release_pages(entry.slot)
 
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+
+def _covers(kept: CachedFeatures | None, new: CachedFeatures | None) -> bool:
+    """Whether an entry with features ``kept`` serves every request one with ``new`` would."""
+    return new is None or (kept is not None and kept.serves(new.layers))
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -142,6 +142,8 @@ class Request:
     # (``engine.features``), and how many positions were handed so far.
     pending_hidden: list[torch.Tensor] = field(default_factory=list)
     num_hidden_handed: int = 0
+    # The rows handed so far, kept for the prefix cache where it may retain them (else None).
+    kept_hidden: list[torch.Tensor] | None = None
     # What ``params.logprobs`` and ``prompt_logprobs`` ask for, scored so far (engine.logprobs).
     logprob_parts: list[Logprobs] = field(default_factory=list)
     prompt_logprob_parts: list[Logprobs] = field(default_factory=list)

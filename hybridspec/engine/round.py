@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from hybridspec.engine.choices import leave
-from hybridspec.engine.features import forward_layers, keep_committed_rows, take_rows
+from hybridspec.engine.features import (
+    forward_layers,
+    keep_committed_rows,
+    kept_features,
+    take_rows,
+)
 from hybridspec.engine.logprobs import Logprobs
 from hybridspec.engine.prefix_cache import PrefixCache
 from hybridspec.engine.request import FinishReason, Request, RequestOutput
@@ -229,7 +234,8 @@ class RoundSteps:
         request.error = error
         if request.slot is not None:
             retain = request.params.cache_prompt and reason is not FinishReason.ERROR
-            self.prefix_cache.release(request.slot, request.token_ids, retain)
+            features = kept_features(request) if retain else None
+            self.prefix_cache.release(request.slot, request.token_ids, retain, features)
             request.slot = None
             try:
                 request.proposer.finish(request.seq_id)

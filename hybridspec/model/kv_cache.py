@@ -87,6 +87,10 @@ class SlotTable:
             raise ValueError(f"dest: expected a slot other than the source {source}, got {dest}")
         self._lengths[dest] = length
 
+    def is_free(self, slot: int) -> bool:
+        """Whether ``slot`` (an index in ``[0, max_num_seqs)``) is free."""
+        return not self._in_use[slot]
+
     def check_slot(self, slot: int) -> None:
         """Raise ValueError unless ``slot`` is an allocated slot index."""
         if (
@@ -127,11 +131,13 @@ class SlotTable:
 class KVCache:
     """Key/value tensors for every layer and slot, with a ``SlotTable`` saying how full each is.
 
-    The tensors start uninitialised (``torch.empty``): on CPU the pages of a large allocation are
-    only backed by memory once written, so a cache sized for the full context costs what the
-    sequences actually use. Uninitialised memory may hold NaN bit patterns, which would survive
-    masking in attention (0 * NaN = NaN); readers that look past a slot's length (the padded
-    ragged path) first call ``make_finite``, which zero-fills once up to where they read.
+    On CPU (POSIX) the tensors lie in private anonymous mappings of their own (``_host_empty``):
+    page aligned, and a page is backed by memory only once written, so a cache sized for the
+    full context costs what the sequences touch (``resident_bytes``), and ``release_pages``
+    gives a free slot's pages back to the system. Elsewhere they start uninitialised
+    (``torch.empty``), and may hold NaN bit patterns, which would survive masking in attention
+    (0 * NaN = NaN); readers that look past a slot's length (the padded ragged path) first call
+    ``make_finite``, which zero-fills once up to where they read.
 
     ``transposed_keys`` stores keys as ``[layers, slots, KV, hd, S]`` (values keep ``[..., S,
     hd]``), the layout the row-invariant kernel reads (``attention_kernels``); ``key_view``
@@ -154,13 +160,20 @@ class KVCache:
         shape = (num_layers, max_num_seqs, num_kv_heads, max_seq_len, head_dim)
         self.transposed_keys = transposed_keys
         key_shape = (*shape[:3], head_dim, max_seq_len) if transposed_keys else shape
-        self.keys = torch.empty(key_shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        on_cpu = torch.device(device).type == "cpu"
+        self._mappings: tuple[mmap.mmap, ...] = ()
+        if on_cpu and hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MADV_DONTNEED"):
+            self.keys, key_map = _host_empty(key_shape, dtype)
+            self.values, value_map = _host_empty(shape, dtype)
+            self._mappings = (key_map, value_map)
+        else:
+            self.keys = torch.empty(key_shape, dtype=dtype, device=device)
+            self.values = torch.empty(shape, dtype=dtype, device=device)
         # Per-layer views, indexed once here rather than on every layer of every forward.
         self.layer_keys: tuple[torch.Tensor, ...] = tuple(self.keys.unbind(0))
         self.layer_values: tuple[torch.Tensor, ...] = tuple(self.values.unbind(0))
         # numpy views of the same memory for ``KernelAttention`` (CPU, transposed keys only).
-        kernel_ready = transposed_keys and torch.device(device).type == "cpu"
+        kernel_ready = transposed_keys and on_cpu
         self.kernel_keys = tuple(map(numpy_view, self.layer_keys)) if kernel_ready else ()
         self.kernel_values = tuple(map(numpy_view, self.layer_values)) if kernel_ready else ()
         # Per layer, pointers and strides as the C kernel's calls take them (csrc/cache_layout.h).
@@ -172,12 +185,20 @@ class KVCache:
         # Per slot: positions [0, n) have been written or zeroed at least once, so hold finite
         # values. Writes always start at the slot's length, so this is at least that length.
         self._finite_len = [0] * max_num_seqs
+        # Per slot: positions [0, n) may have been written since its pages were last released
+        # (``resident_bytes`` counts their pages), and that count, kept for as long as n holds.
+        self._touched_len = [0] * max_num_seqs
+        self._resident: dict[int, tuple[int, int]] = {}
 
     def commit(self, slots: list[int], new_lengths: list[int]) -> None:
         """Record the lengths after a forward has written keys and values up to them."""
         self.slots.commit(slots, new_lengths)
         for slot, length in zip(slots, new_lengths, strict=True):
-            self._finite_len[slot] = max(self._finite_len[slot], length)
+            self._touch(slot, length)
+
+    def _touch(self, slot: int, end: int) -> None:
+        self._finite_len[slot] = max(self._finite_len[slot], end)
+        self._touched_len[slot] = max(self._touched_len[slot], end)
 
     def copy_prefix(self, source: int, dest: int, length: int) -> None:
         """Copy the first ``length`` positions of ``source`` into ``dest`` (every layer), which
@@ -189,21 +210,30 @@ class KVCache:
         else:
             self.keys[:, dest, :, :length] = self.keys[:, source, :, :length]
         self.values[:, dest, :, :length] = self.values[:, source, :, :length]
-        self._finite_len[dest] = max(self._finite_len[dest], length)
+        self._touch(dest, length)
 
     def resident_bytes(self, slot: int) -> int:
-        """Bytes of the memory pages that ``slot``'s positions written so far occupy (CPU): what
-        the slot adds to the process's resident memory, allocated or free. A page once written
-        stays resident when the slot is freed or truncated, so this counts every position ever
-        written (or zero-filled), and whole pages: with transposed keys each of the ``layers *
+        """Bytes of the memory pages that ``slot``'s positions written since its pages were last
+        released occupy (CPU): what the slot adds to the process's resident memory, allocated or
+        free. A page once written stays resident when the slot is freed or truncated, until
+        ``release_pages``; this counts whole pages: with transposed keys each of the ``layers *
         KV * hd`` key rows of ``S`` positions is touched from its first position on, so one
-        token costs a page per row (23 MB for SmolLM2-135M), where values cost ``hd`` per head.
+        token costs a page per row (23 MB for SmolLM2-135M at 8,192 positions), where values
+        cost ``hd`` per head. Computed from the layout (and kept while the slot's length holds).
 
         Worked example (bfloat16, 2 layers, 1 head, hd 4, S 4096: key rows of 8 KiB, a slot's
         values one 32 KiB run per layer): 10 positions written touch 1 page of each of the 8 key
         rows and 1 page of values per layer, 10 pages of 4 KiB in all.
         """
-        length = self._finite_len[slot]
+        length = self._touched_len[slot]
+        known = self._resident.get(slot)
+        if known is None or known[0] != length:
+            known = (length, self._pages_of(slot, length))
+            self._resident[slot] = known
+        return known[1]
+
+    def _pages_of(self, slot: int, length: int) -> int:
+        """Bytes of the distinct pages that positions ``0 .. length - 1`` of ``slot`` occupy."""
         if length == 0:
             return 0
         itemsize = self.keys.element_size()
@@ -225,6 +255,27 @@ class KVCache:
             value_starts, length * head_dim * itemsize
         )
 
+    def release_pages(self, slot: int) -> None:
+        """Give a free ``slot``'s memory pages back to the system (CPU; elsewhere nothing): its
+        keys and values read as zeros after, and ``resident_bytes(slot)`` is 0. Only the pages
+        wholly inside the slot's memory go: a page it shares with a neighbouring slot (where a
+        layer's slot is not a whole number of pages) stays, and is that neighbour's to count."""
+        if not self.slots.is_free(slot):
+            raise ValueError(f"slot: expected a free slot, got {slot!r}, which is allocated")
+        if not self._mappings or self._touched_len[slot] == 0:
+            return
+        page = mmap.PAGESIZE
+        for tensor, mapping in zip((self.keys, self.values), self._mappings, strict=True):
+            base = tensor.data_ptr()
+            for layer in range(tensor.shape[0]):
+                region = tensor[layer, slot]
+                begin = region.data_ptr() - base
+                end = begin + region.numel() * region.element_size()
+                first, last = -(-begin // page) * page, end // page * page
+                if last > first:
+                    mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+        self._touched_len[slot] = 0
+
     def make_finite(self, slot: int, end: int) -> None:
         """Zero-fill positions of ``slot`` never written before, up to ``end`` (all layers)."""
         start = self._finite_len[slot]
@@ -232,7 +283,7 @@ class KVCache:
             keys = self.keys[:, slot]
             (keys[..., start:end] if self.transposed_keys else keys[:, :, start:end]).zero_()
             self.values[:, slot, :, start:end].zero_()
-            self._finite_len[slot] = end
+            self._touch(slot, end)
 
     def key_view(self, layer: int, slot: int, end: int) -> torch.Tensor:
         """Keys of positions ``0 .. end - 1`` of ``slot`` at ``layer``, ``[KV, end, hd]``: a
@@ -283,6 +334,15 @@ def _pages_bytes(starts: np.ndarray, span: int) -> int:
         np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)
     )
     return len(np.unique(pages)) * page
+
+
+def _host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    """A CPU tensor of ``shape`` over a private anonymous mapping of its own, and the mapping:
+    page aligned, zero-filled, none of it resident until written."""
+    count = int(np.prod(shape))
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape), mapping
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:

@@ -243,6 +243,10 @@ class LlamaRuntime:
         """Bytes of memory pages ``slot``'s keys and values hold (``KVCache.resident_bytes``)."""
         return self._cache.resident_bytes(slot)
 
+    def release_pages(self, slot: int) -> None:
+        """Give a free ``slot``'s memory pages back to the system (``KVCache.release_pages``)."""
+        self._cache.release_pages(slot)
+
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Append the batch's tokens to their slots; logits ``[num_logits, V]`` float32 and the
         outputs of ``batch.hidden_layers``, ``[T, len(hidden_layers), D]`` (``ForwardOutput``)."""

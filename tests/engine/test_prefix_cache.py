@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridspec import Engine, EngineConfig, GenerationParams
+from hybridspec.config import EagleConfig
 from hybridspec.engine.prefix_cache import kv_bytes_per_token, num_slots_for
 from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers import NoProposer
+from hybridspec.proposers.base import ProposerContext
+from hybridspec.types import CommitInfo
 from tests.engine.tiny import make_engine, tiny_loaded
+from tests.model.test_kv_cache_memory import PAGE, resident_pages
+from tests.proposers.eagle_helpers import random_head, use_head, use_hybrid
 
+FREE_HEAD = EagleConfig(cost_per_token=0.0)  # the tiny head costs what the tiny target does
 SYSTEM = [3, 9, 14, 2, 27, 5, 11, 40, 8, 19, 33, 6, 21, 12, 30, 7, 25, 16]
 
 
@@ -30,31 +37,48 @@ def run(engine: Engine, prompt: list[int], proposer: str, **options: object) -> 
         **options,  # type: ignore[arg-type]
     )
     assert result.logprobs is not None
-    return result.token_ids, result.logprobs, result.stats.cached_tokens
+    return result.token_ids, result.logprobs, result.stats.cached_tokens, result.stats
 
 
 def conversation(engine: Engine, proposer: str, turns: int = 3, **options: object) -> list:
     """Turns of a conversation: each prompt is the last prompt, its answer and a new message."""
     prompt, outputs = list(SYSTEM), []
     for turn in range(turns):
-        tokens, logprobs, cached = run(engine, prompt, proposer, **options)
-        outputs.append((tokens, logprobs.logprobs.tolist(), cached))
+        tokens, logprobs, cached, stats = run(engine, prompt, proposer, **options)
+        drafts = (stats.draft_tokens_proposed, stats.draft_tokens_accepted)
+        outputs.append((tokens, logprobs.logprobs.tolist(), cached, drafts))
         prompt = prompt + tokens + [turn + 41, 17, turn + 2]
     return outputs
 
 
-@pytest.mark.parametrize("proposer", ["none", "ngram", "draft"])
+def engine_for(target: LoadedModel, draft: LoadedModel, proposer: str, cache_mb: int) -> Engine:
+    """An engine for ``proposer``: ``eagle`` and ``hybrid`` draft with a random head (the
+    eagle tests' fixture)."""
+    engine = make_engine(target, draft, prefix_cache_mb=cache_mb, eagle=FREE_HEAD)
+    if proposer in ("eagle", "hybrid"):
+        head = random_head(target, 48)
+        use_head(engine, head)
+        use_hybrid(engine, head)
+    return engine
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram", "draft", "eagle", "hybrid"])
 def test_cached_turns_equal_cold_ones(
     exact_target: LoadedModel, draft: LoadedModel, proposer: str
 ) -> None:
-    cold = conversation(make_engine(exact_target, draft, prefix_cache_mb=0), proposer)
-    warm = conversation(make_engine(exact_target, draft, prefix_cache_mb=64), proposer)
-    assert [t for t, _, _ in warm] == [t for t, _, _ in cold]
-    assert [lp for _, lp, _ in warm] == [lp for _, lp, _ in cold]
-    assert [c for _, _, c in cold] == [0, 0, 0]
+    cold = conversation(engine_for(exact_target, draft, proposer, 0), proposer)
+    warm = conversation(engine_for(exact_target, draft, proposer, 64), proposer)
+    assert [t for t, *_ in warm] == [t for t, *_ in cold]
+    assert [lp for _, lp, *_ in warm] == [lp for _, lp, *_ in cold]
+    assert [c for _, _, c, _ in cold] == [0, 0, 0]
     # Turn 2 reuses turn 1's prompt and answer but the answer's last token (never fed).
     assert warm[0][2] == 0 and warm[1][2] == len(SYSTEM) + 24 - 1
     assert warm[2][2] > warm[1][2]
+    # The same drafts, accepted alike: a feature-reading head got the features a cold
+    # prefill computes (stale or missing ones would draft differently).
+    assert [d for *_, d in warm] == [d for *_, d in cold]
+    if proposer in ("eagle", "hybrid"):
+        assert sum(proposed for *_, (proposed, _) in warm) > 0
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
@@ -64,7 +88,7 @@ def test_seeded_sampled_text_equals_a_cold_request(
     sampling = {"temperature": 0.9, "seed": 5}
     cold = conversation(make_engine(exact_target, draft, prefix_cache_mb=0), proposer, **sampling)
     warm = conversation(make_engine(exact_target, draft, prefix_cache_mb=64), proposer, **sampling)
-    assert [t for t, _, _ in warm] == [t for t, _, _ in cold]
+    assert [t for t, *_ in warm] == [t for t, *_ in cold]
 
 
 def test_cache_prompt_false_neither_reads_nor_leaves(target: LoadedModel) -> None:
@@ -87,14 +111,17 @@ def test_prompt_logprobs_prefill_everything(target: LoadedModel) -> None:
 
 
 def test_entries_are_evicted_least_recent_first_and_slots_never_leak(
-    target: LoadedModel,
+    exact_target: LoadedModel,
 ) -> None:
-    # 2048 tokens of 512 bytes (2 layers, 2 heads of 16, float32 keys and values): 1 MiB a slot.
-    engine = make_engine(target, max_num_seqs=2, max_seq_len=2048, prefix_cache_mb=2)
+    # Transposed bfloat16 keys, 2048 positions: a key row is a page, so an entry of under 128
+    # tokens holds 64 pages of keys (2 layers x 2 heads x 16 rows) and 4 of values.
+    engine = make_engine(exact_target, max_num_seqs=2, max_seq_len=2048, prefix_cache_mb=1)
     cache = engine.prefix_cache
-    assert cache.num_slots == 2 and engine.runtime.max_num_seqs == 4
+    entry_bytes = 68 * PAGE
+    cache.budget_bytes = 2 * entry_bytes + entry_bytes // 2
     for first in (50, 51, 52):
         run(engine, [first, *SYSTEM], "none")
+        assert cache.stats().resident_bytes <= cache.budget_bytes
     assert cache.stats().num_entries == 2
     assert cache.stats().evicted_tokens == len(SYSTEM) + 24  # the first, least recent
     assert run(engine, [50, *SYSTEM, 1], "none")[2] == 0
@@ -109,14 +136,33 @@ def test_entries_are_evicted_least_recent_first_and_slots_never_leak(
     assert held == cache.stats().num_entries == 2
 
 
+def test_the_keys_and_values_resident_stay_within_the_budget(exact_target: LoadedModel) -> None:
+    """What the cache charges is what the process holds, to the page (``mincore``), and it
+    stays within the budget however many different requests come: free slots give their pages
+    back, then the least recent entries go."""
+    engine = make_engine(exact_target, max_num_seqs=2, max_seq_len=2048, prefix_cache_mb=1)
+    cache = engine.prefix_cache
+    kv = engine.runtime._cache  # type: ignore[attr-defined]
+    slots = range(engine.runtime.max_num_seqs)
+    for first in range(40, 52):
+        prompt = [first, *SYSTEM] * (1 + first % 3)
+        run(engine, prompt, "none", cache_prompt=first % 4 != 0)
+        held = sum(map(engine.runtime.resident_bytes, slots))  # type: ignore[attr-defined]
+        assert held == cache.stats().resident_bytes <= cache.budget_bytes == 2**20
+        assert held == (resident_pages(kv.keys) + resident_pages(kv.values)) * PAGE
+    assert 2 <= cache.stats().num_entries < cache.num_slots
+    assert cache.stats().evicted_tokens > 0
+
+
 def test_the_matching_entry_is_taken_over_when_no_slot_is_free(target: LoadedModel) -> None:
     engine = make_engine(target, max_num_seqs=1, max_seq_len=2048, prefix_cache_mb=1)
     tokens = run(engine, SYSTEM, "none")[0]
     cache = engine.prefix_cache
-    busy = engine.runtime.allocate()  # the runtime's other slot: none is free now
-    slot, cached = cache.allocate([*SYSTEM, *tokens[:5], 1])
+    busy = [engine.runtime.allocate() for _ in range(engine.runtime.num_free_slots())]
+    allocation = cache.allocate([*SYSTEM, *tokens[:5], 1])
+    slot, cached = allocation.slot, allocation.num_cached
     assert cached == len(SYSTEM) + 5 and engine.runtime.seq_len(slot) == cached
-    assert slot != busy and cache.stats().num_entries == 0
+    assert slot not in busy and cache.stats().num_entries == 0
     assert cache.stats().evicted_tokens == len(tokens) - 1 - 5
 
 
@@ -133,10 +179,13 @@ def test_off_when_the_budget_is_zero(target: LoadedModel) -> None:
     assert conversation(engine, "none", turns=2)[1][2] == 0
 
 
-def test_the_budget_buys_whole_slots() -> None:
-    assert num_slots_for(1, 1024, 512) == 2  # 1 MiB of 512 KiB slots
-    assert num_slots_for(0, 1024, 512) == 0
-    assert num_slots_for(10**6, 1, 1) == 64
+def test_the_budget_bounds_the_virtual_slots() -> None:
+    # 1 MiB of 512-byte tokens: 2048 one-token entries could fill it, but the lookup scans 64.
+    assert num_slots_for(1, 512, 1024, None) == 64
+    assert num_slots_for(1, 2**19, 1024, None) == 2  # entries of at least 512 KiB
+    assert num_slots_for(0, 1024, 512, None) == 0
+    # Their address space stays within the machine's memory: 3 slots of 512 KiB in 1.5 MiB.
+    assert num_slots_for(10**6, 512, 1024, 3 * 2**19) == 3
 
 
 def test_bad_settings_raise_naming_the_field() -> None:
@@ -147,16 +196,48 @@ def test_bad_settings_raise_naming_the_field() -> None:
 
 
 class _ReadsFeatures(NoProposer):
-    feature_layers = (-1,)
+    """Records the features each commit hands it: (position of the first row, rows)."""
+
+    feature_layers = (-1, 0)
+
+    def __init__(self, context: ProposerContext) -> None:
+        super().__init__(context)
+        self.handed: list[tuple[int, torch.Tensor]] = []
+
+    def commit(self, info: CommitInfo) -> None:
+        assert info.hidden_states is not None
+        self.handed.append((info.hidden_position, info.hidden_states.clone()))
 
 
-def test_a_proposer_reading_features_prefills_everything(exact_target: LoadedModel) -> None:
+def features_of(engine: Engine, prompt: list[int]) -> tuple[list[int], torch.Tensor, int]:
+    """A request's tokens, the rows of every position its proposer got, and its cached tokens."""
+    proposer = engine.resolve_proposer("features")
+    assert isinstance(proposer, _ReadsFeatures)
+    proposer.handed.clear()
+    tokens, _, cached, _ = run(engine, prompt, "features")
+    position = 0
+    for start, rows in proposer.handed:  # positions 0, 1, 2, ... without gap or overlap
+        assert start == position
+        position += len(rows)
+    return tokens, torch.cat([rows for _, rows in proposer.handed]), cached
+
+
+def test_a_proposer_reading_features_gets_the_cached_positions_rows(
+    exact_target: LoadedModel,
+) -> None:
+    cold_engine = make_engine(exact_target, prefix_cache_mb=0)
+    cold_engine.register_proposer("features", _ReadsFeatures)
     engine = make_engine(exact_target, prefix_cache_mb=64)
     engine.register_proposer("features", _ReadsFeatures)
-    run(engine, SYSTEM, "none")
-    tokens, _, cached = run(engine, [*SYSTEM, 1], "features")
-    assert cached == 0
-    assert tokens == run(make_engine(exact_target, prefix_cache_mb=0), [*SYSTEM, 1], "none")[0]
+    run(engine, SYSTEM, "none")  # an entry that kept no features: no match for "features"
+    assert features_of(engine, [*SYSTEM, 1])[2] == 0
+    # Its entry kept them: a regenerated request reads them, and the rows are those of a cold one.
+    tokens, rows, cached = features_of(engine, [*SYSTEM, 1])
+    cold_tokens, cold_rows, _ = features_of(cold_engine, [*SYSTEM, 1])
+    assert cached == len(SYSTEM) and tokens == cold_tokens
+    assert rows.shape == cold_rows.shape and torch.equal(rows, cold_rows)
+    # Any request reads an entry's keys and values, features or not.
+    assert run(engine, [*SYSTEM, 1, 5], "none")[2] > len(SYSTEM)
 
 
 def test_choices_share_a_cached_prefix(exact_target: LoadedModel) -> None:
@@ -184,27 +265,32 @@ def test_a_next_turn_takes_the_entry_over_without_a_copy(
     tokens = run(engine, SYSTEM, "none")[0]
     cache = engine.prefix_cache
     (entry,) = cache._entries
-    slot, cached = cache.allocate([*SYSTEM, *tokens, 1, 2])  # the next turn
+    allocation = cache.allocate([*SYSTEM, *tokens, 1, 2])  # the next turn
+    slot, cached = allocation.slot, allocation.num_cached
     assert (slot, cached) == (entry.slot, len(SYSTEM) + len(tokens) - 1)
     assert engine.runtime.seq_len(slot) == cached and copies == []
     assert cache.stats().num_entries == 0 and cache.stats().hit_tokens == cached
     cache.release(slot, [*SYSTEM, *tokens, 1, 2], retain=True)
     # A partial match (a regenerated turn: the same prompt) copies and keeps the entry.
-    slot, cached = cache.allocate([*SYSTEM, 1])
+    allocation = cache.allocate([*SYSTEM, 1])
+    slot, cached = allocation.slot, allocation.num_cached
     assert cached == len(SYSTEM) and slot != entry.slot and len(copies) == 1
     assert cache.stats().num_entries == 1
 
 
-def test_stats_count_the_memory_the_entries_hold(exact_target: LoadedModel) -> None:
+def test_stats_count_the_memory_the_entries_and_free_slots_hold(
+    exact_target: LoadedModel,
+) -> None:
     engine = make_engine(exact_target, max_seq_len=2048, prefix_cache_mb=64)
     cache = engine.prefix_cache
-    assert cache.stats().resident_bytes == 0
     run(engine, SYSTEM, "none")
     run(engine, [51, *SYSTEM], "none")
-    slots = [entry.slot for entry in cache._entries]
+    slots = range(engine.runtime.max_num_seqs)
     held = cache.stats().resident_bytes
-    assert len(slots) == 2 and held == sum(map(engine.runtime.resident_bytes, slots)) > 0
+    assert cache.stats().num_entries == 2
+    assert held == sum(map(engine.runtime.resident_bytes, slots)) > 0  # type: ignore[attr-defined]
     # Whole pages, at least one per key row of each slot; never more than whole slots.
     assert held <= len(slots) * kv_bytes_per_token(exact_target) * 2048
+    assert cache.stats().budget_bytes == 64 * 2**20
     engine.reset()
-    assert cache.stats().resident_bytes == 0 and cache.stats().lookups == 0
+    assert cache.stats().num_entries == 0 and cache.stats().lookups == 0

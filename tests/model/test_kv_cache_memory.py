@@ -33,8 +33,8 @@ def slot_resident_pages(cache: KVCache, slot: int) -> int:
 
 
 def big_cache(transposed: bool) -> KVCache:
-    # 2 x 4 x 2 x 64 x 16384 bfloat16 = 32 MiB each for keys and values: fresh mapped pages,
-    # none resident before a write.
+    # 2 x 4 x 2 x 64 x 16384 bfloat16 = 32 MiB each for keys and values, each in a mapping of
+    # its own: none of it resident before a write.
     return KVCache(
         num_layers=2,
         max_num_seqs=4,
@@ -58,11 +58,9 @@ def write(cache: KVCache, slot: int, start: int, num: int) -> None:
 @pytest.mark.parametrize("transposed", [True, False])
 def test_resident_bytes_match_the_pages_the_kernel_holds(transposed: bool) -> None:
     cache = big_cache(transposed)
-    cache.slots.allocate()  # slot 0, unwritten: its first page holds the allocation's header
+    cache.slots.allocate()
     slot = cache.slots.allocate()
-    assert cache.resident_bytes(slot) == 0
-    if slot_resident_pages(cache, slot) > 0:
-        pytest.skip("the allocator handed out memory already resident")
+    assert cache.resident_bytes(slot) == 0 == slot_resident_pages(cache, slot)
     write(cache, slot, 0, 10)
     # Transposed: one page per key row (2 layers x 2 heads x 64 dims) and per value run (4).
     expected = (2 * 2 * 64 + 4) * PAGE if transposed else (4 + 4) * PAGE
@@ -81,3 +79,27 @@ def test_written_pages_stay_counted_after_truncate_and_free() -> None:
     cache.slots.free(slot)
     assert cache.resident_bytes(slot) == held  # the pages stay resident
     assert resident_pages(cache.keys) * PAGE >= 2 * 2 * 64 * 2 * PAGE
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore is Linux's")
+@pytest.mark.parametrize("transposed", [True, False])
+def test_released_pages_go_back_and_read_as_zeros(transposed: bool) -> None:
+    cache = big_cache(transposed)
+    kept, slot = cache.slots.allocate(), cache.slots.allocate()
+    write(cache, kept, 0, 100)
+    write(cache, slot, 0, 3000)
+    with pytest.raises(ValueError, match="slot"):
+        cache.release_pages(slot)  # still allocated
+    cache.slots.free(slot)
+    cache.release_pages(slot)
+    assert cache.resident_bytes(slot) == 0 == slot_resident_pages(cache, slot)
+    held = cache.resident_bytes(kept)  # a neighbour keeps its pages and its values
+    assert held > 0 and slot_resident_pages(cache, kept) * PAGE == held
+    assert bool((cache.values[:, kept, :, :100] == 1).all())
+    # Written again, the slot counts its new pages only.
+    slot = cache.slots.allocate()
+    write(cache, slot, 0, 10)
+    assert cache.resident_bytes(slot) == slot_resident_pages(cache, slot) * PAGE
+    # (Reading maps the system's zero page, which mincore counts: last.)
+    keys = cache.keys[:, slot, ..., 10:] if transposed else cache.keys[:, slot, :, 10:]
+    assert not keys.any() and not cache.values[:, slot, :, 10:].any()
