@@ -25,7 +25,12 @@ import torch
 from hybridspec.config import ModelConfig
 from hybridspec.engine import Engine
 from hybridspec.errors import ModelLoadError
-from hybridspec.model.loader import embedded_model_path, load_gguf_tokenizer, load_model
+from hybridspec.model.loader import (
+    LoadedModel,
+    embedded_model_path,
+    load_gguf_tokenizer,
+    load_model,
+)
 from tests.model.tiny_families import tiny_family
 
 CONVERTER = Path(
@@ -101,6 +106,33 @@ def llama_cpp_greedy(path: Path, prompt_ids: list[int]) -> list[int]:
     return tokens
 
 
+def convert_and_load(folder: Path) -> tuple[Path, LoadedModel]:
+    """The checkpoint in ``folder`` as F32, Q8_0 and Q4_K_M files, each loaded with default
+    settings (quantize and dtype "auto") on the native runtime; returns the F32 file and that
+    file loaded in float32, unquantized."""
+    f32 = convert(folder, "f32")
+    for path in (f32, convert(folder, "q8_0"), quantize_q4_k_m(f32)):
+        assert load_model(ModelConfig(str(path))).is_native, path.name
+    return f32, load_model(ModelConfig(str(f32), dtype="float32", quantize="none"))
+
+
+def assert_greedy_matches_llama_cpp(name: str, f32: Path, loaded: LoadedModel) -> None:
+    """Our greedy tokens on ``loaded`` equal llama.cpp's on the same F32 file for at least 3 of
+    the 4 raw ``PROMPTS`` (random weights leave near ties either side may break)."""
+    from tests.engine.tiny import make_engine
+
+    engine: Engine = make_engine(loaded)
+    agree = 0
+    for text in PROMPTS:
+        ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+        ours = engine.generate(
+            prompt_token_ids=ids, proposer="none", max_new_tokens=NEW_TOKENS
+        ).token_ids
+        agree += ours == llama_cpp_greedy(f32, ids)
+    print(f"{name}: {agree} of {len(PROMPTS)} prompts equal llama.cpp's greedy tokens")
+    assert agree >= 3, f"{name}: {agree} of {len(PROMPTS)} prompts equal llama.cpp's"
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
 def test_converted_files_load_and_match_llama_cpp(family: str, tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     vocab = len(tokenizer)
@@ -112,21 +144,5 @@ def test_converted_files_load_and_match_llama_cpp(family: str, tokenizer, tmp_pa
     folder = tmp_path / family
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    f32 = convert(folder, "f32")
-    files = [f32, convert(folder, "q8_0"), quantize_q4_k_m(f32)]
-    for path in files:  # default settings: quantize "auto", dtype "auto"
-        engine_model = load_model(ModelConfig(str(path)))
-        assert engine_model.is_native, path.name
-    loaded = load_model(ModelConfig(str(f32), dtype="float32", quantize="none"))
-    from tests.engine.tiny import make_engine
-
-    engine: Engine = make_engine(loaded)
-    agree = 0
-    for text in PROMPTS:
-        ids = loaded.tokenizer.encode(text, add_special_tokens=False)
-        ours = engine.generate(
-            prompt_token_ids=ids, proposer="none", max_new_tokens=NEW_TOKENS
-        ).token_ids
-        agree += ours == llama_cpp_greedy(f32, ids)
-    print(f"{family}: {agree} of {len(PROMPTS)} prompts equal llama.cpp's greedy tokens")
-    assert agree >= 3, f"{family}: {agree} of {len(PROMPTS)} prompts equal llama.cpp's"
+    f32, loaded = convert_and_load(folder)
+    assert_greedy_matches_llama_cpp(family, f32, loaded)

@@ -21,18 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridspec.config import ModelConfig
-from hybridspec.engine import Engine
 from hybridspec.model.families import FAMILIES
-from hybridspec.model.loader import load_model
 from tests.model.spm_vocab import SPM_PIECES, SpmVocabulary, write_spm_tokenizer
-from tests.model.test_families_llamacpp import (
-    NEW_TOKENS,
-    PROMPTS,
-    convert,
-    llama_cpp_greedy,
-    quantize_q4_k_m,
-)
+from tests.model.test_families_llamacpp import assert_greedy_matches_llama_cpp, convert_and_load
 from tests.model.tiny_families import tiny_family
 
 pytest.importorskip("sentencepiece", reason="sentencepiece is not installed")
@@ -78,12 +69,7 @@ def test_converted_phi3_files_load_and_match_llama_cpp(tmp_path: Path) -> None:
     model.config.bos_token_id, model.config.eos_token_id = 1, ENDOFTEXT
     model.config.pad_token_id = ENDOFTEXT
     model.save_pretrained(folder)
-    f32 = convert(folder, "f32")
-    files = [f32, convert(folder, "q8_0"), quantize_q4_k_m(f32)]
-    for path in files:  # default settings: quantize "auto", dtype "auto"
-        loaded = load_model(ModelConfig(str(path)))
-        assert loaded.is_native, path.name
-    loaded = load_model(ModelConfig(str(f32), dtype="float32", quantize="none"))
+    f32, loaded = convert_and_load(folder)
     assert loaded.weights.family is FAMILIES["phi3"]  # type: ignore[union-attr]
     # the file's vocabulary and chat template
     tokenizer = loaded.tokenizer
@@ -92,15 +78,4 @@ def test_converted_phi3_files_load_and_match_llama_cpp(tmp_path: Path) -> None:
     chat = [{"role": "user", "content": "Hi"}]
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert text == "<|user|>\nHi<|end|>\n<|assistant|>\n"
-    from tests.engine.tiny import make_engine
-
-    engine: Engine = make_engine(loaded)
-    agree = 0
-    for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
-        ours = engine.generate(
-            prompt_token_ids=ids, proposer="none", max_new_tokens=NEW_TOKENS
-        ).token_ids
-        agree += ours == llama_cpp_greedy(f32, ids)
-    print(f"phi3: {agree} of {len(PROMPTS)} prompts equal llama.cpp's greedy tokens")
-    assert agree >= 3, f"phi3: {agree} of {len(PROMPTS)} prompts equal llama.cpp's"
+    assert_greedy_matches_llama_cpp("phi3", f32, loaded)
