@@ -177,10 +177,9 @@ class KVCache:
         self.kernel_keys = tuple(map(numpy_view, self.layer_keys)) if kernel_ready else ()
         self.kernel_values = tuple(map(numpy_view, self.layer_values)) if kernel_ready else ()
         # Per layer, pointers and strides as the C kernel's calls take them (csrc/cache_layout.h).
-        self.kernel_layouts = tuple(
-            Kernel.cache_struct(k, v)
-            for k, v in zip(self.layer_keys, self.layer_values, strict=True)
-            if kernel_ready
+        layers = zip(self.layer_keys, self.layer_values, strict=True)
+        self.kernel_layouts = (
+            tuple(Kernel.cache_struct(*kv) for kv in layers) if kernel_ready else ()
         )
         # Per slot: positions [0, n) have been written or zeroed at least once, so hold finite
         # values. Writes always start at the slot's length, so this is at least that length.
