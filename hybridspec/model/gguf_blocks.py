@@ -29,11 +29,12 @@ Dimensions: ``M`` blocks, ``B`` values per block (32 or 256).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from hybridspec.model.quant import GROUP_SIZE, QuantizedWeight
+from hybridspec.model.quant import GROUP_SIZE, QuantizedWeight, cat_rows
 
 QK_K = 256
 IQ4_VALUES = np.array(
@@ -194,3 +195,46 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
     codes = codes.astype(np.uint8)
     packed = np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
     return QuantizedWeight(torch.from_numpy(packed), scales_t, offsets_t, 4, group)
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFPart:
+    """One GGUF tensor still in the file: its blocks (a view of the mapped file, untouched until
+    read) and, for llama.cpp's permuted q/k, the row order that undoes the permutation."""
+
+    name: str  # the tensor's GGUF name, for errors
+    type_name: str  # a key of ``GGUF_TYPES``
+    blocks: np.ndarray  # uint8, the tensor's bytes (``N * K / B`` blocks in row order)
+    shape: tuple[int, int]  # (N, K)
+    order: np.ndarray | None = None  # int64 [N]: row i of the matrix is row order[i]; None: i
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFMatrix:
+    """A matrix read from a GGUF file on demand: its parts stacked along the rows (q, k, v into
+    one projection), each of its own type."""
+
+    parts: tuple[GGUFPart, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @staticmethod
+    def stack(matrices: list[GGUFMatrix]) -> GGUFMatrix:
+        """The matrices' rows one after the other; raises ValueError where columns differ."""
+        parts = tuple(p for m in matrices for p in m.parts)
+        if len({p.shape[1] for p in parts}) != 1:
+            raise ValueError(f"stack: parts of different widths {[p.shape for p in parts]}")
+        return GGUFMatrix(parts)
+
+    def decode(self) -> QuantizedWeight:
+        """The matrix decoded in numpy (``from_gguf_blocks``, rows reordered, ``cat_rows``):
+        the reference the packing in C (``gguf_pack``) is equal to."""
+        decoded = []
+        for part in self.parts:
+            weight = from_gguf_blocks(part.blocks, part.type_name, part.shape)
+            if part.order is not None:
+                weight = weight.select_rows(torch.from_numpy(part.order))
+            decoded.append(weight)
+        return decoded[0] if len(decoded) == 1 else cat_rows(decoded)

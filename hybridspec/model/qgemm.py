@@ -53,7 +53,7 @@ from hybridspec.model.quant import (
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "qgemm.c", _CSRC / "attention.c")  # and the header they share
+SOURCES = (_CSRC / "qgemm.c", _CSRC / "attention.c", _CSRC / "pack.c")  # and the shared header
 HEADERS = (_CSRC / "cache_layout.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
@@ -111,6 +111,10 @@ _SIGNATURES = {
         *(_CACHE, _ptr),
     ],
     "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
+    # parts, nparts, N, K, bits, group, mode, t0, t1, out, scratch (csrc/pack.c)
+    "hs_pack_gguf": [_ptr, _int, _i64, _i64, _int, _int, _int, _i64, _i64, _ptr, _ptr],
+    "hs_pack_scratch": [_i64, _int],
+    "hs_pack_type_known": [_int],
     "hs_dequant_rows": [*(_ptr,) * 9, _int, _int, _i64, _ptr, _i64, _ptr],
     # q, H, KV, hd, cache, f32, items, num_items, scale, softcap, window, out
     "hs_attend": [_ptr, *(_i64,) * 3, _CACHE, _int, _ptr, _i64, *(ctypes.c_float,) * 2, _i64, _ptr],
@@ -175,11 +179,17 @@ class Kernel:
         for name in ("hs_qgemm", "hs_qgemm_w", "hs_mlp_block", "hs_attn_in", "hs_attend"):
             getattr(self._lib, name).restype = ctypes.c_int
         self._lib.hs_isa.restype = ctypes.c_char_p
+        self._lib.hs_pack_scratch.restype = _i64
         self.path = path
         self.isa: str = self._lib.hs_isa().decode()
         # The attention's vector path (AVX-512); without it the portable C is slower than the
         # numba kernel of the same bits, which ``attention.KernelAttention`` then runs instead.
         self.attention_vectorized = bool(self._lib.hs_attend_vectorized())
+
+    @property
+    def lib(self) -> ctypes.CDLL:
+        """The library, for the modules that call its other functions (``gguf_pack``)."""
+        return self._lib
 
     def max_threads(self) -> int:
         return int(self._lib.hs_max_threads())

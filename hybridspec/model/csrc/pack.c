@@ -1,0 +1,366 @@
+/* A GGUF file's blocks straight into the block kernel's tiles (qgemm.c's layout), tile by tile,
+ * equal to the byte to ``gguf_blocks.from_gguf_blocks`` + ``quant.cat_rows`` +
+ * ``qgemm.Kernel.pack`` (``hybridspec.model.gguf_pack``).
+ *
+ * A matrix is one or more parts (q, k, v stacked; or one tensor), each with its own GGUF type
+ * and, optionally, a row order (llama.cpp's q/k permutation undone). Each row is decoded the way
+ * ``gguf_blocks`` decodes it: codes (0..15 for the 4-bit types, int8 otherwise) and float32
+ * scales and offsets per sub-group of the type, the same float32 products; widened to the
+ * matrix's group (each scale repeated) with a zero offset where its type has none, as
+ * ``quant.widen`` does. Codes go to the tile as ``hs_pack`` puts them (bits 4, or 6 for codes
+ * within -32..31). Scales and offsets, per ``mode``: 0 int8 steps times a float32 factor per row
+ * and 256 columns (``quant.factor_steps``: the greatest common divisor at the run's least
+ * exponent), 1 float16, 2 float32. A mode that cannot hold some value exactly fails the call
+ * (returns 1) and the caller tries the next, as ``Kernel.pack`` chooses.
+ *
+ * The caller owns every buffer: ``scratch`` holds ``hs_pack_scratch(K, group)`` bytes per
+ * thread (``hs_max_threads``).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define GS 32
+#define ROWS 16
+#define QB (ROWS * 4)
+#define SUPER 8
+#define QK_K 256
+
+/* GGUF types (ggml's numbering), the ones decoded here. */
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
+       T_Q5_K = 13, T_Q6_K = 14 };
+
+/* One part of a stacked matrix: its blocks (row after row), type, rows and row order. */
+typedef struct {
+    const uint8_t *data;
+    int32_t type;
+    int32_t pad;
+    int64_t rows;
+    const int64_t *order; /* output row i of this part is source row order[i]; NULL: i */
+} pack_part_t;
+
+/* Where a matrix's tiles go: codes [tiles, G, tile bytes], scales and offsets [tiles, X, 16]
+ * (int8 steps, float16 or float32 by mode; offsets NULL: none) and, mode 0, the factors
+ * [tiles, runs, 16] float32. */
+typedef struct {
+    uint8_t *codes;
+    void *scales, *offsets;
+    float *scale_super, *offset_super;
+} pack_out_t;
+
+static float half_to_float(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff;
+    float f;
+    if (exp == 0) {
+        f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    uint32_t u = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ``x`` as float16 bits when it is a float16 value exactly (infinities too), else -1. */
+static int32_t float_to_half_exact(float x) {
+    if (isnan(x)) return -1;
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    uint32_t sign = (u >> 16) & 0x8000;
+    if (isinf(x)) return (int32_t)(sign | 0x7c00);
+    float a = fabsf(x);
+    if (a == 0.0f) return (int32_t)sign;
+    if (a >= 65520.0f) return -1;
+    int e;
+    float m = frexpf(a, &e); /* a = m 2^e, m in [0.5, 1) */
+    int32_t bits;
+    if (e >= -13) { /* normal: 11 significant bits */
+        float q = ldexpf(m, 11);
+        if (q != floorf(q)) return -1;
+        bits = ((e + 14) << 10) | ((int32_t)q - 1024);
+    } else { /* subnormal: a multiple of 2^-24 */
+        float q = ldexpf(a, 24);
+        if (q != floorf(q)) return -1;
+        bits = (int32_t)q;
+    }
+    return (int32_t)(sign | (uint32_t)bits);
+}
+
+/* Values per block, bytes per block, group, whether the type has offsets. */
+static int type_info(int type, int *per, int *bytes, int *group, int *offsets) {
+    static const int table[][5] = {
+        {T_Q4_0, 32, 18, 32, 1},   {T_Q4_1, 32, 20, 32, 1},   {T_Q5_0, 32, 22, 32, 0},
+        {T_Q5_1, 32, 24, 32, 1},   {T_Q2_K, QK_K, 84, 16, 1}, {T_Q3_K, QK_K, 110, 16, 1},
+        {T_Q4_K, QK_K, 144, 32, 1}, {T_Q5_K, QK_K, 176, 32, 1}, {T_Q6_K, QK_K, 210, 16, 0}};
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
+        if (table[i][0] == type) {
+            *per = table[i][1], *bytes = table[i][2], *group = table[i][3], *offsets = table[i][4];
+            return 1;
+        }
+    return 0;
+}
+
+int hs_pack_type_known(int type) {
+    int a, b, c, d;
+    return type_info(type, &a, &b, &c, &d);
+}
+
+/* Q4_K / Q5_K's 6-bit sub-block scales and mins (gguf_blocks._k_scale_min). */
+static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 0x3f, *mn = s[4 + j] & 0x3f;
+    } else {
+        *sc = (s[8 + j - 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30);
+        *mn = (s[8 + j - 4] >> 4) | ((s[4 + j - 4] >> 2) & 0x30);
+    }
+}
+
+/* One block of 32 (Q4_0, Q4_1, Q5_0, Q5_1): codes c[32], one scale and offset. */
+static void block32(int type, const uint8_t *b, int8_t *c, float *sc, float *off) {
+    int lead = type == T_Q4_0 ? 2 : type == T_Q5_0 ? 6 : type == T_Q4_1 ? 4 : 8;
+    uint32_t qh = 0;
+    if (type == T_Q5_0 || type == T_Q5_1) memcpy(&qh, b + lead - 4, 4);
+    for (int j = 0; j < 32; j++) {
+        int q = (b[lead + j % 16] >> (4 * (j / 16))) & 15;
+        if (type == T_Q5_0 || type == T_Q5_1) q |= (int)((qh >> j) & 1) << 4;
+        c[j] = (int8_t)(type == T_Q5_0 ? q - 16 : q);
+    }
+    *sc = half_to_float(b);
+    *off = type == T_Q4_0 ? *sc * -8.0f : (type == T_Q4_1 || type == T_Q5_1) ? half_to_float(b + 2) : 0.0f;
+}
+
+static void block_q2_k(const uint8_t *b, int8_t *c, float *sc, float *off) {
+    float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+    for (int k = 0; k < QK_K; k++) /* runs of 32 bytes, shifts 0, 2, 4, 6 */
+        c[k] = (int8_t)((b[16 + (k / 128) * 32 + k % 32] >> (2 * ((k / 32) % 4))) & 3);
+    for (int j = 0; j < 16; j++) {
+        sc[j] = d * (float)(b[j] & 0x0f);
+        off[j] = -(dmin * (float)(b[j] >> 4));
+    }
+}
+
+static void block_q3_k(const uint8_t *b, int8_t *c, float *sc, float *off) {
+    const uint8_t *hmask = b, *qs = b + 32, *packed = b + 96;
+    float d = half_to_float(b + 108);
+    for (int j = 0; j < 16; j++) {
+        int low = (packed[j % 8] >> (4 * (j / 8))) & 15;
+        int high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
+        sc[j] = d * (float)((int8_t)(low | (high << 4)) - 32);
+        off[j] = sc[j] * -4.0f;
+    }
+    for (int k = 0; k < QK_K; k++) {
+        int ql = (qs[(k / 128) * 32 + k % 32] >> (2 * ((k / 32) % 4))) & 3;
+        int qh = (hmask[k % 32] >> (k / 32)) & 1;
+        c[k] = (int8_t)(ql | (qh << 2));
+    }
+}
+
+static void block_q45_k(int type, const uint8_t *b, int8_t *c, float *sc, float *off) {
+    float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t *qs = b + (type == T_Q5_K ? 48 : 16), *qh = b + 16;
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        k_scale_min(b + 4, j, &s, &m);
+        sc[j] = d * (float)s;
+        off[j] = -(dmin * (float)m);
+    }
+    for (int k = 0; k < QK_K; k++) { /* runs of 32 bytes, low nibbles then high */
+        int q = (qs[(k / 64) * 32 + k % 32] >> (4 * ((k / 32) % 2))) & 15;
+        if (type == T_Q5_K) q |= ((qh[k % 32] >> (k / 32)) & 1) << 4;
+        c[k] = (int8_t)q;
+    }
+}
+
+static void block_q6_k(const uint8_t *b, int8_t *c, float *sc, float *off) {
+    float d = half_to_float(b + 208);
+    for (int k = 0; k < QK_K; k++) {
+        int ql = (b[(k / 128) * 64 + k % 64] >> (4 * ((k / 64) % 2))) & 15;
+        int qh = (b[128 + (k / 128) * 32 + k % 32] >> (2 * ((k / 32) % 4))) & 3;
+        c[k] = (int8_t)((ql | (qh << 4)) - 32);
+    }
+    for (int j = 0; j < 16; j++) {
+        sc[j] = d * (float)(int8_t)b[192 + j];
+        off[j] = 0.0f;
+    }
+}
+
+/* One row of ``type``: codes c[K], scales and offsets per sub-group of ``group`` (the matrix's,
+ * at most the type's: each of the type's repeated). */
+static void decode_row(int type, const uint8_t *row, int64_t K, int group, int8_t *c, float *sc,
+                       float *off) {
+    int per, bytes, tgroup, has_off;
+    type_info(type, &per, &bytes, &tgroup, &has_off);
+    float bsc[16], boff[16];
+    int rep = tgroup / group, nsub = per / tgroup;
+    for (int64_t blk = 0; blk < K / per; blk++) {
+        const uint8_t *b = row + blk * bytes;
+        int8_t *bc = c + blk * per;
+        if (per == 32) block32(type, b, bc, bsc, boff);
+        else if (type == T_Q2_K) block_q2_k(b, bc, bsc, boff);
+        else if (type == T_Q3_K) block_q3_k(b, bc, bsc, boff);
+        else if (type == T_Q6_K) block_q6_k(b, bc, bsc, boff);
+        else block_q45_k(type, b, bc, bsc, boff);
+        for (int j = 0; j < nsub * rep; j++) {
+            int64_t at = blk * nsub * rep + j;
+            sc[at] = bsc[j / rep];
+            off[at] = has_off ? boff[j / rep] : 0.0f;
+        }
+    }
+}
+
+static int64_t gcd64(int64_t a, int64_t b) {
+    a = a < 0 ? -a : a, b = b < 0 ? -b : b;
+    while (b) {
+        int64_t t = a % b;
+        a = b, b = t;
+    }
+    return a;
+}
+
+/* ``quant.factor_steps`` for one run of ``n`` values (the rest of the run zero): int8 steps and
+ * a float32 factor whose products are the values exactly; 0 where they have no such form. */
+static int factor_run(const float *v, int n, int8_t *steps, float *factor) {
+    int64_t ints[64];
+    int exps[64], least = INT32_MAX;
+    for (int i = 0; i < n; i++) {
+        if (!isfinite(v[i])) return 0;
+        int e;
+        double m = frexp((double)v[i], &e);
+        ints[i] = (int64_t)rint(ldexp(m, 24)); /* exact: 24-bit significands */
+        exps[i] = e - 24;
+        if (ints[i] != 0 && exps[i] < least) least = exps[i];
+    }
+    if (least == INT32_MAX) least = 0;
+    int64_t divisor = 0, top = INT64_MIN;
+    for (int i = 0; i < n; i++) {
+        int shift = ints[i] != 0 ? exps[i] - least : 0;
+        if (shift > 38) return 0;
+        ints[i] = (int64_t)((uint64_t)ints[i] << shift);
+        divisor = gcd64(divisor, ints[i]);
+    }
+    if (divisor == 0) divisor = 1;
+    for (int i = 0; i < n; i++) top = ints[i] / divisor > top ? ints[i] / divisor : top;
+    if (top > 127) divisor = -divisor; /* d < 0 with a step of -128 */
+    for (int i = 0; i < n; i++) {
+        int64_t s = ints[i] / divisor;
+        if (s < -128 || s > 127) return 0;
+        steps[i] = (int8_t)s;
+    }
+    *factor = (float)ldexp((double)divisor, least);
+    for (int i = 0; i < n; i++)
+        if ((float)steps[i] * *factor != v[i]) return 0;
+    return 1;
+}
+
+/* One row's factors (X per row) into the tile's [X, 16] at row r, by mode; 0: not exact. */
+static int store_factors(const float *v, int64_t X, int S, int mode, int64_t tile, int r,
+                         void *out, float *super) {
+    if (mode == 0) {
+        int8_t *steps = (int8_t *)out + tile * X * ROWS;
+        int64_t per = SUPER * S, runs = (X + per - 1) / per;
+        for (int64_t run = 0; run < runs; run++) {
+            int n = (int)(X - run * per < per ? X - run * per : per);
+            int8_t s[64];
+            float f;
+            if (!factor_run(v + run * per, n, s, &f)) return 0;
+            for (int i = 0; i < n; i++) steps[(run * per + i) * ROWS + r] = s[i];
+            super[(tile * runs + run) * ROWS + r] = f;
+        }
+    } else if (mode == 1) {
+        uint16_t *h = (uint16_t *)out + tile * X * ROWS;
+        for (int64_t x = 0; x < X; x++) {
+            int32_t bits = float_to_half_exact(v[x]);
+            if (bits < 0) return 0;
+            h[x * ROWS + r] = (uint16_t)bits;
+        }
+    } else {
+        float *f = (float *)out + tile * X * ROWS;
+        for (int64_t x = 0; x < X; x++) f[x * ROWS + r] = v[x];
+    }
+    return 1;
+}
+
+/* One row's codes into its tile (hs_pack's layout): bits 4 (0..15) or 6 (-32..31, as c + 32). */
+static void pack_row(const int8_t *c, int bits, int r, int64_t K, uint8_t *tile) {
+    int64_t tb = bits == 4 ? 4 * QB : 6 * QB;
+    for (int64_t g = 0; g < K / GS; g++) {
+        uint8_t *dst = tile + g * tb;
+        for (int j = 0; j < GS; j++) {
+            int u = j / 4, e = j % 4;
+            uint8_t q = (uint8_t)(c[g * GS + j] + (bits == 6 ? 32 : 0));
+            dst[(u % 4) * QB + r * 4 + e] |= (uint8_t)((q & 15) << (4 * (u / 4)));
+            if (bits == 6) dst[(4 + u / 4) * QB + r * 4 + e] |= (uint8_t)((q >> 4) << (2 * (u % 4)));
+        }
+    }
+}
+
+/* Bytes of scratch one thread needs: a row's codes, scales and offsets. */
+int64_t hs_pack_scratch(int64_t K, int group) { return K + 2 * (K / group) * 4 + 64; }
+
+/* Row n of the stacked matrix: its part's blocks. */
+static const uint8_t *source_row(const pack_part_t *parts, int nparts, int64_t n, int64_t K,
+                                 int *type) {
+    for (int p = 0; p < nparts; p++) {
+        if (n < parts[p].rows) {
+            int per, bytes, group, off;
+            type_info(parts[p].type, &per, &bytes, &group, &off);
+            int64_t src = parts[p].order ? parts[p].order[n] : n;
+            *type = parts[p].type;
+            return parts[p].data + src * (K / per) * bytes;
+        }
+        n -= parts[p].rows;
+    }
+    return 0;
+}
+
+/* One tile: its 16 rows decoded, factored and packed; 0 where ``mode`` cannot hold a value. */
+static int pack_tile(const pack_part_t *parts, int nparts, int64_t N, int64_t K, int bits,
+                     int group, int mode, int64_t tile, const pack_out_t *out, uint8_t *scratch) {
+    int64_t X = K / group, tb = (bits == 4 ? 4 : 6) * QB;
+    int S = GS / group;
+    int8_t *codes = (int8_t *)scratch;
+    float *sc = (float *)(scratch + ((K + 15) / 16) * 16), *off = sc + X;
+    uint8_t *tile_codes = out->codes + tile * (K / GS) * tb;
+    memset(tile_codes, 0, (size_t)((K / GS) * tb));
+    for (int r = 0; r < ROWS; r++) {
+        int64_t n = tile * ROWS + r;
+        if (n >= N) break; /* rows past N: zero codes and factors (the caller zeroed those) */
+        int type;
+        const uint8_t *row = source_row(parts, nparts, n, K, &type);
+        decode_row(type, row, K, group, codes, sc, off);
+        pack_row(codes, bits, r, K, tile_codes);
+        if (!store_factors(sc, X, S, mode, tile, r, out->scales, out->scale_super)) return 0;
+        if (out->offsets && !store_factors(off, X, S, mode, tile, r, out->offsets, out->offset_super))
+            return 0;
+    }
+    return 1;
+}
+
+/* Tiles [t0, t1) of the stacked matrix [N, K] (module docstring), in parallel over tiles; the
+ * caller zeroes the factor buffers first (rows past N stay zero). Returns 0, or 1 where
+ * ``mode`` cannot hold some scale or offset exactly. */
+int hs_pack_gguf(const pack_part_t *parts, int nparts, int64_t N, int64_t K, int bits, int group,
+                 int mode, int64_t t0, int64_t t1, const pack_out_t *out, uint8_t *scratch) {
+    int failed = 0;
+    int64_t stride = hs_pack_scratch(K, group);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t tile = t0; tile < t1; tile++) {
+        int done;
+#pragma omp atomic read
+        done = failed;
+        if (done) continue;
+#ifdef _OPENMP
+        uint8_t *mine = scratch + omp_get_thread_num() * stride;
+#else
+        uint8_t *mine = scratch;
+#endif
+        if (!pack_tile(parts, nparts, N, K, bits, group, mode, tile, out, mine)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+    }
+    return failed;
+}

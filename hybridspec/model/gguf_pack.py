@@ -1,0 +1,188 @@
+"""A GGUF file's matrices packed straight from the mapped file into the block kernel's tiles.
+
+``pack_matrix`` turns a ``GGUFMatrix`` (one tensor, or q/k/v stacked) into the very
+``PackedWeight`` that ``Kernel.pack(matrix.decode())`` builds, byte for byte, without the
+intermediate ``QuantizedWeight``: csrc/pack.c decodes each row's blocks, widens them to the
+matrix's scheme, factors the scales and packs the codes, tile by tile on the kernel's threads,
+with a scratch of one row per thread. Where it cannot (a type pack.c does not decode: Q8_0,
+IQ4_NL, IQ4_XS), the numpy reference does it, one matrix at a time.
+
+Memory: the file's pages that a conversion touches count in the process's resident size
+(``VmHWM``) as long as they stay mapped in, so after each run of rows (``CHUNK_BYTES`` of the
+file) they are given back with ``madvise(MADV_DONTNEED)`` (they stay in the page cache). The
+peak is then what the packed weights hold plus one chunk.
+
+Dimensions: ``N`` rows, ``K`` columns, ``G = K / 32`` groups, ``X = K / group`` sub-groups per
+row, tiles of ``ROWS`` = 16 rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from hybridspec.model.gguf_blocks import GGUF_TYPES, GGUFMatrix, GGUFPart
+from hybridspec.model.qgemm import Kernel
+from hybridspec.model.quant import GROUP_SIZE, ROWS, SUPER, PackedWeight
+
+CHUNK_BYTES = 32 << 20  # of the file per call: the most of it resident at once
+_MADV_DONTNEED = 4
+# the modes of csrc/pack.c, in Kernel.pack's order of preference: int8 steps times a factor,
+# float16, float32
+_MODES = ((0, torch.int8), (1, torch.float16), (2, torch.float32))
+_SYMMETRIC = ("Q5_0", "Q6_K")  # of the types pack.c decodes, those without offsets
+
+
+class _Part(ctypes.Structure):
+    """csrc/pack.c's ``pack_part_t``."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("type", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("rows", ctypes.c_int64),
+        ("order", ctypes.c_void_p),
+    ]
+
+
+class _Out(ctypes.Structure):
+    """csrc/pack.c's ``pack_out_t``."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "scales", "offsets", "ssup", "osup")]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def release(view: np.ndarray) -> None:
+    """Give back the pages of the mapped file under ``view`` (a slice of a read-only file
+    mapping, nothing else): they leave the process's resident size and stay in the page cache.
+    A no-op on failure."""
+    if view.size == 0:
+        return
+    start = view.ctypes.data
+    first = start - start % mmap.PAGESIZE
+    end = start + view.nbytes
+    _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_DONTNEED)
+
+
+def c_decodes(matrix: GGUFMatrix, kernel: Kernel) -> bool:
+    """Whether csrc/pack.c decodes every part of ``matrix`` (else ``pack_matrix`` runs the
+    numpy reference)."""
+    return matrix.shape[0] > 0 and all(
+        kernel.lib.hs_pack_type_known(GGMLQuantizationType[p.type_name].value)
+        for p in matrix.parts
+    )
+
+
+def pack_matrix(matrix: GGUFMatrix, kernel: Kernel, *, mapped: bool = False) -> PackedWeight:
+    """``kernel.pack(matrix.decode())``, equal to the byte, in C where it decodes the types.
+
+    ``mapped``: the parts' blocks are views of a file mapped read-only, whose pages are given
+    back as they are converted (never for other memory: ``MADV_DONTNEED`` zeroes anonymous
+    pages)."""
+    if not c_decodes(matrix, kernel):
+        packed = kernel.pack(matrix.decode())
+        if mapped:
+            for part in matrix.parts:
+                release(part.blocks)
+        return packed
+    rows, cols = matrix.shape
+    kinds = [p.type_name for p in matrix.parts]
+    bits = 4 if all(GGUF_TYPES[k][2] == 4 for k in kinds) else 6  # 8-bit codes within 6 bits
+    group = min(GGUF_TYPES[k][3] for k in kinds)
+    asymmetric = any(k not in _SYMMETRIC for k in kinds)
+    tiles, groups, subs = -(-rows // ROWS), cols // GROUP_SIZE, GROUP_SIZE // group
+    codes = torch.empty((tiles, groups, ROWS * GROUP_SIZE * bits // 8), dtype=torch.uint8)
+    parts = (_Part * len(matrix.parts))(*(_part(p) for p in matrix.parts))
+    threads = max(1, kernel.max_threads())
+    scratch = torch.empty(threads * int(kernel.lib.hs_pack_scratch(cols, group)), dtype=torch.uint8)
+    for mode, dtype in _MODES:
+        scales = torch.zeros((tiles, groups, subs * ROWS), dtype=dtype)
+        offsets = torch.zeros_like(scales) if asymmetric else None
+        supers = [torch.zeros((tiles, -(-groups // SUPER), ROWS)) for _ in range(2)]
+        out = _Out(
+            codes.data_ptr(),
+            scales.data_ptr(),
+            None if offsets is None else offsets.data_ptr(),
+            supers[0].data_ptr(),
+            supers[1].data_ptr(),
+        )
+        if _run(kernel, matrix, parts, (bits, group, mode), out, scratch, mapped):
+            factored = mode == 0
+            return PackedWeight(
+                codes,
+                scales,
+                offsets,
+                supers[0] if factored else None,
+                supers[1] if factored and offsets is not None else None,
+                bits,
+                group,
+                rows,
+                cols,
+            )
+    raise AssertionError("pack.c's float32 mode holds every value")
+
+
+def _part(part: GGUFPart) -> _Part:
+    order = None if part.order is None else part.order.ctypes.data
+    kind = GGMLQuantizationType[part.type_name].value
+    return _Part(part.blocks.ctypes.data, kind, 0, part.shape[0], order)
+
+
+def _run(
+    kernel: Kernel,
+    matrix: GGUFMatrix,
+    parts: ctypes.Array[_Part],
+    scheme: tuple[int, int, int],  # bits, group, mode
+    out: _Out,
+    scratch: torch.Tensor,
+    mapped: bool,
+) -> bool:
+    """Every tile of ``matrix`` through csrc/pack.c in chunks of about ``CHUNK_BYTES`` of the
+    file, each chunk's pages given back after it; False where the mode does not hold."""
+    rows, cols = matrix.shape
+    tiles = -(-rows // ROWS)
+    row_bytes = max(p.blocks.nbytes // max(p.shape[0], 1) for p in matrix.parts)
+    step = max(1, CHUNK_BYTES // (row_bytes * ROWS))
+    bits, group, mode = scheme
+    for first in range(0, tiles, step):
+        last = min(tiles, first + step)
+        failed = kernel.lib.hs_pack_gguf(
+            ctypes.addressof(parts),
+            len(parts),
+            rows,
+            cols,
+            bits,
+            group,
+            mode,
+            first,
+            last,
+            ctypes.addressof(out),
+            scratch.data_ptr(),
+        )
+        if mapped:
+            _release_rows(matrix, first * ROWS, last * ROWS)
+        if failed:
+            return False
+    for part in matrix.parts if mapped else ():  # the permuted ones, read in their own order
+        release(part.blocks)
+    return True
+
+
+def _release_rows(matrix: GGUFMatrix, begin: int, end: int) -> None:
+    """Give back the file pages of the matrix's rows ``[begin, end)`` (parts in file order)."""
+    for part in matrix.parts:
+        count = part.shape[0]
+        lo, hi = max(begin, 0), min(end, count)
+        if part.order is None and lo < hi:
+            per_row = part.blocks.nbytes // count
+            release(part.blocks.reshape(-1)[lo * per_row : hi * per_row])
+        begin, end = begin - count, end - count
