@@ -39,11 +39,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from hybridspec.errors import ModelLoadError
-from hybridspec.model.gguf_blocks import DENSE_TYPES, GGUF_TYPES, from_gguf_blocks
+from hybridspec.model.gguf_blocks import (
+    DENSE_TYPES,
+    GGUF_TYPES,
+    GGUFMatrix,
+    GGUFPart,
+    from_gguf_blocks,
+)
+from hybridspec.model.gguf_file import GGUFFile
 from hybridspec.model.quant import QuantizedWeight
 from hybridspec.model.rope import default_inv_freq, llama3_inv_freq
 
@@ -97,9 +103,11 @@ class GGUFModel:
     """A GGUF model in transformers' layout."""
 
     config: PretrainedConfig  # the architecture's own config class (LlamaConfig, Qwen3Config...)
-    # transformers' names and layout: float32, or a file's own blocks (``keep_quantized``)
-    state_dict: dict[str, torch.Tensor | QuantizedWeight]
+    # transformers' names and layout: float32, or a file's own blocks (``keep_quantized``),
+    # decoded or still in the file (``lazy``)
+    state_dict: dict[str, torch.Tensor | QuantizedWeight | GGUFMatrix]
     eos_token_ids: tuple[int, ...]  # from eos/eot/eom metadata
+    tensor_bytes: int = 0  # the file's tensors' bytes, all together
 
 
 def permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -128,17 +136,19 @@ def unpermute_qk_rows(weight: QuantizedWeight, num_heads: int) -> QuantizedWeigh
     return weight.select_rows(unpermute_qk(rows, num_heads)[:, 0])
 
 
-def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> GGUFModel:
-    """Read a GGUF file; raises ModelLoadError for an unreadable or unsupported file.
+def read_gguf(
+    path: str | os.PathLike[str], *, keep_quantized: bool = False, lazy: bool = False
+) -> GGUFModel:
+    """Read a GGUF file; raises ModelLoadError for an unreadable, truncated or unsupported file
+    (``gguf_file.GGUFFile``).
 
     ``keep_quantized``: quantized matrices come back as ``QuantizedWeight`` (their blocks,
     exactly: ``model.gguf_blocks`` lists the types), F32/F16/BF16 ones and vectors as float32;
-    a matrix of another type is refused, naming it and its type.
+    a matrix of another type is refused, naming it and its type. ``lazy`` (with
+    ``keep_quantized``): quantized matrices come back as ``GGUFMatrix``, views of the mapped
+    file not read yet, for ``gguf_pack`` to convert one at a time.
     """
-    try:
-        reader = GGUFReader(path)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read GGUF file {os.fspath(path)!r}: {exc}") from exc
+    reader = GGUFFile(path)
     meta = _Metadata(reader, os.fspath(path))
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -159,11 +169,11 @@ def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> 
         }
     names = _LAYER_NAMES | ({"ffn_up": _FUSED_UP[arch]} if arch in _FUSED_UP else {})
     names |= _GEMMA_NAMES if arch in _GEMMA else {}
-    state_dict = {}
+    state_dict: dict[str, torch.Tensor | QuantizedWeight | GGUFMatrix] = {}
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight":  # folded into config.rope_parameters by _llama_config
             continue
-        values: torch.Tensor | QuantizedWeight
+        values: torch.Tensor | QuantizedWeight | GGUFMatrix
         kind = tensor.tensor_type.name
         if keep_quantized and len(tensor.shape) == 2 and kind not in (*GGUF_TYPES, *DENSE_TYPES):
             raise ModelLoadError(
@@ -171,10 +181,20 @@ def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> 
                 f"supported (supported: {', '.join((*GGUF_TYPES, *DENSE_TYPES))}); "
                 "quantize 'none' dequantizes every type that the gguf package reads"
             )
+        match = _LAYER_TENSOR.fullmatch(name)
+        permuted = match is not None and match.group(2) in heads and match.group(3) == "weight"
         try:
             if keep_quantized and kind in GGUF_TYPES and len(tensor.shape) == 2:
                 shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists columns first
-                values = from_gguf_blocks(tensor.data, kind, shape)
+                if lazy:
+                    order = None
+                    if match is not None and permuted:
+                        rows = torch.arange(shape[0])[:, None]
+                        order = unpermute_qk(rows, heads[match[2]])[:, 0].numpy()
+                    part = GGUFPart(name, kind, tensor.data, shape, order)
+                    values = GGUFMatrix((part,))
+                else:
+                    values = from_gguf_blocks(tensor.data, kind, shape)
             else:
                 values = torch.from_numpy(_dequantize(tensor))
         except (NotImplementedError, ValueError) as exc:
@@ -183,10 +203,9 @@ def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> 
             ) from exc
         if arch in _GEMMA and name.endswith("norm.weight") and isinstance(values, torch.Tensor):
             values = values - 1  # the converter's 1 + w back to w
-        match = _LAYER_TENSOR.fullmatch(name)
         if match is not None and match.group(2) in names:
             layer, kind, suffix = match.groups()
-            if kind in heads and suffix == "weight":
+            if permuted and not isinstance(values, GGUFMatrix):  # a lazy one has its order
                 if isinstance(values, QuantizedWeight):
                     values = unpermute_qk_rows(values, heads[kind])
                 else:
@@ -197,7 +216,8 @@ def read_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> 
         else:
             raise ModelLoadError(f"GGUF file {meta.path!r}: unexpected tensor {name!r}")
     eos = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
-    return GGUFModel(config, state_dict, tuple(sorted({int(t) for t in eos if t is not None})))
+    eos_ids = tuple(sorted({int(t) for t in eos if t is not None}))
+    return GGUFModel(config, state_dict, eos_ids, sum(int(t.n_bytes) for t in reader.tensors))
 
 
 def _dequantize(tensor: Any) -> np.ndarray:
@@ -210,12 +230,11 @@ def _dequantize(tensor: Any) -> np.ndarray:
 class _Metadata:
     """Typed access to a GGUF file's key-value metadata."""
 
-    def __init__(self, reader: GGUFReader, path: str) -> None:
+    def __init__(self, reader: GGUFFile, path: str) -> None:
         self.reader, self.path = reader, path
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.reader.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)

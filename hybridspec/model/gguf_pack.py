@@ -77,8 +77,7 @@ def c_decodes(matrix: GGUFMatrix, kernel: Kernel) -> bool:
     """Whether csrc/pack.c decodes every part of ``matrix`` (else ``pack_matrix`` runs the
     numpy reference)."""
     return matrix.shape[0] > 0 and all(
-        kernel.lib.hs_pack_type_known(GGMLQuantizationType[p.type_name].value)
-        for p in matrix.parts
+        kernel.lib.hs_pack_type_known(GGMLQuantizationType[p.type_name].value) for p in matrix.parts
     )
 
 

@@ -34,6 +34,7 @@ from hybridspec.model.families import (
     family_problem,
     layer_windows,
 )
+from hybridspec.model.gguf_blocks import GGUFMatrix
 from hybridspec.model.quant import PackedWeight, QuantizedWeight, cat_rows, quantize
 from hybridspec.model.rope import default_inv_freq, llama3_inv_freq
 
@@ -228,17 +229,20 @@ class LlamaWeights:
 
     @staticmethod
     def from_hf_state_dict(
-        state_dict: Mapping[str, torch.Tensor | QuantizedWeight],
+        state_dict: Mapping[str, torch.Tensor | QuantizedWeight | GGUFMatrix],
         config: PretrainedConfig,
         *,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         quantize_bits: int | None = None,
+        pack: Callable[[GGUFMatrix], Matrix] | None = None,
     ) -> LlamaWeights:
         """Fuse a ``LlamaForCausalLM`` state dict (transformers names and layout).
 
         Quantized matrices in ``state_dict`` stay quantized; ``quantize_bits`` (4 or 8)
         quantizes the dense matrices too (``quant.quantize``). Norms are cast to ``dtype``.
+        Matrices still in a GGUF file (``GGUFMatrix``) are stacked where they fuse and turned
+        into what the forward holds by ``pack``, one at a time in the order of the layers.
         """
         problem = native_support_problem(config)
         if problem is not None:
@@ -253,6 +257,10 @@ class LlamaWeights:
                 raise ValueError(
                     f"state_dict: {name} has shape {tuple(value.shape)}, expected {shape}"
                 )
+            if isinstance(value, GGUFMatrix):
+                if pack is None or len(shape) != 2:
+                    raise ValueError(f"state_dict: {name} is a GGUF matrix and nothing reads it")
+                return pack(value)
             if isinstance(value, QuantizedWeight):
                 if len(shape) != 2:
                     raise ValueError(f"state_dict: {name} must be dense, got a quantized matrix")
@@ -270,8 +278,19 @@ class LlamaWeights:
                 value = (value.float() + family.norm_offset).to(dtype)
             return value
 
+        def stacked(names: list[tuple[str, tuple[int, int]]]) -> Matrix:
+            """q/k/v or gate/up fused: GGUF matrices before they are packed, as one."""
+            values = [state_dict.get(name) for name, _ in names]
+            lazy = [v for v in values if isinstance(v, GGUFMatrix)]
+            if pack is not None and len(lazy) == len(values):
+                for (name, shape), value in zip(names, lazy, strict=True):
+                    if value.shape != shape:
+                        tensor(name, shape)  # raises ValueError, naming it
+                return pack(GGUFMatrix.stack(lazy))
+            return _cat([tensor(name, shape) for name, shape in names], dtype)
+
         layers = tuple(
-            _layer(tensor, vector, dims, family, f"model.layers.{i}.", dtype)
+            _layer(tensor, vector, stacked, dims, family, f"model.layers.{i}.")
             for i in range(dims.num_layers)
         )
         embed = tensor("model.embed_tokens.weight", (dims.vocab_size, d))
@@ -341,24 +360,25 @@ class LlamaWeights:
 def _layer(
     tensor: Callable[[str, tuple[int, ...]], Matrix],
     vector: Callable[[str, tuple[int, ...]], torch.Tensor],
+    stacked: Callable[[list[tuple[str, tuple[int, int]]]], Matrix],
     dims: LlamaDims,
     family: Family,
     p: str,
-    dtype: torch.dtype,
 ) -> LlamaLayerWeights:
     """Layer ``p`` (``model.layers.{i}.``) of a state dict in transformers' names for
-    ``family``, fused: q/k/v (and their biases) into one matrix, gate/up into another."""
+    ``family``, fused: q/k/v (and their biases) into one matrix, gate/up into another
+    (``stacked``)."""
     d, hd, inter = dims.hidden_size, dims.head_dim, dims.intermediate_size
     q_rows, kv_rows = dims.num_heads * hd, dims.num_kv_heads * hd
     if family.fused_checkpoint:
         wqkv = tensor(p + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, d))
         w_gate_up = tensor(p + "mlp.gate_up_proj.weight", (2 * inter, d))
     else:
-        qkv = [tensor(p + "self_attn.q_proj.weight", (q_rows, d))] + [
-            tensor(p + f"self_attn.{n}_proj.weight", (kv_rows, d)) for n in "kv"
-        ]
-        gate_up = [tensor(p + f"mlp.{n}_proj.weight", (inter, d)) for n in ("gate", "up")]
-        wqkv, w_gate_up = _cat(qkv, dtype), _cat(gate_up, dtype)
+        wqkv = stacked(
+            [(p + "self_attn.q_proj.weight", (q_rows, d))]
+            + [(p + f"self_attn.{n}_proj.weight", (kv_rows, d)) for n in "kv"]
+        )
+        w_gate_up = stacked([(p + f"mlp.{n}_proj.weight", (inter, d)) for n in ("gate", "up")])
     qkv_bias = q_norm = k_norm = None
     if family.qkv_bias:
         qkv_bias = torch.cat(

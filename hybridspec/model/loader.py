@@ -21,6 +21,7 @@ other causal LM runs on the generic transformers runtime (``model.hf_runtime``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import logging
 from collections.abc import Callable, Iterator
@@ -34,6 +35,8 @@ from hybridspec.config import ModelConfig
 from hybridspec.errors import ModelLoadError
 from hybridspec.model import qgemm, weight_cache
 from hybridspec.model.gguf import load_gguf_tokenizer, read_gguf
+from hybridspec.model.gguf_file import check_memory
+from hybridspec.model.gguf_pack import pack_matrix
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
 from hybridspec.model.quant_linear import int4_kernel_available
@@ -59,6 +62,7 @@ _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 CUDA_AUTO_DTYPE = torch.bfloat16
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _QUANTIZE_BITS = {"gguf": None, "int4": 4, "int8": 8}
+_LOAD_OVERHEAD = 256 << 20  # bytes a load holds beyond the weights: scratch, one run of the file
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +269,52 @@ def _resolve_device(name: str) -> torch.device:
 def _load_gguf(
     path: Path, dtype: torch.dtype, device: torch.device, max_seq_len: int | None, quantize: str
 ) -> LoadedModel:
+    block = qgemm.kernel()
+    if quantize == "gguf" and device.type == "cpu" and block is not None:
+        converted = convert_in_place(path, dtype, block)  # faster than the weight cache
+    else:
+        converted = _load_or_convert(path, dtype, device, quantize)
+    tokenizer = load_gguf_tokenizer(path)
+    eos = set(converted.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    logger.info("loaded %s natively (%s, %s, quantize %s)", path, dtype, device, quantize)
+    return LoadedModel(
+        converted.weights,
+        tokenizer,
+        converted.config,
+        dtype,
+        tuple(sorted(eos)),
+        f"gguf:{path}",
+        max_seq_len,
+    )
+
+
+def convert_in_place(path: Path, dtype: torch.dtype, block: qgemm.Kernel) -> ConvertedGGUF:
+    """A GGUF file's quantized matrices packed straight from the mapped file into the kernel's
+    tiles, one at a time (``gguf_pack``): the process holds the packed weights and a bounded
+    run of the file's pages. Checks first that the file is whole and the weights fit in the
+    memory available (``gguf_file``)."""
+    model = read_gguf(path, keep_quantized=True, lazy=True)
+    # the packed weights hold about the file's bytes; fused q/k/v of mixed types a little more
+    check_memory(path, model.tensor_bytes + model.tensor_bytes // 16 + _LOAD_OVERHEAD)
+    try:
+        weights = LlamaWeights.from_hf_state_dict(
+            model.state_dict,
+            model.config,
+            dtype=dtype,
+            pack=functools.partial(pack_matrix, kernel=block, mapped=True),
+        )
+    except ValueError as exc:  # tensors that disagree with the metadata
+        raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc
+    return ConvertedGGUF(pack_quantized(weights), model.config, model.eos_token_ids)
+
+
+def _load_or_convert(
+    path: Path, dtype: torch.dtype, device: torch.device, quantize: str
+) -> ConvertedGGUF:
+    """The weight cache's entry for the file, else the file dequantized and fused in numpy."""
+
     def convert() -> ConvertedGGUF:
         model = read_gguf(path, keep_quantized=quantize != "none")
         try:
@@ -282,21 +332,7 @@ def _load_gguf(
     # the cache holds what the runtime multiplies: the kernel's tiles where it builds
     packed = quantize != "none" and device.type == "cpu" and qgemm.kernel() is not None
     variant = f"{quantize}-packed" if packed else quantize
-    converted = weight_cache.load_or_convert(path, dtype, device, convert, quantize=variant)
-    tokenizer = load_gguf_tokenizer(path)
-    eos = set(converted.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    logger.info("loaded %s natively (%s, %s, quantize %s)", path, dtype, device, quantize)
-    return LoadedModel(
-        converted.weights,
-        tokenizer,
-        converted.config,
-        dtype,
-        tuple(sorted(eos)),
-        f"gguf:{path}",
-        max_seq_len,
-    )
+    return weight_cache.load_or_convert(path, dtype, device, convert, quantize=variant)
 
 
 def pack_quantized(weights: LlamaWeights) -> LlamaWeights:

@@ -118,31 +118,42 @@ static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
-/* One block of 32 (Q4_0, Q4_1, Q5_0, Q5_1): codes c[32], one scale and offset. */
-static void block32(int type, const uint8_t *b, int8_t *c, float *sc, float *off) {
+/* The decoders below write each code plus ``bias`` (0, or 32 for a 6-bit tile, whose bytes
+ * hold c + 32) as uint8, and the block's float32 scales and offsets, computed as gguf_blocks
+ * computes them. */
+
+/* One block of 32 (Q4_0, Q4_1, Q5_0, Q5_1). */
+static void block32(int type, const uint8_t *b, int bias, uint8_t *c, float *sc, float *off) {
+    int five = type == T_Q5_0 || type == T_Q5_1;
     int lead = type == T_Q4_0 ? 2 : type == T_Q5_0 ? 6 : type == T_Q4_1 ? 4 : 8;
+    uint8_t shift = (uint8_t)(bias - (type == T_Q5_0 ? 16 : 0));
     uint32_t qh = 0;
-    if (type == T_Q5_0 || type == T_Q5_1) memcpy(&qh, b + lead - 4, 4);
-    for (int j = 0; j < 32; j++) {
-        int q = (b[lead + j % 16] >> (4 * (j / 16))) & 15;
-        if (type == T_Q5_0 || type == T_Q5_1) q |= (int)((qh >> j) & 1) << 4;
-        c[j] = (int8_t)(type == T_Q5_0 ? q - 16 : q);
+    if (five) memcpy(&qh, b + lead - 4, 4);
+    for (int j = 0; j < 16; j++) {
+        c[j] = (uint8_t)((b[lead + j] & 15) + shift);
+        c[j + 16] = (uint8_t)((b[lead + j] >> 4) + shift);
     }
-    *sc = half_to_float(b);
-    *off = type == T_Q4_0 ? *sc * -8.0f : (type == T_Q4_1 || type == T_Q5_1) ? half_to_float(b + 2) : 0.0f;
+    if (five)
+        for (int j = 0; j < 32; j++) c[j] = (uint8_t)(c[j] + (((qh >> j) & 1) << 4));
+    sc[0] = half_to_float(b);
+    off[0] = type == T_Q4_0 ? sc[0] * -8.0f
+             : (type == T_Q4_1 || type == T_Q5_1) ? half_to_float(b + 2)
+                                                  : 0.0f;
 }
 
-static void block_q2_k(const uint8_t *b, int8_t *c, float *sc, float *off) {
+static void block_q2_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off) {
     float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
-    for (int k = 0; k < QK_K; k++) /* runs of 32 bytes, shifts 0, 2, 4, 6 */
-        c[k] = (int8_t)((b[16 + (k / 128) * 32 + k % 32] >> (2 * ((k / 32) % 4))) & 3);
+    for (int i = 0; i < 2; i++) /* runs of 32 bytes, shifts 0, 2, 4, 6 */
+        for (int s = 0; s < 4; s++)
+            for (int j = 0; j < 32; j++)
+                c[i * 128 + s * 32 + j] = (uint8_t)(((b[16 + i * 32 + j] >> (2 * s)) & 3) + bias);
     for (int j = 0; j < 16; j++) {
         sc[j] = d * (float)(b[j] & 0x0f);
         off[j] = -(dmin * (float)(b[j] >> 4));
     }
 }
 
-static void block_q3_k(const uint8_t *b, int8_t *c, float *sc, float *off) {
+static void block_q3_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off) {
     const uint8_t *hmask = b, *qs = b + 32, *packed = b + 96;
     float d = half_to_float(b + 108);
     for (int j = 0; j < 16; j++) {
@@ -151,14 +162,15 @@ static void block_q3_k(const uint8_t *b, int8_t *c, float *sc, float *off) {
         sc[j] = d * (float)((int8_t)(low | (high << 4)) - 32);
         off[j] = sc[j] * -4.0f;
     }
-    for (int k = 0; k < QK_K; k++) {
-        int ql = (qs[(k / 128) * 32 + k % 32] >> (2 * ((k / 32) % 4))) & 3;
-        int qh = (hmask[k % 32] >> (k / 32)) & 1;
-        c[k] = (int8_t)(ql | (qh << 2));
-    }
+    for (int i = 0; i < 2; i++)
+        for (int s = 0; s < 4; s++)
+            for (int j = 0; j < 32; j++) {
+                int ql = (qs[i * 32 + j] >> (2 * s)) & 3, qh = (hmask[j] >> (i * 4 + s)) & 1;
+                c[i * 128 + s * 32 + j] = (uint8_t)((ql | (qh << 2)) + bias);
+            }
 }
 
-static void block_q45_k(int type, const uint8_t *b, int8_t *c, float *sc, float *off) {
+static void block_q45_k(int type, const uint8_t *b, int bias, uint8_t *c, float *sc, float *off) {
     float d = half_to_float(b), dmin = half_to_float(b + 2);
     const uint8_t *qs = b + (type == T_Q5_K ? 48 : 16), *qh = b + 16;
     for (int j = 0; j < 8; j++) {
@@ -167,42 +179,49 @@ static void block_q45_k(int type, const uint8_t *b, int8_t *c, float *sc, float 
         sc[j] = d * (float)s;
         off[j] = -(dmin * (float)m);
     }
-    for (int k = 0; k < QK_K; k++) { /* runs of 32 bytes, low nibbles then high */
-        int q = (qs[(k / 64) * 32 + k % 32] >> (4 * ((k / 32) % 2))) & 15;
-        if (type == T_Q5_K) q |= ((qh[k % 32] >> (k / 32)) & 1) << 4;
-        c[k] = (int8_t)q;
-    }
+    for (int i = 0; i < 4; i++) /* runs of 32 bytes, low nibbles then high */
+        for (int j = 0; j < 32; j++) {
+            c[i * 64 + j] = (uint8_t)((qs[i * 32 + j] & 15) + bias);
+            c[i * 64 + 32 + j] = (uint8_t)((qs[i * 32 + j] >> 4) + bias);
+        }
+    if (type == T_Q5_K)
+        for (int i = 0; i < 8; i++)
+            for (int j = 0; j < 32; j++)
+                c[i * 32 + j] = (uint8_t)(c[i * 32 + j] + (((qh[j] >> i) & 1) << 4));
 }
 
-static void block_q6_k(const uint8_t *b, int8_t *c, float *sc, float *off) {
+static void block_q6_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off) {
     float d = half_to_float(b + 208);
-    for (int k = 0; k < QK_K; k++) {
-        int ql = (b[(k / 128) * 64 + k % 64] >> (4 * ((k / 64) % 2))) & 15;
-        int qh = (b[128 + (k / 128) * 32 + k % 32] >> (2 * ((k / 32) % 4))) & 3;
-        c[k] = (int8_t)((ql | (qh << 4)) - 32);
-    }
+    uint8_t shift = (uint8_t)(bias - 32);
+    for (int i = 0; i < 2; i++)
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 64; j++) {
+                int ql = (b[i * 64 + j] >> (4 * h)) & 15;
+                int qh = (b[128 + i * 32 + j % 32] >> (2 * (2 * h + j / 32))) & 3;
+                c[i * 128 + h * 64 + j] = (uint8_t)((ql | (qh << 4)) + shift);
+            }
     for (int j = 0; j < 16; j++) {
         sc[j] = d * (float)(int8_t)b[192 + j];
         off[j] = 0.0f;
     }
 }
 
-/* One row of ``type``: codes c[K], scales and offsets per sub-group of ``group`` (the matrix's,
- * at most the type's: each of the type's repeated). */
-static void decode_row(int type, const uint8_t *row, int64_t K, int group, int8_t *c, float *sc,
-                       float *off) {
+/* One row of ``type``: codes c[K] (plus ``bias``), scales and offsets per sub-group of
+ * ``group`` (the matrix's, at most the type's: each of the type's repeated). */
+static void decode_row(int type, const uint8_t *row, int64_t K, int group, int bias, uint8_t *c,
+                       float *sc, float *off) {
     int per, bytes, tgroup, has_off;
     type_info(type, &per, &bytes, &tgroup, &has_off);
     float bsc[16], boff[16];
     int rep = tgroup / group, nsub = per / tgroup;
     for (int64_t blk = 0; blk < K / per; blk++) {
         const uint8_t *b = row + blk * bytes;
-        int8_t *bc = c + blk * per;
-        if (per == 32) block32(type, b, bc, bsc, boff);
-        else if (type == T_Q2_K) block_q2_k(b, bc, bsc, boff);
-        else if (type == T_Q3_K) block_q3_k(b, bc, bsc, boff);
-        else if (type == T_Q6_K) block_q6_k(b, bc, bsc, boff);
-        else block_q45_k(type, b, bc, bsc, boff);
+        uint8_t *bc = c + blk * per;
+        if (per == 32) block32(type, b, bias, bc, bsc, boff);
+        else if (type == T_Q2_K) block_q2_k(b, bias, bc, bsc, boff);
+        else if (type == T_Q3_K) block_q3_k(b, bias, bc, bsc, boff);
+        else if (type == T_Q6_K) block_q6_k(b, bias, bc, bsc, boff);
+        else block_q45_k(type, b, bias, bc, bsc, boff);
         for (int j = 0; j < nsub * rep; j++) {
             int64_t at = blk * nsub * rep + j;
             sc[at] = bsc[j / rep];
@@ -220,6 +239,23 @@ static int64_t gcd64(int64_t a, int64_t b) {
     return a;
 }
 
+/* ``x`` as an integer times 2^exp, as numpy's frexp and ldexp(m, 24) give it: the 24-bit
+ * significand (normal numbers read from their bits, the rest through frexp). */
+static int64_t scaled_integer(float x, int *exp) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    uint32_t biased = (u >> 23) & 0xff;
+    if (biased != 0) {
+        int64_t m = (int64_t)((u & 0x7fffffu) | 0x800000u);
+        *exp = (int)biased - 150;
+        return (u >> 31) ? -m : m;
+    }
+    int e;
+    double m = frexp((double)x, &e);
+    *exp = e - 24;
+    return (int64_t)rint(ldexp(m, 24));
+}
+
 /* ``quant.factor_steps`` for one run of ``n`` values (the rest of the run zero): int8 steps and
  * a float32 factor whose products are the values exactly; 0 where they have no such form. */
 static int factor_run(const float *v, int n, int8_t *steps, float *factor) {
@@ -227,10 +263,7 @@ static int factor_run(const float *v, int n, int8_t *steps, float *factor) {
     int exps[64], least = INT32_MAX;
     for (int i = 0; i < n; i++) {
         if (!isfinite(v[i])) return 0;
-        int e;
-        double m = frexp((double)v[i], &e);
-        ints[i] = (int64_t)rint(ldexp(m, 24)); /* exact: 24-bit significands */
-        exps[i] = e - 24;
+        ints[i] = scaled_integer(v[i], &exps[i]);
         if (ints[i] != 0 && exps[i] < least) least = exps[i];
     }
     if (least == INT32_MAX) least = 0;
@@ -239,7 +272,8 @@ static int factor_run(const float *v, int n, int8_t *steps, float *factor) {
         int shift = ints[i] != 0 ? exps[i] - least : 0;
         if (shift > 38) return 0;
         ints[i] = (int64_t)((uint64_t)ints[i] << shift);
-        divisor = gcd64(divisor, ints[i]);
+        if (divisor == 0) divisor = ints[i] < 0 ? -ints[i] : ints[i];
+        else if (ints[i] % divisor) divisor = gcd64(divisor, ints[i]);
     }
     if (divisor == 0) divisor = 1;
     for (int i = 0; i < n; i++) top = ints[i] / divisor > top ? ints[i] / divisor : top;
@@ -283,22 +317,39 @@ static int store_factors(const float *v, int64_t X, int S, int mode, int64_t til
     return 1;
 }
 
-/* One row's codes into its tile (hs_pack's layout): bits 4 (0..15) or 6 (-32..31, as c + 32). */
-static void pack_row(const int8_t *c, int bits, int r, int64_t K, uint8_t *tile) {
+static inline uint32_t load32(const uint8_t *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return u;
+}
+
+/* A tile's codes c[16][K] (plus the bias: 0..15, or c + 32 for 6 bits) in hs_pack's layout:
+ * per group of 32, quads u and u + 4 in the low and high nibbles of quad u's 16 rows x 4
+ * bytes; for 6 bits then the high 2 bits of quad 4 v + i at bits 2 i of vector v. */
+static void pack_codes(const uint8_t *c, int64_t K, int bits, uint8_t *tile) {
     int64_t tb = bits == 4 ? 4 * QB : 6 * QB;
     for (int64_t g = 0; g < K / GS; g++) {
         uint8_t *dst = tile + g * tb;
-        for (int j = 0; j < GS; j++) {
-            int u = j / 4, e = j % 4;
-            uint8_t q = (uint8_t)(c[g * GS + j] + (bits == 6 ? 32 : 0));
-            dst[(u % 4) * QB + r * 4 + e] |= (uint8_t)((q & 15) << (4 * (u / 4)));
-            if (bits == 6) dst[(4 + u / 4) * QB + r * 4 + e] |= (uint8_t)((q >> 4) << (2 * (u % 4)));
+        for (int r = 0; r < ROWS; r++) {
+            const uint8_t *row = c + r * K + g * GS;
+            for (int u = 0; u < 4; u++) {
+                uint32_t lo = load32(row + u * 4) & 0x0f0f0f0fu;
+                uint32_t word = lo | ((load32(row + u * 4 + 16) & 0x0f0f0f0fu) << 4);
+                memcpy(dst + u * QB + r * 4, &word, 4);
+            }
+            if (bits == 4) continue;
+            for (int v = 0; v < 2; v++) {
+                uint32_t word = 0;
+                for (int i = 0; i < 4; i++)
+                    word |= ((load32(row + (4 * v + i) * 4) >> 4) & 0x03030303u) << (2 * i);
+                memcpy(dst + (4 + v) * QB + r * 4, &word, 4);
+            }
         }
     }
 }
 
-/* Bytes of scratch one thread needs: a row's codes, scales and offsets. */
-int64_t hs_pack_scratch(int64_t K, int group) { return K + 2 * (K / group) * 4 + 64; }
+/* Bytes of scratch one thread needs: a tile's codes, a row's scales and offsets. */
+int64_t hs_pack_scratch(int64_t K, int group) { return ROWS * K + 2 * (K / group) * 4 + 64; }
 
 /* Row n of the stacked matrix: its part's blocks. */
 static const uint8_t *source_row(const pack_part_t *parts, int nparts, int64_t n, int64_t K,
@@ -319,23 +370,25 @@ static const uint8_t *source_row(const pack_part_t *parts, int nparts, int64_t n
 /* One tile: its 16 rows decoded, factored and packed; 0 where ``mode`` cannot hold a value. */
 static int pack_tile(const pack_part_t *parts, int nparts, int64_t N, int64_t K, int bits,
                      int group, int mode, int64_t tile, const pack_out_t *out, uint8_t *scratch) {
-    int64_t X = K / group, tb = (bits == 4 ? 4 : 6) * QB;
+    int64_t X = K / group;
     int S = GS / group;
-    int8_t *codes = (int8_t *)scratch;
-    float *sc = (float *)(scratch + ((K + 15) / 16) * 16), *off = sc + X;
-    uint8_t *tile_codes = out->codes + tile * (K / GS) * tb;
-    memset(tile_codes, 0, (size_t)((K / GS) * tb));
+    uint8_t *codes = scratch;
+    float *sc = (float *)(scratch + ROWS * K), *off = sc + X;
     for (int r = 0; r < ROWS; r++) {
         int64_t n = tile * ROWS + r;
-        if (n >= N) break; /* rows past N: zero codes and factors (the caller zeroed those) */
+        if (n >= N) { /* rows past N: zero codes and factors (the caller zeroed the factors) */
+            memset(codes + r * K, 0, (size_t)K);
+            continue;
+        }
         int type;
         const uint8_t *row = source_row(parts, nparts, n, K, &type);
-        decode_row(type, row, K, group, codes, sc, off);
-        pack_row(codes, bits, r, K, tile_codes);
+        decode_row(type, row, K, group, bits == 6 ? 32 : 0, codes + r * K, sc, off);
         if (!store_factors(sc, X, S, mode, tile, r, out->scales, out->scale_super)) return 0;
-        if (out->offsets && !store_factors(off, X, S, mode, tile, r, out->offsets, out->offset_super))
+        if (out->offsets &&
+            !store_factors(off, X, S, mode, tile, r, out->offsets, out->offset_super))
             return 0;
     }
+    pack_codes(codes, K, bits, out->codes + tile * (K / GS) * (bits == 4 ? 4 : 6) * QB);
     return 1;
 }
 
