@@ -36,6 +36,7 @@ import torch
 
 from hybridspec.errors import InvalidRequestError
 from hybridspec.model import LlamaWeights, LoadedModel, block_kernel, dense, synchronize
+from hybridspec.model.quant import PackedWeight, QuantizedWeight
 from hybridspec.proposers.base import ProposerContext
 from hybridspec.proposers.eagle.cache import HeadCache, forward_cached
 from hybridspec.proposers.eagle.config import (
@@ -89,14 +90,30 @@ def target_parts(model: LoadedModel) -> TargetParts:
     return TargetParts(embed_weight, norm_weight, head_weight, float(cap or 0.0))
 
 
-def find_head(configured: str | None, parts: TargetParts) -> Path:
-    """The head directory: ``configured``, or the shipped head trained for this target."""
+def leading_embedding_rows(model: LoadedModel, count: int = 64) -> torch.Tensor:
+    """The target's first ``count`` embedding rows, as ``target_parts`` has them: all that
+    ``target_fingerprint`` reads, dequantized alone (a 128k-row table is gigabytes dense, and
+    a target with no head never needs it)."""
+    weights = model.weights
+    if isinstance(weights, LlamaWeights):
+        embed, index = weights.embed, torch.arange(min(count, weights.dims.vocab_size))
+        kernel = block_kernel()
+        if isinstance(embed, PackedWeight) and kernel is not None:
+            return kernel.dequantize_rows(embed, index).to(weights.dtype)
+        if isinstance(embed, QuantizedWeight):
+            return embed.dequantize_rows(index, weights.dtype)
+    return target_parts(model).embed[:count]
+
+
+def find_head(configured: str | None, embed_rows: torch.Tensor) -> Path:
+    """The head directory: ``configured``, or the shipped head trained for the target whose
+    first embedding rows are ``embed_rows`` (``leading_embedding_rows``)."""
     if configured is not None:
         path = Path(configured).expanduser()
         if not (path / CONFIG_FILE).is_file():
             raise InvalidRequestError(f"eagle.head: no {CONFIG_FILE} in {configured!r}", "head")
         return path
-    fingerprint = target_fingerprint(parts.embed)
+    fingerprint = target_fingerprint(embed_rows)
     for candidate in sorted(SHIPPED_HEADS.glob(f"*/{CONFIG_FILE}")):
         config = HeadConfig.from_json(candidate.read_text())
         if config.target_fingerprint == fingerprint:
@@ -131,8 +148,8 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         if head is None:
             if context.target is None:
                 raise InvalidRequestError("proposer: 'eagle' needs the target model", "proposer")
+            path = find_head(context.config.eagle.head, leading_embedding_rows(context.target))
             parts = target_parts(context.target)
-            path = find_head(context.config.eagle.head, parts)
             if is_eagle_checkpoint(path):
                 layers = int(context.target.hf_config.num_hidden_layers)
                 head = load_eagle_checkpoint(path, parts, layers)
