@@ -104,9 +104,9 @@ def pack_matrix(matrix: GGUFMatrix, kernel: Kernel, *, mapped: bool = False) -> 
     threads = max(1, kernel.max_threads())
     scratch = torch.empty(threads * int(kernel.lib.hs_pack_scratch(cols, group)), dtype=torch.uint8)
     for mode, dtype in _MODES:
-        scales = torch.zeros((tiles, groups, subs * ROWS), dtype=dtype)
-        offsets = torch.zeros_like(scales) if asymmetric else None
-        supers = [torch.zeros((tiles, -(-groups // SUPER), ROWS)) for _ in range(2)]
+        scales = torch.empty((tiles, groups, subs * ROWS), dtype=dtype)  # pack.c fills them
+        offsets = torch.empty_like(scales) if asymmetric else None
+        supers = [torch.empty((tiles, -(-groups // SUPER), ROWS)) for _ in range(2)]
         out = _Out(
             codes.data_ptr(),
             scales.data_ptr(),

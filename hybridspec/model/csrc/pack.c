@@ -230,10 +230,9 @@ static void decode_row(int type, const uint8_t *row, int64_t K, int group, int b
     }
 }
 
-static int64_t gcd64(int64_t a, int64_t b) {
-    a = a < 0 ? -a : a, b = b < 0 ? -b : b;
+static uint32_t gcd32(uint32_t a, uint32_t b) {
     while (b) {
-        int64_t t = a % b;
+        uint32_t t = a % b;
         a = b, b = t;
     }
     return a;
@@ -241,52 +240,81 @@ static int64_t gcd64(int64_t a, int64_t b) {
 
 /* ``x`` as an integer times 2^exp, as numpy's frexp and ldexp(m, 24) give it: the 24-bit
  * significand (normal numbers read from their bits, the rest through frexp). */
-static int64_t scaled_integer(float x, int *exp) {
+static int32_t scaled_integer(float x, int *exp) {
     uint32_t u;
     memcpy(&u, &x, 4);
     uint32_t biased = (u >> 23) & 0xff;
     if (biased != 0) {
-        int64_t m = (int64_t)((u & 0x7fffffu) | 0x800000u);
+        int32_t m = (int32_t)((u & 0x7fffffu) | 0x800000u);
         *exp = (int)biased - 150;
         return (u >> 31) ? -m : m;
     }
     int e;
     double m = frexp((double)x, &e);
     *exp = e - 24;
-    return (int64_t)rint(ldexp(m, 24));
+    return (int32_t)rint(ldexp(m, 24));
 }
 
 /* ``quant.factor_steps`` for one run of ``n`` values (the rest of the run zero): int8 steps and
- * a float32 factor whose products are the values exactly; 0 where they have no such form. */
+ * a float32 factor whose products are the values exactly; 0 where they have no such form.
+ * factor_steps aligns the values' 24-bit significands to the least exponent and takes their
+ * greatest common divisor; the same divisor is G 2^(t - least), with G the divisor of the
+ * significands' odd parts and t the least exponent of their lowest set bits: found here in
+ * 32 bits, one division per value where G divides it. */
 static int factor_run(const float *v, int n, int8_t *steps, float *factor) {
-    int64_t ints[64];
-    int exps[64], least = INT32_MAX;
+    uint32_t odd[64];
+    int low[64], least = INT32_MAX, most = INT32_MIN, tmin = INT32_MAX;
+    uint32_t g = 0;
     for (int i = 0; i < n; i++) {
         if (!isfinite(v[i])) return 0;
-        ints[i] = scaled_integer(v[i], &exps[i]);
-        if (ints[i] != 0 && exps[i] < least) least = exps[i];
+        int e;
+        int32_t m = scaled_integer(v[i], &e);
+        odd[i] = 0;
+        if (m == 0) continue;
+        uint32_t a = (uint32_t)(m < 0 ? -m : m);
+        int z = __builtin_ctz(a);
+        odd[i] = a >> z, low[i] = e + z;
+        least = e < least ? e : least, most = e > most ? e : most;
+        tmin = low[i] < tmin ? low[i] : tmin;
+        g = g == 0 ? odd[i] : (odd[i] % g ? gcd32(g, odd[i]) : g);
     }
-    if (least == INT32_MAX) least = 0;
-    int64_t divisor = 0, top = INT64_MIN;
+    if (g == 0) { /* every value zero: steps 0, factor 1 */
+        memset(steps, 0, (size_t)n);
+        *factor = 1.0f;
+        return 1;
+    }
+    if (most - least > 38) return 0;
+    int top = INT32_MIN;
+    int32_t s[64];
     for (int i = 0; i < n; i++) {
-        int shift = ints[i] != 0 ? exps[i] - least : 0;
-        if (shift > 38) return 0;
-        ints[i] = (int64_t)((uint64_t)ints[i] << shift);
-        if (divisor == 0) divisor = ints[i] < 0 ? -ints[i] : ints[i];
-        else if (ints[i] % divisor) divisor = gcd64(divisor, ints[i]);
+        s[i] = 0;
+        if (odd[i] == 0) continue;
+        int shift = low[i] - tmin;
+        if (shift > 8) return 0; /* at least 2^9 steps */
+        s[i] = (int32_t)((odd[i] / g) << shift);
+        if (v[i] < 0) s[i] = -s[i];
+        top = s[i] > top ? s[i] : top;
     }
-    if (divisor == 0) divisor = 1;
-    for (int i = 0; i < n; i++) top = ints[i] / divisor > top ? ints[i] / divisor : top;
-    if (top > 127) divisor = -divisor; /* d < 0 with a step of -128 */
+    float f = (float)ldexp((double)g, tmin);
+    int flip = top > 127; /* d < 0 with a step of -128: a negative factor */
     for (int i = 0; i < n; i++) {
-        int64_t s = ints[i] / divisor;
-        if (s < -128 || s > 127) return 0;
-        steps[i] = (int8_t)s;
+        int32_t step = flip ? -s[i] : s[i];
+        if (step < -128 || step > 127) return 0;
+        steps[i] = (int8_t)step;
     }
-    *factor = (float)ldexp((double)divisor, least);
+    *factor = flip ? -f : f;
     for (int i = 0; i < n; i++)
         if ((float)steps[i] * *factor != v[i]) return 0;
     return 1;
+}
+
+/* Row r of a tile past the matrix's rows: zero factors (``quant.tiled`` pads with zeros). */
+static void zero_factors(int64_t X, int S, int mode, int64_t tile, int r, void *out, float *super) {
+    int64_t size = mode == 0 ? 1 : mode == 1 ? 2 : 4, runs = (X + SUPER * S - 1) / (SUPER * S);
+    uint8_t *base = (uint8_t *)out + tile * X * ROWS * size;
+    for (int64_t x = 0; x < X; x++) memset(base + (x * ROWS + r) * size, 0, (size_t)size);
+    if (mode == 0)
+        for (int64_t run = 0; run < runs; run++) super[(tile * runs + run) * ROWS + r] = 0.0f;
 }
 
 /* One row's factors (X per row) into the tile's [X, 16] at row r, by mode; 0: not exact. */
@@ -376,8 +404,10 @@ static int pack_tile(const pack_part_t *parts, int nparts, int64_t N, int64_t K,
     float *sc = (float *)(scratch + ROWS * K), *off = sc + X;
     for (int r = 0; r < ROWS; r++) {
         int64_t n = tile * ROWS + r;
-        if (n >= N) { /* rows past N: zero codes and factors (the caller zeroed the factors) */
+        if (n >= N) { /* rows past N: zero codes and factors */
             memset(codes + r * K, 0, (size_t)K);
+            zero_factors(X, S, mode, tile, r, out->scales, out->scale_super);
+            if (out->offsets) zero_factors(X, S, mode, tile, r, out->offsets, out->offset_super);
             continue;
         }
         int type;
@@ -392,8 +422,8 @@ static int pack_tile(const pack_part_t *parts, int nparts, int64_t N, int64_t K,
     return 1;
 }
 
-/* Tiles [t0, t1) of the stacked matrix [N, K] (module docstring), in parallel over tiles; the
- * caller zeroes the factor buffers first (rows past N stay zero). Returns 0, or 1 where
+/* Tiles [t0, t1) of the stacked matrix [N, K] (module docstring), in parallel over tiles.
+ * Returns 0, or 1 where
  * ``mode`` cannot hold some scale or offset exactly. */
 int hs_pack_gguf(const pack_part_t *parts, int nparts, int64_t N, int64_t K, int bits, int group,
                  int mode, int64_t t0, int64_t t1, const pack_out_t *out, uint8_t *scratch) {
