@@ -4,7 +4,6 @@ equal to the old path; bad files refused by name before anything large is alloca
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,11 @@ from hybridspec.model.gguf_pack import c_decodes, pack_matrix
 from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.loader import convert_in_place, pack_quantized
 from hybridspec.model.quant import PackedWeight
-from tests.model.test_gguf_types import LAYOUT, write_mixed_file
+from tests.model.test_gguf_types import (
+    LAYOUT,
+    _private_cache,  # noqa: F401  # a fixture: the cache dir
+    write_mixed_file,
+)
 from tests.model.test_quant import random_raw
 
 pytestmark = pytest.mark.skipif(qgemm.kernel() is None, reason="no C compiler")
@@ -110,15 +113,9 @@ def test_only_the_types_pack_c_decodes_run_in_c() -> None:
     assert not c_decodes(GGUFMatrix((part("Q4_K", 16, 256, 0), part("Q8_0", 16, 256, 1))), kernel())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HYBRIDSPEC_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield
-
-
 @pytest.fixture(scope="module")
 def mixed_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """test_gguf_types' file: every supported type, layer 0 as Q4_K_M mixes them."""
     return write_mixed_file(tmp_path_factory.mktemp("gguf") / "mixed.gguf", LAYOUT)
 
 
