@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (_CSRC / "qgemm.c", _CSRC / "attention.c", _CSRC / "pack.c")  # and the shared header
-HEADERS = (_CSRC / "cache_layout.h",)
+HEADERS = (_CSRC / "cache_layout.h", _CSRC / "gguf_decode.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
 _X_DTYPES = (torch.bfloat16, torch.float32)

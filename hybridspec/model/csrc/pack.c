@@ -23,15 +23,12 @@
 #include <omp.h>
 #endif
 
+#include "gguf_decode.h"
+
 #define GS 32
 #define ROWS 16
 #define QB (ROWS * 4)
 #define SUPER 8
-#define QK_K 256
-
-/* GGUF types (ggml's numbering), the ones decoded here. */
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
-       T_Q5_K = 13, T_Q6_K = 14 };
 
 /* One part of a stacked matrix: its blocks (row after row), type, rows and row order. */
 typedef struct {
@@ -50,19 +47,6 @@ typedef struct {
     void *scales, *offsets;
     float *scale_super, *offset_super;
 } pack_out_t;
-
-static float half_to_float(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff;
-    float f;
-    if (exp == 0) {
-        f = (float)man * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    uint32_t u = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* ``x`` as float16 bits when it is a float16 value exactly (infinities too), else -1. */
 static int32_t float_to_half_exact(float x) {
@@ -89,145 +73,9 @@ static int32_t float_to_half_exact(float x) {
     return (int32_t)(sign | (uint32_t)bits);
 }
 
-/* Values per block, bytes per block, group, whether the type has offsets. */
-static int type_info(int type, int *per, int *bytes, int *group, int *offsets) {
-    static const int table[][5] = {
-        {T_Q4_0, 32, 18, 32, 1},   {T_Q4_1, 32, 20, 32, 1},   {T_Q5_0, 32, 22, 32, 0},
-        {T_Q5_1, 32, 24, 32, 1},   {T_Q2_K, QK_K, 84, 16, 1}, {T_Q3_K, QK_K, 110, 16, 1},
-        {T_Q4_K, QK_K, 144, 32, 1}, {T_Q5_K, QK_K, 176, 32, 1}, {T_Q6_K, QK_K, 210, 16, 0}};
-    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
-        if (table[i][0] == type) {
-            *per = table[i][1], *bytes = table[i][2], *group = table[i][3], *offsets = table[i][4];
-            return 1;
-        }
-    return 0;
-}
-
 int hs_pack_type_known(int type) {
     int a, b, c, d;
     return type_info(type, &a, &b, &c, &d);
-}
-
-/* Q4_K / Q5_K's 6-bit sub-block scales and mins (gguf_blocks._k_scale_min). */
-static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 0x3f, *mn = s[4 + j] & 0x3f;
-    } else {
-        *sc = (s[8 + j - 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30);
-        *mn = (s[8 + j - 4] >> 4) | ((s[4 + j - 4] >> 2) & 0x30);
-    }
-}
-
-/* The decoders below write each code plus ``bias`` (0, or 32 for a 6-bit tile, whose bytes
- * hold c + 32) as uint8, and the block's float32 scales and offsets, computed as gguf_blocks
- * computes them. */
-
-/* One block of 32 (Q4_0, Q4_1, Q5_0, Q5_1). */
-static void block32(int type, const uint8_t *b, int bias, uint8_t *c, float *sc, float *off) {
-    int five = type == T_Q5_0 || type == T_Q5_1;
-    int lead = type == T_Q4_0 ? 2 : type == T_Q5_0 ? 6 : type == T_Q4_1 ? 4 : 8;
-    uint8_t shift = (uint8_t)(bias - (type == T_Q5_0 ? 16 : 0));
-    uint32_t qh = 0;
-    if (five) memcpy(&qh, b + lead - 4, 4);
-    for (int j = 0; j < 16; j++) {
-        c[j] = (uint8_t)((b[lead + j] & 15) + shift);
-        c[j + 16] = (uint8_t)((b[lead + j] >> 4) + shift);
-    }
-    if (five)
-        for (int j = 0; j < 32; j++) c[j] = (uint8_t)(c[j] + (((qh >> j) & 1) << 4));
-    sc[0] = half_to_float(b);
-    off[0] = type == T_Q4_0 ? sc[0] * -8.0f
-             : (type == T_Q4_1 || type == T_Q5_1) ? half_to_float(b + 2)
-                                                  : 0.0f;
-}
-
-static void block_q2_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off) {
-    float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
-    for (int i = 0; i < 2; i++) /* runs of 32 bytes, shifts 0, 2, 4, 6 */
-        for (int s = 0; s < 4; s++)
-            for (int j = 0; j < 32; j++)
-                c[i * 128 + s * 32 + j] = (uint8_t)(((b[16 + i * 32 + j] >> (2 * s)) & 3) + bias);
-    for (int j = 0; j < 16; j++) {
-        sc[j] = d * (float)(b[j] & 0x0f);
-        off[j] = -(dmin * (float)(b[j] >> 4));
-    }
-}
-
-static void block_q3_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off) {
-    const uint8_t *hmask = b, *qs = b + 32, *packed = b + 96;
-    float d = half_to_float(b + 108);
-    for (int j = 0; j < 16; j++) {
-        int low = (packed[j % 8] >> (4 * (j / 8))) & 15;
-        int high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
-        sc[j] = d * (float)((int8_t)(low | (high << 4)) - 32);
-        off[j] = sc[j] * -4.0f;
-    }
-    for (int i = 0; i < 2; i++)
-        for (int s = 0; s < 4; s++)
-            for (int j = 0; j < 32; j++) {
-                int ql = (qs[i * 32 + j] >> (2 * s)) & 3, qh = (hmask[j] >> (i * 4 + s)) & 1;
-                c[i * 128 + s * 32 + j] = (uint8_t)((ql | (qh << 2)) + bias);
-            }
-}
-
-static void block_q45_k(int type, const uint8_t *b, int bias, uint8_t *c, float *sc, float *off) {
-    float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t *qs = b + (type == T_Q5_K ? 48 : 16), *qh = b + 16;
-    for (int j = 0; j < 8; j++) {
-        int s, m;
-        k_scale_min(b + 4, j, &s, &m);
-        sc[j] = d * (float)s;
-        off[j] = -(dmin * (float)m);
-    }
-    for (int i = 0; i < 4; i++) /* runs of 32 bytes, low nibbles then high */
-        for (int j = 0; j < 32; j++) {
-            c[i * 64 + j] = (uint8_t)((qs[i * 32 + j] & 15) + bias);
-            c[i * 64 + 32 + j] = (uint8_t)((qs[i * 32 + j] >> 4) + bias);
-        }
-    if (type == T_Q5_K)
-        for (int i = 0; i < 8; i++)
-            for (int j = 0; j < 32; j++)
-                c[i * 32 + j] = (uint8_t)(c[i * 32 + j] + (((qh[j] >> i) & 1) << 4));
-}
-
-static void block_q6_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off) {
-    float d = half_to_float(b + 208);
-    uint8_t shift = (uint8_t)(bias - 32);
-    for (int i = 0; i < 2; i++)
-        for (int h = 0; h < 2; h++)
-            for (int j = 0; j < 64; j++) {
-                int ql = (b[i * 64 + j] >> (4 * h)) & 15;
-                int qh = (b[128 + i * 32 + j % 32] >> (2 * (2 * h + j / 32))) & 3;
-                c[i * 128 + h * 64 + j] = (uint8_t)((ql | (qh << 4)) + shift);
-            }
-    for (int j = 0; j < 16; j++) {
-        sc[j] = d * (float)(int8_t)b[192 + j];
-        off[j] = 0.0f;
-    }
-}
-
-/* One row of ``type``: codes c[K] (plus ``bias``), scales and offsets per sub-group of
- * ``group`` (the matrix's, at most the type's: each of the type's repeated). */
-static void decode_row(int type, const uint8_t *row, int64_t K, int group, int bias, uint8_t *c,
-                       float *sc, float *off) {
-    int per, bytes, tgroup, has_off;
-    type_info(type, &per, &bytes, &tgroup, &has_off);
-    float bsc[16], boff[16];
-    int rep = tgroup / group, nsub = per / tgroup;
-    for (int64_t blk = 0; blk < K / per; blk++) {
-        const uint8_t *b = row + blk * bytes;
-        uint8_t *bc = c + blk * per;
-        if (per == 32) block32(type, b, bias, bc, bsc, boff);
-        else if (type == T_Q2_K) block_q2_k(b, bias, bc, bsc, boff);
-        else if (type == T_Q3_K) block_q3_k(b, bias, bc, bsc, boff);
-        else if (type == T_Q6_K) block_q6_k(b, bias, bc, bsc, boff);
-        else block_q45_k(type, b, bias, bc, bsc, boff);
-        for (int j = 0; j < nsub * rep; j++) {
-            int64_t at = blk * nsub * rep + j;
-            sc[at] = bsc[j / rep];
-            off[at] = has_off ? boff[j / rep] : 0.0f;
-        }
-    }
 }
 
 static uint32_t gcd32(uint32_t a, uint32_t b) {
@@ -317,9 +165,61 @@ static void zero_factors(int64_t X, int S, int mode, int64_t tile, int r, void *
         for (int64_t run = 0; run < runs; run++) super[(tile * runs + run) * ROWS + r] = 0.0f;
 }
 
+/* The greatest common divisor by shifts and subtractions (no division). */
+static uint32_t gcd_binary(uint32_t a, uint32_t b) {
+    if (a == 0 || b == 0) return a | b;
+    int shift = __builtin_ctz(a | b);
+    a >>= __builtin_ctz(a);
+    do {
+        b >>= __builtin_ctz(b);
+        if (a > b) {
+            uint32_t t = a;
+            a = b, b = t;
+        }
+        b -= a;
+    } while (b);
+    return a << shift;
+}
+
+/* ``factor_run`` where each value is ``base`` times an integer (a K-quant's run of 256 columns:
+ * d sc, dmin m), the same result in fewer steps: the factor is |base| gcd(integers), exact, as
+ * the general one then is; 0 where the values are not of that form (then ``factor_run``). */
+static int factor_multiples(const float *v, int n, float base, int8_t *steps, float *factor) {
+    if (base == 0.0f || !isfinite(base)) return 0;
+    int32_t k[64];
+    uint32_t g = 0;
+    for (int i = 0; i < n; i++) {
+        float q = v[i] / base;
+        if (!(fabsf(q) <= 256.0f) || (float)(int32_t)q != q || base * q != v[i]) return 0;
+        k[i] = (int32_t)q;
+        if (g != 1) g = gcd_binary(g, (uint32_t)(k[i] < 0 ? -k[i] : k[i]));
+    }
+    if (g == 0) { /* every value zero: steps 0, factor 1 */
+        memset(steps, 0, (size_t)n);
+        *factor = 1.0f;
+        return 1;
+    }
+    int top = INT32_MIN, sign = base < 0 ? -1 : 1;
+    for (int i = 0; i < n; i++) {
+        k[i] = g == 1 ? sign * k[i] : sign * k[i] / (int32_t)g;
+        top = k[i] > top ? k[i] : top;
+    }
+    int flip = top > 127; /* d < 0 with a step of -128: a negative factor */
+    for (int i = 0; i < n; i++) {
+        int32_t step = flip ? -k[i] : k[i];
+        if (step < -128 || step > 127) return 0;
+        steps[i] = (int8_t)step;
+    }
+    float f = fabsf(base) * (float)g;
+    *factor = flip ? -f : f;
+    for (int i = 0; i < n; i++)
+        if ((float)steps[i] * *factor != v[i]) return 0;
+    return 1;
+}
+
 /* One row's factors (X per row) into the tile's [X, 16] at row r, by mode; 0: not exact. */
-static int store_factors(const float *v, int64_t X, int S, int mode, int64_t tile, int r,
-                         void *out, float *super) {
+static int store_factors(const float *v, const float *base, int64_t X, int S, int mode,
+                         int64_t tile, int r, void *out, float *super) {
     if (mode == 0) {
         int8_t *steps = (int8_t *)out + tile * X * ROWS;
         int64_t per = SUPER * S, runs = (X + per - 1) / per;
@@ -327,7 +227,9 @@ static int store_factors(const float *v, int64_t X, int S, int mode, int64_t til
             int n = (int)(X - run * per < per ? X - run * per : per);
             int8_t s[64];
             float f;
-            if (!factor_run(v + run * per, n, s, &f)) return 0;
+            const float *run_v = v + run * per;
+            if (!factor_multiples(run_v, n, base[2 * run], s, &f) && !factor_run(run_v, n, s, &f))
+                return 0;
             for (int i = 0; i < n; i++) steps[(run * per + i) * ROWS + r] = s[i];
             super[(tile * runs + run) * ROWS + r] = f;
         }
@@ -376,8 +278,10 @@ static void pack_codes(const uint8_t *c, int64_t K, int bits, uint8_t *tile) {
     }
 }
 
-/* Bytes of scratch one thread needs: a tile's codes, a row's scales and offsets. */
-int64_t hs_pack_scratch(int64_t K, int group) { return ROWS * K + 2 * (K / group) * 4 + 64; }
+/* Bytes of scratch one thread needs: a tile's codes, a row's scales, offsets and bases. */
+int64_t hs_pack_scratch(int64_t K, int group) {
+    return ROWS * K + 2 * (K / group) * 4 + 2 * (K / GS) * 4 + 64;
+}
 
 /* Row n of the stacked matrix: its part's blocks. */
 static const uint8_t *source_row(const pack_part_t *parts, int nparts, int64_t n, int64_t K,
@@ -401,7 +305,7 @@ static int pack_tile(const pack_part_t *parts, int nparts, int64_t N, int64_t K,
     int64_t X = K / group;
     int S = GS / group;
     uint8_t *codes = scratch;
-    float *sc = (float *)(scratch + ROWS * K), *off = sc + X;
+    float *sc = (float *)(scratch + ROWS * K), *off = sc + X, *base = off + X;
     for (int r = 0; r < ROWS; r++) {
         int64_t n = tile * ROWS + r;
         if (n >= N) { /* rows past N: zero codes and factors */
@@ -412,10 +316,10 @@ static int pack_tile(const pack_part_t *parts, int nparts, int64_t N, int64_t K,
         }
         int type;
         const uint8_t *row = source_row(parts, nparts, n, K, &type);
-        decode_row(type, row, K, group, bits == 6 ? 32 : 0, codes + r * K, sc, off);
-        if (!store_factors(sc, X, S, mode, tile, r, out->scales, out->scale_super)) return 0;
+        decode_row(type, row, K, group, bits == 6 ? 32 : 0, codes + r * K, sc, off, base);
+        if (!store_factors(sc, base, X, S, mode, tile, r, out->scales, out->scale_super)) return 0;
         if (out->offsets &&
-            !store_factors(off, X, S, mode, tile, r, out->offsets, out->offset_super))
+            !store_factors(off, base + 1, X, S, mode, tile, r, out->offsets, out->offset_super))
             return 0;
     }
     pack_codes(codes, K, bits, out->codes + tile * (K / GS) * (bits == 4 ? 4 : 6) * QB);
