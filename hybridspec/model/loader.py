@@ -34,7 +34,7 @@ import torch
 from hybridspec.config import ModelConfig
 from hybridspec.errors import ModelLoadError
 from hybridspec.model import qgemm, weight_cache
-from hybridspec.model.gguf import load_gguf_tokenizer, read_gguf
+from hybridspec.model.gguf import GGUFModel, load_gguf_tokenizer, read_gguf
 from hybridspec.model.gguf_file import check_memory
 from hybridspec.model.gguf_pack import pack_matrix
 from hybridspec.model.llama import LlamaRuntime
@@ -271,10 +271,14 @@ def _load_gguf(
 ) -> LoadedModel:
     block = qgemm.kernel()
     if quantize == "gguf" and device.type == "cpu" and block is not None:
-        converted = convert_in_place(path, dtype, block)  # faster than the weight cache
+        model = checked_gguf(path)
+        # the tokenizer before the weights: its first conversion (transformers reading the
+        # vocabulary) is over, and its memory freed, before the weights are held
+        tokenizer = load_gguf_tokenizer(path)
+        converted = convert_in_place(path, dtype, block, model)  # faster than the weight cache
     else:
         converted = _load_or_convert(path, dtype, device, quantize)
-    tokenizer = load_gguf_tokenizer(path)
+        tokenizer = load_gguf_tokenizer(path)
     eos = set(converted.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
@@ -290,14 +294,23 @@ def _load_gguf(
     )
 
 
-def convert_in_place(path: Path, dtype: torch.dtype, block: qgemm.Kernel) -> ConvertedGGUF:
-    """A GGUF file's quantized matrices packed straight from the mapped file into the kernel's
-    tiles, one at a time (``gguf_pack``): the process holds the packed weights and a bounded
-    run of the file's pages. Checks first that the file is whole and the weights fit in the
-    memory available (``gguf_file``)."""
+def checked_gguf(path: Path) -> GGUFModel:
+    """The GGUF file read lazily (``read_gguf``: every tensor checked against the file), and
+    its weights checked to fit in the memory available now (``gguf_file.check_memory``)."""
     model = read_gguf(path, keep_quantized=True, lazy=True)
     # the packed weights hold about the file's bytes; fused q/k/v of mixed types a little more
     check_memory(path, model.tensor_bytes + model.tensor_bytes // 16 + _LOAD_OVERHEAD)
+    return model
+
+
+def convert_in_place(
+    path: Path, dtype: torch.dtype, block: qgemm.Kernel, model: GGUFModel | None = None
+) -> ConvertedGGUF:
+    """A GGUF file's quantized matrices packed straight from the mapped file into the kernel's
+    tiles, one at a time (``gguf_pack``): the process holds the packed weights and a bounded
+    run of the file's pages. ``model``: ``checked_gguf(path)``, read here when None."""
+    if model is None:
+        model = checked_gguf(path)
     try:
         weights = LlamaWeights.from_hf_state_dict(
             model.state_dict,
