@@ -11,8 +11,10 @@ Sources, by ``ModelConfig.name_or_path``:
 "gguf" keeps a GGUF file's quantized blocks (every type ``model.gguf_blocks`` lists; F16/BF16/F32
 matrices stay dense), "int4"/"int8" also quantize dense matrices at load, "none" dequantizes
 everything to ``dtype``. Quantized matrices are packed once into the block kernel's tiles
-(``pack_quantized``) and run through it in bfloat16; where it cannot be built, through torch's
-CPU int4 kernel (``resolve_quantize``).
+and run through it in bfloat16; where it cannot be built, through torch's CPU int4 kernel
+(``resolve_quantize``). A GGUF file's blocks are packed straight from the mapped file, one
+matrix at a time (``convert_in_place``, ``model.gguf_pack``); other weights are converted in
+numpy (``pack_quantized``), and a GGUF file's result cached on disk (``model.weight_cache``).
 
 Models of the families in ``model.families`` run on the native forward (``model.llama``); any
 other causal LM runs on the generic transformers runtime (``model.hf_runtime``).
