@@ -4,7 +4,7 @@ mix (``random_gguf``), for measuring load, memory and speed at sizes no test dow
 from __future__ import annotations
 
 import argparse
-import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,8 @@ def add_make_gguf_command(bench_commands: Any) -> None:
 def run_make_gguf(args: argparse.Namespace) -> int:
     from hybridspec.bench.random_gguf import write_random_gguf
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    started = time.perf_counter()
     path = write_random_gguf(args.output, args.shape, args.type, family=args.family, seed=args.seed)
-    print(path)
+    seconds = time.perf_counter() - started
+    print(f"wrote {path}: {path.stat().st_size / 1e9:.2f} GB in {seconds:.1f} s")
     return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,8 +17,6 @@ from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
 
 if TYPE_CHECKING:
     from hybridspec.bench.oracle_table import OracleTable, Run
-
-logger = logging.getLogger(__name__)
 
 
 def add_oracle_command(bench_commands: Any) -> None:
@@ -52,7 +49,6 @@ def run_oracle(args: argparse.Namespace) -> int:
     from hybridspec.engine import Engine
     from hybridspec.model import load_model
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = OraclePlan(
         tuple(args.alphas),
         tuple(sorted(set(args.ks))),
@@ -76,6 +72,8 @@ def run_oracle(args: argparse.Namespace) -> int:
     )
     engine = Engine(config, target=target)
     try:
+        if args.draft is not None:  # a draft that cannot run says why before the long run
+            engine.resolve_proposer("draft")
         table = run_oracle_table(engine, prompts, plan)
     finally:
         engine.close()
