@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +75,7 @@ def run_oracle(args: argparse.Namespace) -> int:
     try:
         if args.draft is not None:  # a draft that cannot run says why before the long run
             engine.resolve_proposer("draft")
-        table = run_oracle_table(engine, prompts, plan)
+        table = run_oracle_table(engine, prompts, plan, lambda line: print(line, file=sys.stderr))
     finally:
         engine.close()
     print(format_oracle_table(table, plan.ks, args.target or "embedded SmolLM2-135M"))

@@ -22,7 +22,7 @@ cost in plain decodes, ``t(K + 1) / t(1)`` (plus ``K c`` for a draft model of re
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -157,14 +157,28 @@ class OraclePlan:
 
 
 def run_oracle_table(
-    engine: Engine, prompts: Sequence[Sequence[int]], plan: OraclePlan
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    plan: OraclePlan,
+    progress: Callable[[str], None] | None = None,
 ) -> OracleTable:
     """Every run of the module docstring on ``engine`` (its own: it is reset between runs and
-    oracle proposers are registered on it)."""
+    oracle proposers are registered on it); ``progress`` hears of each run as it ends."""
     engine.generate(prompt_token_ids=prompts[0], max_new_tokens=4, proposer="none")  # warm-up
     engine.reset()
     references = OracleReferences()
-    first, results = _run(engine, prompts, "none", 0, plan.max_new_tokens, None, fixed=True)
+
+    def measure(name: str, k: int, fixed: bool) -> tuple[Run, list[GenerationResult]]:
+        known = references if references.continuations else None
+        run, results = _run(engine, prompts, name, k, plan.max_new_tokens, known, fixed)
+        if progress is not None:
+            progress(
+                f"{name} K={k if fixed else 'adaptive'}: {run.tokens_per_s:.2f} tok/s, "
+                f"{run.tokens_per_round:.2f} tokens per round"
+            )
+        return run, results
+
+    first, results = measure("none", 0, True)
     for prompt, result in zip(prompts, results, strict=True):
         references.add(prompt, result.token_ids)
     rows = range(1, max(plan.ks) + 2)
@@ -175,18 +189,13 @@ def run_oracle_table(
     for alpha in plan.alphas:
         name = f"oracle-a{round(alpha * 100):02d}"
         engine.register_proposer(name, oracle_factory(references, alpha, plan.seed), replace=True)
-        runs = [
-            _run(engine, prompts, name, max(plan.ks), plan.max_new_tokens, references, False)[0]
-        ]
-        for k in plan.ks:
-            runs.append(_run(engine, prompts, name, k, plan.max_new_tokens, references, True)[0])
+        runs = [measure(name, max(plan.ks), False)[0]]
+        runs += [measure(name, k, True)[0] for k in plan.ks]
         table.runs[alpha] = runs
     if plan.with_draft:
         table.draft_cost_per_token = engine.resolve_proposer("draft").cost_per_token
-        table.draft_run = _run(
-            engine, prompts, "draft", max(plan.ks), plan.max_new_tokens, references, False
-        )[0]
-    last, _ = _run(engine, prompts, "none", 0, plan.max_new_tokens, references, fixed=True)
+        table.draft_run = measure("draft", max(plan.ks), False)[0]
+    last, _ = measure("none", 0, True)
     table.none_tokens_per_s = (first.tokens_per_s + last.tokens_per_s) / 2
     if not last.identical:
         raise HybridSpecError("none's greedy text changed between its two runs")
