@@ -38,6 +38,13 @@ def add_oracle_command(bench_commands: Any) -> None:
     add("--max-new-tokens", type=int, default=64)
     add("--threads", type=int, default=None, help="the forward's CPU threads (default: all)")
     add("--seed", type=int, default=0, help="seed of the oracle's right and wrong drafts")
+    add(
+        "--verify-token-cost",
+        type=_cost,
+        default=None,
+        help="adaptive speculation's cost of one more verified row ('auto': timed at start-up; "
+        "default: the engine's)",
+    )
     add("--workload", type=Path, default=DEFAULT_WORKLOAD)
     add("--output-dir", type=Path, default=Path("bench-results"), help="where oracle.json goes")
     oracle.set_defaults(run=run_oracle)
@@ -65,11 +72,14 @@ def run_oracle(args: argparse.Namespace) -> int:
         for p in workload.prompts[: args.prompts]
     ]
     draft = ModelConfig(args.draft, max_seq_len=max_seq_len, max_num_seqs=1) if args.draft else None
+    cost = args.verify_token_cost
+    priced = {} if cost is None else {"verify_token_cost": None if cost == "auto" else cost}
     config = EngineConfig(
         target=ModelConfig(args.target, max_seq_len=max_seq_len, max_num_seqs=1),
         draft=DraftConfig(draft),
         default_num_speculative_tokens=max(plan.ks),
         num_threads=args.threads,
+        **priced,  # type: ignore[arg-type]
     )
     engine = Engine(config, target=target)
     try:
@@ -85,6 +95,25 @@ def run_oracle(args: argparse.Namespace) -> int:
     print(f"\nwrote {path}")
     identical = all(r.identical for runs in table.runs.values() for r in runs)
     return 0 if identical and (table.draft_run is None or table.draft_run.identical) else 1
+
+
+def _cost(text: str) -> float | str:
+    """A cost, or 'auto' (``EngineConfig.verify_token_cost`` None: timed at start-up)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
+
+def _priced(table: OracleTable) -> str:
+    """Adaptive speculation's price of one more verified row beside this run's measured one
+    (``engine.speculation.measure_verify_token_cost``'s slope, over the sweep's rows)."""
+    rows = max(table.verify_cost)
+    slope = (table.verify_cost[rows] - 1.0) / (rows - 1) if rows > 1 else 0.0
+    policy = "off" if table.policy_cost is None else f"{table.policy_cost:.3f}"
+    return f"cost of one more verified row: adaptive speculation's {policy}, measured {slope:.3f}"
 
 
 def _row(alpha: float, label: str, run: Run, none: float, ideal: float) -> str:
@@ -105,6 +134,7 @@ def format_oracle_table(table: OracleTable, ks: tuple[int, ...], target: str) ->
     lines = [
         f"oracle drafts on {target}: none decodes {none:.2f} tok/s",
         "verify cost t(n)/t(1): " + ", ".join(f"n={n} {c:.2f}" for n, c in cost.items()),
+        _priced(table),
         "alpha  K              tok/s  speedup  ideal  ratio tok/round  accept  same text",
     ]
     for alpha, runs in table.runs.items():

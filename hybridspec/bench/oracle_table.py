@@ -58,6 +58,7 @@ class OracleTable:
     runs: dict[float, list[Run]] = field(default_factory=dict)  # alpha -> adaptive, fixed Ks
     draft_cost_per_token: float | None = None  # the draft's forward over the target's
     draft_run: Run | None = None
+    policy_cost: float | None = None  # adaptive speculation's verify cost per row (c)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +67,7 @@ class OracleTable:
             "runs": {str(a): [asdict(r) for r in runs] for a, runs in self.runs.items()},
             "draft_cost_per_token": self.draft_cost_per_token,
             "draft_run": None if self.draft_run is None else asdict(self.draft_run),
+            "policy_cost": self.policy_cost,
         }
 
 
@@ -186,6 +188,8 @@ def run_oracle_table(
     if timings is None or timings[0] <= 0:
         raise HybridSpecError("no free cache slot to time the forward's cost per row")
     table = OracleTable(0.0, {n: t / timings[0] for n, t in zip(rows, timings, strict=True)})
+    if engine.speculation is not None:
+        table.policy_cost = engine.speculation.verify_token_cost
     for alpha in plan.alphas:
         name = f"oracle-a{round(alpha * 100):02d}"
         engine.register_proposer(name, oracle_factory(references, alpha, plan.seed), replace=True)
