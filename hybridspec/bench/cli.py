@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridspec.bench.conversations import add_conversations_command
+from hybridspec.bench.make_gguf import add_make_gguf_command
 from hybridspec.bench.names import DEFAULT_METHODS, LLAMACPP_METHODS
+from hybridspec.bench.oracle_cli import add_oracle_command
 from hybridspec.bench.serve_cli import add_serve_command
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
 from hybridspec.config import (
@@ -120,6 +122,8 @@ def add_bench_command(commands: Any) -> None:
     subcommands = bench.add_subparsers(title="subcommands", dest="bench_command")
     add_serve_command(subcommands)
     add_conversations_command(subcommands)
+    add_make_gguf_command(subcommands)
+    add_oracle_command(subcommands)
 
 
 def default_methods(with_draft: bool) -> list[str]:

@@ -24,6 +24,7 @@ from hybridspec.proposers import (
     ProposerFactory,
     ProposerRegistry,
 )
+from hybridspec.proposers.draft_vocab import gguf_vocabulary_problem
 from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest, TokenConstraint
 from hybridspec.verifier import check_proposal
 
@@ -54,6 +55,12 @@ def proposer_context(
     """
     draft_error = None
     if draft is None and config.draft.model is not None:
+        draft_error = gguf_vocabulary_problem(
+            config.target.name_or_path, config.draft.model.name_or_path
+        )
+        if draft_error is not None:  # told before the draft's weights are read
+            logger.warning("%s", draft_error)
+    if draft is None and config.draft.model is not None and draft_error is None:
         try:
             draft = load_model(config.draft.model)
         except HybridSpecError as exc:

@@ -12,7 +12,10 @@ Dimensions: ``n`` rows of logits, ``Vd`` the draft's rows, ``V`` the target's.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from gguf import GGUFReader
 
 from hybridspec.errors import ModelLoadError
 from hybridspec.model import LoadedModel
@@ -68,3 +71,47 @@ def fit_draft_logits(logits: torch.Tensor, draftable: int, vocab_size: int) -> t
     fitted = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
     fitted[:, :draftable] = logits[:, :draftable]
     return fitted
+
+
+UNUSED_TOKEN_TYPE = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED: a padding entry
+
+
+def gguf_vocabulary_problem(target: str | None, draft: str | None) -> str | None:
+    """Why the draft file's vocabulary is not the target file's, or None (also where either is
+    not a GGUF file: ``draftable_ids`` checks those once loaded). Reads the token lists from
+    the files' metadata (memory-mapped; a 128k vocabulary in about a second), so that a
+    mismatch is told before any weight is read: the lists must agree on every id both have,
+    and the longer one's extra entries must be unused padding."""
+    if not (target and draft and _is_gguf(target) and _is_gguf(draft)):
+        return None
+    target_tokens, target_types = _gguf_tokens(target)
+    draft_tokens, draft_types = _gguf_tokens(draft)
+    for i, (ours, theirs) in enumerate(zip(target_tokens, draft_tokens, strict=False)):
+        if ours != theirs:
+            return (
+                f"draft model {draft}: its vocabulary differs from the target {target}'s at "
+                f"token id {i}: {theirs!r} in the draft, {ours!r} in the target"
+            )
+    n = min(len(target_tokens), len(draft_tokens))
+    extra = (target_types if len(target_types) > n else draft_types)[n:]
+    if any(t != UNUSED_TOKEN_TYPE for t in extra):
+        return (
+            f"draft model {draft}: {len(draft_tokens)} tokens against the target {target}'s "
+            f"{len(target_tokens)}, and the longer vocabulary's extra tokens are in use"
+        )
+    return None
+
+
+def _is_gguf(name: str) -> bool:
+    return name.endswith(".gguf") and Path(name).is_file()
+
+
+def _gguf_tokens(path: str) -> tuple[list[str], list[int]]:
+    fields = GGUFReader(path).fields
+    tokens = fields.get("tokenizer.ggml.tokens")
+    types = fields.get("tokenizer.ggml.token_type")
+    if tokens is None:
+        raise ModelLoadError(f"GGUF file {path}: no tokenizer.ggml.tokens in its metadata")
+    listed = [str(t) for t in tokens.contents()]
+    kinds = [int(t) for t in types.contents()] if types is not None else [1] * len(listed)
+    return listed, kinds

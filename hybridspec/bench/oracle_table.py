@@ -1,0 +1,206 @@
+"""What the runtime turns a given acceptance into: oracle drafts (``oracle``) at several alpha,
+with adaptive K and every fixed K of a sweep, beside the ideal (``hybridspec bench oracle``).
+
+One run, one engine over the target, greedy requests only:
+
+1. ``none`` on each prompt: the reference continuation (the oracle's drafts) and the decode rate.
+2. The forward's cost of verifying ``n`` rows, ``t(n) / t(1)``, timed in the same process
+   (``model.median_forward_seconds``, one sequence, a short cached context).
+3. Per alpha: oracle drafts with adaptive K (up to the largest K of the sweep), then with each
+   fixed K (adaptive speculation off); ``none`` again at the end, its rate averaged with the
+   first one's. Every run's text must equal ``none``'s, token for token.
+4. With a draft model: ``draft`` with adaptive K, and its cost per token relative to the
+   target's forward (``Proposer.cost_per_token``, what adaptive speculation charges it).
+
+Rates are decode rates: tokens after the first over the time after the first (the prompt's
+prefill is not what speculation speeds up). The ideal at K drafts per round is the expected
+tokens of a round, ``E(K) = (1 - alpha ** (K + 1)) / (1 - alpha)``, over the round's measured
+cost in plain decodes, ``t(K + 1) / t(1)`` (plus ``K c`` for a draft model of relative cost
+``c``); the adaptive row is set against the best ideal of the sweep.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hybridspec.bench.oracle import OracleReferences, oracle_factory
+from hybridspec.engine import Engine, GenerationParams, GenerationResult
+from hybridspec.errors import HybridSpecError
+from hybridspec.model import median_forward_seconds
+from hybridspec.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One method over every prompt: decode rate and what speculation did."""
+
+    method: str
+    k: int | None  # fixed K; None: adaptive (up to the sweep's largest)
+    tokens_per_s: float
+    tokens_per_round: float  # generated tokens per verification forward
+    acceptance: float  # accepted drafts over proposed ones
+    identical: bool  # every prompt's text equals none's
+
+
+@dataclass(slots=True)
+class OracleTable:
+    """A run's figures (``format_oracle_table`` prints them)."""
+
+    none_tokens_per_s: float
+    verify_cost: dict[int, float]  # rows n -> t(n) / t(1)
+    runs: dict[float, list[Run]] = field(default_factory=dict)  # alpha -> adaptive, fixed Ks
+    draft_cost_per_token: float | None = None  # the draft's forward over the target's
+    draft_run: Run | None = None
+    policy_cost: float | None = None  # adaptive speculation's verify cost per row (c)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "none_tokens_per_s": self.none_tokens_per_s,
+            "verify_cost": self.verify_cost,
+            "runs": {str(a): [asdict(r) for r in runs] for a, runs in self.runs.items()},
+            "draft_cost_per_token": self.draft_cost_per_token,
+            "draft_run": None if self.draft_run is None else asdict(self.draft_run),
+            "policy_cost": self.policy_cost,
+        }
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a round of ``k`` drafts commits on average, each draft kept with ``alpha`` given
+    its predecessors: ``1 + alpha + ... + alpha ** k``."""
+    return float(sum(alpha**j for j in range(k + 1)))
+
+
+def ideal_speedup(
+    alpha: float, k: int, verify_cost: dict[int, float], draft_cost: float = 0.0
+) -> float:
+    """``E(k)`` over the round's cost in plain decodes (module docstring)."""
+    return expected_tokens(alpha, k) / (verify_cost[k + 1] + k * draft_cost)
+
+
+def best_ideal(
+    alpha: float, ks: Sequence[int], verify_cost: dict[int, float], draft_cost: float = 0.0
+) -> tuple[int, float]:
+    """The K of ``ks`` with the highest ideal speedup, and that speedup."""
+    return max(
+        ((k, ideal_speedup(alpha, k, verify_cost, draft_cost)) for k in ks), key=lambda x: x[1]
+    )
+
+
+def _decode_rate(results: Sequence[GenerationResult]) -> float:
+    """Tokens after each request's first over the seconds after it, summed over requests."""
+    tokens = sum(max(0, r.stats.generated_tokens - 1) for r in results)
+    seconds = sum(r.stats.elapsed_s - (r.stats.time_to_first_token_s or 0.0) for r in results)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def _run(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    proposer: str,
+    k: int,
+    max_new_tokens: int,
+    references: OracleReferences | None,
+    fixed: bool,
+) -> tuple[Run, list[GenerationResult]]:
+    """``proposer`` over every prompt with K = ``k`` (adaptive unless ``fixed``)."""
+    policy = engine.speculation
+    if fixed:  # the bench's own engine: adaptive speculation off for this run only
+        engine.speculation = None
+    try:
+        results = [
+            engine.generate(
+                prompt_token_ids=p,
+                params=GenerationParams(
+                    max_new_tokens=max_new_tokens,
+                    sampling=GREEDY,
+                    proposer=proposer,
+                    num_speculative_tokens=max(1, k),
+                ),
+            )
+            for p in prompts
+        ]
+    finally:
+        engine.speculation = policy
+        engine.reset()
+    identical = references is None or all(
+        tuple(r.token_ids) == references.get(p) for p, r in zip(prompts, results, strict=True)
+    )
+    proposed = sum(r.stats.draft_tokens_proposed for r in results)
+    accepted = sum(r.stats.draft_tokens_accepted for r in results)
+    forwards = sum(r.stats.target_forwards for r in results)
+    generated = sum(r.stats.generated_tokens for r in results)
+    run = Run(
+        proposer,
+        k if fixed else None,
+        _decode_rate(results),
+        generated / forwards if forwards else 0.0,
+        accepted / proposed if proposed else 0.0,
+        identical,
+    )
+    if not identical:
+        logger.error("%s (K=%s): greedy text differs from none's", proposer, run.k or "adaptive")
+    return run, results
+
+
+@dataclass(frozen=True, slots=True)
+class OraclePlan:
+    alphas: tuple[float, ...] = (0.5, 0.7, 0.9)
+    ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
+    max_new_tokens: int = 64
+    seed: int = 0
+    with_draft: bool = False
+
+
+def run_oracle_table(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    plan: OraclePlan,
+    progress: Callable[[str], None] | None = None,
+) -> OracleTable:
+    """Every run of the module docstring on ``engine`` (its own: it is reset between runs and
+    oracle proposers are registered on it); ``progress`` hears of each run as it ends."""
+    engine.generate(prompt_token_ids=prompts[0], max_new_tokens=4, proposer="none")  # warm-up
+    engine.reset()
+    references = OracleReferences()
+
+    def measure(name: str, k: int, fixed: bool) -> tuple[Run, list[GenerationResult]]:
+        known = references if references.continuations else None
+        run, results = _run(engine, prompts, name, k, plan.max_new_tokens, known, fixed)
+        if progress is not None:
+            progress(
+                f"{name} K={k if fixed else 'adaptive'}: {run.tokens_per_s:.2f} tok/s, "
+                f"{run.tokens_per_round:.2f} tokens per round"
+            )
+        return run, results
+
+    first, results = measure("none", 0, True)
+    for prompt, result in zip(prompts, results, strict=True):
+        references.add(prompt, result.token_ids)
+    rows = range(1, max(plan.ks) + 2)
+    timings = median_forward_seconds(engine.runtime, tuple(rows))
+    if timings is None or timings[0] <= 0:
+        raise HybridSpecError("no free cache slot to time the forward's cost per row")
+    table = OracleTable(0.0, {n: t / timings[0] for n, t in zip(rows, timings, strict=True)})
+    if engine.speculation is not None:
+        table.policy_cost = engine.speculation.verify_token_cost
+    for alpha in plan.alphas:
+        name = f"oracle-a{round(alpha * 100):02d}"
+        engine.register_proposer(name, oracle_factory(references, alpha, plan.seed), replace=True)
+        runs = [measure(name, max(plan.ks), False)[0]]
+        runs += [measure(name, k, True)[0] for k in plan.ks]
+        table.runs[alpha] = runs
+    if plan.with_draft:
+        table.draft_cost_per_token = engine.resolve_proposer("draft").cost_per_token
+        table.draft_run = measure("draft", max(plan.ks), False)[0]
+    last, _ = measure("none", 0, True)
+    table.none_tokens_per_s = (first.tokens_per_s + last.tokens_per_s) / 2
+    if not last.identical:
+        raise HybridSpecError("none's greedy text changed between its two runs")
+    return table
