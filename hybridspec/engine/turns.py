@@ -61,9 +61,10 @@ class Turns:
             tenant = choices[0].params.tenant
             counts[tenant] += 1
             if counts[tenant] > most:
+                who = "the anonymous tenant" if tenant is None else f"tenant {tenant!r}"
                 raise TenantLimitError(
-                    f"this tenant already has {most} requests waiting for a batch slot "
-                    "(the server's per-tenant limit); retry later"
+                    f"{who} already has {most} requests waiting for a batch slot "
+                    "(the per-tenant limit); retry later"
                 )
 
     def pick(
