@@ -203,6 +203,37 @@ def _check_cost(cost: object) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """Fair admission across tenants (``engine.turns``; a request's tenant is
+    ``GenerationParams.tenant``, requests without one count as one tenant).
+
+    ``max_running`` / ``max_queued``: the most requests one tenant may have in the running
+    batch / waiting (None: no bound of its own); beyond ``max_queued`` a request is refused
+    with ``TenantLimitError``. ``reserved_slots``: of the engine's slots, the last this many
+    free ones go only to a tenant with nothing running, so a tenant's burst leaves a slot that
+    another tenant's first request takes at the next step.
+    """
+
+    max_running: int | None = None
+    max_queued: int | None = None
+    reserved_slots: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_queued"):
+            value = getattr(self, name)
+            check(
+                value is None or (_is_int(value) and value >= 1),
+                name,
+                f"expected None or an integer >= 1, got {value!r}",
+            )
+        check(
+            _is_int(self.reserved_slots) and self.reserved_slots >= 0,
+            "reserved_slots",
+            f"expected an integer >= 0, got {self.reserved_slots!r}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine is built from."""
 
@@ -211,6 +242,7 @@ class EngineConfig:
     ngram: NgramConfig = field(default_factory=NgramConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    tenants: TenantConfig = field(default_factory=TenantConfig)
     default_proposer: str = "ngram"
     default_num_speculative_tokens: int = 8
     max_queue_size: int = 64  # requests waiting for a batch slot before CapacityError
@@ -284,6 +316,12 @@ class EngineConfig:
             _is_int(self.prefill_chunk_size) and self.prefill_chunk_size >= 16,
             "prefill_chunk_size",
             f"expected an integer >= 16, got {self.prefill_chunk_size!r}",
+        )
+        check(
+            isinstance(self.tenants, TenantConfig)
+            and self.tenants.reserved_slots < self.target.max_num_seqs,
+            "tenants",
+            "expected a TenantConfig reserving fewer slots than max_num_seqs",
         )
 
     def proposer_options(self) -> dict[str, dict[str, Any]]:

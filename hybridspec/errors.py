@@ -7,7 +7,8 @@ The server maps each class to an OpenAI-style error body (see ``hybridspec.serve
   cannot be compiled; ``IncompatibleFieldsError``, fields valid one by one that the request
   cannot combine.
 - ``UnknownModelError``: a model name the engine does not serve, HTTP 404.
-- ``CapacityError``: no room for the request right now (queue or KV cache full), HTTP 503.
+- ``CapacityError``: no room for the request right now (queue or KV cache full), HTTP 503;
+  ``TenantLimitError``, its tenant holds all it may (``TenantConfig``), HTTP 429.
 - ``ModelLoadError``: a model or tokenizer could not be loaded or does not fit the target.
 """
 
@@ -59,6 +60,11 @@ class UnknownModelError(InvalidRequestError):
 
 class CapacityError(HybridSpecError):
     """The engine cannot take the request now; retrying later may succeed."""
+
+
+class TenantLimitError(CapacityError):
+    """The request's tenant already has as many requests waiting as it may
+    (``TenantConfig.max_queued``); retrying once some of them have run may succeed."""
 
 
 class ModelLoadError(HybridSpecError, ValueError):

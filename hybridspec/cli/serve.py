@@ -18,7 +18,9 @@ from hybridspec.cli.options import (
     add_engine_options,
     engine_config,
 )
-from hybridspec.server.config import API_KEY_ENV, ServerConfig
+from hybridspec.config import TenantConfig
+from hybridspec.server.config import API_KEY_ENV, API_KEYS_FILE_ENV, CACHE_ISOLATION, ServerConfig
+from hybridspec.server.tenants import read_key_file
 
 if TYPE_CHECKING:
     import uvicorn
@@ -74,6 +76,7 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         "(default: the context but one token)",
     )
     _add_reliability_options(serve)
+    _add_tenant_options(serve)
     tls = serve.add_argument_group("TLS (passed to uvicorn; without a certificate: plain HTTP)")
     tls.add_argument("--ssl-certfile", default=None, help="certificate chain, PEM")
     tls.add_argument("--ssl-keyfile", default=None, help="its private key, PEM")
@@ -138,12 +141,49 @@ def _add_reliability_options(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tenant_options(serve: argparse.ArgumentParser) -> None:
+    """Tenants, their turns and their caches (docs/server.md, 'Tenants')."""
+    group = serve.add_argument_group("tenants (docs/server.md)")
+    group.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        default=os.environ.get(API_KEYS_FILE_ENV) or None,
+        help="one 'TENANT KEY' pair a line ('#' comments): each key a bearer key, requests "
+        "taking turns by tenant, cached text kept per tenant "
+        f"(default: ${API_KEYS_FILE_ENV}; a bad line stops the start)",
+    )
+    group.add_argument(
+        "--cache-isolation",
+        choices=CACHE_ISOLATION,
+        default=None,
+        help="which requests reuse each other's cached text (prefix cache, suffix pools): "
+        "per-tenant (the default with --api-keys), shared (the default without), off",
+    )
+    defaults = TenantConfig()
+    for flag, default, text in (
+        ("--tenant-max-running", defaults.max_running, "requests of one tenant in the batch"),
+        ("--tenant-max-queued", defaults.max_queued, "requests of one tenant waiting; more: 429"),
+    ):
+        group.add_argument(flag, type=int, default=default, help=f"{text} (default: no bound)")
+    group.add_argument(
+        "--tenant-spare-slots",
+        type=int,
+        default=SERVER_DEFAULTS.tenant_spare_slots,
+        help="with --api-keys, batch slots beyond --max-num-seqs kept for a tenant with "
+        "nothing running, so another's burst never holds its first request "
+        f"(default {SERVER_DEFAULTS.tenant_spare_slots})",
+    )
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The server's configuration from the options of ``serve``."""
+    """The server's configuration from the options of ``serve``; InvalidRequestError for a
+    key file that does not parse (naming its line)."""
+    tenants = TenantConfig(max_running=args.tenant_max_running, max_queued=args.tenant_max_queued)
     engine = dataclasses.replace(
         engine_config(args),
         max_queue_size=args.max_queue_size,
         grammar_cache_mb=args.grammar_cache_mb,
+        tenants=tenants,
     )
     return dataclasses.replace(
         SERVER_DEFAULTS,
@@ -152,6 +192,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
+        tenant_keys=read_key_file(args.api_keys) if args.api_keys is not None else (),
+        tenant_spare_slots=args.tenant_spare_slots,
+        cache_isolation=args.cache_isolation,
         max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
         ssl_certfile=args.ssl_certfile,

@@ -157,7 +157,9 @@ class Admission(RoundSteps):
     def _admit(self, outputs: list[RequestOutput]) -> None:
         for request in self.scheduler.admit(self.num_free_slots()):
             layers = request.proposer.feature_layers
-            allocation = self.prefix_cache.allocate(self._cache_lookup(request), layers)
+            allocation = self.prefix_cache.allocate(
+                self._cache_lookup(request), layers, request.params.cache_scope
+            )
             request.slot, request.stats.cached_tokens = allocation.slot, allocation.num_cached
             if allocation.features is not None:  # the cached positions' rows, as if prefilled
                 request.pending_hidden.append(allocation.features)

@@ -57,6 +57,7 @@ from hybridspec.engine.request import (
 from hybridspec.engine.round import ROUND_FAILED as ROUND_FAILED  # its public path
 from hybridspec.engine.scheduler import Scheduler
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
+from hybridspec.engine.turns import Turns
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import (
     LoadedModel,
@@ -109,10 +110,18 @@ class Engine(Admission):
         )
         self.max_seq_len = self.runtime.max_seq_len
         self.vocab_size = self.runtime.vocab_size
-        self.scheduler = Scheduler(self.config.max_queue_size, self.config.prefill_chunk_size)
+        self.scheduler = Scheduler(
+            self.config.max_queue_size, self.config.prefill_chunk_size, Turns(self.config.tenants)
+        )
         self._target_forward_s: float | None = None
         context = proposer_context(
-            self.config, self.target, self.runtime, draft, self.target_forward_s, self._session_of
+            self.config,
+            self.target,
+            self.runtime,
+            draft,
+            self.target_forward_s,
+            self._session_of,
+            self._scope_of,
         )
         self.proposers = ProposerPool(
             registry if registry is not None else default_registry(), context
@@ -152,6 +161,13 @@ class Engine(Admission):
             if request.seq_id == seq_id:
                 return request.params.session
         return None
+
+    def _scope_of(self, seq_id: int) -> tuple[bool, str | None]:
+        """Whether a running request shares text with others, and its cache scope."""
+        for request in self.scheduler.running:
+            if request.seq_id == seq_id:
+                return request.params.cache_prompt, request.params.cache_scope
+        return True, None
 
     # ----------------------------------------------------------------- proposers
 

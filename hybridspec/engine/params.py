@@ -40,6 +40,10 @@ class GenerationParams:
     ``cache_prompt`` False: the request neither reads the prefix cache nor leaves its tokens in
     it (``engine.prefix_cache``; llama.cpp's name). ``session``: whose request it is, for the
     ``suffix`` proposer's per-session isolation (the server passes the ``user`` field).
+    ``tenant``: whose turn the request takes in admission (``engine.turns``; None: the
+    requests without a tenant, as one). ``cache_scope``: which cached text the request may
+    reuse: prefix-cache entries and ``suffix`` pools left by requests of the same scope only
+    (None is the shared scope; the server derives it from the tenant and ``cache_salt``).
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -55,13 +59,17 @@ class GenerationParams:
     resolved: ResolvedProposer | None = None
     cache_prompt: bool = True
     session: str | None = None
+    tenant: str | None = None
+    cache_scope: str | None = None
 
     def __post_init__(self) -> None:
-        check(
-            self.session is None or isinstance(self.session, str),
-            "session",
-            f"expected None or a string, got {self.session!r}",
-        )
+        for name in ("session", "tenant", "cache_scope"):
+            value = getattr(self, name)
+            check(
+                value is None or isinstance(value, str),
+                name,
+                f"expected None or a string, got {value!r}",
+            )
         check(
             isinstance(self.cache_prompt, bool),
             "cache_prompt",
@@ -154,6 +162,8 @@ class GenerationParams:
         grammar: GrammarSpec | None = None,
         cache_prompt: bool = True,
         session: str | None = None,
+        tenant: str | None = None,
+        cache_scope: str | None = None,
     ) -> GenerationParams:
         """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
         ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds and
@@ -189,4 +199,6 @@ class GenerationParams:
             grammar=grammar,
             cache_prompt=cache_prompt,
             session=session,
+            tenant=tenant,
+            cache_scope=cache_scope,
         )

@@ -24,6 +24,12 @@ matched rows to the new request as if its prefill had computed them (``engine.fe
 the head's own cache is rebuilt from them, never reused stale. Such a request only matches
 entries that kept its layers' features; any request matches any entry's keys and values.
 
+Scopes: an entry keeps the ``scope`` of the request that left it (``GenerationParams.
+cache_scope``: the server's tenant and ``cache_salt``), and a request matches only entries of its
+own scope, so no request is served faster for text it could not have sent (the timing of a hit
+would tell another tenant's prompts). Scopes share the slots and the budget: eviction is
+least recently used across them all.
+
 Exactness: the copied keys and values (and features) are the bits the prefix's own prefill
 would compute on a row-invariant runtime (the native CPU one: ``engine.choices`` relies on the
 same), so a request served from the cache gives the same tokens and log-probabilities as a cold
@@ -129,6 +135,7 @@ class _Entry:
     token_ids: np.ndarray  # [num_cached] int64: the tokens whose keys and values the slot holds
     last_used: int
     features: CachedFeatures | None  # rows for every cached position, or None
+    scope: str | None  # the cache scope of the request that left it (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,20 +198,24 @@ class PrefixCache:
         )
 
     def allocate(
-        self, prompt_token_ids: list[int] | None, feature_layers: tuple[int, ...] = ()
+        self,
+        prompt_token_ids: list[int] | None,
+        feature_layers: tuple[int, ...] = (),
+        scope: str | None = None,
     ) -> Allocation:
         """A slot for a new request and how many tokens of its prompt it already caches.
 
         ``prompt_token_ids`` None: the request does not read the cache (a fresh slot). Else the
         longest prefix of the prompt but its last token that an entry holds is reused (with
-        ``feature_layers``, an entry that kept those layers' features, handed over too). An
+        ``feature_layers``, an entry that kept those layers' features, handed over too), among
+        the entries of ``scope`` (module docstring). An
         entry the prompt extends whole (a conversation's next turn) hands its slot over as it
         is: it would be dropped as redundant when the request ends, so nothing is copied. A
         partial match is copied into a fresh slot, the entry kept; when no slot is free, the
         least recently used entries are evicted first (the matching one last: if it must go, the
         request takes its slot over, truncated to the match).
         """
-        match, length = self._best_match(prompt_token_ids, feature_layers)
+        match, length = self._best_match(prompt_token_ids, feature_layers, scope)
         if match is not None and length == len(match.token_ids):
             self._entries.remove(match)
             return self._hand_over(match.slot, match, length)
@@ -232,12 +243,13 @@ class PrefixCache:
         token_ids: list[int],
         retain: bool,
         features: CachedFeatures | None = None,
+        scope: str | None = None,
     ) -> None:
         """Take back a finished request's slot, which caches the first ``seq_len(slot)``
         positions of ``token_ids`` at most (the last committed token was never fed, and
         positions past the committed tokens hold rejected drafts): retained when ``retain`` and
-        the cache has room, with ``features`` (rows for at least those positions) if given, else
-        freed. Then the cache is brought within its budget."""
+        the cache has room, with ``features`` (rows for at least those positions) if given, in
+        ``scope``, else freed. Then the cache is brought within its budget."""
         self._running.discard(slot)
         length = min(self.runtime.seq_len(slot), len(token_ids) - 1)
         if features is not None and len(features.rows) < length:
@@ -250,7 +262,7 @@ class PrefixCache:
         tokens = np.asarray(token_ids[:length], dtype=np.int64)
         if features is not None:
             features = CachedFeatures(features.layers, features.rows[:length])
-        for entry in list(self._entries):
+        for entry in [e for e in self._entries if e.scope == scope]:
             common = _common_prefix(entry.token_ids, tokens)
             if common == len(tokens) and _covers(entry.features, features):
                 entry.last_used = self._tick()  # an entry already holds all of it
@@ -260,7 +272,7 @@ class PrefixCache:
             if common == len(entry.token_ids) and _covers(features, entry.features):
                 self._entries.remove(entry)  # the new one extends this entry
                 self.runtime.free(entry.slot)
-        self._entries.append(_Entry(slot, tokens, self._tick(), features))
+        self._entries.append(_Entry(slot, tokens, self._tick(), features, scope))
         self._fit()
 
     def clear(self) -> None:
@@ -314,10 +326,10 @@ class PrefixCache:
         return slot + (rows.numel() * rows.element_size() if rows is not None else 0)
 
     def _best_match(
-        self, prompt_token_ids: list[int] | None, feature_layers: tuple[int, ...]
+        self, prompt_token_ids: list[int] | None, feature_layers: tuple[int, ...], scope: str | None
     ) -> tuple[_Entry | None, int]:
-        """The entry sharing the longest prefix with the prompt but its last token (with
-        ``feature_layers``, among those that kept their features), and the length of that
+        """The entry of ``scope`` sharing the longest prefix with the prompt but its last token
+        (with ``feature_layers``, among those that kept their features), and the length of that
         prefix (None, 0 when none shares any)."""
         if prompt_token_ids is None:
             return None, 0
@@ -327,6 +339,8 @@ class PrefixCache:
         prompt = np.asarray(prompt_token_ids[:-1], dtype=np.int64)
         best, best_length = None, 0
         for entry in self._entries:
+            if entry.scope != scope:
+                continue
             if feature_layers and (
                 entry.features is None or not entry.features.serves(feature_layers)
             ):

@@ -46,6 +46,7 @@ def proposer_context(
     draft: LoadedModel | None,
     target_forward_s: Callable[[], float],
     session_of: Callable[[int], str | None] | None = None,
+    scope_of: Callable[[int], tuple[bool, str | None]] | None = None,
 ) -> ProposerContext:
     """What the proposers may use: the target's facts, the config, the draft model.
 
@@ -81,6 +82,7 @@ def proposer_context(
         draft_error=draft_error,
         target_forward_s=target_forward_s,
         session_of=session_of,
+        scope_of=scope_of,
     )
 
 

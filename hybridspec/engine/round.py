@@ -235,7 +235,9 @@ class RoundSteps:
         if request.slot is not None:
             retain = request.params.cache_prompt and reason is not FinishReason.ERROR
             features = kept_features(request) if retain else None
-            self.prefix_cache.release(request.slot, request.token_ids, retain, features)
+            self.prefix_cache.release(
+                request.slot, request.token_ids, retain, features, request.params.cache_scope
+            )
             request.slot = None
             try:
                 request.proposer.finish(request.seq_id)

@@ -1,9 +1,10 @@
 """Continuous batching: which requests run, and what each contributes to the next forward.
 
 Requests wait in a bounded queue and join the running batch between steps while a KV-cache slot
-is free; finished ones leave. Each step, a running request either *decodes* (feeds its
-uncached committed tokens plus its drafts, and is verified) or, while its prompt is longer than
-what is left of the step's prefill budget, feeds a *prefill chunk* of its prompt only.
+is free, tenants taking turns (``engine.turns``); finished ones leave. Each step, a running
+request either *decodes* (feeds its uncached committed tokens plus its drafts, and is verified)
+or, while its prompt is longer than what is left of the step's prefill budget, feeds a *prefill
+chunk* of its prompt only.
 
 Worked example with ``prefill_chunk_size = 512``: a decoding request has 1 uncached token
 (its last committed one), so it costs 0 of the budget and always decodes. A new request with a
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridspec.engine.request import Request
+from hybridspec.engine.turns import Turns, entry_size
 from hybridspec.errors import CapacityError
 from hybridspec.model import ForwardBatch
 from hybridspec.types import Proposal
@@ -71,9 +73,12 @@ class StepPlan:
 class Scheduler:
     """Holds the waiting queue and the running batch."""
 
-    def __init__(self, max_queue_size: int, prefill_chunk_size: int) -> None:
+    def __init__(
+        self, max_queue_size: int, prefill_chunk_size: int, turns: Turns | None = None
+    ) -> None:
         self.max_queue_size = max_queue_size
         self.prefill_chunk_size = prefill_chunk_size
+        self.turns = turns if turns is not None else Turns()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -83,13 +88,15 @@ class Scheduler:
 
     def add_all(self, prompts: list[list[Request]], num_free_slots: int) -> None:
         """Queue every prompt's choices (one request each, tied by ``engine.choices``), all or
-        none: CapacityError when the queue cannot take them all.
+        none: CapacityError when the queue cannot take them all (TenantLimitError when their
+        tenant may queue no more, ``Turns.check_queue``).
 
         A prompt with its choices is one queue entry. Waiting entries that the next step admits
         into the ``num_free_slots`` free slots are not queued for a slot, so a burst between
         two steps may hold that many more: with 4 free slots and ``max_queue_size = 64``, the
         69th prompt waiting is refused.
         """
+        self.turns.check_queue(self.waiting, prompts)
         waiting = sum(1 for r in self.waiting if r.group is None or r.group.source is r)
         if waiting + len(prompts) > self.max_queue_size + max(0, num_free_slots):
             raise CapacityError(
@@ -100,21 +107,20 @@ class Scheduler:
             self.waiting.extend(choices)
 
     def admit(self, num_free_slots: int) -> list[Request]:
-        """Move waiting requests into the running batch while slots are free; the choices of a
-        prompt all at once, when there is a slot for each (in queue order: a prompt waiting
-        for its slots holds back those behind it)."""
+        """Move waiting requests into the running batch while slots are free, tenants taking
+        turns (``Turns.pick``); the choices of a prompt all at once, when there is a slot for
+        each."""
         admitted = []
-        while self.waiting:
-            head = self.waiting[0]
-            assert head.group is None or head.group.source is head
-            size = 1 if head.group is None else len(head.group.requests)
-            if size > num_free_slots:
-                break
-            for _ in range(size):
-                request = self.waiting.popleft()
-                self.running.append(request)
-                admitted.append(request)
+        while (head := self.turns.pick(self.waiting, self.running, num_free_slots)) is not None:
+            size = entry_size(head)
+            start = self.waiting.index(head)  # a prompt's choices are queued together
+            entry = [self.waiting[start + i] for i in range(size)]
+            for request in entry:
+                self.waiting.remove(request)
+            self.running.extend(entry)
+            admitted.extend(entry)
             num_free_slots -= size
+            self.turns.admitted(head.params.tenant)
         return admitted
 
     def plan(self, cached_lengths: list[int]) -> StepPlan:

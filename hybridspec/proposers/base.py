@@ -87,6 +87,10 @@ class ProposerContext:
     # The session of a started sequence (``GenerationParams.session``: the server's ``user``),
     # for a proposer that keeps sessions' text apart (``suffix``). None: no sessions known.
     session_of: Callable[[int], str | None] | None = None
+    # Whether a started sequence shares text with others (``GenerationParams.cache_prompt``)
+    # and its cache scope (``GenerationParams.cache_scope``; None the shared one), for a
+    # proposer that drafts from other requests' text (``suffix``). None: (True, None) for all.
+    scope_of: Callable[[int], tuple[bool, str | None]] | None = None
 
 
 class Proposer(ABC):

@@ -23,6 +23,11 @@ agent's next edit of the same file, a second summary of one document) drafts it 
   for a request without one; ``off``, no pool (the own text only). Drafts never change output,
   but they change timing: a request that drafts from another user's text runs faster when it
   repeats it, which tells that user's text to whoever measures.
+- **Scopes** (``GenerationParams.cache_scope``, the server's tenant and ``cache_salt``): under
+  ``per-session`` a pool is a session's within a scope (a request with a scope and no session
+  has its scope's pool); under ``per-server`` the one pool is the shared scope's, and a
+  request with a scope drafts from no pool. A request with ``cache_prompt`` off neither drafts
+  from a pool nor feeds one.
 
 Dimensions: ``num_seqs`` sequences of a batch; ``K`` the most drafts asked.
 """
@@ -50,6 +55,7 @@ MIN_CONFIDENCE = 0.1  # the lowest chance of acceptance a draft is proposed with
 MAX_SESSIONS = 8  # pools kept under per-session isolation
 SHARED_MIN_ORDER = 2  # a one-token context in other requests' text predicts little
 NO_POOL = -1
+_Key = tuple[str | None, str | None]  # a pool's (cache scope, session)
 
 
 def _capacity(window: int) -> int:
@@ -84,16 +90,28 @@ class SuffixProposer(Proposer):
         self._shared = allocate_tables(max(1, num_pools), shared_orders, _capacity(window), window)
         for pool in range(num_pools):
             seed_slot(self._shared, SHARED_MIN_ORDER, pool, np.empty(0, np.int64))
-        self._pools: OrderedDict[str | None, int] = OrderedDict()  # session -> pool, LRU first
+        self._pools: OrderedDict[_Key, int] = OrderedDict()  # (scope, session) -> pool, LRU first
         self._num_pools = num_pools
-        # seq -> own slot, pool, session key, tokens (prompt and output)
-        self._seqs: dict[int, tuple[int, int, str | None, list[int]]] = {}
+        # seq -> own slot, pool, pool key, tokens (prompt and output)
+        self._seqs: dict[int, tuple[int, int, _Key | None, list[int]]] = {}
         self._last: dict[int, tuple[int, int, int]] = {}  # seq -> source, order, drafts
         self._rates: dict[tuple[int, int], AcceptanceEstimate] = {}
 
-    def _pool_of(self, key: str | None) -> int:
-        """The pool a request of session ``key`` drafts from and feeds (NO_POOL: none)."""
-        if self._num_pools == 0 or (self.config.isolation == "per-session" and key is None):
+    def _key_of(self, seq_id: int) -> _Key | None:
+        """The pool key of a started sequence, (scope, session); None: it has no pool."""
+        shares, scope = (True, None)
+        if self.context.scope_of is not None:
+            shares, scope = self.context.scope_of(seq_id)
+        if self._num_pools == 0 or not shares:
+            return None
+        if self.config.isolation == "per-server":
+            return None if scope is not None else (None, None)
+        session = self.context.session_of(seq_id) if self.context.session_of else None
+        return None if scope is None and session is None else (scope, session)
+
+    def _pool_of(self, key: _Key | None) -> int:
+        """The pool a request with pool key ``key`` drafts from and feeds (NO_POOL: none)."""
+        if key is None:
             return NO_POOL
         pool = self._pools.get(key)
         if pool is None:
@@ -112,9 +130,7 @@ class SuffixProposer(Proposer):
         check(bool(self._free), "seq_id", "more sequences than the engine's max_num_seqs")
         slot = self._free.pop()
         seed_slot(self._own, self._own_min_order, slot, prompt)
-        key = None
-        if self.config.isolation == "per-session" and self.context.session_of is not None:
-            key = self.context.session_of(seq_id)
+        key = self._key_of(seq_id)
         self._seqs[seq_id] = (slot, self._pool_of(key), key, [int(t) for t in prompt])
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
@@ -178,15 +194,15 @@ class SuffixProposer(Proposer):
             return
         slot, pool, key, tokens = state
         self._free.append(slot)
-        if pool != NO_POOL and self._pools.get(key) == pool:  # else its session was evicted
+        if key is not None and self._pools.get(key) == pool:  # else its session was evicted
             append_tokens(self._shared, SHARED_MIN_ORDER, pool, np.asarray(tokens, np.int64))
 
     def _slots(self, seq_id: int) -> tuple[int, int]:
         """The sequence's own slot, and its pool while its session still holds it."""
         slot, pool, key, _ = self._seq(seq_id)
-        return slot, pool if pool != NO_POOL and self._pools.get(key) == pool else NO_POOL
+        return slot, pool if key is not None and self._pools.get(key) == pool else NO_POOL
 
-    def _seq(self, seq_id: int) -> tuple[int, int, str | None, list[int]]:
+    def _seq(self, seq_id: int) -> tuple[int, int, _Key | None, list[int]]:
         state = self._seqs.get(seq_id)
         check(state is not None, "seq_id", f"unknown sequence {seq_id!r}; start() it first")
         assert state is not None

@@ -39,6 +39,7 @@ from hybridspec.server.prompts import PromptEncoder, longest_token_chars
 from hybridspec.server.routes import ROUTERS
 from hybridspec.server.routes.ops import metrics_snapshot
 from hybridspec.server.state import ModelInfo, ServerState
+from hybridspec.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def create_app(
         start = time.perf_counter()
         # Built, warmed up and stepped on the engine thread alone: one team of OpenMP workers
         # (engine.loop). ModelInfo is read there too, before any request runs.
-        loop = await EngineLoop.start(lambda: factory(server_config.engine))
+        loop = await EngineLoop.start(lambda: factory(server_config.engine_config()))
         steps["load"] = time.perf_counter() - start
         engine = loop.engine
         prompts: PromptEncoder | None = None
@@ -125,8 +126,11 @@ def create_app(
     # Added innermost first: HEAD, counting, timeouts, the key, the body cap run before routing.
     templates = RouteTemplates(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=server_config.max_body_bytes)
+    keys: list[tuple[str | None, str]] = list(server_config.tenant_keys)
     if server_config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=server_config.api_key, templates=templates)
+        keys.append((None, server_config.api_key))
+    if keys:
+        app.add_middleware(ApiKeyMiddleware, keys=KeyRing(keys), templates=templates)
     app.add_middleware(
         TimeoutMiddleware,
         read_timeout_s=server_config.request_read_timeout_s,
@@ -136,7 +140,7 @@ def create_app(
     app.add_middleware(HeadMiddleware)
     for router in ROUTERS:
         app.include_router(router)
-    install_openapi(app, api_key_required=server_config.api_key is not None)
+    install_openapi(app, api_key_required=bool(keys))
     return app
 
 

@@ -1,8 +1,10 @@
 """The server's part of the configuration: where it listens, what it calls its model, who may
-use it (the API key) and how much one request may send."""
+use it (the API key, or the tenants' keys: ``server.tenants``) and how much one request may
+send."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -12,6 +14,8 @@ from hybridspec.errors import check
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 API_KEY_ENV = "HYBRIDSPEC_API_KEY"  # where the command line and hybridspec.deploy read a key
+API_KEYS_FILE_ENV = "HYBRIDSPEC_API_KEYS_FILE"  # ... and the tenants' key file
+CACHE_ISOLATION = ("per-tenant", "shared", "off")  # server.tenants
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +31,15 @@ class ServerConfig:
     max_prompt_tokens: int | None = None  # None: the context but one token
     # None: no authentication. Else every route but GET|HEAD /health wants it as a bearer key.
     api_key: str | None = field(default=None, repr=False)
+    # Tenants (server.tenants): (tenant, key) pairs, as an API key file gives them; each key
+    # is a bearer key too. With them, admission takes tenants in turn, ``tenant_spare_slots``
+    # slots are made beyond the engine's ``max_num_seqs`` for a tenant with nothing running
+    # (so another's burst costs its first request no slot's wait), and cached text is scoped
+    # per tenant unless ``cache_isolation`` says otherwise (None: per-tenant with tenants,
+    # else shared).
+    tenant_keys: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    tenant_spare_slots: int = 1
+    cache_isolation: str | None = None
     # 4 MiB: a full 128k-token context is about 0.5 MB of text or 1 MB of token ids as JSON,
     # so this fits the largest real prompt a few times over while bounding what one request
     # makes the server hold.
@@ -86,6 +99,23 @@ class ServerConfig:
             "expected None or a non-empty key of printable characters without spaces",
         )  # the message never repeats the key
         check(
+            isinstance(self.tenant_keys, tuple)
+            and all(isinstance(k, str) and k.split() == [k] for _, k in self.tenant_keys)
+            and len({k for _, k in self.tenant_keys}) == len(self.tenant_keys),
+            "tenant_keys",
+            "expected (tenant, key) pairs of distinct keys without spaces",
+        )  # the message never repeats a key
+        check(
+            isinstance(self.tenant_spare_slots, int) and 0 <= self.tenant_spare_slots <= 64,
+            "tenant_spare_slots",
+            f"expected an integer in [0, 64], got {self.tenant_spare_slots!r}",
+        )
+        check(
+            self.cache_isolation is None or self.cache_isolation in CACHE_ISOLATION,
+            "cache_isolation",
+            f"expected None or one of {CACHE_ISOLATION}, got {self.cache_isolation!r}",
+        )
+        check(
             isinstance(self.max_body_bytes, int) and self.max_body_bytes >= 1,
             "max_body_bytes",
             f"expected an integer >= 1, got {self.max_body_bytes!r}",
@@ -125,6 +155,30 @@ class ServerConfig:
             "ssl_certfile",
             "a key file or its password needs the certificate file too",
         )
+
+    @property
+    def isolation(self) -> str:
+        """The cache isolation in force (``cache_isolation``, or its default)."""
+        if self.cache_isolation is not None:
+            return self.cache_isolation
+        return "per-tenant" if self.tenant_keys else "shared"
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration as the server runs it: with tenants, the spare slots
+        added and reserved (``TenantConfig.reserved_slots``), and, under per-tenant isolation,
+        the ``suffix`` pools per session (a tenant's scope is its session: ``per-server``
+        would leave every scoped request without a pool)."""
+        engine = self.engine
+        if not self.tenant_keys:
+            return engine
+        target = dataclasses.replace(
+            engine.target, max_num_seqs=engine.target.max_num_seqs + self.tenant_spare_slots
+        )
+        tenants = dataclasses.replace(engine.tenants, reserved_slots=self.tenant_spare_slots)
+        suffix = engine.suffix
+        if self.isolation == "per-tenant" and suffix.isolation == "per-server":
+            suffix = dataclasses.replace(suffix, isolation="per-session")
+        return dataclasses.replace(engine, target=target, tenants=tenants, suffix=suffix)
 
     def model_names(self) -> tuple[str, ...]:
         """The name /v1/models lists first, then the other names requests may use for it.

@@ -11,6 +11,8 @@ GrammarError                        400     invalid_request_error    invalid_gra
 IncompatibleFieldsError             400     invalid_request_error    incompatible_fields
 InvalidRequestError                 400     invalid_request_error    invalid_value
 RequestValidationError (pydantic)   400     invalid_request_error    invalid_type / ...
+TenantLimitError                    429     rate_limit_error         rate_limit_exceeded
+                                                                     (Retry-After)
 CapacityError                       503     server_error             overloaded (Retry-After)
 ClientDisconnected                  499     invalid_request_error    client_disconnected
 HTTPException (404 route, 405...)   as is   invalid_request_error    None (400: invalid_json,
@@ -45,6 +47,7 @@ from hybridspec.errors import (
     HybridSpecError,
     IncompatibleFieldsError,
     InvalidRequestError,
+    TenantLimitError,
     UnknownModelError,
 )
 from hybridspec.server.protocol import ErrorDetail, ErrorResponse
@@ -164,12 +167,15 @@ def exception_response(exc: Exception, retry_after_s: int = 1) -> JSONResponse:
         )
         return error_response(400, str(exc), param=param, code=code)
     if isinstance(exc, CapacityError):
+        status, type_, code = (
+            (429, "rate_limit_error", "rate_limit_exceeded")
+            if isinstance(exc, TenantLimitError)
+            else (503, "server_error", "overloaded")
+        )
+        if status == 429:
+            logger.info("429: %s", exc)  # the message names the tenant, never its key
         return error_response(
-            503,
-            str(exc),
-            type_="server_error",
-            code="overloaded",
-            headers={"Retry-After": str(retry_after_s)},
+            status, str(exc), type_=type_, code=code, headers={"Retry-After": str(retry_after_s)}
         )
     if isinstance(exc, RequestValidationError):
         return validation_error_response(exc)

@@ -58,6 +58,7 @@ async def observe(
     cancelling this generator before the last output aborts the choices still running.
     """
     metrics, proposer, n = state.metrics, prepared[0].proposer, prepared[0].n
+    tenant = prepared[0].params.tenant
     arrival = time.perf_counter()
     started: set[int] = set()  # prompts that have a first token
     finished, refused = 0, False
@@ -79,7 +80,7 @@ async def observe(
                     ttft_s = time.perf_counter() - arrival
                     num_prompt = len(prepared[index // n].prompt_token_ids)
                     metrics.observe_first_token(proposer, ttft_s, num_prompt)
-                metrics.observe_tokens(proposer, len(output.new_token_ids))
+                metrics.observe_tokens(proposer, len(output.new_token_ids), tenant)
                 if output.finished:
                     finished += 1
                     reason = output.finish_reason or FinishReason.ERROR

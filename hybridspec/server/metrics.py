@@ -13,6 +13,8 @@ path                a route template of the app (``/v1/models/{model:path}``), o
 status              a status code the server sent
 proposer            a proposer name the engine resolved (refused names never count)
 finish_reason       a ``FinishReason`` value
+tenant              a tenant of the API key file (``server.tenants``), or empty for the
+                    anonymous one (``--api-key``); only requests with a known key count
 ==================  ================================================================
 
 ``GET /metrics`` answers the Prometheus text format 0.0.4. ``prometheus_client`` adds a
@@ -73,6 +75,18 @@ class ServerMetrics:
             "HTTP requests answered, by method, route and status code "
             "(499: the client went away before the response began).",
             ("method", "path", "status"),
+            registry=registry,
+        )
+        self.tenant_requests = Counter(
+            "hybridspec_tenant_http_requests_total",
+            "HTTP requests with a known API key answered, by tenant and status code.",
+            ("tenant", "status"),
+            registry=registry,
+        )
+        self.tenant_tokens = Counter(
+            "hybridspec_tenant_generated_tokens_total",
+            "Completion tokens sent to clients, by tenant.",
+            ("tenant",),
             registry=registry,
         )
         self.finished = Counter(
@@ -162,12 +176,18 @@ class ServerMetrics:
         """Count one HTTP response; ``path`` is a route template or ``UNMATCHED_PATH``."""
         self.http_requests.labels(method_label(method), path, str(status)).inc()
 
+    def observe_tenant_http(self, tenant: str | None, status: int) -> None:
+        """Count one response to a request with a known key (``tenant`` None: anonymous)."""
+        self.tenant_requests.labels(tenant or "", str(status)).inc()
+
     def observe_first_token(self, proposer: str, ttft_s: float, num_prompt_tokens: int) -> None:
         self.ttft.labels(proposer).observe(ttft_s)
         self.prompt_tokens.labels(proposer).inc(num_prompt_tokens)
 
-    def observe_tokens(self, proposer: str, num_tokens: int) -> None:
+    def observe_tokens(self, proposer: str, num_tokens: int, tenant: str | None = None) -> None:
         self.generated_tokens.labels(proposer).inc(num_tokens)
+        if tenant is not None:
+            self.tenant_tokens.labels(tenant).inc(num_tokens)
 
     def observe_finished(self, proposer: str, finish_reason: str) -> None:
         self.finished.labels(proposer, finish_reason).inc()

@@ -8,9 +8,10 @@ All five run before routing, so a request they refuse reaches no route and queue
 - ``TimeoutMiddleware`` answers 408 to a request whose body has not arrived within
   ``ServerConfig.request_read_timeout_s``, and cuts a response whose client has not read any of
   it for ``stream_write_timeout_s`` (a stream's engine request is then aborted, its slot freed).
-- ``ApiKeyMiddleware`` (only with ``ServerConfig.api_key``) answers 401 to every request without
-  ``Authorization: Bearer <key>``, except the liveness probe and the playground page
-  (``OPEN_ROUTES``).
+- ``ApiKeyMiddleware`` (only with ``ServerConfig.api_key`` or ``tenant_keys``) answers 401 to
+  every request without ``Authorization: Bearer <key>`` of a known key, except the liveness
+  probe and the playground page (``OPEN_ROUTES``), and notes the key's tenant in the scope
+  (``server.tenants``).
 - ``BodySizeLimitMiddleware`` answers 413 to a body over ``ServerConfig.max_body_bytes``: at once
   from its ``Content-Length``, or, without one (chunked), as soon as the bytes received pass it.
 """
@@ -18,7 +19,6 @@ All five run before routing, so a request they refuse reaches no route and queue
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
 from dataclasses import dataclass
@@ -31,14 +31,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridspec.server.errors import error_response
 from hybridspec.server.metrics import UNMATCHED_PATH, ServerMetrics
+from hybridspec.server.tenants import TENANT_SCOPE_KEY, KeyRing
 
 logger = logging.getLogger(__name__)
 
 # (method, route template) pairs served without a key: the liveness probe.
-# The playground page (``routes.playground``) is open too: a browser opening it sends no key;
-# the page sends the key it is given with each API call.
+# The playground page and its icon (``routes.playground``) are open too: a browser opening it
+# sends no key; the page sends the key it is given with each API call.
 OPEN_ROUTES = frozenset(
-    (method, path) for method in ("GET", "HEAD") for path in ("/health", "/", "/playground")
+    (method, path)
+    for method in ("GET", "HEAD")
+    for path in ("/health", "/", "/playground", "/favicon.svg", "/favicon.ico")
 )
 MISSING_KEY_MESSAGE = (
     "You didn't provide an API key. You need to provide your API key in an Authorization "
@@ -129,6 +132,8 @@ class RequestCountingMiddleware:
             await self.app(scope, receive, send_counting)
         finally:
             self.metrics.observe_http(scope.get(SENT_METHOD, scope["method"]), path, status)
+            if TENANT_SCOPE_KEY in scope:  # set by ApiKeyMiddleware, on the same scope
+                self.metrics.observe_tenant_http(scope[TENANT_SCOPE_KEY], status)
 
 
 def _bearer_token(scope: Scope) -> bytes | None:
@@ -142,16 +147,16 @@ def _bearer_token(scope: Scope) -> bytes | None:
 
 
 class ApiKeyMiddleware:
-    """401 for an HTTP request without the right bearer key; OpenAI's bodies and codes.
+    """401 for an HTTP request without a known bearer key; OpenAI's bodies and codes.
 
     A missing key is ``code: null``, a wrong one ``code: "invalid_api_key"``, as OpenAI
-    answers; neither message repeats what the client sent. The key is compared in constant
-    time.
+    answers; neither message repeats what the client sent. Keys are compared in constant
+    time (``KeyRing``). A known key's tenant is set under ``TENANT_SCOPE_KEY`` in the scope.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str, templates: RouteTemplates) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing, templates: RouteTemplates) -> None:
         self.app = app
-        self.api_key = api_key.encode()
+        self.keys = keys
         self.templates = templates
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -159,7 +164,9 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         token = _bearer_token(scope)
-        if token is not None and hmac.compare_digest(token, self.api_key):
+        known, tenant = self.keys.tenant_of(token) if token is not None else (False, None)
+        if known:
+            scope[TENANT_SCOPE_KEY] = tenant
             await self.app(scope, receive, send)
             return
         response = error_response(

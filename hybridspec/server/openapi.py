@@ -37,6 +37,7 @@ STATUS_DESCRIPTIONS = {
     404: "Unknown model",
     408: "The request body did not arrive within the server's read timeout",
     413: "Request body over the server's limit",
+    429: "The tenant has as many requests waiting as the server lets one tenant (Retry-After)",
     500: "The request failed inside the server; the message carries a request id",
     503: (
         "Overloaded: the request queue is full or too many grammars are compiling "
@@ -52,7 +53,7 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-GENERATION_ERRORS = error_responses(400, 404, 408, 413, 500, 503)
+GENERATION_ERRORS = error_responses(400, 404, 408, 413, 429, 500, 503)
 # The chunk model of each streamed route's events (a text completion streams CompletionResponse
 # chunks, as OpenAI's legacy API does).
 STREAM_CHUNKS: dict[str, type[BaseModel]] = {

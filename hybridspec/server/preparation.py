@@ -29,6 +29,7 @@ from hybridspec.server.protocol import (
 )
 from hybridspec.server.state import ServerState
 from hybridspec.server.structured import ToolPlan, grammar_source, tool_plan
+from hybridspec.server.tenants import scoped
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 
@@ -161,12 +162,15 @@ def _completion_budget(max_seq_len: int, num_prompt_tokens: int, max_tokens: int
 
 
 async def prepare(
-    state: ServerState, body: CompletionRequest | ChatCompletionRequest
+    state: ServerState,
+    body: CompletionRequest | ChatCompletionRequest,
+    tenant: str | None = None,
 ) -> list[PreparedRequest]:
     """Validate ``body`` and tokenize its prompts on worker threads (``server.prompts``); one
     ``PreparedRequest`` per prompt. ``n`` and the number of prompts are checked before any
     tokenizing, with the engine's own bounds (``engine.choices.check_choices``; the engine
-    is told, and does not check them again)."""
+    is told, and does not check them again). ``tenant``: whose key the request came with
+    (``server.tenants``), which with ``cache_salt`` sets its turn and cache scope."""
     model = state.model.resolve(body.model)
     check_body(body)
     _reject_unsupported(body)
@@ -175,7 +179,8 @@ async def prepare(
     prompts = prompts_of(body, tools, renders)
     n = body.n if body.n is not None else 1
     check_choices(n, len(prompts), state.model.max_choices, state.model.max_queue_size)
-    params = _params(body)
+    check(body.cache_salt is None or bool(body.cache_salt), "cache_salt", "expected a salt")
+    params = scoped(_params(body), state.config.isolation, tenant, body.cache_salt)
     resolved = state.model.catalog.resolve(params.proposer, params.num_speculative_tokens)
     param, spec = grammar_source(body, tools)
     grammar = await state.grammars.compile(spec, param)  # on worker threads, with a deadline

@@ -4,9 +4,9 @@ Request bodies are strict (no string-to-number coercion) and refuse unknown fiel
 OpenAI API does; value ranges are checked by the engine's own parameter classes, so that every
 bound lives in one place (``hybridspec.config``, ``hybridspec.types``). Extension fields in a
 request: ``proposer``, ``num_speculative_tokens``, ``top_k``, ``ignore_eos``, ``cache_prompt``,
-``repetition_penalty``, ``min_p``, ``min_tokens``, ``stop_token_ids``, ``guided_regex``,
-``guided_grammar``. In a response: ``hybridspec`` (the request's speculation statistics, its
-choices' together; in a stream, each choice's on its final chunk).
+``cache_salt``, ``repetition_penalty``, ``min_p``, ``min_tokens``, ``stop_token_ids``,
+``guided_regex``, ``guided_grammar``. In a response: ``hybridspec`` (the request's speculation
+statistics, its choices' together; in a stream, each choice's on its final chunk).
 
 One module over 400 lines, on purpose: the request and response models share their message
 classes (a ``ToolCall`` is part of an assistant message in a request and in a response), and the
@@ -201,6 +201,11 @@ class _SamplingFields(_Body):
         default=None,
         description="Reuse and keep this request's tokens in the prefix cache (extension, "
         "llama.cpp's name). Default true.",
+    )
+    cache_salt: str | None = documented(
+        anyOf=NON_EMPTY_STRING_OR_NULL,
+        description="Cached text (prefix cache, suffix pools) is reused only between requests "
+        "of the same salt, within the tenant under per-tenant isolation (as vLLM's).",
     )
     stop_token_ids: list[JsonInt] | None = documented(
         maxItems=MAX_STOP_TOKEN_IDS,

@@ -100,6 +100,18 @@ def test_cache_prompt_false_neither_reads_nor_leaves(target: LoadedModel) -> Non
     assert run(engine, [*SYSTEM, 2], "none")[2] == len(SYSTEM)
 
 
+def test_a_request_reads_only_its_own_scopes_entries(target: LoadedModel) -> None:
+    """Counted hits: a scope's entry serves its own scope's next request, never another's, and
+    the text is the same either way."""
+    engine = make_engine(target, prefix_cache_mb=64)
+    tokens, _, _, _ = run(engine, [*SYSTEM, 1], "none", cache_scope="A")
+    other, _, cached, _ = run(engine, [*SYSTEM, 1], "none", cache_scope="B")
+    assert cached == 0 and other == tokens
+    assert run(engine, [*SYSTEM, 1], "none")[2] == 0  # the shared scope is a scope too
+    assert run(engine, [*SYSTEM, 2], "none", cache_scope="A")[2] == len(SYSTEM)
+    assert run(engine, [*SYSTEM, 2], "none", cache_scope="B")[2] == len(SYSTEM)
+
+
 def test_prompt_logprobs_prefill_everything(target: LoadedModel) -> None:
     engine = make_engine(target, prefix_cache_mb=64)
     run(engine, [*SYSTEM, 1], "none")

@@ -20,15 +20,18 @@ ANSWER = [101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112]
 
 def make(isolation: str = "per-server", max_tokens: int = 4096) -> SuffixProposer:
     sessions: dict[int, str | None] = {}
+    scopes: dict[int, tuple[bool, str | None]] = {}
     proposer = SuffixProposer(
         ProposerContext(
             vocab_size=VOCAB_SIZE,
             eos_token_ids=(0,),
             config=EngineConfig(suffix=SuffixConfig(max_tokens, isolation)),
             session_of=sessions.get,
+            scope_of=lambda seq_id: scopes.get(seq_id, (True, None)),
         )
     )
     proposer.sessions = sessions  # type: ignore[attr-defined]  # the tests set them
+    proposer.scopes = scopes  # type: ignore[attr-defined]
     return proposer
 
 
@@ -156,3 +159,32 @@ def test_bad_input_is_refused_naming_the_field() -> None:
         proposer.propose([request(7, [1], 2)])
     with pytest.raises(ValueError, match="isolation"):
         SuffixConfig(isolation="everyone")
+
+
+def scoped(proposer: SuffixProposer, seq_id: int, scope: str | None, shares: bool = True) -> int:
+    proposer.scopes[seq_id] = (shares, scope)  # type: ignore[attr-defined]
+    return seq_id
+
+
+@pytest.mark.parametrize("isolation", ["per-server", "per-session"])
+def test_a_scope_never_drafts_from_another_scopes_text(isolation: str) -> None:
+    proposer = make(isolation)
+    serve(proposer, scoped(proposer, 0, "tenant A"), [5, 6, 7, 8], ANSWER)
+    assert drafts(proposer, scoped(proposer, 1, "tenant B"), [5, 6, 7, 8]) == []
+    assert drafts(proposer, scoped(proposer, 2, None), [5, 6, 7, 8]) == []
+    own = ANSWER[:8] if isolation == "per-session" else []  # per-server: the shared pool only
+    assert drafts(proposer, scoped(proposer, 3, "tenant A"), [5, 6, 7, 8]) == own
+
+
+def test_the_shared_scope_drafts_from_the_shared_pool() -> None:
+    proposer = make("per-server")
+    serve(proposer, scoped(proposer, 0, None), [5, 6, 7, 8], ANSWER)
+    assert drafts(proposer, scoped(proposer, 1, None), [5, 6, 7, 8]) == ANSWER[:8]
+
+
+def test_a_request_that_shares_no_text_neither_feeds_nor_reads_a_pool() -> None:
+    proposer = make("per-server")
+    serve(proposer, scoped(proposer, 0, None, shares=False), [5, 6, 7, 8], ANSWER)
+    assert drafts(proposer, scoped(proposer, 1, None), [5, 6, 7, 8]) == []
+    serve(proposer, scoped(proposer, 2, None), [5, 6, 7, 8], ANSWER)
+    assert drafts(proposer, scoped(proposer, 3, None, shares=False), [5, 6, 7, 8]) == []

@@ -25,7 +25,14 @@ openai = pytest.importorskip("openai")
 KEY = "sk-hybridspec-test-5f1c0e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 WRONG = {"Authorization": f"Bearer {KEY}x"}
-OPEN = {("GET", "/health"), ("HEAD", "/health"), ("GET", "/"), ("GET", "/playground")}
+OPEN = {
+    ("GET", "/health"),
+    ("HEAD", "/health"),
+    ("GET", "/"),
+    ("GET", "/playground"),
+    ("GET", "/favicon.ico"),
+    ("GET", "/favicon.svg"),
+}
 # Routes this app must register; the enumeration below must find at least these.
 KNOWN = {
     ("GET", "/docs"),

@@ -44,6 +44,8 @@ METRICS = {  # name: type, as documented in docs/server.md
     "hybridspec_prefix_cache_hit_tokens_total": "counter",
     "hybridspec_prefix_cache_evicted_tokens_total": "counter",
     "hybridspec_prefix_cache_tokens": "gauge",
+    "hybridspec_tenant_http_requests_total": "counter",
+    "hybridspec_tenant_generated_tokens_total": "counter",
 }
 
 

@@ -100,16 +100,16 @@ def schema(client: TestClient) -> dict[str, Any]:
 def test_document_states_every_status_and_content_type(client: TestClient) -> None:
     document = schema(client)
     chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]
-    assert set(chat) == {"200", "400", "404", "408", "413", "500", "503"}  # 422 is never returned
+    assert set(chat) == {"200", "400", "404", "408", "413", "429", "500", "503"}  # never 422
     error = {"$ref": "#/components/schemas/ErrorResponse"}
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         answers = document["paths"][path]["post"]["responses"]
-        for code in ("408", "503"):  # the read timeout; overload, shutdown, grammars
+        for code in ("408", "429", "503"):  # read timeout; a tenant's bound; overload, shutdown
             assert answers[code]["content"]["application/json"]["schema"] == error, (path, code)
         assert "grammars are compiling" in answers["503"]["description"]
         assert "shutting down" in answers["503"]["description"]
     for path in ("/tokenize", "/detokenize"):
-        assert "408" in document["paths"][path]["post"]["responses"]
+        assert {"408", "413"} <= set(document["paths"][path]["post"]["responses"])
     assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
     metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert set(metrics) == {"text/plain"}

@@ -85,8 +85,48 @@ def served_app(make_app: AppFactory, request: pytest.FixtureRequest) -> FastAPI:
     return create_app(config, engine_factory=lambda cfg: Engine(cfg, target=embedded))
 
 
+def console_of(page: Any) -> list[str]:
+    """What the page logs to the console, page errors and failed loads included (a 404 or 401
+    of any resource is logged as an error)."""
+    messages: list[str] = []
+    page.on("console", lambda message: messages.append(f"{message.type}: {message.text}"))
+    page.on("pageerror", lambda error: messages.append(f"pageerror: {error}"))
+    return messages
+
+
+@pytest.mark.parametrize("key", [None, "sk-page"])
+def test_the_page_opens_with_no_console_message(
+    make_app: AppFactory, browser_page: Any, key: str | None
+) -> None:
+    """Opened, then given its key, the page logs nothing: its icon is served, and it asks a
+    server wanting a key for nothing before it has one."""
+    page = browser_page
+    messages = console_of(page)
+    with serve_in_thread(make_app({"api_key": key}), timeout_s=120) as url:
+        page.goto(url + "/")
+        page.wait_for_load_state("networkidle")
+        if key is not None:
+            page.fill("#key", key)
+            page.dispatch_event("#key", "change")
+        page.wait_for_selector("#proposer option[value=ngram]", state="attached")
+        icon = page.evaluate("fetch('/favicon.ico').then((r) => r.status)")
+    assert messages == []
+    assert icon == 200
+
+
+def test_the_icon_is_served_without_a_key(make_app: AppFactory) -> None:
+    with TestClient(make_app({"api_key": "k"})) as client:
+        for path in ("/favicon.ico", "/favicon.svg"):
+            for response in (client.get(path), client.head(path)):
+                assert response.status_code == 200
+                assert response.headers["content-type"] == "image/svg+xml"
+        assert client.get("/favicon.svg").content.startswith(b"<svg")
+        assert b"data-key-required" in client.get("/").content
+
+
 def test_race_in_chromium(served_app: FastAPI, browser_page: Any, tmp_path: Path) -> None:
     page, app = browser_page, served_app
+    messages = console_of(page)
     with serve_in_thread(app, timeout_s=120) as url:
         local = urlsplit(url).netloc
         elsewhere: list[str] = []
@@ -127,4 +167,5 @@ def test_race_in_chromium(served_app: FastAPI, browser_page: Any, tmp_path: Path
     assert all(span.get_attribute("data-p") == "ngram" for span in drafted)
     assert not plain, "plain decoding has no drafts"
     assert elsewhere == [], elsewhere
+    assert messages == [], messages
     assert (tmp_path / "playground.png").stat().st_size > 0

@@ -38,6 +38,7 @@ from hybridspec.server.protocol import (
 from hybridspec.server.shutdown import guard
 from hybridspec.server.state import ServerState, State
 from hybridspec.server.streaming import ChunkRenderer, EventStreamResponse, stream_events
+from hybridspec.server.tenants import tenant_of
 
 T = TypeVar("T")
 
@@ -104,7 +105,7 @@ async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     responses=GENERATION_ERRORS,
 )
 async def create_completion(body: CompletionRequest, request: Request, state: State) -> Response:
-    return await _respond(request, state, await prepare(state, body))
+    return await _respond(request, state, await prepare(state, body, tenant_of(request)))
 
 
 @router.post(
@@ -115,4 +116,4 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, state: State
 ) -> Response:
-    return await _respond(request, state, await prepare(state, body))
+    return await _respond(request, state, await prepare(state, body, tenant_of(request)))

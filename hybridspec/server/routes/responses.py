@@ -49,6 +49,7 @@ from hybridspec.server.responses import (
 from hybridspec.server.routes.completions import until_disconnected
 from hybridspec.server.state import State
 from hybridspec.server.streaming import EventStreamResponse
+from hybridspec.server.tenants import tenant_of
 
 router = APIRouter(tags=["responses"])
 
@@ -132,7 +133,7 @@ class _Answer:
     },
 )
 async def create_response(body: ResponsesRequest, request: Request, state: State) -> Response:
-    (prepared,) = await prepare(state, to_chat(body))
+    (prepared,) = await prepare(state, to_chat(body), tenant_of(request))
     answer = _Answer(body, prepared)
     outputs = observe(state, [prepared])
     if body.stream:

@@ -106,7 +106,7 @@ async def _chat_token_ids(body: TokenizeChatRequest, state: State) -> list[int]:
     return await state.prompts.encode(prompt)
 
 
-@router.post("/tokenize", responses=error_responses(400, 404, 408))
+@router.post("/tokenize", responses=error_responses(400, 404, 408, 413))
 async def tokenize(body: TokenizeRequest, state: State) -> TokenizeResponse:
     state.model.resolve(body.model)
     if isinstance(body, TokenizePromptRequest):
@@ -125,7 +125,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> TokenizeResponse:
     )
 
 
-@router.post("/detokenize", responses=error_responses(400, 404, 408))
+@router.post("/detokenize", responses=error_responses(400, 404, 408, 413))
 async def detokenize(body: DetokenizeRequest, state: State) -> DetokenizeResponse:
     state.model.resolve(body.model)
     vocab_size = state.model.vocab_size
