@@ -115,6 +115,13 @@ def add_bench_command(commands: Any) -> None:
         help=f"torch CPU threads for every method (default {DEFAULT_THREADS}, robust on a shared "
         "machine; 0: torch's default)",
     )
+    add(
+        "--busy",
+        type=int,
+        default=0,
+        help="N CPU-spinning processes beside the run, stopped when it ends: decoding on a "
+        "machine busy with other work (default 0)",
+    )
     add("--output-dir", type=Path, default=Path("bench-results"), help="where JSON and PNG go")
     bench.set_defaults(run=run_bench)
     subcommands = bench.add_subparsers(title="subcommands", dest="bench_command")
@@ -132,6 +139,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # Imported here so that registering the command costs nothing to the other commands.
     import torch
 
+    from hybridspec.bench.busy import busy_processes
     from hybridspec.bench.harness import BenchConfig
     from hybridspec.bench.session import ModelOptions
 
@@ -149,7 +157,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
-        _run(args, workload, methods, config, models)
+        with busy_processes(args.busy):
+            _run(args, workload, methods, config, models)
     finally:
         torch.set_num_threads(threads)  # callers in the same process keep their setting
     return 0
