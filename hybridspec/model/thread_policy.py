@@ -84,6 +84,12 @@ class ThreadController:
     ``observe(seconds)`` takes the time of one step run at ``threads`` and returns the count for
     the next; ``apply`` is called with every new count (``model.threads.set_num_threads``).
     Only comparable steps should be observed (decode rounds, not prompt chunks).
+
+    Counts are compared by their windows' mean step time, which is what the rate depends on:
+    under load a step time is heavy-tailed (most steps fast, a few waiting hundreds of times
+    longer for a descheduled worker), which a median would hide. A probe that is clearly slower
+    after ``min_probe`` steps ends early, so that probing costs little where the count is right.
+    The load's changes are watched with the median, which a single stall does not move.
     """
 
     def __init__(
@@ -91,31 +97,31 @@ class ThreadController:
         max_threads: int,
         apply: Callable[[int], None],
         *,
-        window: int = 4,
-        first_period: int = 8,
-        max_period: int = 512,
+        window: int = 8,
+        min_probe: int = 3,
+        first_period: int = 16,
+        max_period: int = 1024,
+        backoff: int = 4,
         margin: float = 0.1,
         slowdown: float = 1.5,
     ) -> None:
-        if max_threads < 1 or window < 1 or first_period < window or max_period < 1:
+        if max_threads < 1 or not 1 <= min_probe <= window or first_period < window:
             raise ValueError(
-                f"thread controller: expected max_threads >= 1, window >= 1 and periods >= "
-                f"window, got {max_threads}, {window}, {first_period}, {max_period}"
+                f"thread controller: expected max_threads >= 1, 1 <= min_probe <= window <= "
+                f"first_period, got {max_threads}, {min_probe}, {window}, {first_period}"
             )
         self.max_threads = max_threads
         self.threads = max_threads
         self._apply = apply
-        self._window = window
-        self._first_period = first_period
-        self._max_period = max_period
-        self._margin = margin
-        self._slowdown = slowdown
-        self._period = first_period
+        self._window, self._min_probe = window, min_probe
+        self._first_period, self._max_period, self._backoff = first_period, max_period, backoff
+        self._margin, self._slowdown = margin, slowdown
+        self._period = window  # the first probe at once: a busy start costs most
         self._since_probe = 0
         self._recent: list[float] = []  # the current count's last ``window`` step times
-        self._reference: float | None = None  # the current count's median after the last probe
-        self._probe: int | None = None  # the count on trial, while a probe runs
-        self._baseline = 0.0  # the current count's median when the probe began
+        self._reference: float | None = None  # the current count's median after a decision
+        self._probe: int | None = None  # the count to return to, while a probe runs
+        self._baseline = 0.0  # the current count's mean step time when the probe began
         self._skip = 0  # steps not counted after a switch (the pool wakes up)
         self._upward = False  # the direction of the next probe, alternating
         self._apply(self.threads)
@@ -127,8 +133,7 @@ class ThreadController:
             return self.threads
         self._recent = [*self._recent, seconds][-self._window :]
         if self._probe is not None:
-            if len(self._recent) == self._window:
-                self._decide(statistics.median(self._recent))
+            self._judge_probe()
             return self.threads
         self._since_probe += 1
         if len(self._recent) == self._window:
@@ -137,8 +142,19 @@ class ThreadController:
                 self._reference = median
             slowed = median > self._reference * self._slowdown
             if slowed or self._since_probe >= self._period:
-                self._start_probe(median)
+                self._start_probe(statistics.fmean(self._recent))
         return self.threads
+
+    def _judge_probe(self) -> None:
+        """Keep the probed count once a full window beats the baseline by the margin; go back
+        at once where the first steps are clearly slower, or where the window does not win."""
+        mean = statistics.fmean(self._recent)
+        if len(self._recent) == self._window and mean < self._baseline * (1 - self._margin):
+            self._keep_probe()
+        elif len(self._recent) == self._window or (
+            len(self._recent) >= self._min_probe and mean > self._baseline * (1 + 2 * self._margin)
+        ):
+            self._end_probe()
 
     def _start_probe(self, baseline: float) -> None:
         candidates = [n for n in (self.threads - 1, self.threads + 1) if 1 <= n <= self.max_threads]
@@ -151,18 +167,21 @@ class ThreadController:
         self._probe = self.threads
         self._switch(probe)
 
-    def _decide(self, probe_median: float) -> None:
-        """Keep the probed count where it beat the baseline by the margin, else go back."""
+    def _keep_probe(self) -> None:
+        """The probed count won: stay, and look again soon (the load changed)."""
+        self._probe = None
+        self._since_probe = 0
+        self._period = self._first_period
+        self._reference = statistics.median(self._recent)
+        self._recent = []
+
+    def _end_probe(self) -> None:
+        """The probed count lost: return, and probe less often."""
         previous = self._probe
         assert previous is not None
         self._probe = None
         self._since_probe = 0
-        if probe_median < self._baseline * (1 - self._margin):
-            self._period = self._first_period  # the load changed: look again soon
-            self._reference = probe_median
-            self._recent = []
-            return
-        self._period = min(self._period * 2, self._max_period)
+        self._period = min(self._period * self._backoff, self._max_period)
         self._reference = None
         self._switch(previous)
 

@@ -45,8 +45,9 @@ def test_alone_the_controller_stays_at_every_core_and_probes_ever_less_often() -
     counts = machine.run(controller, 2000)
     assert counts[-1] == 2
     # probes back off: few steps spent at 1 thread, almost none late in the run
-    assert counts.count(1) < 0.03 * len(counts)
-    assert counts[1000:].count(1) <= 2 * 5  # one window (and the skipped step) at most
+    # a clearly slower probe ends after 3 steps (and the skipped one)
+    assert counts.count(1) <= 0.01 * len(counts)
+    assert counts[1000:].count(1) <= 2 * 4
     assert machine.applied[0] == 2
 
 
@@ -54,8 +55,8 @@ def test_under_load_the_controller_moves_to_the_faster_count_within_a_few_window
     machine = Machine({1: 0.010, 2: 0.030})  # 2 threads wait at barriers for a busy core
     controller = ThreadController(2, machine.applied.append)
     counts = machine.run(controller, 500)
-    assert counts.index(1) <= 10
-    assert counts[20:].count(2) <= 0.05 * len(counts)
+    assert counts.index(1) <= 8 + 1
+    assert counts[40:].count(2) <= 0.05 * len(counts)
 
 
 def test_when_the_load_arrives_later_the_slowdown_starts_a_probe_at_once() -> None:
@@ -65,8 +66,8 @@ def test_when_the_load_arrives_later_the_slowdown_starts_a_probe_at_once() -> No
     assert controller.threads == 2
     machine.seconds_by_threads[2] = 0.030
     counts = machine.run(controller, 60)
-    assert counts.index(1) <= 2 * 4 + 2
-    assert counts[10:].count(1) >= 0.7 * 50  # back at 2 threads only for short probes
+    assert counts.index(1) <= 8 + 2
+    assert counts[10:].count(1) >= 0.8 * 50  # back at 2 threads only for short probes
 
 
 def test_noise_within_the_margin_does_not_switch() -> None:
@@ -81,8 +82,19 @@ def test_with_more_cores_the_controller_walks_down_to_the_fastest_count() -> Non
     machine = Machine({1: 0.020, 2: 0.008, 3: 0.012, 4: 0.025})
     controller = ThreadController(4, machine.applied.append)
     counts = machine.run(controller, 400)
-    assert counts[-1] == 2
     assert counts[200:].count(2) >= 0.9 * 200
+
+
+def test_a_rare_long_stall_counts_in_the_mean() -> None:
+    # 2 threads: fast steps, but every 4th waits 20x for a descheduled worker (mean 0.0175);
+    # 1 thread: a steady 0.010. Medians would keep 2 threads; the rate says 1.
+    controller = ThreadController(2, lambda n: None)
+    counts = []
+    for step in range(1, 401):
+        counts.append(controller.threads)
+        stalled = controller.threads == 2 and step % 4 == 0
+        controller.observe(0.050 if stalled else (0.0075 if controller.threads == 2 else 0.010))
+    assert counts[100:].count(1) >= 0.85 * 300
 
 
 def test_one_core_never_probes() -> None:
@@ -92,9 +104,11 @@ def test_one_core_never_probes() -> None:
     assert machine.applied == [1]
 
 
-@pytest.mark.parametrize("kwargs", [{"max_threads": 0}, {"window": 0}, {"first_period": 2}])
+@pytest.mark.parametrize(
+    "kwargs", [{"max_threads": 0}, {"window": 0}, {"min_probe": 9}, {"first_period": 2}]
+)
 def test_bad_settings_are_a_value_error(kwargs: dict[str, int]) -> None:
-    settings = {"max_threads": 2, "window": 4, "first_period": 8, **kwargs}
+    settings = {"max_threads": 2, "window": 8, "min_probe": 3, "first_period": 16, **kwargs}
     max_threads = settings.pop("max_threads")
     with pytest.raises(ValueError, match="thread controller"):
         ThreadController(max_threads, lambda n: None, **settings)  # type: ignore[arg-type]
