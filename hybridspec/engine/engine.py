@@ -95,7 +95,7 @@ class Engine(Admission):
         registered proposer (``registry``; default: ``proposers.default_registry()``)."""
         self.config = config if config is not None else EngineConfig()
         # before loading: the load runs forwards
-        self.threads = thread_controller(self.config.num_threads)
+        self.thread_policy = thread_controller(self.config.num_threads)
         self.target = target if target is not None else load_model(self.config.target)
         self.tokenizer = self.target.tokenizer
         self.eos_token_ids = frozenset(self.target.eos_token_ids)
@@ -243,8 +243,8 @@ class Engine(Admission):
             logger.exception("a round of %d sequences failed; running each alone", len(cached))
             self._roll_back(cached)
             return outputs + self._isolate(drafts, plan.prefill, cached)
-        if self.threads is not None and not plan.prefill:  # decode rounds compare, chunks not
-            self.threads.observe(time.perf_counter() - started)
+        if self.thread_policy is not None and not plan.prefill:  # decode rounds compare, chunks not
+            self.thread_policy.observe(time.perf_counter() - started)
         return outputs + self._commit_all(verified)
 
     # ------------------------------------------------------------- one request

@@ -30,10 +30,10 @@ def test_auto_threads_build_a_controller_over_the_usable_cores(target: LoadedMod
     threads = torch.get_num_threads()
     try:
         engine = make_engine(target, num_threads="auto")
-        assert engine.threads is not None
-        assert engine.threads.max_threads == available_cores()
-        assert make_engine(target, num_threads=1).threads is None
-        assert make_engine(target, num_threads=None).threads is None
+        assert engine.thread_policy is not None
+        assert engine.thread_policy.max_threads == available_cores()
+        assert make_engine(target, num_threads=1).thread_policy is None
+        assert make_engine(target, num_threads=None).thread_policy is None
     finally:
         torch.set_num_threads(threads)
 
@@ -47,11 +47,11 @@ def test_switching_threads_every_round_keeps_greedy_texts(
         expected = fixed.generate(prompt_token_ids=PROMPT, proposer="none", max_new_tokens=24)
         engine = make_engine(target, draft, num_threads=1)
         for proposer in ("none", "draft", "ngram"):
-            engine.threads = Alternating()
+            engine.thread_policy = Alternating()
             out = engine.generate(prompt_token_ids=PROMPT, proposer=proposer, max_new_tokens=24)
             assert out.token_ids == expected.token_ids, proposer
             # one time per decode round (each commits a token at least); the prompt chunk none
-            assert 0 < len(engine.threads.observed) <= len(out.token_ids)
-            assert all(seconds > 0 for seconds in engine.threads.observed)
+            assert 0 < len(engine.thread_policy.observed) <= len(out.token_ids)
+            assert all(seconds > 0 for seconds in engine.thread_policy.observed)
     finally:
         torch.set_num_threads(threads)
