@@ -8,7 +8,7 @@ proposer a ``DraftConfig``, the runtime a ``ModelConfig``, the engine an ``Engin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from hybridspec.errors import check
 
@@ -27,6 +27,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE = ("auto", "none", "gguf", "int4", "int8")
 MAX_DRAFT_COST_PER_TOKEN = 10.0
 MAX_NUM_THREADS = 1024  # a draft ten times the target's cost never pays
+
+
+def parse_num_threads(text: str) -> int | Literal["auto"]:
+    """A ``--threads`` option's text: 'auto' or an integer (``EngineConfig`` bounds it); a
+    ValueError otherwise, which argparse reports as an invalid value."""
+    return "auto" if text == "auto" else int(text)
 
 
 def _is_int(value: object) -> bool:
@@ -256,10 +262,11 @@ class EngineConfig:
     # The compiled structured-output grammars kept for reuse, in MiB (least recently used out).
     grammar_cache_mb: int = 64
     # CPU threads of the forward (torch's, the block kernel's, numba's: model.threads), set
-    # where the engine is built. None: as the process has them (OMP_NUM_THREADS, else the
-    # cores). On a machine shared with other work, fewer threads than cores waste less time
-    # waiting at the kernels' barriers for a thread the OS descheduled.
-    num_threads: int | None = None
+    # where the engine is built. "auto": the cores the process may use (affinity, cgroup quota),
+    # adapted to the load from measured step times (model.thread_policy), since on a machine
+    # busy with other work fewer threads waste less time at the kernels' barriers waiting for
+    # a thread the OS descheduled. An integer: that many, fixed. None: as the process has them.
+    num_threads: int | Literal["auto"] | None = "auto"
     # The prefix cache across requests (engine.prefix_cache): megabytes of resident memory that
     # keys and values kept from finished requests (for later ones sharing a prefix) may hold.
     # None: sized to the machine where reuse is exact (the native bfloat16 runtime on CPU),
@@ -269,9 +276,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check(
             self.num_threads is None
-            or (_is_int(self.num_threads) and 1 <= self.num_threads <= MAX_NUM_THREADS),
+            or self.num_threads == "auto"
+            or (
+                isinstance(self.num_threads, int)
+                and _is_int(self.num_threads)
+                and 1 <= self.num_threads <= MAX_NUM_THREADS
+            ),
             "num_threads",
-            f"expected None or an integer in [1, {MAX_NUM_THREADS}], got {self.num_threads!r}",
+            f"expected 'auto', None or an integer in [1, {MAX_NUM_THREADS}], "
+            f"got {self.num_threads!r}",
         )
         check(
             self.prefix_cache_mb is None

@@ -16,7 +16,7 @@ import argparse
 import importlib.util
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from hybridspec.bench.conversations import add_conversations_command
 from hybridspec.bench.make_gguf import add_make_gguf_command
@@ -30,6 +30,7 @@ from hybridspec.config import (
     MIN_SPECULATIVE_TOKENS,
     QUANTIZE,
     EngineConfig,
+    parse_num_threads,
 )
 
 if TYPE_CHECKING:
@@ -39,12 +40,6 @@ if TYPE_CHECKING:
 
 DEFAULT_PROMPTS_PER_CATEGORY = 2
 DEFAULT_MAX_NEW_TOKENS = 128  # the 256 doubles the run; pass it for the full one
-# One torch thread by default: on a 2-core machine shared with other work, two OpenMP threads
-# spin at every barrier waiting for a descheduled peer. Measured on the 2-core development VM,
-# SmolLM2-135M bf16, one-token forward: at load average 4.5, 1.75 s with 2 threads and 28 ms
-# with 1; at load 2.7, 27 ms with 2 threads. No interleaving cancels a 60x swing; one thread
-# degrades in proportion to the load. --threads 0 keeps torch's default.
-DEFAULT_THREADS = 1
 
 
 def add_bench_command(commands: Any) -> None:
@@ -112,10 +107,18 @@ def add_bench_command(commands: Any) -> None:
     add("--seed", type=int, default=0, help="base seed of sampled requests")
     add(
         "--threads",
+        type=parse_num_threads,
+        default="auto",
+        help="CPU threads of every method; 'auto' (default): the engine's forward on the cores "
+        "the process may use, adapted to the load from step times, llama.cpp's on those cores; "
+        "N: that many, fixed; 0: torch's default",
+    )
+    add(
+        "--busy",
         type=int,
-        default=DEFAULT_THREADS,
-        help=f"torch CPU threads for every method (default {DEFAULT_THREADS}, robust on a shared "
-        "machine; 0: torch's default)",
+        default=0,
+        help="N CPU-spinning processes beside the run, stopped when it ends: decoding on a "
+        "machine busy with other work (default 0)",
     )
     add("--output-dir", type=Path, default=Path("bench-results"), help="where JSON and PNG go")
     bench.set_defaults(run=run_bench)
@@ -136,6 +139,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # Imported here so that registering the command costs nothing to the other commands.
     import torch
 
+    from hybridspec.bench.busy import busy_processes
     from hybridspec.bench.harness import BenchConfig
     from hybridspec.bench.session import ModelOptions
 
@@ -148,12 +152,17 @@ def run_bench(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         seed=args.seed,
     )
-    models = ModelOptions(args.target, args.draft, args.dtype, args.device, args.quantize)
+    fixed = args.threads if args.threads != "auto" and args.threads > 0 else None
+    engine_threads: int | Literal["auto"] | None = "auto" if args.threads == "auto" else fixed
+    models = ModelOptions(
+        args.target, args.draft, args.dtype, args.device, args.quantize, engine_threads
+    )
     threads = torch.get_num_threads()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    if fixed is not None:
+        torch.set_num_threads(fixed)
     try:
-        _run(args, workload, methods, config, models)
+        with busy_processes(args.busy):
+            _run(args, workload, methods, config, models)
     finally:
         torch.set_num_threads(threads)  # callers in the same process keep their setting
     return 0

@@ -103,11 +103,13 @@ def add_serve_command(bench_commands: Any) -> None:
     )
     add("--temperature", type=float, default=0.0, help="of every request (default 0: greedy)")
     add("--seed", type=int, default=0)
+    add("--busy", type=int, default=0, help="N CPU-spinning processes beside the run (default 0)")
     add("--output-dir", type=Path, default=Path("bench-results/serve"))
     serve.set_defaults(run=run_bench_serve)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
+    from hybridspec.bench.busy import busy_processes
     from hybridspec.bench.servers import ServerStartError
     from hybridspec.bench.serving_report import (
         ServingResults,
@@ -133,17 +135,18 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         notes={s.name: s.note for s in specs},
         ours=[s.name for s in specs if s.ours],
     )
-    if args.library and "grounded" in args.workloads and 1 in args.concurrency:
-        _measure_library(args, gguf, workloads, results)
-    for spec in specs:
-        try:
-            _measure(spec, workloads, tokenizer_dir, args, out, results, plan)
-        except ServerStartError as exc:
-            if spec.ours:
-                raise
-            logger.warning("skipping %s: it did not start: %s", spec.name, exc)
-            results.notes[spec.name] = f"did not start ({out / 'logs'})"
-        write_json(out / "serve.json", results)  # what ran so far survives a later failure
+    with busy_processes(args.busy):
+        if args.library and "grounded" in args.workloads and 1 in args.concurrency:
+            _measure_library(args, gguf, workloads, results)
+        for spec in specs:
+            try:
+                _measure(spec, workloads, tokenizer_dir, args, out, results, plan)
+            except ServerStartError as exc:
+                if spec.ours:
+                    raise
+                logger.warning("skipping %s: it did not start: %s", spec.name, exc)
+                results.notes[spec.name] = f"did not start ({out / 'logs'})"
+            write_json(out / "serve.json", results)  # what ran so far survives a later failure
     text = format_results(results)
     (out / "serve.md").write_text(text, encoding="utf-8")
     plot_serving(results, out / "serve.png")

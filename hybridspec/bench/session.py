@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import transformers
@@ -58,6 +58,7 @@ class ModelOptions:
     dtype: str = "bfloat16"
     device: str = "cpu"
     quantize: str = "none"  # ModelConfig.quantize of the target and the draft
+    threads: int | Literal["auto"] | None = "auto"  # EngineConfig.num_threads
 
 
 @dataclass(slots=True)
@@ -116,6 +117,7 @@ def open_session(
             target=sized(models.target),
             draft=DraftConfig(sized(models.draft) if models.draft is not None else None),
             default_num_speculative_tokens=num_speculative_tokens,
+            num_threads=models.threads,
         ),
         target=target,
     )

@@ -22,6 +22,7 @@ from hybridspec.config import (
     EngineConfig,
     ModelConfig,
     SuffixConfig,
+    parse_num_threads,
 )
 from hybridspec.server.config import ServerConfig
 
@@ -138,10 +139,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "-t",
         "--threads",
-        type=int,
+        type=parse_num_threads,
         default=ENGINE_DEFAULTS.num_threads,
-        help="CPU threads of the forward (torch's and the kernels'), as llama.cpp's -t "
-        "(default: OMP_NUM_THREADS, else the cores; on a machine busy with other work, fewer)",
+        help="CPU threads of the forward (torch's and the kernels'), as llama.cpp's -t; 'auto' "
+        "(default): the cores the process may use, adapted to the load from measured step "
+        "times (fewer on a machine busy with other work)",
     )
     group.add_argument(
         "--proposer",

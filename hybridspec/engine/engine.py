@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -63,7 +64,7 @@ from hybridspec.model import (
     LoadedModel,
     fastest_forward_seconds,
     load_model,
-    set_num_threads,
+    thread_controller,
 )
 from hybridspec.proposers import (
     Proposer,
@@ -94,8 +95,8 @@ class Engine(Admission):
         """Load the target (and the draft model, if configured) unless given, and build every
         registered proposer (``registry``; default: ``proposers.default_registry()``)."""
         self.config = config if config is not None else EngineConfig()
-        if self.config.num_threads is not None:
-            set_num_threads(self.config.num_threads)  # before loading: the load runs forwards
+        # before loading: the load runs forwards
+        self.thread_policy = thread_controller(self.config.num_threads)
         self.target = target if target is not None else load_model(self.config.target)
         self.tokenizer = self.target.tokenizer
         self.eos_token_ids = frozenset(self.target.eos_token_ids)
@@ -244,6 +245,7 @@ class Engine(Admission):
             return outputs
         assert all(r.slot is not None for r in running)
         plan = self.scheduler.plan([self.runtime.seq_len(r.slot) for r in running])  # type: ignore[arg-type]
+        started = time.perf_counter()
         proposed = self.proposers.propose(plan.decode, self._num_drafts)
         for request, error in proposed.failed:
             outputs.append(self._finish(request, FinishReason.ERROR, error))
@@ -257,6 +259,8 @@ class Engine(Admission):
             logger.exception("a round of %d sequences failed; running each alone", len(cached))
             self._roll_back(cached)
             return outputs + self._isolate(drafts, plan.prefill, cached)
+        if self.thread_policy is not None and not plan.prefill:  # decode rounds compare, chunks not
+            self.thread_policy.observe(time.perf_counter() - started)
         return outputs + self._commit_all(verified)
 
     # ------------------------------------------------------------- one request

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
         ObserverHandle,
         synchronize,
     )
-    from hybridspec.model.threads import num_threads, set_num_threads
+    from hybridspec.model.thread_policy import ThreadController
+    from hybridspec.model.threads import num_threads, set_num_threads, thread_controller
     from hybridspec.model.timing import (
         fastest_forward_seconds,
         median_forward_seconds,
@@ -39,6 +40,7 @@ __all__ = [
     "LoadedModel",
     "ModelRuntime",
     "ObserverHandle",
+    "ThreadController",
     "apply_rope",
     "block_kernel",
     "dense",
@@ -53,6 +55,7 @@ __all__ = [
     "rope_inv_freq",
     "set_num_threads",
     "synchronize",
+    "thread_controller",
 ]
 
 __getattr__, __dir__ = lazy_exports(
@@ -71,7 +74,8 @@ __getattr__, __dir__ = lazy_exports(
             "ObserverHandle",
             "synchronize",
         ),
-        "hybridspec.model.threads": ("num_threads", "set_num_threads"),
+        "hybridspec.model.thread_policy": ("ThreadController",),
+        "hybridspec.model.threads": ("num_threads", "set_num_threads", "thread_controller"),
         "hybridspec.model.timing": (
             "fastest_forward_seconds",
             "median_forward_seconds",

@@ -10,8 +10,12 @@ is built, which the server does on its engine thread).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numba
 import torch
+
+from hybridspec.model.thread_policy import ThreadController, available_cores
 
 
 def set_num_threads(num_threads: int) -> None:
@@ -27,3 +31,13 @@ def set_num_threads(num_threads: int) -> None:
 def num_threads() -> int:
     """The threads of the calling thread's forwards (torch's and the block kernel's)."""
     return int(torch.get_num_threads())
+
+
+def thread_controller(num_threads: int | Literal["auto"] | None) -> ThreadController | None:
+    """Set the calling thread's forward threads as ``EngineConfig.num_threads`` says; for
+    ``"auto"``, every usable core, and the controller that adapts the count from step times."""
+    if num_threads == "auto":
+        return ThreadController(available_cores(), set_num_threads)
+    if num_threads is not None:
+        set_num_threads(num_threads)
+    return None

@@ -140,11 +140,14 @@ def test_https_with_a_self_signed_certificate(
 def test_threads_option() -> None:
     """``--threads``/``-t``: the forward's threads (``EngineConfig.num_threads``), bounded."""
     parse = build_parser().parse_args
-    assert server_config(parse(["serve"])).engine.num_threads is None
+    assert server_config(parse(["serve"])).engine.num_threads == "auto"
+    assert server_config(parse(["serve", "-t", "auto"])).engine.num_threads == "auto"
     assert server_config(parse(["serve", "--threads", "2"])).engine.num_threads == 2
     assert server_config(parse(["serve", "-t", "1"])).engine.num_threads == 1
     with pytest.raises(ValueError, match="num_threads"):
         server_config(parse(["serve", "--threads", "0"]))
+    with pytest.raises(SystemExit):
+        parse(["serve", "--threads", "many"])
 
 
 @pytest.mark.parametrize(

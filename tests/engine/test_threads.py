@@ -1,0 +1,57 @@
+"""The engine's forward threads: ``num_threads="auto"`` builds the controller, which sees the
+decode rounds' times (not prompt chunks), and switching counts mid-request keeps greedy texts."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridspec.model import LoadedModel, set_num_threads
+from hybridspec.model.thread_policy import ThreadController, available_cores
+from tests.engine.tiny import make_engine
+
+PROMPT = [5, 9, 2, 7, 11, 3]
+
+
+class Alternating(ThreadController):
+    """Switches between 1 and 2 threads at every observed step; counts what it saw."""
+
+    def __init__(self) -> None:
+        super().__init__(2, set_num_threads)
+        self.observed: list[float] = []
+
+    def observe(self, seconds: float) -> int:
+        self.observed.append(seconds)
+        self.threads = 1 if self.threads == 2 else 2
+        set_num_threads(self.threads)
+        return self.threads
+
+
+def test_auto_threads_build_a_controller_over_the_usable_cores(target: LoadedModel) -> None:
+    threads = torch.get_num_threads()
+    try:
+        engine = make_engine(target, num_threads="auto")
+        assert engine.thread_policy is not None
+        assert engine.thread_policy.max_threads == available_cores()
+        assert make_engine(target, num_threads=1).thread_policy is None
+        assert make_engine(target, num_threads=None).thread_policy is None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_switching_threads_every_round_keeps_greedy_texts(
+    target: LoadedModel, draft: LoadedModel
+) -> None:
+    threads = torch.get_num_threads()
+    try:
+        fixed = make_engine(target, draft, num_threads=1)
+        expected = fixed.generate(prompt_token_ids=PROMPT, proposer="none", max_new_tokens=24)
+        engine = make_engine(target, draft, num_threads=1)
+        for proposer in ("none", "draft", "ngram"):
+            engine.thread_policy = Alternating()
+            out = engine.generate(prompt_token_ids=PROMPT, proposer=proposer, max_new_tokens=24)
+            assert out.token_ids == expected.token_ids, proposer
+            # one time per decode round (each commits a token at least); the prompt chunk none
+            assert 0 < len(engine.thread_policy.observed) <= len(out.token_ids)
+            assert all(seconds > 0 for seconds in engine.thread_policy.observed)
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,114 @@
+"""``--threads auto``: the usable cores, and the controller driven by injected step times."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridspec.model.thread_policy import ThreadController, available_cores
+
+
+def test_available_cores_is_the_affinity_capped_by_the_cgroup_quota() -> None:
+    assert available_cores({0, 1, 2, 3}, "max 100000", omp_num_threads="") == 4
+    assert available_cores({0, 1, 2, 3}, "200000 100000", omp_num_threads="") == 2
+    assert available_cores({0, 1, 2, 3}, "150000 100000", omp_num_threads="") == 2  # rounded up
+    assert available_cores({0, 1}, "800000 100000", omp_num_threads="") == 2
+    assert available_cores({0, 1, 2}, "", omp_num_threads="") == 3  # no cgroup v2 file
+    assert available_cores({0}, "50000 100000", omp_num_threads="") == 1
+    assert available_cores(set(), "garbage", cpu_count=6, omp_num_threads="") == 6
+
+
+def test_available_cores_keep_to_omp_num_threads_where_set() -> None:
+    assert available_cores({0, 1, 2, 3}, "max 100000", omp_num_threads="2") == 2
+    assert available_cores({0, 1}, "max 100000", omp_num_threads="8") == 2
+    assert available_cores({0, 1}, "max 100000", omp_num_threads="0") == 2  # ignored
+    assert available_cores({0, 1}, "max 100000", omp_num_threads="x") == 2
+
+
+class Machine:
+    """Step times by thread count: what a step costs at each count under the current load."""
+
+    def __init__(self, seconds_by_threads: dict[int, float]) -> None:
+        self.seconds_by_threads = seconds_by_threads
+        self.applied: list[int] = []
+
+    def run(self, controller: ThreadController, steps: int) -> list[int]:
+        counts = []
+        for _ in range(steps):
+            counts.append(controller.threads)
+            controller.observe(self.seconds_by_threads[controller.threads])
+        return counts
+
+
+def test_alone_the_controller_stays_at_every_core_and_probes_ever_less_often() -> None:
+    machine = Machine({1: 0.010, 2: 0.006})
+    controller = ThreadController(2, machine.applied.append)
+    counts = machine.run(controller, 2000)
+    assert counts[-1] == 2
+    # probes back off: few steps spent at 1 thread, almost none late in the run
+    # a clearly slower probe ends after 3 steps (and the skipped one)
+    assert counts.count(1) <= 0.01 * len(counts)
+    assert counts[1000:].count(1) <= 2 * 4
+    assert machine.applied[0] == 2
+
+
+def test_under_load_the_controller_moves_to_the_faster_count_within_a_few_windows() -> None:
+    machine = Machine({1: 0.010, 2: 0.030})  # 2 threads wait at barriers for a busy core
+    controller = ThreadController(2, machine.applied.append)
+    counts = machine.run(controller, 500)
+    assert counts.index(1) <= 8 + 1
+    assert counts[40:].count(2) <= 0.05 * len(counts)
+
+
+def test_when_the_load_arrives_later_the_slowdown_starts_a_probe_at_once() -> None:
+    machine = Machine({1: 0.010, 2: 0.006})
+    controller = ThreadController(2, machine.applied.append)
+    machine.run(controller, 3000)  # probes backed off to their longest period
+    assert controller.threads == 2
+    machine.seconds_by_threads[2] = 0.030
+    counts = machine.run(controller, 60)
+    assert counts.index(1) <= 8 + 2
+    assert counts[10:].count(1) >= 0.8 * 50  # back at 2 threads only for short probes
+
+
+def test_noise_within_the_margin_does_not_switch() -> None:
+    machine = Machine({1: 0.0097, 2: 0.0100})  # 1 thread 3% faster: inside the 10% margin
+    controller = ThreadController(2, machine.applied.append)
+    counts = machine.run(controller, 1000)
+    assert counts[-1] == 2
+    assert counts.count(1) < 0.05 * len(counts)
+
+
+def test_with_more_cores_the_controller_walks_down_to_the_fastest_count() -> None:
+    machine = Machine({1: 0.020, 2: 0.008, 3: 0.012, 4: 0.025})
+    controller = ThreadController(4, machine.applied.append)
+    counts = machine.run(controller, 400)
+    assert counts[200:].count(2) >= 0.9 * 200
+
+
+def test_a_rare_long_stall_counts_in_the_mean() -> None:
+    # 2 threads: fast steps, but every 4th waits 20x for a descheduled worker (mean 0.0175);
+    # 1 thread: a steady 0.010. Medians would keep 2 threads; the rate says 1.
+    controller = ThreadController(2, lambda n: None)
+    counts = []
+    for step in range(1, 401):
+        counts.append(controller.threads)
+        stalled = controller.threads == 2 and step % 4 == 0
+        controller.observe(0.050 if stalled else (0.0075 if controller.threads == 2 else 0.010))
+    assert counts[100:].count(1) >= 0.85 * 300
+
+
+def test_one_core_never_probes() -> None:
+    machine = Machine({1: 0.01})
+    controller = ThreadController(1, machine.applied.append)
+    assert set(machine.run(controller, 100)) == {1}
+    assert machine.applied == [1]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_threads": 0}, {"window": 0}, {"min_probe": 9}, {"first_period": 2}]
+)
+def test_bad_settings_are_a_value_error(kwargs: dict[str, int]) -> None:
+    settings = {"max_threads": 2, "window": 8, "min_probe": 3, "first_period": 16, **kwargs}
+    max_threads = settings.pop("max_threads")
+    with pytest.raises(ValueError, match="thread controller"):
+        ThreadController(max_threads, lambda n: None, **settings)  # type: ignore[arg-type]
