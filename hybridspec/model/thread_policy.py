@@ -5,7 +5,7 @@ On a machine busy with other work a forward's parallel regions wait at every bar
 worker the OS descheduled: on 2 cores with one other busy process, 2 threads decode at a third
 of 1 thread's rate. No fixed count is right both alone and under load, so ``ThreadController``
 starts at every usable core and keeps measuring: now and then it runs a short window of steps
-at one thread fewer (or more), compares the window's median step time with the one just before
+at one thread fewer (or more), compares the window's mean step time with the one just before
 it, and keeps the faster count only where it wins by a margin (hysteresis, so that noise does
 not flip it). Probes back off exponentially while the count stays, and start again at once when
 the current count's step times rise well above what they were (the load changed).
