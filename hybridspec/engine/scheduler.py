@@ -93,15 +93,18 @@ class Scheduler:
 
     def add_all(self, prompts: list[list[Request]], num_free_slots: int) -> None:
         """Queue every prompt's choices (one request each, tied by ``engine.choices``), all or
-        none: CapacityError when the queue cannot take them all.
+        none: CapacityError when the queue is full.
 
         A prompt with its choices is one queue entry. Waiting entries that the next step admits
         into the ``num_free_slots`` free slots are not queued for a slot, so a burst between
         two steps may hold that many more: with 4 free slots and ``max_queue_size = 64``, the
-        69th prompt waiting is refused.
+        69th prompt waiting is refused. The prompts of one add came as one request: they are
+        queued together whenever the queue has room for one entry, so that a request of many
+        prompts (``check_choices`` bounds them by the queue and slots) is never refused by a
+        queue with room; the queue may then hold that request's prompts beyond its bound.
         """
         waiting = sum(1 for r in self.waiting if r.group is None or r.group.source is r)
-        if waiting + len(prompts) > self.max_queue_size + max(0, num_free_slots):
+        if prompts and waiting >= self.max_queue_size + max(0, num_free_slots):
             raise CapacityError(
                 f"the request queue is full ({self.max_queue_size} waiting for a batch slot); "
                 "retry later"
