@@ -14,7 +14,10 @@ feed ``prefill_chunk_size`` tokens per step, at full speed (``Scheduler.plan``).
 
 ``FittedForwardCost`` is the cost model the engine uses: ``seconds = a + b rows + c scores``,
 fitted to the measured time of every forward the engine runs (``RoundSteps``), recent forwards
-weighing more, so that it follows the machine's load.
+weighing more, so that it follows the machine's load. It prices no forward of more than
+``EXTRAPOLATION`` times the most rows it has timed: a fit to small forwards (the warm-up's,
+decoding's) may price a large one far off, so a prompt's chunks beside decoding requests grow
+at most that fast from step to step, each step's time teaching the fit the next size.
 
 Dimensions: ``rows`` tokens fed in a forward; ``scores`` their query-key pairs of attention.
 """
@@ -36,6 +39,7 @@ SCORES_UNIT = 1000.0  # the fit's unit of query-key pairs, so its three columns 
 # timings of deep forwards replace it.
 PRIOR_DOUBLING_CONTEXT = 2048
 PRIOR_FIXED_ROWS = 8  # and a forward's fixed cost is that of this many rows (weakly held)
+EXTRAPOLATION = 2  # the most rows priced, in multiples of the most timed
 
 
 def attention_scores(cached: int, num_rows: int) -> int:
@@ -60,6 +64,7 @@ class FittedForwardCost:
     _gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))  # sum w x x^T
     _moment: np.ndarray = field(default_factory=lambda: np.zeros(3))  # sum w x y
     _count: int = 0
+    _most_rows: int = 0  # the largest forward timed
     _coefficients: tuple[float, float, float] | None = None  # a, b, c per SCORES_UNIT
 
     def observe(self, num_rows: int, num_scores: int, seconds: float) -> None:
@@ -71,10 +76,13 @@ class FittedForwardCost:
         self._gram = DECAY * self._gram + np.outer(x, x)
         self._moment = DECAY * self._moment + x * seconds
         self._count += 1
+        self._most_rows = max(self._most_rows, num_rows)
         self._coefficients = None
 
     def seconds(self, num_rows: int, num_scores: int) -> float | None:
-        if self._count < MIN_OBSERVATIONS:
+        """None before ``MIN_OBSERVATIONS`` forwards, and past ``EXTRAPOLATION`` times the
+        largest."""
+        if self._count < MIN_OBSERVATIONS or num_rows > EXTRAPOLATION * self._most_rows:
             return None
         if self._coefficients is None:
             self._coefficients = self._fit()
@@ -159,6 +167,8 @@ class StepChunks:
         return low
 
     def _fits(self, cached: int, num_rows: int) -> bool:
+        """Whether the step with ``num_rows`` more after ``cached`` is priced within the bound
+        (unpriced: no)."""
         seconds = self.budget.cost.seconds(
             self.num_rows + num_rows, self.num_scores + attention_scores(cached, num_rows)
         )

@@ -154,6 +154,19 @@ def test_fitted_cost_recovers_a_linear_machine() -> None:
         assert cost.seconds(rows, scores) == pytest.approx(expected, rel=0.05)
 
 
+def test_fitted_cost_prices_at_most_twice_the_largest_forward_timed() -> None:
+    """Timed forwards of up to 40 rows: 80 are priced, 81 are not, so a chunk beside decoding
+    requests is at most 80 tokens until a larger forward has been timed."""
+    cost = FittedForwardCost()
+    for i in range(MIN_OBSERVATIONS):
+        cost.observe(1 + i * 39 // (MIN_OBSERVATIONS - 1), 100, 0.01 + 0.001 * i)
+    assert cost.seconds(80, 0) is not None and cost.seconds(81, 0) is None
+    scheduler = Scheduler(8, 512, StepBudget(cost, ratio=1000.0, min_seconds=10.0))
+    decoding, long_prompt = running(scheduler, 101, 8000)
+    plan = scheduler.plan([100, 0])
+    assert plan.decode == [decoding] and plan.prefill == [(long_prompt, 79)]  # 80 rows in all
+
+
 def test_fitted_cost_without_deep_forwards_takes_the_prior_for_attention() -> None:
     """Only shallow decode forwards timed: a row's attention over ``PRIOR_DOUBLING_CONTEXT``
     keys is priced as that row's matmuls."""
@@ -161,12 +174,12 @@ def test_fitted_cost_without_deep_forwards_takes_the_prior_for_attention() -> No
     for i in range(30):
         rows = 1 + i % 9
         cost.observe(rows, attention_scores(50, rows), 0.010 + 0.001 * rows)
-    shallow = cost.seconds(100, 0)
-    deep = cost.seconds(100, 100 * PRIOR_DOUBLING_CONTEXT)
+    shallow = cost.seconds(10, 0)
+    deep = cost.seconds(10, 10 * PRIOR_DOUBLING_CONTEXT)
     assert shallow is not None and deep is not None
-    per_row = (cost.seconds(101, 0) or 0.0) - shallow
+    per_row = (cost.seconds(11, 0) or 0.0) - shallow
     assert per_row == pytest.approx(0.001, rel=0.1)
-    assert deep - shallow == pytest.approx(100 * per_row, rel=0.1)
+    assert deep - shallow == pytest.approx(10 * per_row, rel=0.1)
 
 
 def test_fitted_cost_ignores_impossible_timings() -> None:
