@@ -167,7 +167,7 @@ class Scheduler:
             if request.group is None and num_pending <= 0
         ]
         chunks: StepChunks | None = None
-        if self.step_budget is not None:
+        if self.step_budget is not None and any(p > 0 for p in pending):  # a prompt to feed
             chunks = self.step_budget.start(decoding, self.prefill_chunk_size)
         if chunks is not None:
             return chunks.grant
