@@ -27,10 +27,10 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -42,29 +42,18 @@ NEW_TOKENS = 16
 STREAM_TOKENS = 400
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def start_server(repo: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """``hybridspec serve`` of ``repo`` (its .venv's Python where it has one), once ready."""
+    from hybridspec.bench.servers import wait_ready
 
-
-def start_server(repo: Path, port: int) -> subprocess.Popen[bytes]:
     python = repo / ".venv" / "bin" / "python"
     command = [str(python if python.exists() else sys.executable), "-m", "hybridspec.cli"]
     command += ["serve", "--port", str(port), "--log-level", "warning"]
-    server = subprocess.Popen(command, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None:
-            raise RuntimeError("the server exited")
-        time.sleep(0.5)
-    server.kill()
-    raise RuntimeError("the server did not start")
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    with log.open("wb") as out:
+        server = subprocess.Popen(command, cwd=repo, env=env, stdout=out, stderr=out)
+    wait_ready(f"http://127.0.0.1:{port}", server, 600, log)
+    return server
 
 
 def long_prompt(seed: int, tokens: int) -> list[int]:
@@ -208,9 +197,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=7800)
     parser.add_argument("--skip-ten", action="store_true", help="leave out (4)")
     args = parser.parse_args()
+    repo = args.repo.resolve()
+    sys.path.insert(0, str(repo))  # the served checkout's bench helpers
+    from hybridspec.bench.servers import free_port
+
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = start_server(args.repo.resolve(), port)
+    server = start_server(repo, port, Path(tempfile.gettempdir()) / f"long_prompts_{port}.log")
     try:
         timed_completion(url, "Hello", 8)  # first request's one-off costs
         figures: dict[str, Any] = {"decode_tok_s": decode_rate(url)}
