@@ -7,6 +7,7 @@ proposer a ``DraftConfig``, the runtime a ``ModelConfig``, the engine an ``Engin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,6 +38,11 @@ def parse_num_threads(text: str) -> int | Literal["auto"]:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float, not a bool."""
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def check_num_speculative_tokens(value: object, param: str = "num_speculative_tokens") -> None:
@@ -252,7 +258,13 @@ class EngineConfig:
     default_proposer: str = "ngram"
     default_num_speculative_tokens: int = 8
     max_queue_size: int = 64  # requests waiting for a batch slot before CapacityError
-    prefill_chunk_size: int = 512  # prompt tokens per prefill forward
+    prefill_chunk_size: int = 512  # prompt tokens per prefill forward with nothing decoding
+    # A step that prefills beside decoding requests is bounded in time (engine.step_budget):
+    # its forward may take this many times the decoding requests' forward alone, and at least
+    # prefill_step_min_s seconds; its prompts' chunks are sized to fit. None: no time bound,
+    # prefill_chunk_size tokens per step however deep.
+    prefill_step_ratio: float | None = 4.0
+    prefill_step_min_s: float = 0.15
     # Adaptive speculation (engine.speculation): each round, a request asks for the drafts
     # (at most its K) whose estimated chance of acceptance pays for verifying them. False: K.
     adaptive_speculation: bool = True
@@ -324,6 +336,17 @@ class EngineConfig:
             _is_int(self.grammar_cache_mb) and self.grammar_cache_mb >= 0,
             "grammar_cache_mb",
             f"expected an integer >= 0, got {self.grammar_cache_mb!r}",
+        )
+        check(
+            self.prefill_step_ratio is None
+            or (_is_number(self.prefill_step_ratio) and 1 <= self.prefill_step_ratio <= 1000),
+            "prefill_step_ratio",
+            f"expected None or a number in [1, 1000], got {self.prefill_step_ratio!r}",
+        )
+        check(
+            _is_number(self.prefill_step_min_s) and 0 <= self.prefill_step_min_s <= 60,
+            "prefill_step_min_s",
+            f"expected a number of seconds in [0, 60], got {self.prefill_step_min_s!r}",
         )
         check(
             _is_int(self.prefill_chunk_size) and self.prefill_chunk_size >= 16,

@@ -58,6 +58,7 @@ from hybridspec.engine.request import (
 from hybridspec.engine.round import ROUND_FAILED as ROUND_FAILED  # its public path
 from hybridspec.engine.scheduler import Scheduler
 from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
+from hybridspec.engine.step_budget import FittedForwardCost, StepBudget
 from hybridspec.engine.turns import Turns
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import (
@@ -111,8 +112,12 @@ class Engine(Admission):
         )
         self.max_seq_len = self.runtime.max_seq_len
         self.vocab_size = self.runtime.vocab_size
+        self.forward_cost = FittedForwardCost()  # the machine's, kept across ``reset``
         self.scheduler = Scheduler(
-            self.config.max_queue_size, self.config.prefill_chunk_size, Turns(self.config.tenants)
+            self.config.max_queue_size,
+            self.config.prefill_chunk_size,
+            self._step_budget(),
+            turns=Turns(self.config.tenants),
         )
         self._target_forward_s: float | None = None
         context = proposer_context(
@@ -137,6 +142,14 @@ class Engine(Admission):
                 cost = measure_verify_token_cost(self.runtime, MAX_SPECULATIVE_TOKENS)
                 logger.info("verify cost per token: %.4f of a forward", cost)
             self.speculation = SpeculationPolicy(cost)
+
+    def _step_budget(self) -> StepBudget | None:
+        """The time bound of steps that prefill beside decoding requests (``step_budget``);
+        None where the configuration turns it off."""
+        ratio = self.config.prefill_step_ratio
+        if ratio is None:
+            return None
+        return StepBudget(self.forward_cost, ratio, self.config.prefill_step_min_s)
 
     def _prefix_cache_mb(self) -> int:
         """The prefix cache's budget of resident memory (0: off). By default it is on where

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,8 @@ from hybridspec.engine.prefix_cache import PrefixCache
 from hybridspec.engine.request import FinishReason, Request, RequestOutput
 from hybridspec.engine.scheduler import Scheduler, StepBatch, forward_batch
 from hybridspec.engine.speculation import SpeculationPolicy
-from hybridspec.model import ModelRuntime
+from hybridspec.engine.step_budget import FittedForwardCost
+from hybridspec.model import ModelRuntime, synchronize
 from hybridspec.proposers import Proposer
 from hybridspec.types import CommitInfo, Proposal
 from hybridspec.verifier import VerifyInput, VerifyOutput, verify
@@ -66,6 +68,7 @@ class RoundSteps:
     scheduler: Scheduler
     prefix_cache: PrefixCache
     speculation: SpeculationPolicy | None
+    forward_cost: FittedForwardCost
     eos_token_ids: frozenset[int]
     max_seq_len: int
 
@@ -73,10 +76,16 @@ class RoundSteps:
         self, drafts: list[tuple[Request, Proposal]], prefill: list[tuple[Request, int]]
     ) -> _Round:
         """One target forward over the decoding spans and prefill chunks, and verification of
-        the drafts. Changes nothing but the fed sequences' target caches."""
+        the drafts. Changes nothing but the fed sequences' target caches (and the forward's
+        time goes to the cost model that sizes prefill chunks)."""
         fed = [r.proposer for r, _ in (*drafts, *prefill)]
         step = forward_batch(drafts, prefill, self.runtime.seq_len, forward_layers(fed))
+        start = time.perf_counter()
         output = self.runtime.forward(step.batch)
+        synchronize(output.logits.device)
+        self.forward_cost.observe(
+            len(step.batch.token_ids), step.num_scores, time.perf_counter() - start
+        )
         logits = output.logits[: step.num_verify_rows]  # the verified rows
         inp = self._verify_input(drafts, logits) if drafts else None
         verified = verify(inp) if inp is not None else None

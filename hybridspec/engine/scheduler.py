@@ -6,10 +6,12 @@ request either *decodes* (feeds its uncached committed tokens plus its drafts, a
 or, while its prompt is longer than what is left of the step's prefill budget, feeds a *prefill
 chunk* of its prompt only.
 
-Worked example with ``prefill_chunk_size = 512``: a decoding request has 1 uncached token
-(its last committed one), so it costs 0 of the budget and always decodes. A new request with a
+Worked example with ``prefill_chunk_size = 512`` and no other request: a new request with a
 1300-token prompt feeds 512, then 512 prompt tokens in the next two steps; in the third its
 remaining 276 tokens fit, so it decodes: it feeds them with its first drafts in one forward.
+A decoding request has 1 uncached token (its last committed one) and always decodes. While
+one does, the step is bounded in time instead (``engine.step_budget``): the prompt's chunks
+are as many tokens as the step's estimated forward allows, fewer the deeper they sit.
 
 A request that asks for its prompt's log-probabilities (``GenerationParams.prompt_logprobs``)
 also wants the logits of every prompt token it feeds but the last (whose row predicts the first
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridspec.engine.request import Request
+from hybridspec.engine.step_budget import StepBudget, StepChunks, attention_scores
 from hybridspec.engine.turns import Turns, entry_size
 from hybridspec.errors import CapacityError
 from hybridspec.model import ForwardBatch
@@ -46,11 +49,13 @@ class PromptRows:
 class StepBatch:
     """One step's forward and the meaning of its logits rows: first each decoding request's
     ``num_drafts + 1`` verified rows, in order (``num_verify_rows`` in all), then the rows of
-    ``prompt_rows``, one request after another."""
+    ``prompt_rows``, one request after another. ``num_scores``: the forward's query-key pairs
+    of attention (``step_budget.attention_scores``), which its cost grows with."""
 
     batch: ForwardBatch
     num_verify_rows: int
     prompt_rows: list[PromptRows]
+    num_scores: int
 
     def score_prompts(self, logits: torch.Tensor) -> torch.Tensor:
         """Hand each request of ``prompt_rows`` its rows of ``logits`` (the forward's, [num_logits,
@@ -74,10 +79,19 @@ class Scheduler:
     """Holds the waiting queue and the running batch."""
 
     def __init__(
-        self, max_queue_size: int, prefill_chunk_size: int, turns: Turns | None = None
+        self,
+        max_queue_size: int,
+        prefill_chunk_size: int,
+        step_budget: StepBudget | None = None,
+        *,
+        turns: Turns | None = None,
     ) -> None:
+        """``step_budget``: the time bound of steps shared with decoding requests (None: every
+        step counts ``prefill_chunk_size`` tokens); ``turns``: the tenants' turns in admission
+        (None: one anonymous tenant, first come first served)."""
         self.max_queue_size = max_queue_size
         self.prefill_chunk_size = prefill_chunk_size
+        self.step_budget = step_budget
         self.turns = turns if turns is not None else Turns()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -94,11 +108,14 @@ class Scheduler:
         A prompt with its choices is one queue entry. Waiting entries that the next step admits
         into the ``num_free_slots`` free slots are not queued for a slot, so a burst between
         two steps may hold that many more: with 4 free slots and ``max_queue_size = 64``, the
-        69th prompt waiting is refused.
+        69th prompt waiting is refused. The prompts of one add came as one request: they are
+        queued together whenever the queue has room for one entry, so that a request of many
+        prompts (``check_choices`` bounds them by the queue and slots) is never refused by a
+        queue with room; the queue may then hold that request's prompts beyond its bound.
         """
         self.turns.check_queue(self.waiting, prompts)
         waiting = sum(1 for r in self.waiting if r.group is None or r.group.source is r)
-        if waiting + len(prompts) > self.max_queue_size + max(0, num_free_slots):
+        if prompts and waiting >= self.max_queue_size + max(0, num_free_slots):
             raise CapacityError(
                 f"the request queue is full ({self.max_queue_size} waiting for a batch slot); "
                 "retry later"
@@ -124,24 +141,57 @@ class Scheduler:
         return admitted
 
     def plan(self, cached_lengths: list[int]) -> StepPlan:
-        """Split the running requests, given each one's cached length in the target's cache."""
-        budget = self.prefill_chunk_size
+        """Split the running requests, given each one's cached length in the target's cache: a
+        request whose prompt is fed decodes; another feeds what the step grants it
+        (``_chunks``), and decodes if that is the rest of its prompt."""
+        pending = [
+            len(r.token_ids) - 1 - c for r, c in zip(self.running, cached_lengths, strict=True)
+        ]
+        grant = self._chunks(cached_lengths, pending)
         decode: list[Request] = []
         prefill: list[tuple[Request, int]] = []
-        for request, cached in zip(self.running, cached_lengths, strict=True):
-            pending_prompt = len(request.token_ids) - 1 - cached
+        for request, cached, num_pending in zip(self.running, cached_lengths, pending, strict=True):
             if request.group is not None:  # choices before their shared prefill: the source
-                if request.group.source is request and min(pending_prompt, budget) > 0:
-                    prefill.append((request, min(pending_prompt, budget)))  # prefills alone
-                    budget -= min(pending_prompt, budget)
+                if request.group.source is request and num_pending > 0:
+                    num_tokens = grant(cached, num_pending)
+                    if num_tokens > 0:
+                        prefill.append((request, num_tokens))  # prefills alone
                 continue
-            if pending_prompt <= budget:
-                budget -= pending_prompt
+            num_tokens = grant(cached, num_pending) if num_pending > 0 else 0
+            if num_tokens >= num_pending:
                 decode.append(request)
-            elif budget > 0:
-                prefill.append((request, budget))
-                budget = 0
+            elif num_tokens > 0:
+                prefill.append((request, num_tokens))
         return StepPlan(decode=decode, prefill=prefill)
+
+    def _chunks(self, cached_lengths: list[int], pending: list[int]) -> Callable[[int, int], int]:
+        """The step's grants, ``grant(cached, pending) -> tokens``, in running order: timed
+        (``StepChunks``) when requests decode in this step and the cost model can tell, else
+        ``prefill_chunk_size`` tokens shared first come first served. A decoding request is
+        expected to feed as many rows as it verified in its last round."""
+        decoding = [
+            (cached, request.speculation.last_verified)
+            for request, cached, num_pending in zip(
+                self.running, cached_lengths, pending, strict=True
+            )
+            if request.group is None and num_pending <= 0
+        ]
+        chunks: StepChunks | None = None
+        if self.step_budget is not None and any(p > 0 for p in pending):  # a prompt to feed
+            chunks = self.step_budget.start(decoding, self.prefill_chunk_size)
+        if chunks is not None:
+            return chunks.grant
+        budget = self.prefill_chunk_size
+
+        def grant(cached: int, num_pending: int) -> int:
+            nonlocal budget
+            if num_pending <= budget:  # the rest fits: the request decodes, its drafts beyond
+                budget -= num_pending
+                return num_pending
+            granted, budget = budget, 0
+            return granted
+
+        return grant
 
     def remove(self, request: Request) -> None:
         if request in self.running:
@@ -196,6 +246,9 @@ def forward_batch(
         fed.append((request, cached, num_tokens))
         slots.append(request.slot)
         cu.append(len(token_ids))
+    num_scores = sum(
+        attention_scores(start, cu[i + 1] - cu[i]) for i, (_, start, _) in enumerate(fed)
+    )
     num_verify_rows = len(logits_indices)
     prompt_rows = _add_prompt_rows(fed, cu, logits_indices)
     batch = ForwardBatch(
@@ -205,7 +258,7 @@ def forward_batch(
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
         hidden_layers=hidden_layers,
     )
-    return StepBatch(batch, num_verify_rows, prompt_rows)
+    return StepBatch(batch, num_verify_rows, prompt_rows, num_scores)
 
 
 def _add_prompt_rows(

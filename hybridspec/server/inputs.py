@@ -21,11 +21,7 @@ MAX_TOOLS = 64
 
 def check_body(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Raise InvalidRequestError naming the field for what ``check_body``'s module refuses."""
-    path = _surrogate_path(body, "")
-    if path is not None:
-        raise InvalidRequestError(
-            f"{path}: the text holds a lone UTF-16 surrogate, which is not a character", path
-        )
+    check_text(body)
     if isinstance(body, ChatCompletionRequest):
         tools = body.tools or []
         check(len(tools) <= MAX_TOOLS, "tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
@@ -35,6 +31,16 @@ def check_body(body: CompletionRequest | ChatCompletionRequest) -> None:
                 f"messages[{i}].tool_call_id",
                 "a tool message answers a call: it needs the call's tool_call_id",
             )
+
+
+def check_text(body: BaseModel) -> None:
+    """InvalidRequestError naming the first field of ``body`` (any route's) whose text holds
+    a lone surrogate."""
+    path = _surrogate_path(body, "")
+    if path is not None:
+        raise InvalidRequestError(
+            f"{path}: the text holds a lone UTF-16 surrogate, which is not a character", path
+        )
 
 
 def _surrogate_path(value: Any, path: str) -> str | None:

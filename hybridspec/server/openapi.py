@@ -170,6 +170,7 @@ def _add_model_facts(schema: dict[str, Any], model: ModelInfo) -> None:
     detokenize = components.get("DetokenizeRequest", {}).get("properties", {})
     if "tokens" in detokenize:
         detokenize["tokens"]["items"]["maximum"] = vocab_size - 1
+        detokenize["tokens"]["maxItems"] = model.max_seq_len  # routes.tokenize
     prompt = components.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})
     for choice in prompt.get("anyOf", []):
         items = choice.get("items", {})

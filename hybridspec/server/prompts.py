@@ -124,7 +124,7 @@ class PromptEncoder:
     def check_size(self, prompt: Prompt) -> None:
         """Refuse at once a prompt too long for the context by its size alone (module doc)."""
         if prompt.token_ids is not None:
-            self._check_count(len(prompt.token_ids), "prompt")
+            self.check_count(len(prompt.token_ids), "prompt")
         elif self.max_prompt_chars is not None and prompt.num_chars > self.max_prompt_chars:
             field = "prompt" if prompt.text is not None else "messages"
             raise ContextLengthError(
@@ -143,11 +143,12 @@ class PromptEncoder:
         ids = prompt.token_ids
         if ids is None:
             ids = self._encode(prompt.text, prompt.messages, prompt.tools)
-        self._check_count(len(ids), "prompt" if prompt.messages is None else "messages")
+        self.check_count(len(ids), "prompt" if prompt.messages is None else "messages")
         self._check_prompt(ids)
         return ids
 
-    def _check_count(self, num_tokens: int, field: str) -> None:
+    def check_count(self, num_tokens: int, field: str) -> None:
+        """ContextLengthError naming ``field`` for more than ``max_prompt_tokens`` tokens."""
         if num_tokens > self.max_prompt_tokens:
             raise ContextLengthError(
                 f"{field}: the prompt has {num_tokens} tokens; at most "

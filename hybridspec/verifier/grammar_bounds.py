@@ -4,7 +4,8 @@ xgrammar's compile cannot be interrupted, and its time grows fast with some feat
 source (about quadratically with a JSON schema's properties; with nesting depth, alternatives
 and large repetition counts), so a request's grammar is bounded before it is compiled: a
 source within these bounds compiles in well under a second on a CPU core, one beyond them is
-refused at once with a ``GrammarError`` naming the field the client sent.
+refused at once with a ``GrammarError`` naming the field the client sent. So is a schema that
+no finite JSON satisfies (``schema_finite``).
 
 ======================  ==========================================================  =====
 bound                   counts                                                      limit
@@ -29,6 +30,7 @@ from typing import Any
 
 from hybridspec.errors import GrammarError
 from hybridspec.types import GrammarSpec
+from hybridspec.verifier.schema_finite import has_finite_instance
 
 MAX_SOURCE_BYTES = 128 * 1024
 MAX_PROPERTIES = 1000
@@ -67,6 +69,12 @@ def check_bounds(spec: GrammarSpec, param: str) -> Any:
         counts.walk(schema, 1, param)
         _limit(counts.properties, MAX_PROPERTIES, param, "properties")
         _limit(counts.alternatives, MAX_ALTERNATIVES, param, "alternatives (enum/anyOf/...)")
+        if not has_finite_instance(schema):
+            raise GrammarError(
+                f"{param}: no finite JSON satisfies the schema (a $ref cycle through required "
+                "properties, items or alternatives)",
+                param,
+            )
         return schema
     if spec.kind in ("regex", "grammar"):
         _limit(spec.source.count("|"), MAX_ALTERNATIVES, param, "alternatives ('|')")

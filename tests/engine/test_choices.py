@@ -40,7 +40,7 @@ def test_greedy_choices_equal_each_other_and_the_single_request(
 
 
 def test_the_prompt_is_fed_once_for_all_choices(target: LoadedModel) -> None:
-    engine = make_engine(target, prefill_chunk_size=32)
+    engine = make_engine(target, prefill_chunk_size=32, prefill_step_ratio=None)
     fed: list[int] = []
     engine.runtime.add_forward_observer(lambda batch, _: fed.append(batch.token_ids.numel()))
     params = GenerationParams(max_new_tokens=1, proposer="none")
@@ -60,7 +60,7 @@ def test_each_choice_cache_is_its_own_through_rollbacks(
 ) -> None:
     """After every round, each choice's cache equals a fresh prefill of its own committed
     tokens: the copy was exact, and one choice's rollback never touched another's slot."""
-    engine = make_engine(target, draft, prefill_chunk_size=32)
+    engine = make_engine(target, draft, prefill_chunk_size=32, prefill_step_ratio=None)
     params = GenerationParams.create(
         max_new_tokens=30, proposer=proposer, temperature=1.0, seed=5, num_speculative_tokens=5
     )
@@ -138,7 +138,7 @@ def test_prompt_logprobs_reach_every_choice(engine: Engine) -> None:
 def test_features_cover_every_position_of_every_choice(target: LoadedModel) -> None:
     """A proposer reading target features gets each choice's rows from position 0, the
     shared prompt's included, as if the choice had prefilled alone."""
-    engine = make_engine(target, prefill_chunk_size=32)
+    engine = make_engine(target, prefill_chunk_size=32, prefill_step_ratio=None)
     engine.register_proposer("last-layer", LastLayer)
     params = GenerationParams(max_new_tokens=20, proposer="last-layer")
     results = engine.generate_choices(prompt_token_ids=LONG_PROMPT, n=2, params=params)
@@ -162,7 +162,7 @@ def test_a_group_waits_for_a_slot_per_choice(target: LoadedModel) -> None:
 
 
 def test_an_aborted_source_hands_the_prefill_to_the_next_choice(target: LoadedModel) -> None:
-    engine = make_engine(target, prefill_chunk_size=16)
+    engine = make_engine(target, prefill_chunk_size=16, prefill_step_ratio=None)
     params = GenerationParams(max_new_tokens=10, proposer="ngram")
     ids = engine.add_choices([LONG_PROMPT], params, n=3)[0]
     engine.step()  # the source prefills its first chunk
@@ -190,6 +190,23 @@ def test_bad_n_and_too_many_prompts_are_refused_and_queue_nothing(
         engine.add_choices([PROMPTS[1]], None, n=1)
     assert engine.num_waiting == 24
     engine.abort_all()
+
+
+def test_many_prompts_queue_as_one_request_beside_a_running_one(target: LoadedModel) -> None:
+    """The most prompts a request may hold (queue and slots: 6) while another request holds a
+    slot and one waits: the queue has room, so they queue, and all of them finish."""
+    engine = make_engine(target, max_num_seqs=4, max_queue_size=2)
+    params = GenerationParams(max_new_tokens=2, proposer="none")
+    engine.add_choices([PROMPTS[0]], params, n=1)
+    engine.step()  # it holds a slot
+    engine.add_choices([PROMPTS[1]], params, n=4)  # waits for all 4 slots
+    ids = engine.add_choices([PROMPTS[2]] * 6, params, n=1)
+    with pytest.raises(CapacityError):
+        engine.add_choices([PROMPTS[1]], params, n=1)  # now the queue is full
+    finished = set()
+    while engine.has_unfinished():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert {rid for choices in ids for rid in choices} <= finished
 
 
 def test_combined_stats_sum_counts_and_span_the_choices() -> None:

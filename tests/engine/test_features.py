@@ -91,7 +91,9 @@ def run(engine: Engine, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
 def test_committed_positions_reach_the_proposer_in_order_and_exactly(
     target: LoadedModel,
 ) -> None:
-    engine = make_engine(target, prefill_chunk_size=16, adaptive_speculation=False)
+    engine = make_engine(
+        target, prefill_chunk_size=16, prefill_step_ratio=None, adaptive_speculation=False
+    )
     engine.register_proposer("last-layer", LastLayer)
     engine.register_proposer("two-layers", TwoLayers)
     committed = run(

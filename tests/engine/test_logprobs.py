@@ -95,7 +95,7 @@ def test_batched_and_chunked_requests_score_as_alone(
 ) -> None:
     """Requests asking and not asking, mixed proposers and transforms, long prompts fed in
     prefill chunks of at most 16: each request's logprobs are those of a plain forward."""
-    engine = make_engine(target, draft, prefill_chunk_size=16)
+    engine = make_engine(target, draft, prefill_chunk_size=16, prefill_step_ratio=None)
     cases = [
         (PROMPTS[2], params("ngram", SAMPLED)),
         (PROMPTS[0], GenerationParams.create(max_new_tokens=20, proposer="draft")),

@@ -246,3 +246,19 @@ def test_n_and_the_prompts_are_checked_once_where_the_request_enters(
     assert calls == ["hybridspec.server.preparation"]  # the server's, before tokenizing
     response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 5})
     assert response.status_code == 400 and calls == ["hybridspec.server.preparation"] * 2
+
+
+def test_the_most_prompts_are_served_beside_a_running_stream(make_app: AppFactory) -> None:
+    """A request of as many prompts as queue and slots hold (4 + 4), while a stream holds a
+    slot: queued as one request, all answered, never a 503."""
+    import httpx
+
+    with serve_in_thread(make_app(max_queue_size=4)) as url, httpx.Client(base_url=url) as http:
+        stream = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=stream, timeout=60) as running:
+            assert running.status_code == 200
+            next(running.iter_lines())  # its first event: it holds a slot
+            body = {"prompt": [f"p{i}" for i in range(8)], "max_tokens": 2}
+            response = http.post("/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            assert len(texts(response.json())) == 8

@@ -49,6 +49,8 @@ def nested(levels: int) -> dict[str, Any]:
 
 
 REF_CYCLE = {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}
+# An object that requires an object of its own type: no finite JSON satisfies it.
+REQUIRED_CYCLE = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
@@ -94,6 +96,12 @@ CHAT_CASES: list[tuple[str, dict[str, Any], str, str]] = [
     (
         "$ref cycle",
         chat_with(response_format=schema_format(REF_CYCLE)),
+        FIELDS[0],
+        "invalid_grammar",
+    ),
+    (
+        "a required $ref cycle",
+        chat_with(response_format=schema_format(REQUIRED_CYCLE)),
         FIELDS[0],
         "invalid_grammar",
     ),

@@ -27,10 +27,15 @@ from hybridspec.config import EngineConfig, ModelConfig
 from hybridspec.engine import Engine
 from hybridspec.model.loader import LoadedModel
 from hybridspec.server import ServerConfig, create_app
-from hybridspec.server.connections import header_deadline_protocol
+from hybridspec.server.connections import (
+    MAX_HEADER_BYTES,
+    MAX_HEADERS,
+    header_deadline_protocol,
+)
 from hybridspec.server.middleware import TimeoutMiddleware
 from hybridspec.server.shutdown import draining_server
-from tests.server.conftest import TINY_MODEL_NAME, free_port
+from tests.conftest import TINY_VOCAB_SIZE
+from tests.server.conftest import TINY_MAX_SEQ_LEN, TINY_MODEL_NAME, free_port
 from tests.server.test_hostile_inputs import CHAT_CASES
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -145,6 +150,22 @@ SCHEMAS = st.recursive(
     max_leaves=12,
 )
 REGEXES = st.text("ab01|()[]{}*+?.\\-^$,5", min_size=1, max_size=24)
+# Texts for /tokenize, some with a lone surrogate; token id lists for /detokenize, some with ids
+# outside the vocabulary or more ids than the context.
+TEXTS = st.text(max_size=40) | st.builds(
+    lambda a, b, c: a + chr(c) + b,
+    st.text(max_size=8),
+    st.text(max_size=8),
+    st.integers(0xD800, 0xDFFF),
+)
+TOKEN_LISTS = st.lists(st.integers(-3, TINY_VOCAB_SIZE + 3), max_size=40) | st.integers(
+    TINY_MAX_SEQ_LEN - 1, TINY_MAX_SEQ_LEN + 2
+).map(lambda n: [1] * n)
+TOKENIZER_CASES = [
+    ("a 1 MB prompt", {"prompt": "word " * 200_000}, "/tokenize"),
+    ("a surrogate to tokenize", {"prompt": "\ud800"}, "/tokenize"),
+    ("ten contexts of ids", {"tokens": [1] * (10 * TINY_MAX_SEQ_LEN)}, "/detokenize"),
+]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc for memory")
@@ -163,22 +184,34 @@ def test_the_canary_keeps_its_pace_through_hostile_requests(
             before = rss_bytes()
             canary.start()
 
-            def send(name: str, body: dict[str, Any]) -> None:
-                data = json.dumps({"max_tokens": 8, **body})  # ASCII: lone surrogates escaped
+            def send(name: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> int:
+                fields = {"max_tokens": 8} if path.startswith("/v1") else {}
+                data = json.dumps({**fields, **body})  # ASCII: lone surrogates escaped
                 headers = {"content-type": "application/json"}
-                response = client.post("/v1/chat/completions", content=data, headers=headers)
+                response = client.post(path, content=data, headers=headers)
                 statuses.append((name, response.status_code))
+                return response.status_code
 
             for name, body, _, _ in CHAT_CASES:
                 send(name, body)
+            for name, body, path in TOKENIZER_CASES:
+                assert send(name, body, path) == 400, name
 
             @settings(max_examples=25, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))  # fmt: skip
-            @given(schema=SCHEMAS, regex=REGEXES)
-            def fuzz(schema: dict[str, Any], regex: str) -> None:
+            @given(schema=SCHEMAS, regex=REGEXES, text=TEXTS, tokens=TOKEN_LISTS)
+            def fuzz(schema: dict[str, Any], regex: str, text: str, tokens: list[int]) -> None:
                 form = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
                 send("schema", {"messages": USER, "response_format": form})
                 send("regex", {"messages": USER, "guided_regex": regex})
+                surrogate = any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+                for body in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):
+                    status = send("tokenize", body, "/tokenize")
+                    assert status == 400 if surrogate else status in (200, 400), (body, status)
+                in_vocab = all(0 <= t < TINY_VOCAB_SIZE for t in tokens)
+                fits = len(tokens) <= TINY_MAX_SEQ_LEN
+                status = send("detokenize", {"tokens": tokens}, "/detokenize")
+                assert status == (200 if in_vocab and fits else 400), (tokens[:8], status)
 
             try:
                 fuzz()
@@ -293,3 +326,44 @@ def test_a_response_the_client_does_not_read_is_cut_and_its_stream_closed() -> N
     start = time.monotonic()
     asyncio.run(asyncio.wait_for(wrapped(scope, receive, send), 5))  # type: ignore[arg-type]
     assert time.monotonic() - start < 2 and closed.is_set() and len(sent) == 3
+
+
+def send_head(port: int, head: bytes) -> bytes:
+    """Send a request's head (in pieces, as far as the server reads it) and read the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        try:
+            for start in range(0, len(head), 65536):
+                sock.sendall(head[start : start + 65536])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and closed before the rest
+        try:
+            return read_response(sock)
+        except ConnectionResetError:
+            raise AssertionError("the server reset the connection without an answer") from None
+
+
+@pytest.mark.skipif(header_deadline_protocol(1) == "auto", reason="needs httptools")
+def test_headers_past_the_bounds_get_a_431_over_a_socket(
+    tiny_model: LoadedModel, tiny_model_dir: Path
+) -> None:
+    """A 1 MB or 16 MB header, or 1,000 headers, get a JSON 431 and a closed connection;
+    headers within the bounds, two requests' together past them on one keep-alive
+    connection included, are served."""
+    with serving(tiny_model, tiny_model_dir) as (url, _, _):
+        port = int(url.rsplit(":", 1)[1])
+        request = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+        for size in (2**20, 16 * 2**20):
+            answer = send_head(port, request + b"X-Big: " + b"a" * size + b"\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+            body = json.loads(answer.partition(b"\r\n\r\n")[2])
+            assert body["error"]["code"] == "request_header_fields_too_large"
+            assert str(MAX_HEADER_BYTES) in body["error"]["message"]
+        many = b"".join(b"X-H%d: v\r\n" % i for i in range(1000))
+        answer = send_head(port, request + many + b"\r\n")
+        assert answer.startswith(b"HTTP/1.1 431") and str(MAX_HEADERS).encode() in answer
+        fine = request + b"Cookie: " + b"c" * (MAX_HEADER_BYTES // 2) + b"\r\n"
+        fine += b"".join(b"X-H%d: v\r\n" % i for i in range(MAX_HEADERS - 2)) + b"\r\n"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            for _ in range(2):  # each request's head within the bounds: both served
+                sock.sendall(fine)
+                assert read_response(sock).startswith(b"HTTP/1.1 200")

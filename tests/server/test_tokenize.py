@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from typing import Any
 
 from fastapi.testclient import TestClient
 
@@ -59,3 +61,40 @@ def test_bad_requests_name_the_field(client: TestClient) -> None:
         # field, after the shape it was checked against.
         assert field in response.text, (body, response.text)
     assert client.post("/tokenize", json={"prompt": "a", "model": "nope"}).status_code == 404
+
+
+def post_json(client: TestClient, path: str, body: dict[str, Any]) -> Any:
+    """``body`` as escaped JSON, so that lone surrogates travel as ``\\ud800``."""
+    return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def test_lone_surrogates_are_400s_naming_the_field(client: TestClient) -> None:
+    cases = [
+        ("/tokenize", {"prompt": "a \ud800 b"}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "\udc00"}]}, "messages[0].content"),
+        ("/tokenize", {"prompt": "a", "model": "\ud800"}, "model"),
+        ("/detokenize", {"tokens": [1], "model": "\udfff"}, "model"),
+    ]
+    for path, body, field in cases:
+        response = post_json(client, path, body)
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert error["param"] == field and error["code"] == "invalid_value", error
+
+
+def test_inputs_over_the_generation_bounds_are_400s_naming_the_bound(client: TestClient) -> None:
+    """A text more tokens than a prompt may hold (before tokenizing when its characters alone
+    tell), and more token ids than the context, as the generation routes refuse them."""
+    most = TINY_MAX_SEQ_LEN - 1
+    many_tokens = " ".join(["a"] * (4 * TINY_MAX_SEQ_LEN))  # few characters per token
+    huge = "x" * 1_000_000  # more characters than any prompt's tokens can hold
+    for text in (many_tokens, huge):
+        response = post_json(client, "/tokenize", {"prompt": text})
+        assert response.status_code == 400, response.text[:200]
+        error = response.json()["error"]
+        assert error["param"] == "prompt" and str(most) in error["message"], error
+    response = post_json(client, "/detokenize", {"tokens": [1] * (TINY_MAX_SEQ_LEN + 1)})
+    assert response.status_code == 400, response.text[:200]
+    error = response.json()["error"]
+    assert error["param"] == "tokens" and str(TINY_MAX_SEQ_LEN) in error["message"], error
+    assert post_json(client, "/detokenize", {"tokens": [1] * TINY_MAX_SEQ_LEN}).status_code == 200

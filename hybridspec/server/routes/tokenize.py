@@ -8,6 +8,11 @@ answers ``count``, ``max_model_len``, ``tokens`` and, with ``return_token_strs``
 string in the vocabulary (``token_strs``). ``/detokenize`` takes ``tokens`` and answers their
 text as ``prompt``, special tokens included, so that ``/tokenize`` then ``/detokenize`` gives
 back the text. Tokenizing runs on the prompt encoder's worker threads, off the event loop.
+
+Both take what the generation routes take, under the same bounds: text with a lone surrogate
+is a 400 naming its field; a prompt too long for the context by its size alone is refused
+before tokenizing, and one of more than the prompt's most tokens after (``server.prompts``);
+``/detokenize`` takes at most the context length's token ids.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Discriminator, Field, Tag
 
 from hybridspec.errors import check
+from hybridspec.server.inputs import check_text
 from hybridspec.server.openapi import error_responses
-from hybridspec.server.prompts import prompts_of
+from hybridspec.server.prompts import Prompt, prompts_of
 from hybridspec.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -108,12 +114,15 @@ async def _chat_token_ids(body: TokenizeChatRequest, state: State) -> list[int]:
 
 @router.post("/tokenize", responses=error_responses(400, 404, 408, 413))
 async def tokenize(body: TokenizeRequest, state: State) -> TokenizeResponse:
+    check_text(body)
     state.model.resolve(body.model)
     if isinstance(body, TokenizePromptRequest):
         field = "prompt"
+        state.prompts.check_size(Prompt(body.prompt, None, None, None))
         ids = await state.prompts.with_tokenizer(
             field, _encode, body.prompt, body.add_special_tokens
         )
+        state.prompts.check_count(len(ids), field)
     else:
         field = "messages"
         ids = await _chat_token_ids(body, state)
@@ -127,7 +136,14 @@ async def tokenize(body: TokenizeRequest, state: State) -> TokenizeResponse:
 
 @router.post("/detokenize", responses=error_responses(400, 404, 408, 413))
 async def detokenize(body: DetokenizeRequest, state: State) -> DetokenizeResponse:
+    check_text(body)
     state.model.resolve(body.model)
+    most = state.model.max_seq_len
+    check(
+        len(body.tokens) <= most,
+        "tokens",
+        f"at most {most} token ids (the model's context), got {len(body.tokens)}",
+    )
     vocab_size = state.model.vocab_size
     outside = [t for t in body.tokens if not 0 <= t < vocab_size]
     check(not outside, "tokens", f"token ids must be in [0, {vocab_size}), got {outside[:5]}")

@@ -1,0 +1,222 @@
+"""Issue 49's figures: long prompts beside streams, on the embedded model, default settings.
+
+Starts ``python -m hybridspec.cli serve`` from the repository given (its own .venv) on a
+loopback port and measures, in order:
+
+1. ``decode_tok_s``: one stream alone, 256 tokens (ignore_eos): completion tokens after the
+   first over the seconds from the first to the last event; the median of 3.
+2. ``alone_s`` / ``alone_ttft_s`` / ``prefill_tok_s``: a prompt of ``--tokens`` random token ids
+   (distinct each time: no prefix-cache hit), 16 new tokens, nothing else running: its time,
+   its time to the first token, and prompt tokens per second of that; the median of 2.
+3. ``canary_max_gap_s`` / ``shared_s``: the same prompt while a canary streams (400-token
+   answers, back to back): the canary's largest gap between two events of one answer while the
+   long prompt runs, and the long prompt's time; ``shared_over_alone`` = shared_s / alone_s.
+   The worst of 2 runs.
+4. ``ten_max_gap_s``: 8 streams run (400-token answers, back to back) and 10 such long prompts
+   arrive at once: the largest gap between two events of one stream's answer while any long
+   prompt runs; ``ten_long_s_median`` / ``ten_long_s_max``: the long prompts' times.
+
+Run: ``python benchmarks/long_prompts.py REPO [--tokens 7800] [--skip-ten]`` (REPO: the
+checkout to serve, e.g. ``.``; about 6-10 minutes on a quiet 2-core machine); prints one JSON
+object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+NEW_TOKENS = 16
+STREAM_TOKENS = 400
+
+
+def start_server(repo: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """``hybridspec serve`` of ``repo`` (its .venv's Python where it has one), once ready."""
+    from hybridspec.bench.servers import wait_ready
+
+    python = repo / ".venv" / "bin" / "python"
+    command = [str(python if python.exists() else sys.executable), "-m", "hybridspec.cli"]
+    command += ["serve", "--port", str(port), "--log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    with log.open("wb") as out:
+        server = subprocess.Popen(command, cwd=repo, env=env, stdout=out, stderr=out)
+    wait_ready(f"http://127.0.0.1:{port}", server, 600, log)
+    return server
+
+
+def long_prompt(seed: int, tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(tokens)]
+
+
+def timed_completion(url: str, prompt: list[int] | str, max_tokens: int) -> dict[str, float]:
+    """Stream one completion; its events' times (first, last) from its start, and tokens."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = last = None
+    completion_tokens = 0
+    with (
+        httpx.Client(base_url=url, timeout=1200) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                completion_tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                now = time.perf_counter() - start
+                first = now if first is None else first
+                last = now
+    assert first is not None and last is not None
+    return {"first": first, "last": last, "tokens": completion_tokens}
+
+
+class Streams:
+    """``count`` clients streaming 400-token answers back to back; every gap between two
+    events of one answer is kept with its time."""
+
+    def __init__(self, url: str, count: int) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.gaps: list[tuple[float, float]] = []  # (when, gap)
+        self.errors = 0
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(count)]
+
+    def __enter__(self) -> Streams:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(600)
+
+    def max_gap(self, start: float, end: float) -> float:
+        return max((g for t, g in self.gaps if start <= t <= end), default=0.0)
+
+    def _run(self) -> None:
+        body = {
+            "prompt": "Write a long story about a cat.",
+            "max_tokens": STREAM_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.Client(base_url=self.url, timeout=1200) as client:
+            while not self.stop.is_set():
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        self.errors += 1
+                        time.sleep(0.2)
+                        continue
+                    last = None
+                    for line in response.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        now = time.perf_counter()
+                        if last is not None:  # gaps within an answer, not its queueing
+                            self.gaps.append((now, now - last))
+                        last = now
+
+
+def decode_rate(url: str) -> float:
+    rates = []
+    for _ in range(3):
+        t = timed_completion(url, "Write a long story about a dog.", 256)
+        rates.append((t["tokens"] - 1) / (t["last"] - t["first"]))
+    return statistics.median(rates)
+
+
+def alone(url: str, tokens: int) -> dict[str, float]:
+    runs = [timed_completion(url, long_prompt(100 + i, tokens), NEW_TOKENS) for i in range(2)]
+    total = statistics.median(r["last"] for r in runs)
+    ttft = statistics.median(r["first"] for r in runs)
+    return {"alone_s": total, "alone_ttft_s": ttft, "prefill_tok_s": tokens / ttft}
+
+
+def with_canary(url: str, tokens: int) -> dict[str, float]:
+    gaps, times = [], []
+    for i in range(2):
+        with Streams(url, 1) as canary:
+            time.sleep(3)
+            start = time.perf_counter()
+            run = timed_completion(url, long_prompt(200 + i, tokens), NEW_TOKENS)
+            end = time.perf_counter()
+            time.sleep(1)
+        gaps.append(canary.max_gap(start, end))
+        times.append(run["last"])
+    return {"canary_max_gap_s": max(gaps), "shared_s": max(times)}
+
+
+def ten_long(url: str, tokens: int) -> dict[str, float]:
+    times: list[float] = []
+
+    def one(i: int) -> None:
+        times.append(timed_completion(url, long_prompt(300 + i, tokens), NEW_TOKENS)["last"])
+
+    with Streams(url, 8) as streams:
+        time.sleep(5)
+        start = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        end = time.perf_counter()
+    return {
+        "ten_max_gap_s": streams.max_gap(start, end),
+        "ten_long_s_median": statistics.median(times),
+        "ten_long_s_max": max(times),
+        "ten_stream_errors": streams.errors,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("repo", type=Path)
+    parser.add_argument("--tokens", type=int, default=7800)
+    parser.add_argument("--skip-ten", action="store_true", help="leave out (4)")
+    args = parser.parse_args()
+    repo = args.repo.resolve()
+    sys.path.insert(0, str(repo))  # the served checkout's bench helpers
+    from hybridspec.bench.servers import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(repo, port, Path(tempfile.gettempdir()) / f"long_prompts_{port}.log")
+    try:
+        timed_completion(url, "Hello", 8)  # first request's one-off costs
+        figures: dict[str, Any] = {"decode_tok_s": decode_rate(url)}
+        figures.update(alone(url, args.tokens))
+        figures.update(with_canary(url, args.tokens))
+        figures["shared_over_alone"] = figures["shared_s"] / figures["alone_s"]
+        if not args.skip_ten:
+            figures.update(ten_long(url, args.tokens))
+    finally:
+        server.terminate()
+        server.wait(30)
+    print(json.dumps({k: round(v, 3) for k, v in figures.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""A step's prefill sized in time: how many prompt tokens each prefilling request feeds in a
+step that decoding requests share.
+
+A chunk of ``n`` prompt tokens after ``s`` cached ones costs more the deeper it sits: each of
+its rows attends over every key before it, ``n s + n (n + 1) / 2`` query-key pairs in all
+(``attention_scores``), besides the ``n`` rows' matmuls. A fixed number of tokens per step
+therefore makes every decoding request that shares the step wait for a forward that grows with
+the prompt's depth. Instead, ``StepBudget`` prices the step with a cost model of the forward
+(``ForwardCost``) and grants each prefilling request the most tokens that keep the step within
+a bound: ``ratio`` times what the decoding requests' forward alone is estimated to take, and
+at least ``min_seconds``. The first prefilling request gets at least ``min_chunk`` tokens, so a
+prompt always progresses. A step with no decoding request is not bounded in time: prompts then
+feed ``prefill_chunk_size`` tokens per step, at full speed (``Scheduler.plan``).
+
+``FittedForwardCost`` is the cost model the engine uses: ``seconds = a + b rows + c scores``,
+fitted to the measured time of every forward the engine runs (``RoundSteps``), recent forwards
+weighing more, so that it follows the machine's load. It prices no forward of more than
+``EXTRAPOLATION`` times the most rows it has timed: a fit to small forwards (the warm-up's,
+decoding's) may price a large one far off, so a prompt's chunks beside decoding requests grow
+at most that fast from step to step, each step's time teaching the fit the next size.
+
+Dimensions: ``rows`` tokens fed in a forward; ``scores`` their query-key pairs of attention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+MIN_PREFILL_CHUNK = 32  # tokens the first prefilling request gets in a step, whatever it costs
+MIN_OBSERVATIONS = 8  # forwards timed before the fitted model prices anything
+DECAY = 0.97  # weight of a timed forward after each later one: about the last 30 count
+SCORES_UNIT = 1000.0  # the fit's unit of query-key pairs, so its three columns are alike
+# The prior where the timings do not tell (all forwards shallow): a row's attention over this
+# many cached tokens costs as much as the row's matmuls. Timed on SmolLM2-135M on CPU; the
+# timings of deep forwards replace it.
+PRIOR_DOUBLING_CONTEXT = 2048
+PRIOR_FIXED_ROWS = 8  # and a forward's fixed cost is that of this many rows (weakly held)
+EXTRAPOLATION = 2  # the most rows priced, in multiples of the most timed
+
+
+def attention_scores(cached: int, num_rows: int) -> int:
+    """Query-key pairs of ``num_rows`` new tokens after ``cached`` ones: row ``j`` (from 0)
+    attends over ``cached + j + 1`` keys. Example: 3 rows after 10 cached: 11 + 12 + 13 = 36."""
+    return num_rows * cached + num_rows * (num_rows + 1) // 2
+
+
+class ForwardCost(Protocol):
+    """Estimated seconds of a target forward over ``num_rows`` tokens with ``num_scores``
+    query-key pairs; None while it cannot tell (the scheduler then counts tokens)."""
+
+    def seconds(self, num_rows: int, num_scores: int) -> float | None: ...
+
+
+@dataclass(slots=True)
+class FittedForwardCost:
+    """``a + b rows + c scores`` by least squares over the timed forwards, each weighted
+    ``DECAY ** age``, with two pseudo-observations as a prior (module constants) that keep the
+    fit defined where the forwards do not vary enough. Coefficients below zero are clamped."""
+
+    _gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))  # sum w x x^T
+    _moment: np.ndarray = field(default_factory=lambda: np.zeros(3))  # sum w x y
+    _count: int = 0
+    _most_rows: int = 0  # the largest forward timed
+    _coefficients: tuple[float, float, float] | None = None  # a, b, c per SCORES_UNIT
+
+    def observe(self, num_rows: int, num_scores: int, seconds: float) -> None:
+        """Learn from a forward over ``num_rows`` tokens and ``num_scores`` pairs that took
+        ``seconds``."""
+        if num_rows <= 0 or not (math.isfinite(seconds) and seconds > 0):
+            return
+        x = np.array([1.0, num_rows, num_scores / SCORES_UNIT])
+        self._gram = DECAY * self._gram + np.outer(x, x)
+        self._moment = DECAY * self._moment + x * seconds
+        self._count += 1
+        self._most_rows = max(self._most_rows, num_rows)
+        self._coefficients = None
+
+    def seconds(self, num_rows: int, num_scores: int) -> float | None:
+        """None before ``MIN_OBSERVATIONS`` forwards, and past ``EXTRAPOLATION`` times the
+        largest."""
+        if self._count < MIN_OBSERVATIONS or num_rows > EXTRAPOLATION * self._most_rows:
+            return None
+        if self._coefficients is None:
+            self._coefficients = self._fit()
+        a, b, c = self._coefficients
+        return a + b * num_rows + c * num_scores / SCORES_UNIT
+
+    def _fit(self) -> tuple[float, float, float]:
+        """Solve the weighted normal equations with the prior's rows added (unweighted: about
+        one forward's worth against the ~30 that the decay keeps)."""
+        rows = 512.0  # the prior rows are stated for a forward of this many tokens, in seconds
+        doubling = np.array([0.0, rows, -rows * PRIOR_DOUBLING_CONTEXT / SCORES_UNIT])
+        fixed = 0.1 * np.array([1.0, -PRIOR_FIXED_ROWS, 0.0])
+        gram = self._gram + np.outer(doubling, doubling) + np.outer(fixed, fixed)
+        gram += 1e-12 * np.eye(3)  # nonsingular even with a single shape observed
+        a, b, c = np.linalg.solve(gram, self._moment)
+        return max(0.0, float(a)), max(0.0, float(b)), max(0.0, float(c))
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudget:
+    """How long a step shared with decoding requests may take (module docstring)."""
+
+    cost: ForwardCost
+    ratio: float  # times the decoding requests' own forward
+    min_seconds: float  # the bound is never below this
+    min_chunk: int = MIN_PREFILL_CHUNK
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.ratio) and self.ratio >= 1):
+            raise ValueError(f"ratio: expected a number >= 1, got {self.ratio!r}")
+        if not (math.isfinite(self.min_seconds) and self.min_seconds >= 0):
+            raise ValueError(f"min_seconds: expected a number >= 0, got {self.min_seconds!r}")
+        if self.min_chunk < 1:
+            raise ValueError(f"min_chunk: expected an integer >= 1, got {self.min_chunk!r}")
+
+    def start(self, decoding: list[tuple[int, int]], max_tokens: int) -> StepChunks | None:
+        """The step's chunk sizer, given each decoding request's (cached tokens, rows it is
+        expected to feed), granting at most ``max_tokens`` in all (``prefill_chunk_size``: a
+        shared step never prefills more than one alone); None when nothing decodes or the cost
+        model cannot tell yet."""
+        if not decoding:
+            return None
+        num_rows = sum(rows for _, rows in decoding)
+        num_scores = sum(attention_scores(cached, rows) for cached, rows in decoding)
+        decode_s = self.cost.seconds(num_rows, num_scores)
+        if decode_s is None:
+            return None
+        bound = max(self.ratio * decode_s, self.min_seconds)
+        return StepChunks(self, bound, max_tokens, num_rows, num_scores)
+
+
+@dataclass(slots=True)
+class StepChunks:
+    """One step's prefill grants within ``bound`` seconds; ``num_rows`` and ``num_scores`` are
+    the step's so far (its decoding requests', then each grant's)."""
+
+    budget: StepBudget
+    bound: float
+    max_tokens: int
+    num_rows: int
+    num_scores: int
+    granted: int = 0  # prompt tokens granted so far this step
+
+    def grant(self, cached: int, pending: int) -> int:
+        """Prompt tokens (at most ``pending``, and what is left of ``max_tokens``) that a
+        request with ``cached`` tokens feeds: the most that keep the step's estimate within
+        the bound (found by bisection, the cost
+        rising with the tokens), at least ``min_chunk`` for the step's first grant."""
+        most = min(pending, self.max_tokens - self.granted)
+        low, high = 0, most  # fits(low) holds; find the largest n that fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self._fits(cached, mid):
+                low = mid
+            else:
+                high = mid - 1
+        if self.granted == 0:
+            low = max(low, min(self.budget.min_chunk, most))
+        self.num_rows += low
+        self.num_scores += attention_scores(cached, low)
+        self.granted += low
+        return low
+
+    def _fits(self, cached: int, num_rows: int) -> bool:
+        """Whether the step with ``num_rows`` more after ``cached`` is priced within the bound
+        (unpriced: no)."""
+        seconds = self.budget.cost.seconds(
+            self.num_rows + num_rows, self.num_scores + attention_scores(cached, num_rows)
+        )
+        return seconds is not None and seconds <= self.bound
