@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from hybridspec.model.llama_weights import LlamaWeights, dense, rope_inv_freq
     from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
     from hybridspec.model.qgemm import BlockLinear, Kernel, block_kernel
-    from hybridspec.model.quant import held_bytes, quantize
+    from hybridspec.model.quant import PackedWeight, QuantizedWeight, held_bytes, quantize
     from hybridspec.model.rope import apply_rope, rope_cos_sin
     from hybridspec.model.runtime import (
         ForwardBatch,
@@ -40,6 +40,8 @@ __all__ = [
     "LoadedModel",
     "ModelRuntime",
     "ObserverHandle",
+    "PackedWeight",
+    "QuantizedWeight",
     "ThreadController",
     "apply_rope",
     "block_kernel",
@@ -65,7 +67,7 @@ __getattr__, __dir__ = lazy_exports(
         "hybridspec.model.llama_weights": ("LlamaWeights", "dense", "rope_inv_freq"),
         "hybridspec.model.loader": ("LoadedModel", "embedded_model_path", "load_model"),
         "hybridspec.model.qgemm": ("BlockLinear", "Kernel", "block_kernel"),
-        "hybridspec.model.quant": ("held_bytes", "quantize"),
+        "hybridspec.model.quant": ("PackedWeight", "QuantizedWeight", "held_bytes", "quantize"),
         "hybridspec.model.rope": ("apply_rope", "rope_cos_sin"),
         "hybridspec.model.runtime": (
             "ForwardBatch",

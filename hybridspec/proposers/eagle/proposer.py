@@ -35,8 +35,15 @@ from pathlib import Path
 import torch
 
 from hybridspec.errors import InvalidRequestError
-from hybridspec.model import LlamaWeights, LoadedModel, block_kernel, dense, synchronize
-from hybridspec.model.quant import PackedWeight, QuantizedWeight
+from hybridspec.model import (
+    LlamaWeights,
+    LoadedModel,
+    PackedWeight,
+    QuantizedWeight,
+    block_kernel,
+    dense,
+    synchronize,
+)
 from hybridspec.proposers.base import ProposerContext
 from hybridspec.proposers.eagle.cache import HeadCache, forward_cached
 from hybridspec.proposers.eagle.config import (
