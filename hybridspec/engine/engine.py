@@ -380,7 +380,9 @@ class Engine(Admission):
 
     def reset(self) -> None:
         """Forget what earlier requests taught the engine: adaptive speculation's last step, the
-        request counter and the prefix cache, so that it runs as if just built (after
+        request counter, the prefix cache and the thread count chosen (``--threads auto`` starts
+        again at every usable core: the warm-up's rounds, each of another proposer and batch,
+        are no measure of the requests' steps), so that it runs as if just built (after
         ``engine.warmup``). Only between requests: every slot must be free."""
         check(not self.has_unfinished(), "engine", "reset with requests still in the engine")
         self.prefix_cache.reset()
@@ -388,6 +390,8 @@ class Engine(Admission):
         self._seq_ids = itertools.count()
         if self.speculation is not None:
             self.speculation = SpeculationPolicy(self.speculation.verify_token_cost)
+        if self.thread_policy is not None:
+            self.thread_policy = thread_controller(self.config.num_threads)
 
     def close(self) -> None:
         self.proposers.close()

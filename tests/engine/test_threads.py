@@ -38,6 +38,20 @@ def test_auto_threads_build_a_controller_over_the_usable_cores(target: LoadedMod
         torch.set_num_threads(threads)
 
 
+def test_reset_starts_the_controller_again_at_every_usable_core(target: LoadedModel) -> None:
+    threads = torch.get_num_threads()
+    try:
+        engine = make_engine(target, num_threads="auto")
+        assert engine.thread_policy is not None
+        engine.thread_policy.threads = 1  # as if the warm-up's rounds had chosen one thread
+        set_num_threads(1)
+        engine.reset()
+        assert engine.thread_policy.threads == available_cores()
+        assert torch.get_num_threads() == available_cores()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_switching_threads_every_round_keeps_greedy_texts(
     target: LoadedModel, draft: LoadedModel
 ) -> None:
