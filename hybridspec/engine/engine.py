@@ -258,6 +258,8 @@ class Engine(Admission):
             return outputs
         assert all(r.slot is not None for r in running)
         plan = self.scheduler.plan([self.runtime.seq_len(r.slot) for r in running])  # type: ignore[arg-type]
+        if self.thread_policy is not None:
+            self.thread_policy.for_step(prefill=bool(plan.prefill))
         started = time.perf_counter()
         proposed = self.proposers.propose(plan.decode, self._num_drafts)
         for request, error in proposed.failed:

@@ -9,6 +9,8 @@ at one thread fewer (or more), compares the window's mean step time with the one
 it, and keeps the faster count only where it wins by a margin (hysteresis, so that noise does
 not flip it). Probes back off exponentially while the count stays, and start again at once when
 the current count's step times rise well above what they were (the load changed).
+The count is chosen on decode rounds and applies to them; a step that feeds prompt chunks, which
+is compute-bound, runs on every usable core (``for_step``).
 
 The controller sees step times only through ``observe``; it reads no clock, so its tests inject
 the times. Greedy texts do not depend on the count: the kernels' sums run in a fixed order
@@ -124,7 +126,17 @@ class ThreadController:
         self._baseline = 0.0  # the current count's mean step time when the probe began
         self._skip = 0  # steps not counted after a switch (the pool wakes up)
         self._upward = False  # the direction of the next probe, alternating
+        self._applied = self.threads  # the count last applied (``for_step`` may lend more)
         self._apply(self.threads)
+
+    def for_step(self, prefill: bool) -> None:
+        """Apply the count of the next step: every usable core for a step that feeds prompt
+        chunks (compute-bound, and not what the decode rounds' count was chosen on), the
+        chosen count for a decode round; nothing is applied where the count is already so."""
+        wanted = self.max_threads if prefill else self.threads
+        if wanted != self._applied:
+            self._applied = wanted
+            self._apply(wanted)
 
     def observe(self, seconds: float) -> int:
         """Record one step's time at the current count; return the count of the next step."""
@@ -189,4 +201,5 @@ class ThreadController:
         self.threads = threads
         self._recent = []
         self._skip = 1
+        self._applied = threads
         self._apply(threads)
