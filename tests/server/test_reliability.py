@@ -61,8 +61,13 @@ def serving(
 ) -> Iterator[tuple[str, uvicorn.Server, threading.Thread]]:
     target = ModelConfig(str(directory), dtype="float32", max_num_seqs=4)
     config = ServerConfig(
+        # torch's thread count, fixed: these tests time the server's answers to hostile input,
+        # not --threads auto's probes (tests/model/test_thread_policy.py, tests/engine)
         engine=EngineConfig(
-            target=target, default_num_speculative_tokens=4, grammar_cache_mb=cache_mb
+            target=target,
+            default_num_speculative_tokens=4,
+            grammar_cache_mb=cache_mb,
+            num_threads=None,
         ),
         served_model_name=TINY_MODEL_NAME,
         **options,
