@@ -31,10 +31,9 @@ from pathlib import Path
 import httpx
 
 from hybridspec.bench.servers import ServerSpec, running
-from hybridspec.bench.workload import load_workload
+from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOAD = ROOT / "benchmarks" / "specbench_mini.json"
 
 
 def specs(cores: int, proposer: str) -> list[tuple[ServerSpec, int]]:
@@ -113,7 +112,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "ray_overhead.json")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
-    prompts = load_workload(WORKLOAD).prompts
+    prompts = load_workload(DEFAULT_WORKLOAD).prompts
     bodies = [
         {
             "messages": list(prompts[i % len(prompts)].messages),

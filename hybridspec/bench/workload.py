@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 SOURCE_PLACEHOLDER = "{source}"
 MIN_SOURCE_CHARS = 100  # a guard against a grounded prompt that has nothing to copy from
-DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "benchmarks" / "specbench_mini.json"
+DEFAULT_WORKLOAD = Path(__file__).resolve().parent / "workloads" / "specbench_mini.json"
 
 
 @dataclass(frozen=True, slots=True)
