@@ -2,8 +2,8 @@
 
 Module map, in data-flow order:
 
-- ``workload``: categories of chat prompts from a JSON file (``benchmarks/``), input-grounded
-  or open-ended.
+- ``workload``: categories of chat prompts from a JSON file (``DEFAULT_WORKLOAD``, package
+  data in ``workloads/``), input-grounded or open-ended.
 - ``session``: loads the target once, builds the engine and the methods, runs everything.
 - ``methods``: the engine's proposers and the baselines behind one protocol;
   ``hf_baseline``: ``LlamaForCausalLM`` on our own weights, and the greedy parity check;
@@ -22,6 +22,10 @@ with N in the engine at a time); a *group* is a category or a union of categorie
 concurrent trials); *outside-forward share* is the part of a request's wall time not spent in
 the target model's forward.
 
+The experiments in ``benchmarks/experiments/`` use only the names in ``__all__``: the harness's
+entry points, the default workload, and ``servers``' helpers that start a server as a process
+on a free loopback port (``ServerSpec``, ``running``, ``free_port``, ``wait_ready``, ``stop``).
+
 Names are imported on first use (``hybridspec.lazy``), so that ``hybridspec serve`` does not pay
 for the bench's transformers baselines when the command line registers ``bench``.
 """
@@ -34,17 +38,39 @@ from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from hybridspec.bench.harness import BenchConfig
+    from hybridspec.bench.servers import LOOPBACK, ServerSpec, free_port, running, stop, wait_ready
     from hybridspec.bench.session import ModelOptions, execute, open_session
-    from hybridspec.bench.workload import load_workload
+    from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
 
-__all__ = ["BenchConfig", "ModelOptions", "execute", "load_workload", "open_session"]
+__all__ = [
+    "DEFAULT_WORKLOAD",
+    "LOOPBACK",
+    "BenchConfig",
+    "ModelOptions",
+    "ServerSpec",
+    "execute",
+    "free_port",
+    "load_workload",
+    "open_session",
+    "running",
+    "stop",
+    "wait_ready",
+]
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
     globals(),
     {
         "hybridspec.bench.harness": ("BenchConfig",),
+        "hybridspec.bench.servers": (
+            "LOOPBACK",
+            "ServerSpec",
+            "free_port",
+            "running",
+            "stop",
+            "wait_ready",
+        ),
         "hybridspec.bench.session": ("ModelOptions", "execute", "open_session"),
-        "hybridspec.bench.workload": ("load_workload",),
+        "hybridspec.bench.workload": ("DEFAULT_WORKLOAD", "load_workload"),
     },
 )

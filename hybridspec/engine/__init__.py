@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from hybridspec.engine.engine import Engine
     from hybridspec.engine.logprobs import Logprobs
     from hybridspec.engine.loop import EngineLoop
+    from hybridspec.engine.prefix_cache import kv_bytes_per_token
     from hybridspec.engine.request import (
         FinishReason,
         GenerationParams,
@@ -30,6 +31,7 @@ __all__ = [
     "GenerationResult",
     "Logprobs",
     "RequestOutput",
+    "kv_bytes_per_token",
     "warm_up",
 ]
 
@@ -40,6 +42,7 @@ __getattr__, __dir__ = lazy_exports(
         "hybridspec.engine.engine": ("Engine",),
         "hybridspec.engine.logprobs": ("Logprobs",),
         "hybridspec.engine.loop": ("EngineLoop",),
+        "hybridspec.engine.prefix_cache": ("kv_bytes_per_token",),
         "hybridspec.engine.request": (
             "FinishReason",
             "GenerationParams",

@@ -10,6 +10,7 @@ target's logits the same way.
 from hybridspec.verifier.batch import VerifyInput, VerifyKind, VerifyOutput
 from hybridspec.verifier.checks import check_proposal
 from hybridspec.verifier.controls import apply_controls, check_logit_bias
+from hybridspec.verifier.grammar import GrammarState
 from hybridspec.verifier.layout import DraftLayout
 from hybridspec.verifier.sampling import (
     greedy_token_ids,
@@ -21,6 +22,7 @@ from hybridspec.verifier.verify import verify
 
 __all__ = [
     "DraftLayout",
+    "GrammarState",
     "VerifyInput",
     "VerifyKind",
     "VerifyOutput",

@@ -2,8 +2,8 @@
 
 Run from the repository root with the environment's interpreter, e.g.::
 
-    .venv/bin/python benchmarks/startup.py                 # warm caches
-    .venv/bin/python benchmarks/startup.py --fresh-numba   # as after a fresh install
+    .venv/bin/python benchmarks/experiments/serving/startup.py  # warm caches
+    .venv/bin/python benchmarks/experiments/serving/startup.py --fresh-numba  # fresh install
 
 Each figure is measured in a fresh process: ``import hybridspec`` (in-process time, median of
 ``--repeats``), ``Engine()`` on the embedded model (median), then ``hybridspec serve`` from
@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 IMPORT_SNIPPET = (
     "import time; t = time.perf_counter(); import hybridspec; print(time.perf_counter() - t)"
 )

@@ -12,8 +12,8 @@ the median wall time of each, their ratio, the tokens the target was fed (counte
 observer) and whether the texts are identical. Run from the repository root, after
 ``make install``::
 
-    python benchmarks/choices_prefill.py
-    python benchmarks/choices_prefill.py --prompt-tokens 256 --n 2 --repeats 1   # a quick look
+    python benchmarks/experiments/engine/choices_prefill.py
+    python benchmarks/experiments/engine/choices_prefill.py --prompt-tokens 256 --n 2 --repeats 1
 """
 
 from __future__ import annotations

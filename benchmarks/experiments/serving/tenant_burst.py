@@ -2,8 +2,8 @@
 
 Run from the repository root with the environment's interpreter, e.g.::
 
-    .venv/bin/python benchmarks/tenant_burst.py
-    .venv/bin/python benchmarks/tenant_burst.py --repo /work/main --no-keys  # another checkout
+    .venv/bin/python benchmarks/experiments/serving/tenant_burst.py
+    .venv/bin/python benchmarks/experiments/serving/tenant_burst.py --repo /work/main --no-keys
 
 It starts ``hybridspec serve`` (a child process run in ``--repo``, so that checkout's package
 is the one served; on a free loopback port; with an API key file naming tenants ``A`` and ``B``
@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from hybridspec.bench.servers import free_port, stop
+from hybridspec.bench import free_port, stop
 
 A_PROMPT = "Write a long story about a lighthouse keeper and the sea, in many chapters."
 B_PROMPT = "Name three colors of the rainbow."

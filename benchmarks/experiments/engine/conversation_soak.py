@@ -14,7 +14,7 @@ rest of the process's growth (the suffix pools, Python's heap, the allocator) wi
 ``--allowance-mb``.
 Run from the repository root::
 
-    python benchmarks/conversation_soak.py --requests 1000
+    python benchmarks/experiments/engine/conversation_soak.py --requests 1000
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import time
 import torch
 
 from hybridspec.config import EngineConfig, ModelConfig, SuffixConfig
-from hybridspec.engine import Engine, FinishReason, GenerationParams, warm_up
-from hybridspec.engine.prefix_cache import kv_bytes_per_token
+from hybridspec.engine import Engine, FinishReason, GenerationParams, kv_bytes_per_token, warm_up
 
 
 def resident_mb() -> float:

@@ -3,8 +3,9 @@ how often the model calls the tool, answers in text, or the loop fails.
 
 Run from the repository root with the environment's interpreter, e.g.::
 
-    .venv/bin/python benchmarks/agent_loops.py
-    .venv/bin/python benchmarks/agent_loops.py --tries 3 --frameworks instructor openai
+    .venv/bin/python benchmarks/experiments/grammar/agent_loops.py
+    .venv/bin/python benchmarks/experiments/grammar/agent_loops.py --tries 3 \
+        --frameworks instructor openai
 
 One run starts ``python -m hybridspec.cli serve`` with its defaults (the embedded
 SmolLM2-135M-Instruct; a child process on a free loopback port), or uses ``--url``'s server,
@@ -57,7 +58,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field
 
-from hybridspec.bench.servers import LOOPBACK, ServerSpec, running
+from hybridspec.bench import LOOPBACK, ServerSpec, running
 
 KEY = "unused"
 MAX_TURNS = 3

@@ -2,8 +2,8 @@
 
 Run from the repository root with the environment's interpreter, e.g.::
 
-    .venv/bin/python benchmarks/served_vs_library.py
-    .venv/bin/python benchmarks/served_vs_library.py --threads 1 --repeats 5
+    .venv/bin/python benchmarks/experiments/serving/served_vs_library.py
+    .venv/bin/python benchmarks/experiments/serving/served_vs_library.py --threads 1 --repeats 5
 
 One run of this script starts ``hybridspec serve`` (a child process, on a free loopback port)
 and builds an ``Engine`` in this process on the same model, then times one request at a time,
@@ -38,7 +38,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from hybridspec.bench.servers import free_port
+from hybridspec.bench import free_port
 
 PROMPT = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle. "

@@ -1,6 +1,6 @@
 """JSON extraction under a schema: ``grammar+ngram`` against ``none`` and ``ngram``.
 
-The workload (``benchmarks/json_extraction.json``): 25 short texts written for this benchmark
+The workload (``json_extraction.json`` beside this file): 25 short texts written for this benchmark
 (invented invoices, shipments, appointments, support tickets and reviews: in no training
 data), each with the JSON schema of what to extract (keys, enums, numbers, booleans). Every
 answer is generated under its schema (``response_format`` json_schema strict, through
@@ -19,7 +19,8 @@ Reported, from one run (the machine may be shared: compare the ratios, taken in 
 
 Run from the repository root, after ``make install`` (a few minutes)::
 
-    python benchmarks/json_extraction.py [--k 8] [--max-new-tokens 160] [--prompts 25]
+    python benchmarks/experiments/grammar/json_extraction.py [--k 8] [--max-new-tokens 160] \
+        [--prompts 25]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig
 from hybridspec.types import GrammarSpec
-from hybridspec.verifier.grammar import GrammarState
+from hybridspec.verifier import GrammarState
 
 WORKLOAD = Path(__file__).with_name("json_extraction.json")
 METHODS = ("none", "ngram", "grammar+ngram")

@@ -20,8 +20,8 @@ measures, in order:
    every stream ended with ``[DONE]``, whether the queued got JSON 503s, and the seconds to
    exit.
 
-Run: ``python benchmarks/robustness.py`` (about 6 minutes on a loaded 2-core machine); prints
-one JSON object. ``--memory`` measures (1) and (3) only (about 2 minutes).
+Run: ``python benchmarks/experiments/serving/robustness.py`` (about 6 minutes on a loaded 2-core
+machine); prints one JSON object. ``--memory`` measures (1) and (3) only (about 2 minutes).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from hybridspec.bench.servers import free_port  # noqa: E402
+from hybridspec.bench import free_port  # noqa: E402
 from tests.server.test_hostile_inputs import CHAT_CASES, properties, schema_format  # noqa: E402
 
 USER = [{"role": "user", "content": "Write a long story about a cat."}]

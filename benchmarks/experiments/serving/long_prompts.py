@@ -16,9 +16,9 @@ loopback port and measures, in order:
    arrive at once: the largest gap between two events of one stream's answer while any long
    prompt runs; ``ten_long_s_median`` / ``ten_long_s_max``: the long prompts' times.
 
-Run: ``python benchmarks/long_prompts.py REPO [--tokens 7800] [--skip-ten]`` (REPO: the
-checkout to serve, e.g. ``.``; about 6-10 minutes on a quiet 2-core machine); prints one JSON
-object.
+Run: ``python benchmarks/experiments/serving/long_prompts.py REPO [--tokens 7800] [--skip-ten]``
+(REPO: the checkout to serve, e.g. ``.``; about 6-10 minutes on a quiet 2-core machine); prints
+one JSON object.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ STREAM_TOKENS = 400
 
 def start_server(repo: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     """``hybridspec serve`` of ``repo`` (its .venv's Python where it has one), once ready."""
-    from hybridspec.bench.servers import wait_ready
+    from hybridspec.bench import wait_ready
 
     python = repo / ".venv" / "bin" / "python"
     command = [str(python if python.exists() else sys.executable), "-m", "hybridspec.cli"]
@@ -199,7 +199,7 @@ def main() -> None:
     args = parser.parse_args()
     repo = args.repo.resolve()
     sys.path.insert(0, str(repo))  # the served checkout's bench helpers
-    from hybridspec.bench.servers import free_port
+    from hybridspec.bench import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
