@@ -14,7 +14,8 @@ Two continuations (``NgramConfig.continuation``):
   context, predictions chained; defined in the glossary below.
 
 ``"copy"`` is the default because on input-grounded prompts it yields more tokens per forward
-than ``"frequency"``, greedy and sampled (``benchmarks/ngram_variants.py`` prices the variants).
+than ``"frequency"``, greedy and sampled (figures: ``benchmarks/results/model.md``, "Figures
+that docstrings used to carry").
 
 Glossary:
 
