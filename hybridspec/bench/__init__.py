@@ -23,7 +23,7 @@ concurrent trials); *outside-forward share* is the part of a request's wall time
 the target model's forward.
 
 The experiments in ``benchmarks/experiments/`` use only the names in ``__all__``: the harness's
-entry points, the default workload, and ``servers``' helpers that start a server as a process
+entry points and ``servers``' helpers that start a server as a process
 on a free loopback port (``ServerSpec``, ``running``, ``free_port``, ``wait_ready``, ``stop``).
 
 Names are imported on first use (``hybridspec.lazy``), so that ``hybridspec serve`` does not pay
@@ -38,13 +38,11 @@ from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from hybridspec.bench.harness import BenchConfig
-    from hybridspec.bench.servers import LOOPBACK, ServerSpec, free_port, running, stop, wait_ready
+    from hybridspec.bench.servers import ServerSpec, free_port, running, stop, wait_ready
     from hybridspec.bench.session import ModelOptions, execute, open_session
-    from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
+    from hybridspec.bench.workload import load_workload
 
 __all__ = [
-    "DEFAULT_WORKLOAD",
-    "LOOPBACK",
     "BenchConfig",
     "ModelOptions",
     "ServerSpec",
@@ -63,7 +61,6 @@ __getattr__, __dir__ = lazy_exports(
     {
         "hybridspec.bench.harness": ("BenchConfig",),
         "hybridspec.bench.servers": (
-            "LOOPBACK",
             "ServerSpec",
             "free_port",
             "running",
@@ -71,6 +68,6 @@ __getattr__, __dir__ = lazy_exports(
             "wait_ready",
         ),
         "hybridspec.bench.session": ("ModelOptions", "execute", "open_session"),
-        "hybridspec.bench.workload": ("DEFAULT_WORKLOAD", "load_workload"),
+        "hybridspec.bench.workload": ("load_workload",),
     },
 )

@@ -58,7 +58,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field
 
-from hybridspec.bench import LOOPBACK, ServerSpec, running
+from hybridspec.bench import ServerSpec, running
 
 KEY = "unused"
 MAX_TURNS = 3
@@ -419,7 +419,7 @@ def server(url: str | None) -> Iterator[str]:
     if url is not None:
         yield url
         return
-    command = [sys.executable, "-m", "hybridspec.cli", "serve", "--host", LOOPBACK]
+    command = [sys.executable, "-m", "hybridspec.cli", "serve", "--host", "127.0.0.1"]
     spec = ServerSpec("hybridspec", lambda port: [*command, "--port", str(port)], ours=True)
     with tempfile.TemporaryDirectory() as tmp, running(spec, Path(tmp) / "serve.log") as base:
         yield base
