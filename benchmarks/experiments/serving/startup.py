@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from hybridspec.bench import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 IMPORT_SNIPPET = (
@@ -56,12 +57,6 @@ def delete_numba_cache() -> int:
     for path in files:
         path.unlink()
     return len(files)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def get_status(url: str) -> int | None:
