@@ -7,6 +7,7 @@ import random
 import pytest
 
 from hybridspec import Engine, GenerationParams
+from hybridspec.config import EngineConfig
 from hybridspec.engine.scheduler import Scheduler, StepPlan
 from hybridspec.engine.step_budget import (
     MIN_OBSERVATIONS,
@@ -82,6 +83,21 @@ def test_deeper_chunks_are_smaller_and_a_bigger_ratio_grants_more() -> None:
 
     assert chunk(0, 20.0) > chunk(2000, 20.0) > chunk(6000, 20.0) > 32
     assert chunk(2000, 40.0) > chunk(2000, 20.0)
+
+
+def test_bound_is_capped_however_slow_the_decoding_forward() -> None:
+    """Decoding spans of 100 rows (4 x their forward: 0.47 s) prefill within ``max_seconds``,
+    so their next tokens come no later; a forward already past the cap still moves the first
+    prompt by ``min_chunk``."""
+    scheduler = Scheduler(8, 512, StepBudget(COST, 4.0, 0.15, max_seconds=0.18))
+    decoding, long_prompt = running(scheduler, 101, 8000)
+    decoding.speculation.last_verified = 100
+    [(request, tokens)] = scheduler.plan([100, 0]).prefill
+    assert request is long_prompt and tokens > 32
+    assert step_seconds([(100, 100)], [(0, tokens)]) <= 0.18
+    assert step_seconds([(100, 100)], [(0, tokens + 1)]) > 0.18
+    decoding.speculation.last_verified = 200  # 0.23 s alone
+    assert scheduler.plan([100, 0]).prefill == [(long_prompt, 32)]
 
 
 def test_prompt_alone_feeds_full_chunks_whatever_the_cost() -> None:
@@ -205,6 +221,19 @@ def test_budget_rejects_bad_settings(
 ) -> None:
     with pytest.raises(ValueError, match=field):
         StepBudget(COST, ratio, min_seconds, min_chunk)
+
+
+@pytest.mark.parametrize("max_seconds", [0.1, float("nan")])
+def test_budget_rejects_a_cap_below_its_floor(max_seconds: float) -> None:
+    with pytest.raises(ValueError, match="max_seconds"):
+        StepBudget(COST, 4.0, 0.15, max_seconds=max_seconds)
+
+
+def test_engine_config_caps_the_step_within_its_floor_and_a_minute() -> None:
+    assert EngineConfig().prefill_step_min_s <= EngineConfig().prefill_step_max_s
+    for bad in (0.1, 61.0, float("nan"), "0.2"):
+        with pytest.raises(ValueError, match="prefill_step_max_s"):
+            EngineConfig(prefill_step_min_s=0.15, prefill_step_max_s=bad)  # type: ignore[arg-type]
 
 
 def test_shared_step_never_prefills_more_than_a_step_alone() -> None:
