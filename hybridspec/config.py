@@ -262,7 +262,8 @@ class EngineConfig:
     # A step that prefills beside decoding requests is bounded in time (engine.step_budget):
     # its forward may take this many times the decoding requests' forward alone, at least
     # prefill_step_min_s and at most prefill_step_max_s seconds (a stream's gap between tokens
-    # while prompts prefill); its prompts' chunks are sized to fit. None: no time bound,
+    # while prompts prefill; or twice the decoding forward where that is more); its prompts'
+    # chunks are sized to fit. None: no time bound,
     # prefill_chunk_size tokens per step however deep.
     prefill_step_ratio: float | None = 4.0
     prefill_step_min_s: float = 0.15

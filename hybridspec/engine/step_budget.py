@@ -9,7 +9,9 @@ depth. Instead, ``StepBudget`` prices the step with a cost model of the forward 
 and grants each prefilling request the most tokens that keep the step within a bound: ``ratio``
 times what the decoding requests' forward alone is estimated to take, at least ``min_seconds`` and
 at most ``max_seconds`` (a decoding request's tokens come a step apart, so this caps its gaps while
-prompts prefill, however many decode beside it). The first prefilling request gets at least
+prompts prefill, however many decode beside it), unless the decoding requests' forward alone takes
+more than half of it: a prompt always gets as much of a step as they do (``FAIR_SHARE``), so a
+slow model's or a large batch's streams never starve it. The first prefilling request gets at least
 ``min_chunk`` tokens, so a prompt always progresses. A step with no decoding request is not bounded
 in time: prompts then feed ``prefill_chunk_size`` tokens per step, at full speed
 (``Scheduler.plan``).
@@ -42,6 +44,7 @@ SCORES_UNIT = 1000.0  # the fit's unit of query-key pairs, so its three columns 
 PRIOR_DOUBLING_CONTEXT = 2048
 PRIOR_FIXED_ROWS = 8  # and a forward's fixed cost is that of this many rows (weakly held)
 EXTRAPOLATION = 2  # the most rows priced, in multiples of the most timed
+FAIR_SHARE = 2  # a shared step may always take this many times its decoding requests' forward
 
 
 def attention_scores(cached: int, num_rows: int) -> int:
@@ -138,7 +141,8 @@ class StepBudget:
         decode_s = self.cost.seconds(num_rows, num_scores)
         if decode_s is None:
             return None
-        bound = max(min(self.ratio * decode_s, self.max_seconds), self.min_seconds)
+        ceiling = max(self.max_seconds, min(FAIR_SHARE, self.ratio) * decode_s)
+        bound = max(min(self.ratio * decode_s, ceiling), self.min_seconds)
         return StepChunks(self, bound, max_tokens, num_rows, num_scores)
 
 
