@@ -260,11 +260,14 @@ class EngineConfig:
     max_queue_size: int = 64  # requests waiting for a batch slot before CapacityError
     prefill_chunk_size: int = 512  # prompt tokens per prefill forward with nothing decoding
     # A step that prefills beside decoding requests is bounded in time (engine.step_budget):
-    # its forward may take this many times the decoding requests' forward alone, and at least
-    # prefill_step_min_s seconds; its prompts' chunks are sized to fit. None: no time bound,
+    # its forward may take this many times the decoding requests' forward alone, at least
+    # prefill_step_min_s and at most prefill_step_max_s seconds (a stream's gap between tokens
+    # while prompts prefill; or twice the decoding forward where that is more); its prompts'
+    # chunks are sized to fit. None: no time bound,
     # prefill_chunk_size tokens per step however deep.
     prefill_step_ratio: float | None = 4.0
     prefill_step_min_s: float = 0.15
+    prefill_step_max_s: float = 0.18
     # Adaptive speculation (engine.speculation): each round, a request asks for the drafts
     # (at most its K) whose estimated chance of acceptance pays for verifying them. False: K.
     adaptive_speculation: bool = True
@@ -347,6 +350,13 @@ class EngineConfig:
             _is_number(self.prefill_step_min_s) and 0 <= self.prefill_step_min_s <= 60,
             "prefill_step_min_s",
             f"expected a number of seconds in [0, 60], got {self.prefill_step_min_s!r}",
+        )
+        check(
+            _is_number(self.prefill_step_max_s)
+            and self.prefill_step_min_s <= self.prefill_step_max_s <= 60,
+            "prefill_step_max_s",
+            f"expected a number of seconds in [prefill_step_min_s, 60], "
+            f"got {self.prefill_step_max_s!r}",
         )
         check(
             _is_int(self.prefill_chunk_size) and self.prefill_chunk_size >= 16,

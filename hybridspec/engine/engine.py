@@ -149,7 +149,13 @@ class Engine(Admission):
         ratio = self.config.prefill_step_ratio
         if ratio is None:
             return None
-        return StepBudget(self.forward_cost, ratio, self.config.prefill_step_min_s)
+        config = self.config
+        return StepBudget(
+            self.forward_cost,
+            ratio,
+            config.prefill_step_min_s,
+            max_seconds=config.prefill_step_max_s,
+        )
 
     def _prefix_cache_mb(self) -> int:
         """The prefix cache's budget of resident memory (0: off). By default it is on where

@@ -1,16 +1,20 @@
 """A step's prefill sized in time: how many prompt tokens each prefilling request feeds in a
 step that decoding requests share.
 
-A chunk of ``n`` prompt tokens after ``s`` cached ones costs more the deeper it sits: each of
-its rows attends over every key before it, ``n s + n (n + 1) / 2`` query-key pairs in all
-(``attention_scores``), besides the ``n`` rows' matmuls. A fixed number of tokens per step
-therefore makes every decoding request that shares the step wait for a forward that grows with
-the prompt's depth. Instead, ``StepBudget`` prices the step with a cost model of the forward
-(``ForwardCost``) and grants each prefilling request the most tokens that keep the step within
-a bound: ``ratio`` times what the decoding requests' forward alone is estimated to take, and
-at least ``min_seconds``. The first prefilling request gets at least ``min_chunk`` tokens, so a
-prompt always progresses. A step with no decoding request is not bounded in time: prompts then
-feed ``prefill_chunk_size`` tokens per step, at full speed (``Scheduler.plan``).
+A chunk of ``n`` prompt tokens after ``s`` cached ones costs more the deeper it sits: each of its
+rows attends over every key before it, ``n s + n (n + 1) / 2`` query-key pairs in all
+(``attention_scores``), besides the ``n`` rows' matmuls. A fixed number of tokens per step therefore
+makes every decoding request that shares the step wait for a forward that grows with the prompt's
+depth. Instead, ``StepBudget`` prices the step with a cost model of the forward (``ForwardCost``)
+and grants each prefilling request the most tokens that keep the step within a bound: ``ratio``
+times what the decoding requests' forward alone is estimated to take, at least ``min_seconds`` and
+at most ``max_seconds`` (a decoding request's tokens come a step apart, so this caps its gaps while
+prompts prefill, however many decode beside it), unless the decoding requests' forward alone takes
+more than half of it: a prompt always gets as much of a step as they do (``FAIR_SHARE``), so a
+slow model's or a large batch's streams never starve it. The first prefilling request gets at least
+``min_chunk`` tokens, so a prompt always progresses. A step with no decoding request is not bounded
+in time: prompts then feed ``prefill_chunk_size`` tokens per step, at full speed
+(``Scheduler.plan``).
 
 ``FittedForwardCost`` is the cost model the engine uses: ``seconds = a + b rows + c scores``,
 fitted to the measured time of every forward the engine runs (``RoundSteps``), recent forwards
@@ -40,6 +44,7 @@ SCORES_UNIT = 1000.0  # the fit's unit of query-key pairs, so its three columns 
 PRIOR_DOUBLING_CONTEXT = 2048
 PRIOR_FIXED_ROWS = 8  # and a forward's fixed cost is that of this many rows (weakly held)
 EXTRAPOLATION = 2  # the most rows priced, in multiples of the most timed
+FAIR_SHARE = 2  # a shared step may always take this many times its decoding requests' forward
 
 
 def attention_scores(cached: int, num_rows: int) -> int:
@@ -109,12 +114,18 @@ class StepBudget:
     ratio: float  # times the decoding requests' own forward
     min_seconds: float  # the bound is never below this
     min_chunk: int = MIN_PREFILL_CHUNK
+    max_seconds: float = math.inf  # nor above this (>= min_seconds)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ratio) and self.ratio >= 1):
             raise ValueError(f"ratio: expected a number >= 1, got {self.ratio!r}")
         if not (math.isfinite(self.min_seconds) and self.min_seconds >= 0):
             raise ValueError(f"min_seconds: expected a number >= 0, got {self.min_seconds!r}")
+        if not (self.max_seconds >= self.min_seconds):  # inf allowed; NaN is not
+            raise ValueError(
+                f"max_seconds: expected a number >= min_seconds ({self.min_seconds!r}), "
+                f"got {self.max_seconds!r}"
+            )
         if self.min_chunk < 1:
             raise ValueError(f"min_chunk: expected an integer >= 1, got {self.min_chunk!r}")
 
@@ -130,7 +141,8 @@ class StepBudget:
         decode_s = self.cost.seconds(num_rows, num_scores)
         if decode_s is None:
             return None
-        bound = max(self.ratio * decode_s, self.min_seconds)
+        ceiling = max(self.max_seconds, min(FAIR_SHARE, self.ratio) * decode_s)
+        bound = max(min(self.ratio * decode_s, ceiling), self.min_seconds)
         return StepChunks(self, bound, max_tokens, num_rows, num_scores)
 
 

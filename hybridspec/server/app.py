@@ -1,11 +1,11 @@
 """The app factory. Importing or creating the app loads no model: ``lifespan`` does.
 
-On startup the lifespan builds the Engine (``engine_factory``, by default ``Engine``), warms it
-up (``hybridspec.engine.warmup``: every kernel compiled or loaded from its disk cache before
-the first request), hands it to an EngineLoop (the one thread that steps it), keeps a
-ServerState on ``app.state.server`` and logs one ``ready:`` line. Until then the server accepts
-no connection, so ``/health`` answers 200 only once the engine is warm. On shutdown it aborts
-whatever the engine still holds, stops the loop and closes the engine.
+On startup the lifespan builds the Engine (``engine_factory``, by default ``Engine``), warms it up
+(``hybridspec.engine.warmup``: every kernel compiled or loaded from its disk cache before the first
+request; then the grammar compiler, ``GrammarPool.warm``), hands it to an EngineLoop (the one thread
+that steps it), keeps a ServerState on ``app.state.server`` and logs one ``ready:`` line. Until then
+the server accepts no connection, so ``/health`` answers 200 only once the engine is warm. On
+shutdown it aborts whatever the engine still holds, stops the loop and closes the engine.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def create_app(
             model = await loop.call(lambda e: ModelInfo.from_engine(e, server_config))
             prompts = prompt_encoder(engine, server_config)
             grammars = GrammarPool(engine.grammars, server_config.grammar_timeout_s)
+            await grammars.warm()  # not on the first structured request's path (server.grammars)
             state = ServerState(
                 server_config, loop, model, metrics, prompts, grammars, cluster=cluster
             )

@@ -6,6 +6,11 @@ runs ``verifier.grammar.Grammars.compile`` (which first refuses a source beyond
 to the engine inside the ``GrammarSpec``; the engine thread then only builds a matcher. A
 request whose grammar is compiling holds no slot and delays no other request's round.
 
+``GrammarPool.warm`` builds the compiler and compiles one grammar at start-up (the lifespan
+awaits it): importing xgrammar and reading the tokenizer's vocabulary hold the interpreter
+lock for a fraction of a second, which would otherwise pause every stream when the first
+structured request arrives.
+
 A compile that passes ``timeout_s`` cannot be interrupted (xgrammar's C++ runs to its end): the
 request gets a 400 ``invalid_grammar`` naming its field at the deadline, and the compile goes
 on in the background. Compiles in flight, strays included, are at most ``max_in_flight``;
@@ -21,7 +26,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from hybridspec.errors import CapacityError, GrammarError
+from hybridspec.errors import CapacityError, GrammarError, InvalidRequestError
 from hybridspec.types import GrammarSpec
 from hybridspec.verifier.grammar import Grammars
 
@@ -51,6 +56,17 @@ class GrammarPool:
         with self._build_lock:
             grammars = self._grammars()
         return dataclasses.replace(spec, compiled=grammars.compile(spec, param))
+
+    async def warm(self) -> bool:
+        """Build the compiler and compile ``json_object`` once, on a worker thread; False (and
+        nothing built) where the model has no tokenizer, so no grammar can be served."""
+        spec = GrammarSpec("json_object")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, self._compile, spec, "response_format")
+        except InvalidRequestError:
+            return False
+        return True
 
     async def compile(self, spec: GrammarSpec | None, param: str) -> GrammarSpec | None:
         """``spec`` with its compiled grammar (None stays None); GrammarError naming ``param``

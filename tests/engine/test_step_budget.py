@@ -7,6 +7,7 @@ import random
 import pytest
 
 from hybridspec import Engine, GenerationParams
+from hybridspec.config import EngineConfig
 from hybridspec.engine.scheduler import Scheduler, StepPlan
 from hybridspec.engine.step_budget import (
     MIN_OBSERVATIONS,
@@ -82,6 +83,20 @@ def test_deeper_chunks_are_smaller_and_a_bigger_ratio_grants_more() -> None:
 
     assert chunk(0, 20.0) > chunk(2000, 20.0) > chunk(6000, 20.0) > 32
     assert chunk(2000, 40.0) > chunk(2000, 20.0)
+
+
+def test_bound_is_capped_unless_decoding_alone_takes_half_the_cap() -> None:
+    """Decoding spans of 60 rows (0.074 s; 4 x: 0.30 s) leave the prompt what fits in
+    ``max_seconds``, so their next tokens come no later; spans of 200 rows (0.23 s, past the
+    cap) still leave it as much time as they take (twice their forward in all)."""
+    scheduler = Scheduler(8, 512, StepBudget(COST, 4.0, 0.15, max_seconds=0.18))
+    decoding, long_prompt = running(scheduler, 101, 8000)
+    for rows, bound in ((60, 0.18), (200, 2 * step_seconds([(100, 200)], []))):
+        decoding.speculation.last_verified = rows
+        [(request, tokens)] = scheduler.plan([100, 0]).prefill
+        assert request is long_prompt and tokens > 32
+        assert step_seconds([(100, rows)], [(0, tokens)]) <= bound
+        assert step_seconds([(100, rows)], [(0, tokens + 1)]) > bound
 
 
 def test_prompt_alone_feeds_full_chunks_whatever_the_cost() -> None:
@@ -205,6 +220,19 @@ def test_budget_rejects_bad_settings(
 ) -> None:
     with pytest.raises(ValueError, match=field):
         StepBudget(COST, ratio, min_seconds, min_chunk)
+
+
+@pytest.mark.parametrize("max_seconds", [0.1, float("nan")])
+def test_budget_rejects_a_cap_below_its_floor(max_seconds: float) -> None:
+    with pytest.raises(ValueError, match="max_seconds"):
+        StepBudget(COST, 4.0, 0.15, max_seconds=max_seconds)
+
+
+def test_engine_config_caps_the_step_within_its_floor_and_a_minute() -> None:
+    assert EngineConfig().prefill_step_min_s <= EngineConfig().prefill_step_max_s
+    for bad in (0.1, 61.0, float("nan"), "0.2"):
+        with pytest.raises(ValueError, match="prefill_step_max_s"):
+            EngineConfig(prefill_step_min_s=0.15, prefill_step_max_s=bad)  # type: ignore[arg-type]
 
 
 def test_shared_step_never_prefills_more_than_a_step_alone() -> None:

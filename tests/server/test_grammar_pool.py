@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hybridspec.errors import CapacityError, GrammarError
+from hybridspec.errors import CapacityError, GrammarError, InvalidRequestError
 from hybridspec.model.loader import LoadedModel
 from hybridspec.server.grammars import GrammarPool
 from hybridspec.types import GrammarSpec
@@ -78,6 +78,29 @@ def test_a_compiled_spec_carries_its_grammar_and_keeps_its_identity() -> None:
     assert compiled == spec and compiled is not None and compiled.compiled == "compiled a+"
     assert asyncio.run(pool.compile(None, "response_format")) is None
     pool.close()
+
+
+def test_warm_builds_the_compiler_and_compiles_once_off_the_event_loop() -> None:
+    """The lifespan's warm-up: one json_object compile on a worker thread; a model without a
+    tokenizer (the engine's ``grammars`` refuses) is left unwarmed, not an error."""
+    slow = SlowGrammars(0)
+    threads: list[str] = []
+
+    def build() -> SlowGrammars:
+        threads.append(threading.current_thread().name)
+        return slow
+
+    pool = GrammarPool(build)  # type: ignore[arg-type,return-value]
+    assert asyncio.run(pool.warm()) is True
+    assert slow.calls == 1 and threads[0].startswith("grammar")
+    pool.close()
+
+    def no_tokenizer() -> SlowGrammars:
+        raise InvalidRequestError("structured output needs the model's tokenizer", "grammar")
+
+    unwarmed = GrammarPool(no_tokenizer)  # type: ignore[arg-type,return-value]
+    assert asyncio.run(unwarmed.warm()) is False
+    unwarmed.close()
 
 
 def test_the_cache_stays_within_its_bytes(tiny_model: LoadedModel) -> None:

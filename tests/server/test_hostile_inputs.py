@@ -17,8 +17,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hybridspec.engine import Engine
+from hybridspec.errors import InvalidRequestError
 from hybridspec.model.loader import LoadedModel
-from hybridspec.server import ServerConfig, create_app
+from hybridspec.server import ServerConfig, create_app, inputs
+from hybridspec.server.protocol import ChatCompletionRequest
 from hybridspec.verifier.grammar_bounds import MAX_OPTIONAL, MAX_PROPERTIES
 from tests.server.conftest import TINY_MODEL_NAME, tiny_engine_config
 
@@ -170,6 +172,40 @@ def test_hostile_chat_bodies_are_quick_400s_naming_the_field(
 def test_a_surrogate_in_a_prompt_is_a_400(client: TestClient) -> None:
     error = post(client, "/v1/completions", {"prompt": ["ok", "\udfff"], "max_tokens": 2})
     assert error["param"] == "prompt[1]"
+
+
+def test_the_text_check_walks_only_a_body_that_holds_a_surrogate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A clean body, however large (10,000 properties), is cleared by pydantic's serializer
+    without the Python walk that would hold the interpreter lock; a surrogate deep in a schema
+    (as a value or as a key) is still named by its path, and so is one past the
+    serializer's depth."""
+    walked: list[str] = []
+    walk = inputs._surrogate_path
+    monkeypatch.setattr(
+        inputs, "_surrogate_path", lambda value, path: walked.append(path) or walk(value, path)
+    )
+    clean = schema_format(properties(10_000))
+    inputs.check_text(ChatCompletionRequest.model_validate(chat_with(response_format=clean)))
+    assert walked == []
+    in_value = properties(3)
+    in_value["properties"]["p1"] = {"type": "string", "enum": ["a", "\udc00"]}
+    in_key = properties(3)
+    in_key["properties"]["\ud800"] = {"type": "string"}
+    too_deep = nested(900)
+    leaf = too_deep
+    while "items" in leaf:
+        leaf = leaf["items"]
+    leaf["type"] = "\udc01"
+    for schema in (in_value, in_key, too_deep):
+        if schema is too_deep:
+            monkeypatch.undo()  # the spy doubles the walk's frames: too deep for it
+        body = json.loads(json.dumps(chat_with(response_format=schema_format(schema))))
+        with pytest.raises(InvalidRequestError) as error:
+            inputs.check_text(ChatCompletionRequest.model_validate(body))
+        assert str(error.value.param).startswith("response_format.json_schema.schema")
+    assert walked
 
 
 def test_a_huge_input_is_not_echoed_back_whole(client: TestClient) -> None:

@@ -9,12 +9,18 @@ loopback port and measures, in order:
    (distinct each time: no prefix-cache hit), 16 new tokens, nothing else running: its time,
    its time to the first token, and prompt tokens per second of that; the median of 2.
 3. ``canary_max_gap_s`` / ``shared_s``: the same prompt while a canary streams (400-token
-   answers, back to back): the canary's largest gap between two events of one answer while the
+   answers, back to back): the canary's largest gap between two tokens of one answer while the
    long prompt runs, and the long prompt's time; ``shared_over_alone`` = shared_s / alone_s.
-   The worst of 2 runs.
+   The worst of 2 runs. ``canary_max_text_gap_s``: the largest gap between two events that
+   carry text; a token without text of its own (a special token, part of a character) makes
+   it span two tokens or more.
 4. ``ten_max_gap_s``: 8 streams run (400-token answers, back to back) and 10 such long prompts
-   arrive at once: the largest gap between two events of one stream's answer while any long
-   prompt runs; ``ten_long_s_median`` / ``ten_long_s_max``: the long prompts' times.
+   arrive at once: the largest gap between two tokens of one stream's answer while any long
+   prompt runs (``ten_max_text_gap_s``: between texts); ``ten_long_s_median`` /
+   ``ten_long_s_max``: the long prompts' times.
+
+The streams ask for ``stream_options.include_drafts``, so that every output, with text or not,
+is an event that lists its tokens: a gap between tokens is then seen as the server makes it.
 
 Run: ``python benchmarks/experiments/serving/long_prompts.py REPO [--tokens 7800] [--skip-ten]``
 (REPO: the checkout to serve, e.g. ``.``; about 6-10 minutes on a quiet 2-core machine); prints
@@ -94,11 +100,12 @@ def timed_completion(url: str, prompt: list[int] | str, max_tokens: int) -> dict
 
 class Streams:
     """``count`` clients streaming 400-token answers back to back; every gap between two
-    events of one answer is kept with its time."""
+    tokens of one answer is kept with its time, and every gap between two texts."""
 
     def __init__(self, url: str, count: int) -> None:
         self.url, self.stop = url, threading.Event()
         self.gaps: list[tuple[float, float]] = []  # (when, gap)
+        self.text_gaps: list[tuple[float, float]] = []
         self.errors = 0
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(count)]
 
@@ -112,8 +119,9 @@ class Streams:
         for thread in self.threads:
             thread.join(600)
 
-    def max_gap(self, start: float, end: float) -> float:
-        return max((g for t, g in self.gaps if start <= t <= end), default=0.0)
+    def max_gap(self, start: float, end: float, text: bool = False) -> float:
+        gaps = self.text_gaps if text else self.gaps
+        return max((g for t, g in gaps if start <= t <= end), default=0.0)
 
     def _run(self) -> None:
         body = {
@@ -121,6 +129,7 @@ class Streams:
             "max_tokens": STREAM_TOKENS,
             "ignore_eos": True,
             "stream": True,
+            "stream_options": {"include_drafts": True},
         }
         with httpx.Client(base_url=self.url, timeout=1200) as client:
             while not self.stop.is_set():
@@ -129,14 +138,20 @@ class Streams:
                         self.errors += 1
                         time.sleep(0.2)
                         continue
-                    last = None
+                    last: dict[str, float] = {}  # gaps within an answer, not its queueing
                     for line in response.iter_lines():
                         if not line.startswith("data: {"):
                             continue
                         now = time.perf_counter()
-                        if last is not None:  # gaps within an answer, not its queueing
-                            self.gaps.append((now, now - last))
-                        last = now
+                        choice = json.loads(line[6:])["choices"][0]
+                        for kind, gaps, seen in (
+                            ("token", self.gaps, choice.get("tokens")),
+                            ("text", self.text_gaps, choice.get("text")),
+                        ):
+                            if seen:
+                                if kind in last:
+                                    gaps.append((now, now - last[kind]))
+                                last[kind] = now
 
 
 def decode_rate(url: str) -> float:
@@ -155,7 +170,7 @@ def alone(url: str, tokens: int) -> dict[str, float]:
 
 
 def with_canary(url: str, tokens: int) -> dict[str, float]:
-    gaps, times = [], []
+    gaps, text_gaps, times = [], [], []
     for i in range(2):
         with Streams(url, 1) as canary:
             time.sleep(3)
@@ -164,8 +179,13 @@ def with_canary(url: str, tokens: int) -> dict[str, float]:
             end = time.perf_counter()
             time.sleep(1)
         gaps.append(canary.max_gap(start, end))
+        text_gaps.append(canary.max_gap(start, end, text=True))
         times.append(run["last"])
-    return {"canary_max_gap_s": max(gaps), "shared_s": max(times)}
+    return {
+        "canary_max_gap_s": max(gaps),
+        "canary_max_text_gap_s": max(text_gaps),
+        "shared_s": max(times),
+    }
 
 
 def ten_long(url: str, tokens: int) -> dict[str, float]:
@@ -185,6 +205,7 @@ def ten_long(url: str, tokens: int) -> dict[str, float]:
         end = time.perf_counter()
     return {
         "ten_max_gap_s": streams.max_gap(start, end),
+        "ten_max_text_gap_s": streams.max_gap(start, end, text=True),
         "ten_long_s_median": statistics.median(times),
         "ten_long_s_max": max(times),
         "ten_stream_errors": streams.errors,
