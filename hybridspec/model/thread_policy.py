@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,9 +121,13 @@ class ThreadController:
         self._margin, self._slowdown = margin, slowdown
         self._period = window  # the first probe at once: a busy start costs most
         self._since_probe = 0
-        self._recent: list[float] = []  # the current count's last ``window`` step times
+        self._recent: deque[float] = deque(maxlen=window)  # the last steps at this count
+        # the current count's last steps outside probes: a probe's baseline, two windows long
+        # so that one stray stall (a collection, another process's burst) cannot fake a win
+        self._history: deque[float] = deque(maxlen=2 * window)
         self._reference: float | None = None  # the current count's median after a decision
         self._probe: int | None = None  # the count to return to, while a probe runs
+        self._probed: list[float] = []  # the probe's step times
         self._baseline = 0.0  # the current count's mean step time when the probe began
         self._skip = 0  # steps not counted after a switch (the pool wakes up)
         self._upward = False  # the direction of the next probe, alternating
@@ -143,10 +148,12 @@ class ThreadController:
         if self._skip:
             self._skip -= 1
             return self.threads
-        self._recent = [*self._recent, seconds][-self._window :]
         if self._probe is not None:
+            self._probed.append(seconds)
             self._judge_probe()
             return self.threads
+        self._recent.append(seconds)
+        self._history.append(seconds)
         self._since_probe += 1
         if len(self._recent) == self._window:
             median = statistics.median(self._recent)
@@ -154,18 +161,28 @@ class ThreadController:
                 self._reference = median
             slowed = median > self._reference * self._slowdown
             if slowed or self._since_probe >= self._period:
-                self._start_probe(statistics.fmean(self._recent))
+                self._start_probe(statistics.fmean(self._history))
         return self.threads
 
     def _judge_probe(self) -> None:
         """Keep the probed count once a full window beats the baseline by the margin; go back
-        at once where the first steps are clearly slower, or where the window does not win."""
-        mean = statistics.fmean(self._recent)
-        if len(self._recent) == self._window and mean < self._baseline * (1 - self._margin):
+        at once where the first steps are clearly slower, or where the window does not win.
+
+        One stray stall (a collection, another process's burst) must not decide alone: the
+        early return needs the steps but the slowest clearly slower, and a window that loses
+        only by its slowest step (it would win without) runs on for a second window, which must
+        win without its slowest step too. Under load, too many threads stall often, not once."""
+        steps, margin = self._probed, self._margin
+        mean = statistics.fmean(steps)
+        but_slowest = (sum(steps) - max(steps)) / (len(steps) - 1) if len(steps) > 1 else mean
+        wins = but_slowest if len(steps) == 2 * self._window else mean
+        clearly_slower = but_slowest > self._baseline * (1 + 2 * margin)
+        lost = len(steps) == 2 * self._window or (
+            len(steps) == self._window and but_slowest >= self._baseline * (1 - margin)
+        )
+        if len(steps) % self._window == 0 and wins < self._baseline * (1 - margin):
             self._keep_probe()
-        elif len(self._recent) == self._window or (
-            len(self._recent) >= self._min_probe and mean > self._baseline * (1 + 2 * self._margin)
-        ):
+        elif (len(steps) >= self._min_probe and clearly_slower) or lost:
             self._end_probe()
 
     def _start_probe(self, baseline: float) -> None:
@@ -184,14 +201,19 @@ class ThreadController:
         self._probe = None
         self._since_probe = 0
         self._period = self._first_period
-        self._reference = statistics.median(self._recent)
-        self._recent = []
+        self._reference = statistics.median(self._probed)
+        self._history.clear()
+        self._history.extend(self._probed)
+        self._recent.clear()
+        self._recent.extend(self._probed)
+        self._probed = []
 
     def _end_probe(self) -> None:
         """The probed count lost: return, and probe less often."""
         previous = self._probe
         assert previous is not None
         self._probe = None
+        self._probed = []
         self._since_probe = 0
         self._period = min(self._period * self._backoff, self._max_period)
         self._reference = None
@@ -199,7 +221,7 @@ class ThreadController:
 
     def _switch(self, threads: int) -> None:
         self.threads = threads
-        self._recent = []
+        self._recent.clear()
         self._skip = 1
         self._applied = threads
         self._apply(threads)

@@ -97,6 +97,33 @@ def test_a_rare_long_stall_counts_in_the_mean() -> None:
     assert counts[100:].count(1) >= 0.85 * 300
 
 
+def test_stray_stalls_alone_do_not_move_the_controller_off_every_core() -> None:
+    """A stall that has nothing to do with the count (a collection, another process's burst)
+    now and then, alone: a probe at 1 thread must not win because its baseline held the stall,
+    nor the way back to 2 threads lose because its window did."""
+    controller = ThreadController(2, lambda n: None)
+    counts = []
+    for step in range(3000):
+        counts.append(controller.threads)
+        stall = 0.050 if step % 117 == 58 else 0.0
+        controller.observe((0.008 if controller.threads == 1 else 0.0055) + stall)
+    assert counts.count(1) <= 0.015 * len(counts)  # the probes' steps, about 1%
+    assert counts[-1] == 2
+
+
+def test_one_stall_in_a_winning_probe_window_runs_it_on_rather_than_back() -> None:
+    controller = ThreadController(2, lambda n: None)
+    for _ in range(40):  # loaded: 2 threads much slower; it moves to 1
+        controller.observe(0.030 if controller.threads == 2 else 0.010)
+    assert controller.threads == 1
+    at_two = 0
+    for _ in range(90):  # the load goes: the probe back at 2 wins although one step stalled
+        at_two = at_two + 1 if controller.threads == 2 else 0
+        stall = 0.060 if at_two == 3 else 0.0  # (the step after a switch is not counted)
+        controller.observe((0.006 if controller.threads == 2 else 0.010) + stall)
+    assert controller.threads == 2
+
+
 def test_one_core_never_probes() -> None:
     machine = Machine({1: 0.01})
     controller = ThreadController(1, machine.applied.append)
