@@ -5,12 +5,13 @@ On a machine busy with other work a forward's parallel regions wait at every bar
 worker the OS descheduled: on 2 cores with one other busy process, 2 threads decode at a third
 of 1 thread's rate. No fixed count is right both alone and under load, so ``ThreadController``
 starts at every usable core and keeps measuring: now and then it runs a short window of steps
-at one thread fewer (or more), compares the window's mean step time with the one just before
-it, and keeps the faster count only where it wins by a margin (hysteresis, so that noise does
-not flip it). Probes back off exponentially while the count stays, and start again at once when
+at one thread fewer (or more), compares the window's mean step time with the current count's
+last two windows, and keeps the faster count only where it wins by a margin (hysteresis, so
+that noise does not flip it). Probes back off exponentially while the count stays, and start again at once when
 the current count's step times rise well above what they were (the load changed).
-The count is chosen on decode rounds and applies to them; a step that feeds prompt chunks, which
-is compute-bound, runs on every usable core (``for_step``).
+The count is chosen on decode rounds and applies to them; a step that feeds prompt tokens (a
+chunk, or a short prompt fed whole in its first round), which is compute-bound and takes many
+decode rounds' time, runs on every usable core (``for_step``) and is not observed.
 
 The controller sees step times only through ``observe``; it reads no clock, so its tests inject
 the times. Greedy texts do not depend on the count: the kernels' sums run in a fixed order
