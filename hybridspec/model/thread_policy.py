@@ -7,8 +7,9 @@ of 1 thread's rate. No fixed count is right both alone and under load, so ``Thre
 starts at every usable core and keeps measuring: now and then it runs a short window of steps
 at one thread fewer (or more), compares the window's mean step time with the current count's
 last two windows, and keeps the faster count only where it wins by a margin (hysteresis, so
-that noise does not flip it). Probes back off exponentially while the count stays, and start again at once when
-the current count's step times rise well above what they were (the load changed).
+that noise does not flip it). Probes back off exponentially while the count stays, and start
+again at once when the current count's step times rise well above what they were (the load
+changed).
 The count is chosen on decode rounds and applies to them; a step that feeds prompt tokens (a
 chunk, or a short prompt fed whole in its first round), which is compute-bound and takes many
 decode rounds' time, runs on every usable core (``for_step``) and is not observed.
@@ -169,21 +170,25 @@ class ThreadController:
         """Keep the probed count once a full window beats the baseline by the margin; go back
         at once where the first steps are clearly slower, or where the window does not win.
 
-        One stray stall (a collection, another process's burst) must not decide alone: the
-        early return needs the steps but the slowest clearly slower, and a window that loses
-        only by its slowest step (it would win without) runs on for a second window, which must
-        win without its slowest step too. Under load, too many threads stall often, not once."""
-        steps, margin = self._probed, self._margin
+        A probe at fewer threads discounts its slowest step: a stall there is a stray one (a
+        collection, another process's burst), not the barrier waits that fewer threads avoid,
+        so it must not end the probe alone. Its early return needs the steps but the slowest
+        clearly slower, and a window that loses only by its slowest step runs on for a second
+        window, which must win without its slowest step too. A probe at more threads is judged
+        by its mean: there a stall is what too many threads under load look like."""
+        steps, margin, baseline = self._probed, self._margin, self._baseline
+        assert self._probe is not None
         mean = statistics.fmean(steps)
-        but_slowest = (sum(steps) - max(steps)) / (len(steps) - 1) if len(steps) > 1 else mean
-        wins = but_slowest if len(steps) == 2 * self._window else mean
-        clearly_slower = but_slowest > self._baseline * (1 + 2 * margin)
+        robust = mean
+        if self.threads < self._probe and len(steps) > 1:
+            robust = (sum(steps) - max(steps)) / (len(steps) - 1)
+        wins = robust if len(steps) == 2 * self._window else mean
         lost = len(steps) == 2 * self._window or (
-            len(steps) == self._window and but_slowest >= self._baseline * (1 - margin)
+            len(steps) == self._window and robust >= baseline * (1 - margin)
         )
-        if len(steps) % self._window == 0 and wins < self._baseline * (1 - margin):
+        if len(steps) % self._window == 0 and wins < baseline * (1 - margin):
             self._keep_probe()
-        elif (len(steps) >= self._min_probe and clearly_slower) or lost:
+        elif (len(steps) >= self._min_probe and robust > baseline * (1 + 2 * margin)) or lost:
             self._end_probe()
 
     def _start_probe(self, baseline: float) -> None:
