@@ -10,9 +10,9 @@ last two windows, and keeps the faster count only where it wins by a margin (hys
 that noise does not flip it). Probes back off exponentially while the count stays, and start
 again at once when the current count's step times rise well above what they were (the load
 changed).
-The count is chosen on decode rounds and applies to them; a step that feeds prompt tokens (a
-chunk, or a short prompt fed whole in its first round), which is compute-bound and takes many
-decode rounds' time, runs on every usable core (``for_step``) and is not observed.
+The count is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
+prompt fed whole in its first round), which takes many decode rounds' time, runs at the chosen
+count, never a probe's (``for_step``), and is not observed.
 
 The controller sees step times only through ``observe``; it reads no clock, so its tests inject
 the times. Greedy texts do not depend on the count: the kernels' sums run in a fixed order
@@ -137,10 +137,13 @@ class ThreadController:
         self._apply(self.threads)
 
     def for_step(self, prefill: bool) -> None:
-        """Apply the count of the next step: every usable core for a step that feeds prompt
-        chunks (compute-bound, and not what the decode rounds' count was chosen on), the
-        chosen count for a decode round; nothing is applied where the count is already so."""
-        wanted = self.max_threads if prefill else self.threads
+        """Apply the count of the next step: for a decode round the current count (a probe's
+        while one runs); for a step that feeds prompt tokens the count the rounds chose, never
+        a probe's (a probe is a guess, and a prompt step weighs many rounds). Under load a
+        prompt step's parallel regions wait for a descheduled worker as a round's do, so it
+        does not take every core. Nothing is applied where the count is already so."""
+        chosen = self._probe if self._probe is not None else self.threads
+        wanted = chosen if prefill else self.threads
         if wanted != self._applied:
             self._applied = wanted
             self._apply(wanted)

@@ -71,7 +71,7 @@ class Recording(ThreadController):
 
 def test_a_prompt_fed_in_one_step_is_not_timed_as_a_decode_round(target: LoadedModel) -> None:
     """A short prompt is fed in the step that also decodes its first token: that step (many
-    times a decode round's time) runs on every core and is not observed, so it cannot make a
+    times a decode round's time) is a prompt step and is not observed, so it cannot make a
     window of decode rounds look slow."""
     threads = torch.get_num_threads()
     try:

@@ -142,18 +142,19 @@ def test_bad_settings_are_a_value_error(kwargs: dict[str, int]) -> None:
         ThreadController(max_threads, lambda n: None, **settings)  # type: ignore[arg-type]
 
 
-def test_a_prompt_step_gets_every_core_and_a_decode_round_the_chosen_count() -> None:
+def test_a_prompt_step_runs_at_the_chosen_count_never_a_probes() -> None:
     applied: list[int] = []
     controller = ThreadController(2, applied.append, window=4, min_probe=2, first_period=4)
-    for _ in range(40):  # one thread's rounds twice as fast: the probe at 1 wins
-        controller.observe(0.5 if controller.threads == 1 else 1.0)
-        if controller.threads == 1:
-            break
-    assert controller.threads == 1 and applied[-1] == 1
-    controller.for_step(prefill=False)
-    assert applied[-1] == 1 and len(applied) == 2  # already so: nothing applied
-    controller.for_step(prefill=True)
+    for _ in range(4):  # the first window at 2 threads; the probe at 1 starts
+        controller.observe(1.0)
+    assert controller.threads == 1 and applied == [2, 1]
+    controller.for_step(prefill=True)  # a prompt arrives during the probe: the chosen 2
     assert applied[-1] == 2
-    controller.for_step(prefill=True)
+    controller.for_step(prefill=False)  # the probe's rounds go on at 1
+    assert applied[-1] == 1 and len(applied) == 4
+    for _ in range(5):  # 1 thread's rounds twice as fast: the probe wins
+        controller.observe(0.5)
+    assert controller.threads == 1
+    controller.for_step(prefill=True)  # chosen now: the prompt step runs at 1 too
     controller.for_step(prefill=False)
-    assert applied[-2:] == [2, 1] and len(applied) == 4
+    assert applied[-1] == 1 and len(applied) == 4  # already so: nothing applied
