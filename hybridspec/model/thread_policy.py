@@ -133,7 +133,7 @@ class ThreadController:
         self._baseline = 0.0  # the current count's mean step time when the probe began
         self._skip = 0  # steps not counted after a switch (the pool wakes up)
         self._upward = False  # the direction of the next probe, alternating
-        self._applied = self.threads  # the count last applied (``for_step`` may lend more)
+        self._applied = self.threads  # the count last applied (a probe's, or the chosen one)
         self._apply(self.threads)
 
     def for_step(self, prefill: bool) -> None:
