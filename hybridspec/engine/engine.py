@@ -265,7 +265,7 @@ class Engine(Admission):
         assert all(r.slot is not None for r in running)
         plan = self.scheduler.plan([self.runtime.seq_len(r.slot) for r in running])  # type: ignore[arg-type]
         if self.thread_policy is not None:
-            self.thread_policy.for_step(prefill=bool(plan.prefill))
+            self.thread_policy.for_step(prefill=plan.feeds_prompt)
         started = time.perf_counter()
         proposed = self.proposers.propose(plan.decode, self._num_drafts)
         for request, error in proposed.failed:
@@ -280,7 +280,7 @@ class Engine(Admission):
             logger.exception("a round of %d sequences failed; running each alone", len(cached))
             self._roll_back(cached)
             return outputs + self._isolate(drafts, plan.prefill, cached)
-        if self.thread_policy is not None and not plan.prefill:  # decode rounds compare, chunks not
+        if self.thread_policy is not None and not plan.feeds_prompt:  # decode rounds compare
             self.thread_policy.observe(time.perf_counter() - started)
         return outputs + self._commit_all(verified)
 

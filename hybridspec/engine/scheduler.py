@@ -73,6 +73,9 @@ class StepPlan:
 
     decode: list[Request]  # feed every uncached token, then drafts; verified
     prefill: list[tuple[Request, int]]  # (request, number of prompt tokens to feed); no logits
+    # prompt tokens fed in the step (a chunk, or a decoding request's rest of its prompt): the
+    # step is not a decode round to time (``ThreadController`` compares decode rounds only)
+    feeds_prompt: bool = False
 
 
 class Scheduler:
@@ -150,6 +153,7 @@ class Scheduler:
         grant = self._chunks(cached_lengths, pending)
         decode: list[Request] = []
         prefill: list[tuple[Request, int]] = []
+        feeds_prompt = False
         for request, cached, num_pending in zip(self.running, cached_lengths, pending, strict=True):
             if request.group is not None:  # choices before their shared prefill: the source
                 if request.group.source is request and num_pending > 0:
@@ -160,9 +164,10 @@ class Scheduler:
             num_tokens = grant(cached, num_pending) if num_pending > 0 else 0
             if num_tokens >= num_pending:
                 decode.append(request)
+                feeds_prompt = feeds_prompt or num_pending > 0
             elif num_tokens > 0:
                 prefill.append((request, num_tokens))
-        return StepPlan(decode=decode, prefill=prefill)
+        return StepPlan(decode, prefill, feeds_prompt=feeds_prompt or bool(prefill))
 
     def _chunks(self, cached_lengths: list[int], pending: list[int]) -> Callable[[int, int], int]:
         """The step's grants, ``grant(cached, pending) -> tokens``, in running order: timed

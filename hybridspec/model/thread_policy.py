@@ -5,12 +5,14 @@ On a machine busy with other work a forward's parallel regions wait at every bar
 worker the OS descheduled: on 2 cores with one other busy process, 2 threads decode at a third
 of 1 thread's rate. No fixed count is right both alone and under load, so ``ThreadController``
 starts at every usable core and keeps measuring: now and then it runs a short window of steps
-at one thread fewer (or more), compares the window's mean step time with the one just before
-it, and keeps the faster count only where it wins by a margin (hysteresis, so that noise does
-not flip it). Probes back off exponentially while the count stays, and start again at once when
-the current count's step times rise well above what they were (the load changed).
-The count is chosen on decode rounds and applies to them; a step that feeds prompt chunks, which
-is compute-bound, runs on every usable core (``for_step``).
+at one thread fewer (or more), compares the window's mean step time with the current count's
+last two windows, and keeps the faster count only where it wins by a margin (hysteresis, so
+that noise does not flip it). Probes back off exponentially while the count stays, and start
+again at once when the current count's step times rise well above what they were (the load
+changed).
+The count is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
+prompt fed whole in its first round), which takes many decode rounds' time, runs at the chosen
+count, never a probe's (``for_step``), and is not observed.
 
 The controller sees step times only through ``observe``; it reads no clock, so its tests inject
 the times. Greedy texts do not depend on the count: the kernels' sums run in a fixed order
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,20 +123,27 @@ class ThreadController:
         self._margin, self._slowdown = margin, slowdown
         self._period = window  # the first probe at once: a busy start costs most
         self._since_probe = 0
-        self._recent: list[float] = []  # the current count's last ``window`` step times
+        self._recent: deque[float] = deque(maxlen=window)  # the last steps at this count
+        # the current count's last steps outside probes: a probe's baseline, two windows long
+        # so that one stray stall (a collection, another process's burst) cannot fake a win
+        self._history: deque[float] = deque(maxlen=2 * window)
         self._reference: float | None = None  # the current count's median after a decision
         self._probe: int | None = None  # the count to return to, while a probe runs
+        self._probed: list[float] = []  # the probe's step times
         self._baseline = 0.0  # the current count's mean step time when the probe began
         self._skip = 0  # steps not counted after a switch (the pool wakes up)
         self._upward = False  # the direction of the next probe, alternating
-        self._applied = self.threads  # the count last applied (``for_step`` may lend more)
+        self._applied = self.threads  # the count last applied (a probe's, or the chosen one)
         self._apply(self.threads)
 
     def for_step(self, prefill: bool) -> None:
-        """Apply the count of the next step: every usable core for a step that feeds prompt
-        chunks (compute-bound, and not what the decode rounds' count was chosen on), the
-        chosen count for a decode round; nothing is applied where the count is already so."""
-        wanted = self.max_threads if prefill else self.threads
+        """Apply the count of the next step: for a decode round the current count (a probe's
+        while one runs); for a step that feeds prompt tokens the count the rounds chose, never
+        a probe's (a probe is a guess, and a prompt step weighs many rounds). Under load a
+        prompt step's parallel regions wait for a descheduled worker as a round's do, so it
+        does not take every core. Nothing is applied where the count is already so."""
+        chosen = self._probe if self._probe is not None else self.threads
+        wanted = chosen if prefill else self.threads
         if wanted != self._applied:
             self._applied = wanted
             self._apply(wanted)
@@ -143,10 +153,12 @@ class ThreadController:
         if self._skip:
             self._skip -= 1
             return self.threads
-        self._recent = [*self._recent, seconds][-self._window :]
         if self._probe is not None:
+            self._probed.append(seconds)
             self._judge_probe()
             return self.threads
+        self._recent.append(seconds)
+        self._history.append(seconds)
         self._since_probe += 1
         if len(self._recent) == self._window:
             median = statistics.median(self._recent)
@@ -154,18 +166,32 @@ class ThreadController:
                 self._reference = median
             slowed = median > self._reference * self._slowdown
             if slowed or self._since_probe >= self._period:
-                self._start_probe(statistics.fmean(self._recent))
+                self._start_probe(statistics.fmean(self._history))
         return self.threads
 
     def _judge_probe(self) -> None:
         """Keep the probed count once a full window beats the baseline by the margin; go back
-        at once where the first steps are clearly slower, or where the window does not win."""
-        mean = statistics.fmean(self._recent)
-        if len(self._recent) == self._window and mean < self._baseline * (1 - self._margin):
+        at once where the first steps are clearly slower, or where the window does not win.
+
+        A probe at fewer threads discounts its slowest step: a stall there is a stray one (a
+        collection, another process's burst), not the barrier waits that fewer threads avoid,
+        so it must not end the probe alone. Its early return needs the steps but the slowest
+        clearly slower, and a window that loses only by its slowest step runs on for a second
+        window, which must win without its slowest step too. A probe at more threads is judged
+        by its mean: there a stall is what too many threads under load look like."""
+        steps, margin, baseline = self._probed, self._margin, self._baseline
+        assert self._probe is not None
+        mean = statistics.fmean(steps)
+        robust = mean
+        if self.threads < self._probe and len(steps) > 1:
+            robust = (sum(steps) - max(steps)) / (len(steps) - 1)
+        wins = robust if len(steps) == 2 * self._window else mean
+        lost = len(steps) == 2 * self._window or (
+            len(steps) == self._window and robust >= baseline * (1 - margin)
+        )
+        if len(steps) % self._window == 0 and wins < baseline * (1 - margin):
             self._keep_probe()
-        elif len(self._recent) == self._window or (
-            len(self._recent) >= self._min_probe and mean > self._baseline * (1 + 2 * self._margin)
-        ):
+        elif (len(steps) >= self._min_probe and robust > baseline * (1 + 2 * margin)) or lost:
             self._end_probe()
 
     def _start_probe(self, baseline: float) -> None:
@@ -184,14 +210,19 @@ class ThreadController:
         self._probe = None
         self._since_probe = 0
         self._period = self._first_period
-        self._reference = statistics.median(self._recent)
-        self._recent = []
+        self._reference = statistics.median(self._probed)
+        self._history.clear()
+        self._history.extend(self._probed)
+        self._recent.clear()
+        self._recent.extend(self._probed)
+        self._probed = []
 
     def _end_probe(self) -> None:
         """The probed count lost: return, and probe less often."""
         previous = self._probe
         assert previous is not None
         self._probe = None
+        self._probed = []
         self._since_probe = 0
         self._period = min(self._period * self._backoff, self._max_period)
         self._reference = None
@@ -199,7 +230,7 @@ class ThreadController:
 
     def _switch(self, threads: int) -> None:
         self.threads = threads
-        self._recent = []
+        self._recent.clear()
         self._skip = 1
         self._applied = threads
         self._apply(threads)

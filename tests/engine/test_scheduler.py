@@ -66,9 +66,14 @@ def test_long_prompt_is_chunked_and_decoding_requests_never_wait() -> None:
     plan = scheduler.plan([4, 0])
     assert plan.decode == [decoding]
     assert plan.prefill == [(long_prompt, 16)]
+    assert plan.feeds_prompt
     plan = scheduler.plan([4, 32])  # 7 prompt tokens left before its last: it fits, so it decodes
     assert plan.decode == [decoding, long_prompt]
     assert plan.prefill == []
+    assert plan.feeds_prompt  # the rest of a prompt: not a decode round to time
+    plan = scheduler.plan([4, 39])  # both have all but their last token cached
+    assert plan.decode == [decoding, long_prompt]
+    assert not plan.feeds_prompt
 
 
 def test_budget_is_shared_between_new_requests() -> None:

@@ -52,6 +52,39 @@ def test_reset_starts_the_controller_again_at_every_usable_core(target: LoadedMo
         torch.set_num_threads(threads)
 
 
+class Recording(ThreadController):
+    """Records what the engine tells it: the steps' kinds and the decode rounds' times."""
+
+    def __init__(self) -> None:
+        super().__init__(2, set_num_threads)
+        self.steps: list[bool] = []
+        self.observed: list[float] = []
+
+    def for_step(self, prefill: bool) -> None:
+        self.steps.append(prefill)
+        super().for_step(prefill)
+
+    def observe(self, seconds: float) -> int:
+        self.observed.append(seconds)
+        return self.threads
+
+
+def test_a_prompt_fed_in_one_step_is_not_timed_as_a_decode_round(target: LoadedModel) -> None:
+    """A short prompt is fed in the step that also decodes its first token: that step (many
+    times a decode round's time) is a prompt step and is not observed, so it cannot make a
+    window of decode rounds look slow."""
+    threads = torch.get_num_threads()
+    try:
+        engine = make_engine(target, num_threads=1)
+        engine.thread_policy = recording = Recording()
+        out = engine.generate(prompt_token_ids=PROMPT, proposer="none", max_new_tokens=12)
+        assert len(out.token_ids) == 12
+        assert recording.steps == [True] + [False] * 11
+        assert len(recording.observed) == 11  # every round after the prompt's
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_switching_threads_every_round_keeps_greedy_texts(
     target: LoadedModel, draft: LoadedModel
 ) -> None:
@@ -64,8 +97,8 @@ def test_switching_threads_every_round_keeps_greedy_texts(
             engine.thread_policy = Alternating()
             out = engine.generate(prompt_token_ids=PROMPT, proposer=proposer, max_new_tokens=24)
             assert out.token_ids == expected.token_ids, proposer
-            # one time per decode round (each commits a token at least); the prompt chunk none
-            assert 0 < len(engine.thread_policy.observed) <= len(out.token_ids)
+            # one time per decode round (each commits a token at least); the prompt's step none
+            assert 0 < len(engine.thread_policy.observed) <= len(out.token_ids) - 1
             assert all(seconds > 0 for seconds in engine.thread_policy.observed)
     finally:
         torch.set_num_threads(threads)
