@@ -7,7 +7,8 @@ of a round outside one token's step (feeding the features or tokens the proposer
 sampling its drafts). ``ProposerCosts`` times every ``propose`` call of each proposer that was
 asked for drafts (``ProposerPool.propose``) and fits ``seconds = f R + p D``: ``R`` the requests
 that asked for drafts in the call, ``D`` the drafts it returned, by least squares over the
-calls, each weighted ``DECAY ** age`` so that the fit follows the machine. ``price`` gives
+calls, each weighted ``DECAY ** age`` so that the fit follows the machine, and each counted at
+most ``OUTLIER`` times what the fit predicts for it. ``price`` gives
 ``(p, f)`` over the seconds of a target forward's fixed part: adaptive speculation's
 ``proposer_cost_per_token`` and ``proposer_cost_per_round`` (``engine.speculation``).
 
@@ -26,6 +27,7 @@ from hybridspec.proposers import Proposer
 
 DECAY = 0.95  # weight of a timed call after each later one of the same proposer
 MIN_CALLS = 4  # calls timed before the fit prices anything
+OUTLIER = 4.0  # a call counts at most this many times the fit's time for it
 
 
 @dataclass(slots=True)
@@ -37,7 +39,12 @@ class _Fit:
     calls: int = 0
 
     def observe(self, num_requests: int, num_drafts: int, seconds: float) -> None:
+        """Add a call, its time at most ``OUTLIER`` times what the fit predicts for it (a
+        call that compiled a kernel, or met a page fault, is no round's price)."""
         x = np.array([float(num_requests), float(num_drafts)])
+        if self.calls >= MIN_CALLS:
+            f, p = self.solve()
+            seconds = min(seconds, OUTLIER * (f * num_requests + p * num_drafts))
         self.gram = DECAY * self.gram + np.outer(x, x)
         self.moment = DECAY * self.moment + x * seconds
         self.calls += 1
@@ -82,6 +89,11 @@ class ProposerCosts:
             return None
         per_round, per_draft = fit.solve()
         return per_draft / forward_s, per_round / forward_s
+
+    def clear(self) -> None:
+        """Forget every timing (``Engine.reset``: the warm-up's calls, of tiny requests and
+        first compilations, are no measure of the requests' rounds)."""
+        self._fits.clear()
 
     def forget(self, proposer: Proposer) -> None:
         """Drop a proposer's timings (it was replaced)."""

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from hybridspec import GenerationParams, Proposal, Proposer, ProposeRequest
-from hybridspec.engine.proposer_costs import DECAY, MIN_CALLS, ProposerCosts
+from hybridspec.engine.proposer_costs import DECAY, MIN_CALLS, OUTLIER, ProposerCosts
 from hybridspec.engine.speculation import (
     MAX_PAUSE,
     MIN_PAUSE,
@@ -184,3 +184,24 @@ def test_a_proposer_skipping_rounds_catches_up_losslessly(
         stats = result.stats
         drafting_rounds = stats.proposed_per_position[0]
         assert 0 < drafting_rounds < stats.target_forwards  # it drafted in some rounds only
+
+
+def test_an_outlying_call_counts_at_most_a_few_times_the_fit_and_reset_forgets() -> None:
+    costs, proposer = ProposerCosts(), NoProposer(None)  # type: ignore[arg-type]
+    for _ in range(MIN_CALLS):
+        costs.observe(proposer, 1, 2, 0.003)
+    costs.observe(proposer, 1, 2, 30.0)  # a call that compiled something
+    per_draft, per_round = costs.price(proposer, 0.001)  # type: ignore[misc]
+    assert 2 * per_draft + per_round <= OUTLIER * 3.0
+    costs.clear()
+    assert costs.price(proposer, 0.001) is None
+
+
+def test_engine_reset_forgets_the_measured_costs(target: LoadedModel) -> None:
+    engine = make_engine(target, measure_proposer_costs=True)
+    proposer = engine.resolve_proposer("ngram")
+    for _ in range(MIN_CALLS):
+        engine.proposers.costs.observe(proposer, 1, 1, 0.001)
+    assert engine.proposers.costs.price(proposer, 0.01) is not None
+    engine.reset()
+    assert engine.proposers.costs.price(proposer, 0.01) is None
