@@ -274,6 +274,10 @@ class EngineConfig:
     # Verifying one more token, relative to a forward's fixed cost. The default was measured on
     # the development CPU; None times it at start-up (seeded sampled outputs then vary by machine).
     verify_token_cost: float | None = DEFAULT_VERIFY_TOKEN_COST
+    # Price a greedy request's drafts with each proposer's measured drafting time (engine.
+    # proposer_costs) rather than its fixed cost_per_token. False: the fixed ones only, so that
+    # the drafts asked for never depend on timing (the engine's tests).
+    measure_proposer_costs: bool = True
     # The compiled structured-output grammars kept for reuse, in MiB (least recently used out).
     grammar_cache_mb: int = 64
     # CPU threads of the forward (torch's, the block kernel's, numba's: model.threads), set
@@ -311,6 +315,11 @@ class EngineConfig:
             isinstance(self.adaptive_speculation, bool),
             "adaptive_speculation",
             f"expected a bool, got {self.adaptive_speculation!r}",
+        )
+        check(
+            isinstance(self.measure_proposer_costs, bool),
+            "measure_proposer_costs",
+            f"expected a bool, got {self.measure_proposer_costs!r}",
         )
         check(
             self.verify_token_cost is None

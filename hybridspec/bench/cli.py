@@ -106,6 +106,13 @@ def add_bench_command(commands: Any) -> None:
     )
     add("--seed", type=int, default=0, help="base seed of sampled requests")
     add(
+        "--vs-none",
+        action="store_true",
+        help="print each method's tokens/s over none's, open-ended and input-grounded prompts "
+        "apart, per temperature, alone and (with --concurrency N) N at once, the concurrent "
+        "trials run per group (speculation that never costs: each at least 0.97)",
+    )
+    add(
         "--threads",
         type=parse_num_threads,
         default="auto",
@@ -151,6 +158,7 @@ def run_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         concurrency=args.concurrency,
         seed=args.seed,
+        concurrent_groups=_groups(workload) if args.vs_none else (),
     )
     fixed = args.threads if args.threads != "auto" and args.threads > 0 else None
     engine_threads: int | Literal["auto"] | None = "auto" if args.threads == "auto" else fixed
@@ -166,6 +174,13 @@ def run_bench(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)  # callers in the same process keep their setting
     return 0
+
+
+def _groups(workload: Workload) -> tuple[frozenset[str], ...]:
+    """The workload's open-ended and input-grounded categories, those it has."""
+    grounded = frozenset(n for n, c in workload.categories.items() if c.input_grounded)
+    groups = (frozenset(workload.categories) - grounded, grounded)
+    return tuple(g for g in groups if g)
 
 
 def _run(
@@ -202,6 +217,11 @@ def _run(
     finally:
         session.close()
     print(format_outcome(outcome, workload.categories))
+    if args.vs_none:
+        from hybridspec.bench.vs_none import format_vs_none, vs_none
+
+        rows = vs_none(outcome.records, outcome.summary, workload.categories)
+        print("\n" + format_vs_none(rows))
     json_path = args.output_dir / "bench.json"
     png_path = args.output_dir / "bench.png"
     write_json(json_path, outcome.to_json())

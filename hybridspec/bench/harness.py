@@ -8,7 +8,8 @@ prompt 0 runs a b c, prompt 1 b c a, prompt 2 c a b, prompt 3 a b c. A speedup i
 a repeat, between runs minutes apart at most, and the median is taken over repeats.
 
 Concurrent trials (``concurrency`` N > 1) follow: per repeat and temperature, each method that
-can batch (rotating which goes first) serves a closed loop, like N clients each sending requests
+can batch (rotating which goes first) serves a closed loop (once per group of categories where
+``concurrent_groups`` names them, over that group's prompts), like N clients each sending requests
 back to back: the M requests are every prompt, in the order of ``mixed_prompts`` so that
 categories alternate (cycled up to M = N when there are fewer than N prompts); the first N are
 added at once and each finished request is replaced by the next, so at most N are in the engine.
@@ -51,6 +52,10 @@ class BenchConfig:
     repeats: int = 1
     concurrency: int = 1  # N > 1 adds closed-loop trials, N requests at once, per method
     seed: int = 0  # base seed of sampled requests
+    # Non-empty: the concurrent trials run once per group of categories, over that group's
+    # prompts alone (``--vs-none``: open-ended and input-grounded apart), instead of once over
+    # every prompt.
+    concurrent_groups: tuple[frozenset[str], ...] = ()
 
     def __post_init__(self) -> None:
         check(bool(self.temperatures), "temperatures", "expected at least one temperature")
@@ -143,10 +148,18 @@ def plan(
     trials = sequential_schedule(len(prompts), len(methods), config.temperatures, config.repeats)
     if config.concurrency > 1:
         batching = [i for i, m in enumerate(methods) if isinstance(m, ConcurrentMethod)]
-        if batching:
-            chosen = concurrent_prompts([p.category for p in prompts], config.concurrency)
+        groups = config.concurrent_groups or (frozenset(p.category for p in prompts),)
+        for group in groups if batching else ():
+            members = [i for i, p in enumerate(prompts) if p.category in group]
+            if not members:
+                continue
+            chosen = concurrent_prompts([prompts[i].category for i in members], config.concurrency)
             trials += concurrent_schedule(
-                chosen, batching, config.temperatures, config.repeats, config.concurrency
+                tuple(members[i] for i in chosen),
+                batching,
+                config.temperatures,
+                config.repeats,
+                config.concurrency,
             )
     return trials
 

@@ -184,15 +184,30 @@ class Admission(RoundSteps):
 
     def _num_drafts(self, request: Request, proposer: Proposer) -> int:
         """Drafts to ask for this round: the request's K, shrunk so that committing k + 1 tokens
-        fits the context and budget, then to what pays off (adaptive speculation)."""
+        fits the context and budget, then to what pays off (adaptive speculation), the proposer
+        priced by its measured time where the request's text allows (``engine.speculation``)."""
         room = self.max_seq_len - len(request.token_ids) - 1
         budget = request.params.max_new_tokens - request.num_generated - 1
         k = max(0, min(request.num_speculative_tokens, room, budget))
         if self.speculation is None or k == 0:
             return k
+        by_step = request.params.sampling.is_greedy or not proposer.samples_drafts
+        per_token, per_round = proposer.cost_per_token, 0.0
+        if by_step and self.config.measure_proposer_costs:  # (a seeded sampled request: fixed)
+            measured = self.proposers.costs.price(proposer, self._forward_fixed_s())
+            if measured is not None:
+                per_token, per_round = measured
         return self.speculation.num_drafts(
             request.speculation,
             k,
-            by_step=request.params.sampling.is_greedy or not proposer.samples_drafts,
-            proposer_cost_per_token=proposer.cost_per_token,
+            by_step=by_step,
+            proposer_cost_per_token=per_token,
+            proposer_cost_per_round=per_round,
         )
+
+    def _forward_fixed_s(self) -> float | None:
+        """Seconds of a target forward's fixed part, ``a`` of ``engine.speculation``: the
+        fitted time of a one-token forward (``forward_cost``), less its one token's share."""
+        assert self.speculation is not None
+        one = self.forward_cost.seconds(1, 1)
+        return None if one is None else one / (1.0 + self.speculation.verify_token_cost)

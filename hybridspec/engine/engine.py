@@ -387,11 +387,12 @@ class Engine(Admission):
         ]
 
     def reset(self) -> None:
-        """Forget what earlier requests taught the engine: adaptive speculation's last step, the
-        request counter, the prefix cache and the thread count chosen (``--threads auto`` starts
-        again at every usable core: the warm-up's rounds, each of another proposer and batch,
-        are no measure of the requests' steps), so that it runs as if just built (after
-        ``engine.warmup``). Only between requests: every slot must be free."""
+        """Forget what earlier requests taught the engine: adaptive speculation's last step and
+        the proposers' measured costs, the request counter, the prefix cache and the thread
+        count chosen (``--threads auto`` starts again at every usable core: the warm-up's
+        rounds, each of another proposer and batch, are no measure of the requests' steps), so
+        that it runs as if just built (after ``engine.warmup``). Only between requests: every
+        slot must be free."""
         check(not self.has_unfinished(), "engine", "reset with requests still in the engine")
         self.prefix_cache.reset()
         assert self.runtime.num_free_slots() == self.runtime.max_num_seqs
@@ -400,6 +401,7 @@ class Engine(Admission):
             self.speculation = SpeculationPolicy(self.speculation.verify_token_cost)
         if self.thread_policy is not None:
             self.thread_policy = thread_controller(self.config.num_threads)
+        self.proposers.costs.clear()  # the warm-up's calls price no request's rounds
 
     def close(self) -> None:
         self.proposers.close()

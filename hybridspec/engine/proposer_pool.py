@@ -9,10 +9,12 @@ a proposer that fails (raises, or returns something invalid) fails its own reque
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybridspec.config import EngineConfig
+from hybridspec.engine.proposer_costs import ProposerCosts
 from hybridspec.engine.request import Request
 from hybridspec.engine.resolution import ProposerCatalog
 from hybridspec.errors import HybridSpecError, InvalidRequestError, check
@@ -95,6 +97,7 @@ class ProposerPool:
         self._context = context
         self._proposers: dict[str, Proposer] = {}
         self._unavailable: dict[str, str] = {}
+        self.costs = ProposerCosts()  # each proposer's drafting time, timed in ``propose``
         for name in registry.names():
             self._build(name)
         self.catalog = self._catalog()
@@ -115,6 +118,7 @@ class ProposerPool:
         old = self._proposers.pop(name, None)
         if old is not None:
             old.close()
+            self.costs.forget(old)
         self._build(name)
         self.catalog = self._catalog()  # compositions of the replaced instance are rebuilt
         if name in self._unavailable:
@@ -156,6 +160,7 @@ class ProposerPool:
         """Ask each proposer, once, for the drafts of all its requests in ``decode``.
 
         ``num_drafts(request, proposer)`` is how many drafts the request asks for this round.
+        Each call that asked for drafts is timed into ``costs``.
         """
         groups: dict[int, list[Request]] = {}  # by the proposer's identity
         for request in decode:
@@ -179,7 +184,9 @@ class ProposerPool:
                 for r in requests
             ]
             try:
+                start = time.perf_counter()
                 got = proposer.propose(asks)
+                seconds = time.perf_counter() - start
                 check(
                     len(got) == len(asks),
                     "proposer",
@@ -188,6 +195,7 @@ class ProposerPool:
                 for ask, proposal in zip(asks, got, strict=True):
                     self._check(proposer, proposal, ask.max_num_drafts)
                     proposals[ask.seq_id] = _allowed(proposal, ask.constraint)
+                self._time(proposer, requests, asks, got, seconds)
             except Exception as exc:
                 logger.exception("proposer %r failed", name)
                 failed += [(request, f"proposer: {exc}") for request in requests]
@@ -198,6 +206,23 @@ class ProposerPool:
             if r.seq_id not in failed_ids
         ]
         return Proposed(drafts, failed)
+
+    def _time(
+        self,
+        proposer: Proposer,
+        requests: list[Request],
+        asks: list[ProposeRequest],
+        got: list[Proposal],
+        seconds: float,
+    ) -> None:
+        """Time a call into ``costs``, unless a request in it asks for drafts in one of its first
+        two rounds: the draft model and the eagle head then catch up on the whole prompt, a
+        prefill once per request rather than a round's price."""
+        asking = [r for r, ask in zip(requests, asks, strict=True) if ask.max_num_drafts > 0]
+        if any(r.stats.target_forwards < 2 for r in asking):
+            return
+        drafted = sum(proposal.num_drafts for proposal in got)
+        self.costs.observe(proposer, len(asking), drafted, seconds)
 
     def _check(self, proposer: Proposer, proposal: Proposal, max_num_drafts: int) -> None:
         check_proposal(proposal, max_num_drafts, self._context.vocab_size)

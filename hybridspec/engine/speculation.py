@@ -26,9 +26,30 @@ the ``k <= K`` drafts that are expected to pay for themselves:
   how its random generator is consumed, and its seeded output must not depend on its batch
   neighbours.
 
-So ``k`` is the largest ``j <= K`` with ``alpha ** j >= threshold``. It may be 0: such a request
-decodes plainly until its decayed history makes it try again (its estimate drifts back toward
-the prior at 0.5).
+So ``k`` is the largest ``j <= K`` with ``alpha ** j >= threshold``. A proposer may also cost a
+fixed part per round that it drafts in (``cost_per_round``: the eagle head's first step, which
+feeds the features it has not seen, the draft model's catch-up): ``k`` drafts are asked for only
+when the tokens they are expected to add, ``alpha + ... + alpha ** k``, exceed what they cost in
+tokens, ``k threshold`` plus the fixed part over the worth of a token; where they do not, the
+request pauses as below (so that it probes, and the proposer's price is timed again, later).
+A round without drafts costs the proposer nothing (it is not asked to draft, so the head and
+the draft model do not run; they catch up on the committed tokens when they next draft).
+
+Drafts that do not pay, paused: the model of acceptance cannot tell a proposer whose drafts
+are never kept from one kept now and then (the prior keeps ``alpha`` at 1/7 or more), so each
+request also counts what its drafting rounds actually earned: the drafts kept, less each
+round's price in tokens as it was asked for, decayed by ``NET_DECAY`` a drafting round. When
+that is below zero after ``MIN_ROUNDS`` drafting rounds, the request asks for no drafts for a
+pause of ``pause`` rounds, then probes with one draft: a probe that is kept resumes
+speculation (the estimate, which decayed toward the prior meanwhile, is learned again); one
+that is not doubles the pause, up to the length at which probing costs at most
+``PROBE_BUDGET`` tokens a round (cheap n-gram probes: a few rounds; the eagle head's: dozens).
+
+Measured costs: where a request's text does not depend on its drafts (``by_step``), the engine
+prices the proposer with its measured time (``engine.proposer_costs``) over the measured time of
+a one-token target forward; a request whose drafts steer its random generator uses the
+proposer's own ``cost_per_token`` (fixed for the run), so that its seeded text depends on its
+own rounds only.
 
 ``c`` defaults to ``config.DEFAULT_VERIFY_TOKEN_COST``, measured on the development CPU; it is
 a fixed number rather than one timed at start-up so that a seeded sampled request gives the
@@ -52,6 +73,11 @@ from hybridspec.model import ModelRuntime, median_forward_seconds
 from hybridspec.verifier.estimate import AcceptanceEstimate, drafts_worth_asking
 
 CALIBRATION_TOKENS = 16  # extra tokens of the calibration forward
+NET_DECAY = 0.8  # weight of a drafting round's net tokens after each later one
+MIN_ROUNDS = 3  # drafting rounds counted before a request may pause
+MIN_PAUSE = 2  # rounds of the first pause; each failed probe doubles it
+MAX_PAUSE = 256
+PROBE_BUDGET = 0.005  # tokens a round that probing may cost at most, in the longest pause
 
 
 @dataclass(slots=True)
@@ -61,12 +87,42 @@ class SpeculationState(AcceptanceEstimate):
 
     last_committed: int = 1  # before any round: as if one plain decoding step
     last_verified: int = 1
+    draft_price: float = 0.0  # tokens each draft of the round asked for costs
+    round_price: float = 0.0  # tokens the proposer's fixed part of that round costs
+    net: float = 0.0  # decayed tokens earned by drafting rounds, less their price
+    rounds: int = 0  # drafting rounds counted in ``net`` since the last pause
+    paused: int = 0  # rounds left without drafts
+    pause: int = MIN_PAUSE  # the next pause's length
+    probing: bool = False  # the next drafting round is a probe after a pause
 
     def update(self, num_drafts: int, num_accepted: int, num_committed: int) -> None:
         """Learn from a round that proposed, accepted and committed so many tokens."""
         self.observe(num_drafts, num_accepted)
         if num_committed > 0:
             self.last_committed, self.last_verified = num_committed, num_drafts + 1
+        if self.paused > 0:
+            self.paused -= 1
+        elif num_drafts > 0:
+            self._earned(num_accepted - num_drafts * self.draft_price - self.round_price)
+
+    def _earned(self, tokens: float) -> None:
+        """Count a drafting round's net tokens; pause where drafting does not pay (module
+        docstring)."""
+        self.net = NET_DECAY * self.net + tokens
+        self.rounds += 1
+        probe, self.probing = self.probing, False
+        if probe and tokens >= 0:
+            self.pause = MIN_PAUSE
+        elif (probe or self.rounds >= MIN_ROUNDS) and self.net < 0:
+            self.start_pause()
+
+    def start_pause(self) -> None:
+        """Ask for no drafts for the next ``pause`` rounds, then probe (module docstring)."""
+        probe_price = self.draft_price + self.round_price
+        longest = min(MAX_PAUSE, max(MIN_PAUSE, int(probe_price / PROBE_BUDGET)))
+        self.paused = min(self.pause, longest)
+        self.pause = min(2 * self.paused, longest)
+        self.net, self.rounds, self.probing = 0.0, 0, True
 
 
 def draft_threshold(
@@ -99,18 +155,31 @@ class SpeculationPolicy:
         *,
         by_step: bool,
         proposer_cost_per_token: float = 0.0,
+        proposer_cost_per_round: float = 0.0,
     ) -> int:
         """Drafts to ask for; ``by_step``: priced by the last engine step, else by the
-        request's own last round (module docstring, "Whose round")."""
+        request's own last round (module docstring, "Whose round"). The proposer's costs are
+        relative to a target forward's fixed part: per draft, and per round it drafts in.
+        Remembers the round's price in ``state`` (what ``state.update`` counts it against)."""
+        if state.paused > 0 or max_drafts <= 0:
+            return 0
         committed, verified = (
             (self._committed, self._verified)
             if by_step
             else (state.last_committed, state.last_verified)
         )
-        threshold = draft_threshold(
-            self.verify_token_cost, committed, verified, proposer_cost_per_token
-        )
-        return drafts_worth_asking(state.rate, threshold, max_drafts)
+        c = self.verify_token_cost
+        threshold = draft_threshold(c, committed, verified, proposer_cost_per_token)
+        state.draft_price = threshold
+        state.round_price = proposer_cost_per_round * committed / (1.0 + c * verified)
+        if state.probing:
+            return 1
+        k = drafts_worth_asking(state.rate, threshold, max_drafts)
+        gain = sum(state.rate**j for j in range(1, k + 1))
+        if k > 0 and gain <= k * threshold + state.round_price:
+            state.start_pause()  # the fixed part cannot pay: probe later, as prices change
+            return 0
+        return k
 
 
 def measure_verify_token_cost(runtime: ModelRuntime, max_drafts: int) -> float:

@@ -191,6 +191,7 @@ def test_seeded_sampled_text_is_the_same_with_any_deterministic_proposer(
 ) -> None:
     engine = make_engine(target, adaptive_speculation=adaptive)
     engine.register_proposer("repeat-last", RepeatLast)
+    accepted = 0
     for prompt, seed in ((PROMPTS[0], 5), (PROMPTS[2], 6)):
 
         def sample(proposer: str, k: int | None, prompt: list[int] = prompt, seed: int = seed):
@@ -208,7 +209,8 @@ def test_seeded_sampled_text_is_the_same_with_any_deterministic_proposer(
         for proposer, k in (("ngram", 1), ("ngram", 4), ("ngram", 8), ("repeat-last", 3)):
             result = sample(proposer, k)
             assert result.token_ids == reference, (proposer, k)
-        assert sample("ngram", 8).stats.draft_tokens_accepted > 0  # drafts were really verified
+        accepted += sample("ngram", 8).stats.draft_tokens_accepted
+    assert accepted > 0  # drafts were really verified (a request pauses where they do not pay)
 
 
 def test_abort_releases_the_slot(target: LoadedModel) -> None:

@@ -86,8 +86,10 @@ def test_logprobs_are_the_targets_whatever_the_proposer(
         assert solo.logprobs is not None and solo.prompt_logprobs is not None
         assert_equal(result.logprobs, solo.logprobs)
         assert_equal(result.prompt_logprobs, solo.prompt_logprobs)
-    if proposer != "none":
-        assert result.stats.draft_tokens_accepted > 0  # drafts were really verified
+    if proposer != "none":  # drafts were really verified (and, greedy, some kept; sampled
+        # drafts that are all rejected pause the request: it may keep none in 24 tokens)
+        assert result.stats.draft_tokens_proposed > 0
+        assert options is SAMPLED or result.stats.draft_tokens_accepted > 0
 
 
 def test_batched_and_chunked_requests_score_as_alone(

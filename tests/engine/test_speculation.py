@@ -13,6 +13,9 @@ from hypothesis import strategies as st
 from hybridspec import EngineConfig, Proposal, Proposer, ProposeRequest
 from hybridspec.config import DEFAULT_VERIFY_TOKEN_COST, MAX_VERIFY_TOKEN_COST
 from hybridspec.engine.speculation import (
+    MIN_PAUSE,
+    MIN_ROUNDS,
+    PROBE_BUDGET,
     SpeculationPolicy,
     SpeculationState,
     draft_threshold,
@@ -128,8 +131,16 @@ def test_rejected_drafts_shrink_what_a_request_asks_for(target, adaptive: bool) 
     asked = Wrong.asked[:20]
     if adaptive:
         # The prior (rate 0.5) asks for log(0.028) / log(0.5) = 5 drafts; every rejection
-        # lowers the rate until one draft a round remains worth its verification.
-        assert asked[0] == math.floor(math.log(draft_threshold(0.03, 1, 1, 0.0)) / math.log(0.5))
-        assert asked[-1] == 1 and sorted(asked, reverse=True) == asked
+        # lowers the rate; after MIN_ROUNDS rounds that earned nothing the request pauses, then
+        # probes with one draft, pausing twice as long after each failed probe, up to the
+        # pause at which a probe (0.028 tokens) costs PROBE_BUDGET a round.
+        threshold = draft_threshold(0.03, 1, 1, 0.0)
+        assert asked[0] == math.floor(math.log(threshold) / math.log(0.5))
+        first = asked[:MIN_ROUNDS]
+        assert sorted(first, reverse=True) == first and min(first) > 0
+        longest = int(threshold / PROBE_BUDGET)
+        pauses = [MIN_PAUSE, 2 * MIN_PAUSE, longest, longest]
+        expected = [n for pause in pauses for n in [0] * pause + [1]]
+        assert asked[MIN_ROUNDS:] == expected[: 20 - MIN_ROUNDS]
     else:
         assert asked == [8] * 20

@@ -78,6 +78,8 @@ def make_engine(target: LoadedModel, draft: LoadedModel | None = None, **config:
     )  # type: ignore[arg-type]
     # The tiny draft costs what the target does: priced as free, so that it drafts at all.
     draft_config = DraftConfig(cost_per_token=0.0)
+    # Proposers priced by their fixed costs: the drafts asked for never depend on timing.
+    config.setdefault("measure_proposer_costs", False)
     return Engine(
         EngineConfig(target=target_config, draft=draft_config, **config),  # type: ignore[arg-type]
         target=target,

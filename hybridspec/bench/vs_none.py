@@ -1,0 +1,108 @@
+"""``hybridspec bench --vs-none``: every proposer's tokens/s over ``none``'s, open-ended and
+input-grounded prompts apart, at each temperature, one request at a time and N at once.
+
+The bar is that speculation never costs: each ratio at least ``FLOOR``. One request at a time,
+a ratio is ``Summary.speedup`` over ``none`` in the group (median over repeats of the ratio of
+interleaved runs' rates). N at once, the concurrent trials run once per group
+(``BenchConfig.concurrent_groups``) and a ratio is the method's aggregate rate over ``none``'s
+at the same N, on the same prompts, in the same repeat (median over repeats).
+
+Example row: ``eagle  open-ended  T=0.8  x8  0.985  ok``: eight eagle requests at a time
+generated 0.985 times the tokens per second of eight ``none`` requests on the open-ended
+prompts.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridspec.bench.names import BASELINE
+from hybridspec.bench.records import Record
+from hybridspec.bench.summary import GROUNDED, OPEN_ENDED, Summary, rates_by_repeat
+from hybridspec.bench.workload import Category
+
+FLOOR = 0.97  # the least ratio to none that counts as "never costs"
+
+
+@dataclass(frozen=True, slots=True)
+class Ratio:
+    """One method's rate over ``none``'s in one group, temperature and concurrency."""
+
+    method: str
+    group: str
+    temperature: float
+    concurrency: int
+    ratio: float | None  # None: not measured
+
+    def line(self) -> str:
+        figure = "-" if self.ratio is None else f"{self.ratio:.3f}"
+        verdict = "-" if self.ratio is None else ("ok" if self.ratio >= FLOOR else "BELOW")
+        return (
+            f"{self.method:<10} {self.group:<15} T={self.temperature:<4g} "
+            f"x{self.concurrency:<3} {figure:>6}  {verdict}"
+        )
+
+
+def concurrent_ratio(
+    records: Sequence[Record], method: str, temperature: float, concurrency: int, group: frozenset
+) -> float | None:
+    """``method``'s aggregate rate over ``none``'s, both ``concurrency`` at once on the prompts
+    of ``group`` (categories), median over repeats."""
+    categories = {p: r.category for r in records if r.category is not None for p in r.prompt_ids}
+
+    def trials(name: str) -> list[Record]:
+        return [
+            r
+            for r in records
+            if r.method == name
+            and r.temperature == temperature
+            and r.concurrency == concurrency
+            and r.category is None
+            and r.prompt_ids
+            and all(categories.get(p) in group for p in r.prompt_ids)
+        ]
+
+    mine, theirs = rates_by_repeat(trials(method)), rates_by_repeat(trials(BASELINE))
+    ratios = [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r] > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def vs_none(
+    records: Sequence[Record], summary: Summary, categories: dict[str, Category]
+) -> list[Ratio]:
+    """Every (method, group, temperature, concurrency) the records hold, ``none`` excluded."""
+    grounded = frozenset(n for n, c in categories.items() if c.input_grounded)
+    groups = {OPEN_ENDED: frozenset(categories) - grounded, GROUNDED: grounded}
+    methods = sorted(
+        {r.method for r in records} - {BASELINE}, key=[r.method for r in records].index
+    )
+    temperatures = sorted({r.temperature for r in records})
+    levels = sorted({r.concurrency for r in records if r.concurrency > 1})
+    rows = []
+    for method in methods:
+        for name, members in groups.items():
+            if not members:
+                continue
+            for t in temperatures:
+                alone = summary.speedup(method, BASELINE, name, t)
+                rows.append(Ratio(method, name, t, 1, alone))
+                for n in levels:
+                    rows.append(
+                        Ratio(method, name, t, n, concurrent_ratio(records, method, t, n, members))
+                    )
+    return rows
+
+
+def format_vs_none(rows: Sequence[Ratio]) -> str:
+    """The table, and the least ratio measured."""
+    header = f"{'method':<10} {'group':<15} {'T':<6} {'N':<4} {'vs none':>6}"
+    lines = [f"== vs none (speculation never costs: each >= {FLOOR:.2f}) ==", header]
+    lines += [row.line() for row in rows]
+    measured = [row for row in rows if row.ratio is not None]
+    if measured:
+        worst = min(measured, key=lambda row: row.ratio or 0.0)
+        below = sum(1 for row in measured if (row.ratio or 0.0) < FLOOR)
+        lines.append(f"least: {worst.line().strip()}; {below} of {len(measured)} below {FLOOR}")
+    return "\n".join(lines)

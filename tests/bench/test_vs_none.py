@@ -1,0 +1,58 @@
+"""``bench --vs-none``: concurrent trials per group of categories, and each method's ratio to
+``none`` per group, temperature and concurrency. Records are made up: nothing measures speed."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridspec.bench.harness import BenchConfig, BenchPrompt, run_benchmark
+from hybridspec.bench.summary import GROUNDED, OPEN_ENDED, Summary
+from hybridspec.bench.vs_none import FLOOR, format_vs_none, vs_none
+from tests.bench.test_concurrency import (
+    CATEGORIES,
+    FakeMethod,
+    SequentialMethod,
+    concurrent,
+    single,
+)
+
+
+def test_concurrent_trials_run_once_per_group_over_its_prompts() -> None:
+    prompts = [
+        BenchPrompt("x0", "x", (10, 1)),
+        BenchPrompt("y0", "y", (12, 1)),
+        BenchPrompt("x1", "x", (11, 1)),
+    ]
+    batching = FakeMethod("batch")
+    groups = (frozenset({"x"}), frozenset({"y"}), frozenset({"z"}))  # z: no prompt, no trial
+    config = BenchConfig(temperatures=(0.0,), concurrency=2, concurrent_groups=groups)
+    records = run_benchmark(config, [batching, SequentialMethod()], prompts)
+    loops = [r.prompt_ids for r in records if r.category is None]
+    assert loops == [("x0", "x1"), ("y0", "y0")]  # each group's prompts, cycled up to N
+    assert [first for first, _, _ in batching.loops] == [[10, 11], [12, 12]]
+
+
+def test_ratios_to_none_per_group_temperature_and_concurrency() -> None:
+    records = [
+        single("none", 0, "code-1", 100, 10.0),  # grounded: 10 tokens/s
+        single("none", 0, "chat-1", 100, 10.0),  # open-ended: 10 tokens/s
+        single("ngram", 0, "code-1", 100, 5.0),  # 2x
+        single("ngram", 0, "chat-1", 100, 12.5),  # 0.8x
+        concurrent("none", 0, ("chat-1", "chat-1"), 100, 10.0, 2),  # 20 tokens/s
+        concurrent("ngram", 0, ("chat-1", "chat-1"), 100, 8.0, 2),  # 25 tokens/s: 1.25x
+        concurrent("none", 0, ("code-1", "code-1"), 100, 4.0, 2),
+        concurrent("ngram", 0, ("code-1", "code-1"), 100, 5.0, 2),  # 0.8x
+    ]
+    rows = vs_none(records, Summary(records, CATEGORIES), CATEGORIES)
+    got = {(r.method, r.group, r.temperature, r.concurrency): r.ratio for r in rows}
+    assert got == pytest.approx(
+        {
+            ("ngram", OPEN_ENDED, 0.0, 1): 0.8,
+            ("ngram", OPEN_ENDED, 0.0, 2): 1.25,
+            ("ngram", GROUNDED, 0.0, 1): 2.0,
+            ("ngram", GROUNDED, 0.0, 2): 0.8,
+        }
+    )
+    table = format_vs_none(rows)
+    assert table.count("BELOW") == 3  # two rows, and the least named again
+    assert f"2 of 4 below {FLOOR}" in table

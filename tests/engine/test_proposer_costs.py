@@ -1,0 +1,207 @@
+"""Proposers priced by their measured drafting time, and requests whose drafts do not pay:
+no drafts and none of the proposer's work, probes later, the same text. Every time here is
+injected: nothing depends on how fast this machine runs."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import pytest
+
+from hybridspec import GenerationParams, Proposal, Proposer, ProposeRequest
+from hybridspec.engine.proposer_costs import DECAY, MIN_CALLS, OUTLIER, ProposerCosts
+from hybridspec.engine.speculation import (
+    MAX_PAUSE,
+    MIN_PAUSE,
+    MIN_ROUNDS,
+    PROBE_BUDGET,
+    SpeculationPolicy,
+    SpeculationState,
+)
+from hybridspec.model import LoadedModel
+from hybridspec.proposers import NoProposer, ProposerContext
+from tests.engine.tiny import PROMPTS, make_engine, plain
+
+
+def test_fit_splits_a_call_into_its_requests_and_drafts() -> None:
+    costs, proposer = ProposerCosts(), NoProposer(None)  # type: ignore[arg-type]
+    for _ in range(MIN_CALLS - 1):
+        costs.observe(proposer, 1, 1, 0.002)
+    assert costs.price(proposer, 0.01) is None  # too few calls yet
+    costs.observe(proposer, 1, 3, 0.004)  # 1 ms a request, 1 ms a draft
+    costs.observe(proposer, 2, 2, 0.004)
+    per_draft, per_round = costs.price(proposer, 0.01)  # type: ignore[misc]
+    assert per_draft == pytest.approx(0.1) and per_round == pytest.approx(0.1)
+    assert costs.price(proposer, None) is None  # no forward timed: no price
+    costs.forget(proposer)
+    assert costs.price(proposer, 0.01) is None
+
+
+def test_fit_clamps_a_negative_part_and_ignores_calls_without_asks() -> None:
+    costs, proposer = ProposerCosts(), NoProposer(None)  # type: ignore[arg-type]
+    calls = [(1, 0.003), (2, 0.003), (4, 0.002), (8, 0.001)] * 2
+    for drafts, seconds in calls:
+        costs.observe(proposer, 1, drafts, seconds)  # more drafts, less time: p < 0
+    costs.observe(proposer, 0, 0, 5.0)  # asked for nothing: carries no evidence
+    per_draft, per_round = costs.price(proposer, 0.001)  # type: ignore[misc]
+    weights = [DECAY ** (len(calls) - 1 - i) for i in range(len(calls))]
+    mean = sum(w * s for w, (_, s) in zip(weights, calls, strict=True)) / sum(weights)
+    assert per_draft == 0.0 and per_round == pytest.approx(mean / 0.001)  # the mean call, alone
+
+
+def priced(policy: SpeculationPolicy, state: SpeculationState, per_round: float = 0.0) -> int:
+    return policy.num_drafts(state, 8, by_step=True, proposer_cost_per_round=per_round)
+
+
+def test_a_fixed_cost_per_round_asks_for_no_drafts_where_they_cannot_pay() -> None:
+    policy = SpeculationPolicy(0.03)
+    state = SpeculationState()  # rate 0.5: 0.5 + 0.25 + ... at most 1 token expected
+    assert priced(policy, state) == 5
+    assert priced(policy, state, per_round=0.5) == 5  # 0.97 tokens expected > 0.14 + 0.5
+    assert priced(policy, state, per_round=1.0) == 0
+
+
+def test_rounds_that_do_not_pay_pause_and_failed_probes_pause_longer() -> None:
+    policy, state = SpeculationPolicy(0.03), SpeculationState()
+    asked = []
+    for _ in range(60):
+        k = priced(policy, state, per_round=0.2)
+        asked.append(k)
+        state.update(k, 0, 1)  # every draft rejected
+    assert all(k > 0 for k in asked[:MIN_ROUNDS])
+    probe = state.draft_price + state.round_price  # one draft's price, in tokens
+    longest = min(MAX_PAUSE, int(probe / PROBE_BUDGET))
+    pauses, gap = [], 0
+    for k in asked[MIN_ROUNDS:]:
+        if k:
+            assert k == 1  # a probe asks for one draft
+            pauses.append(gap)
+            gap = 0
+        else:
+            gap += 1
+    assert pauses[:3] == [MIN_PAUSE, 2 * MIN_PAUSE, 4 * MIN_PAUSE]
+    assert max(pauses) <= longest
+
+
+def test_a_kept_probe_resumes_speculation() -> None:
+    policy, state = SpeculationPolicy(0.03), SpeculationState()
+    for _ in range(MIN_ROUNDS):
+        state.update(priced(policy, state), 0, 1)
+    assert state.paused == MIN_PAUSE
+    for _ in range(MIN_PAUSE):
+        assert priced(policy, state) == 0
+        state.update(0, 0, 1)
+    assert priced(policy, state) == 1  # the probe
+    state.update(1, 1, 2)  # kept
+    assert not state.probing and state.pause == MIN_PAUSE
+    assert priced(policy, state) > 1  # learning the rate again
+
+
+class Counting(Proposer):
+    """Proposes the target's own greedy continuation where it can (copies from the tiny
+    model's plain run), recording what each round asked for."""
+
+    def __init__(self, context: ProposerContext, answer: Sequence[int]) -> None:
+        super().__init__(context)
+        self.answer = list(answer)
+        self.asked: list[int] = []
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        self.asked += [r.max_num_drafts for r in requests]
+        out = []
+        for r in requests:
+            at = len(r.token_ids) - r.num_prompt_tokens
+            out.append(Proposal(tuple(self.answer[at : at + r.max_num_drafts])))
+        return out
+
+
+class FixedCosts(ProposerCosts):
+    """Prices every proposer as given: (per draft, per round) over a forward's fixed part."""
+
+    def __init__(self, per_draft: float, per_round: float) -> None:
+        super().__init__()
+        self.fixed = (per_draft, per_round)
+
+    def price(self, proposer: Proposer, forward_s: float | None) -> tuple[float, float] | None:
+        return self.fixed
+
+
+@pytest.mark.parametrize(("per_round", "drafts"), [(0.0, True), (50.0, False)])
+def test_measured_costs_decide_whether_a_greedy_request_drafts(
+    target: LoadedModel, per_round: float, drafts: bool
+) -> None:
+    engine = make_engine(target, measure_proposer_costs=True)
+    answer = plain(engine, PROMPTS[1], 30)
+    proposer: Counting | None = None
+
+    def build(context: ProposerContext) -> Counting:
+        nonlocal proposer
+        proposer = Counting(context, answer)
+        return proposer
+
+    engine.register_proposer("counting", build)
+    engine.proposers.costs = FixedCosts(0.0, per_round)
+    params = GenerationParams(max_new_tokens=30, proposer="counting", num_speculative_tokens=4)
+    result = engine.generate(prompt_token_ids=PROMPTS[1], params=params)
+    assert result.token_ids == answer
+    assert proposer is not None
+    if drafts:
+        assert max(proposer.asked) > 1
+    else:  # a price no draft can pay: only probes of one draft, ever rarer
+        probes = [i for i, k in enumerate(proposer.asked) if k]
+        assert max(proposer.asked) == 1 and len(probes) <= 3
+        gaps = [b - a for a, b in itertools.pairwise(probes)]
+        assert gaps == sorted(gaps) and len(set(gaps)) == len(gaps)
+
+
+@pytest.mark.parametrize("name", ["draft", "eagle"])
+def test_a_proposer_skipping_rounds_catches_up_losslessly(
+    target: LoadedModel, draft: LoadedModel, name: str
+) -> None:
+    """Prices that swing between free and prohibitive make the draft model and the eagle head
+    skip runs of rounds; each catches up on the committed tokens when it drafts again."""
+    from hybridspec.config import EagleConfig
+    from tests.proposers.eagle_helpers import random_head, use_head
+
+    free = EagleConfig(cost_per_token=0.0)
+    engine = make_engine(target, draft, measure_proposer_costs=True, eagle=free)
+    if name == "eagle":
+        use_head(engine, random_head(target, 48))
+
+    class Swinging(FixedCosts):
+        calls = 0
+
+        def price(self, proposer: Proposer, forward_s: float | None) -> tuple[float, float]:
+            Swinging.calls += 1
+            return (0.0, 0.0) if (Swinging.calls // 4) % 2 else (0.0, 50.0)
+
+    engine.proposers.costs = Swinging(0.0, 0.0)
+    for prompt in PROMPTS[:3]:
+        params = GenerationParams(max_new_tokens=40, proposer=name, num_speculative_tokens=4)
+        result = engine.generate(prompt_token_ids=prompt, params=params)
+        assert result.token_ids == plain(engine, prompt, 40)
+        stats = result.stats
+        drafting_rounds = stats.proposed_per_position[0]
+        assert 0 < drafting_rounds < stats.target_forwards  # it drafted in some rounds only
+
+
+def test_an_outlying_call_counts_at_most_a_few_times_the_fit_and_reset_forgets() -> None:
+    costs, proposer = ProposerCosts(), NoProposer(None)  # type: ignore[arg-type]
+    for _ in range(MIN_CALLS):
+        costs.observe(proposer, 1, 2, 0.003)
+    costs.observe(proposer, 1, 2, 30.0)  # a call that compiled something
+    per_draft, per_round = costs.price(proposer, 0.001)  # type: ignore[misc]
+    assert 2 * per_draft + per_round <= OUTLIER * 3.0
+    costs.clear()
+    assert costs.price(proposer, 0.001) is None
+
+
+def test_engine_reset_forgets_the_measured_costs(target: LoadedModel) -> None:
+    engine = make_engine(target, measure_proposer_costs=True)
+    proposer = engine.resolve_proposer("ngram")
+    for _ in range(MIN_CALLS):
+        engine.proposers.costs.observe(proposer, 1, 1, 0.001)
+    assert engine.proposers.costs.price(proposer, 0.01) is not None
+    engine.reset()
+    assert engine.proposers.costs.price(proposer, 0.01) is None
