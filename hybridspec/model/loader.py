@@ -39,7 +39,7 @@ from hybridspec.model import qgemm, weight_cache
 from hybridspec.model.gguf import GGUFModel, load_gguf_tokenizer, read_gguf
 from hybridspec.model.gguf_file import check_memory
 from hybridspec.model.gguf_meta import StoredConfig
-from hybridspec.model.gguf_pack import pack_matrix
+from hybridspec.model.gguf_pack import pack_matrix, trim_heap
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
 from hybridspec.model.quant_linear import int4_kernel_available
@@ -278,6 +278,7 @@ def _load_gguf(
         # the tokenizer before the weights: its first conversion (transformers reading the
         # vocabulary) is over, and its memory freed, before the weights are held
         tokenizer = load_gguf_tokenizer(path)
+        trim_heap()
         converted = convert_in_place(path, dtype, block, model)  # faster than the weight cache
     else:
         converted = _load_or_convert(path, dtype, device, quantize)
