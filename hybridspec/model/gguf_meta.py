@@ -78,7 +78,10 @@ def config_for(
     from transformers import AutoConfig
 
     config: PretrainedConfig = AutoConfig.for_model(model_type, **fields)
-    _write_atomically(entry, json.dumps(config.to_dict(), sort_keys=True))
+    try:
+        _write_atomically(entry, json.dumps(config.to_dict(), sort_keys=True))
+    except (TypeError, ValueError) as exc:  # a field JSON cannot hold: built again next time
+        logger.warning("cannot cache the config of %s: %s", model_type, exc)
     return config
 
 

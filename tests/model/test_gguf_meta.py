@@ -119,3 +119,13 @@ def test_a_later_load_imports_no_config_class(tmp_path: Path) -> None:
     assert first.stdout.strip() == "True"  # the first read builds (and saves) the config
     later = subprocess.run(run, capture_output=True, text=True, check=True, cwd=root)
     assert later.stdout.strip() == "False", later.stderr
+
+
+def test_an_unreadable_saved_config_is_built_again(tmp_path: Path) -> None:
+    path = _family_file("qwen2", tmp_path / "files")
+    read_gguf(path, stored_config=True)  # saves the fields
+    (entry,) = (tmp_path / "cache" / "configs").iterdir()
+    entry.write_text("{not json")
+    rebuilt = read_gguf(path, stored_config=True).config
+    assert not isinstance(rebuilt, StoredConfig)  # built, and saved again
+    assert isinstance(read_gguf(path, stored_config=True).config, StoredConfig)
