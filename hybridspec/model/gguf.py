@@ -15,9 +15,9 @@ window 4096 when the file names none.
 ``model.gguf_blocks``),
 renames it to its transformers name, undoes llama.cpp's rope permutation of the q/k rows (only
 ``llama`` files are permuted) and builds the architecture's transformers config from the
-metadata. ``load_gguf_tokenizer`` converts the
-file's vocabulary with transformers once (seconds for a 49k vocabulary) and caches the result
-on disk.
+metadata (or, for a load in place, reads its fields saved by an earlier load: ``gguf_meta``).
+``load_gguf_tokenizer`` converts the file's vocabulary with transformers once (a second or two
+for a 128k vocabulary) and caches the result on disk.
 
 llama.cpp's converter stores each q/k projection with the rows of every head reordered from
 transformers' rotate-half pairing (i, i + hd/2) to interleaved pairing (2i, 2i + 1):
