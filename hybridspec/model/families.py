@@ -28,8 +28,10 @@ is capped at the window, within which windowed attention and full attention are 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
+if TYPE_CHECKING:  # the class's import costs about a second: the native GGUF path needs none
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True, slots=True)

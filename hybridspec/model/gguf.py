@@ -15,9 +15,9 @@ window 4096 when the file names none.
 ``model.gguf_blocks``),
 renames it to its transformers name, undoes llama.cpp's rope permutation of the q/k rows (only
 ``llama`` files are permuted) and builds the architecture's transformers config from the
-metadata. ``load_gguf_tokenizer`` converts the
-file's vocabulary with transformers once (seconds for a 49k vocabulary) and caches the result
-on disk.
+metadata (or, for a load in place, reads its fields saved by an earlier load: ``gguf_meta``).
+``load_gguf_tokenizer`` converts the file's vocabulary with transformers once (a second or two
+for a 128k vocabulary) and caches the result on disk.
 
 llama.cpp's converter stores each q/k projection with the rows of every head reordered from
 transformers' rotate-half pairing (i, i + hd/2) to interleaved pairing (2i, 2i + 1):
@@ -50,6 +50,12 @@ from hybridspec.model.gguf_blocks import (
     from_gguf_blocks,
 )
 from hybridspec.model.gguf_file import GGUFFile
+from hybridspec.model.gguf_meta import (
+    StoredConfig,
+    config_for,
+    saved_tokenizer_class,
+    tokenizer_class,
+)
 from hybridspec.model.quant import QuantizedWeight
 from hybridspec.model.rope import default_inv_freq, llama3_inv_freq
 
@@ -102,7 +108,9 @@ _LLAMA3_ROPE = {
 class GGUFModel:
     """A GGUF model in transformers' layout."""
 
-    config: PretrainedConfig  # the architecture's own config class (LlamaConfig, Qwen3Config...)
+    # the architecture's own config class (LlamaConfig, Qwen3Config...), or its saved
+    # attributes (``read_gguf``'s ``stored_config``)
+    config: PretrainedConfig | StoredConfig
     # transformers' names and layout: float32, or a file's own blocks (``keep_quantized``),
     # decoded or still in the file (``lazy``)
     state_dict: dict[str, torch.Tensor | QuantizedWeight | GGUFMatrix]
@@ -137,7 +145,11 @@ def unpermute_qk_rows(weight: QuantizedWeight, num_heads: int) -> QuantizedWeigh
 
 
 def read_gguf(
-    path: str | os.PathLike[str], *, keep_quantized: bool = False, lazy: bool = False
+    path: str | os.PathLike[str],
+    *,
+    keep_quantized: bool = False,
+    lazy: bool = False,
+    stored_config: bool = False,
 ) -> GGUFModel:
     """Read a GGUF file; raises ModelLoadError for an unreadable, truncated or unsupported file
     (``gguf_file.GGUFFile``).
@@ -146,7 +158,8 @@ def read_gguf(
     exactly: ``model.gguf_blocks`` lists the types), F32/F16/BF16 ones and vectors as float32;
     a matrix of another type is refused, naming it and its type. ``lazy`` (with
     ``keep_quantized``): quantized matrices come back as ``GGUFMatrix``, views of the mapped
-    file not read yet, for ``gguf_pack`` to convert one at a time.
+    file not read yet, for ``gguf_pack`` to convert one at a time. ``stored_config``: the
+    config may be a ``gguf_meta.StoredConfig`` (saved by an earlier load: no transformers import).
     """
     reader = GGUFFile(path)
     meta = _Metadata(reader, os.fspath(path))
@@ -160,7 +173,7 @@ def read_gguf(
     for name in ("token_embd.weight", "output_norm.weight"):
         if name not in tensors:
             raise ModelLoadError(f"GGUF file {meta.path!r}: tensor {name!r} is missing")
-    config = _config(meta, tensors)
+    config = _config(meta, tensors, stored_config)
     heads = {}
     if arch in _PERMUTED_ARCHITECTURES:
         heads = {
@@ -243,9 +256,9 @@ class _Metadata:
         return value
 
 
-def _config(meta: _Metadata, tensors: dict[str, Any]) -> PretrainedConfig:
-    from transformers import AutoConfig
-
+def _config(
+    meta: _Metadata, tensors: dict[str, Any], stored: bool
+) -> PretrainedConfig | StoredConfig:
     arch = meta.require("general.architecture")
     num_heads = int(meta.require(f"{arch}.attention.head_count"))
     hidden = int(meta.require(f"{arch}.embedding_length"))
@@ -266,8 +279,7 @@ def _config(meta: _Metadata, tensors: dict[str, Any]) -> PretrainedConfig:
         sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         rope_parameters=rope,
     )
-    config = AutoConfig.for_model(
-        _GEMMA[arch][0] if arch in _GEMMA else arch,
+    fields |= dict(
         vocab_size=int(meta.get(f"{arch}.vocab_size", embed_rows)),
         hidden_size=hidden,
         intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
@@ -281,8 +293,14 @@ def _config(meta: _Metadata, tensors: dict[str, Any]) -> PretrainedConfig:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         tie_word_embeddings="output.weight" not in tensors,
-        **(fields | extra),
+        **extra,
     )
+    model_type = _GEMMA[arch][0] if arch in _GEMMA else arch
+    if stored:
+        return config_for(model_type, fields, default_cache_dir())
+    from transformers import AutoConfig
+
+    config: PretrainedConfig = AutoConfig.for_model(model_type, **fields)
     return config
 
 
@@ -362,7 +380,6 @@ def load_gguf_tokenizer(
     transformers version (its converter's output may change between versions).
     """
     import transformers
-    from transformers import AutoTokenizer
 
     path = Path(path).resolve()
     stat = path.stat()
@@ -371,7 +388,7 @@ def load_gguf_tokenizer(
     entry = (cache_dir or default_cache_dir()) / "tokenizers" / f"{path.stem}-{digest}"
     if entry.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(entry)
+            return saved_tokenizer_class(entry).from_pretrained(entry)
         except (OSError, ValueError) as exc:
             logger.warning("ignoring unreadable tokenizer cache %s: %s", entry, exc)
     tokenizer = convert_gguf_tokenizer(path)
@@ -380,11 +397,17 @@ def load_gguf_tokenizer(
 
 
 def convert_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """Convert the file's vocabulary with transformers (slow: no cache)."""
+    """Convert the file's vocabulary with transformers (no cache): the class AutoTokenizer
+    would pick, chosen from the file's architecture (``gguf_meta.tokenizer_class``)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     try:
+        reader = GGUFFile(path)
+        arch, name = reader.get("general.architecture"), reader.get("general.name")
+        chosen = tokenizer_class(path, arch, name)  # AutoTokenizer's, without its file read
+        if chosen is not None:
+            return chosen.from_pretrained(path.parent, gguf_file=path.name)
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(

@@ -20,10 +20,9 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PretrainedConfig
 
 from hybridspec.model.families import (
     LLAMA,
@@ -37,6 +36,9 @@ from hybridspec.model.families import (
 from hybridspec.model.gguf_blocks import GGUFMatrix
 from hybridspec.model.quant import PackedWeight, QuantizedWeight, cat_rows, quantize
 from hybridspec.model.rope import default_inv_freq, llama3_inv_freq
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 

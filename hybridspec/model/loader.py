@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -38,7 +38,8 @@ from hybridspec.errors import ModelLoadError
 from hybridspec.model import qgemm, weight_cache
 from hybridspec.model.gguf import GGUFModel, load_gguf_tokenizer, read_gguf
 from hybridspec.model.gguf_file import check_memory
-from hybridspec.model.gguf_pack import pack_matrix
+from hybridspec.model.gguf_meta import StoredConfig
+from hybridspec.model.gguf_pack import pack_matrix, trim_heap
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
 from hybridspec.model.quant_linear import int4_kernel_available
@@ -277,6 +278,7 @@ def _load_gguf(
         # the tokenizer before the weights: its first conversion (transformers reading the
         # vocabulary) is over, and its memory freed, before the weights are held
         tokenizer = load_gguf_tokenizer(path)
+        trim_heap()
         converted = convert_in_place(path, dtype, block, model)  # faster than the weight cache
     else:
         converted = _load_or_convert(path, dtype, device, quantize)
@@ -299,7 +301,7 @@ def _load_gguf(
 def checked_gguf(path: Path) -> GGUFModel:
     """The GGUF file read lazily (``read_gguf``: every tensor checked against the file), and
     its weights checked to fit in the memory available now (``gguf_file.check_memory``)."""
-    model = read_gguf(path, keep_quantized=True, lazy=True)
+    model = read_gguf(path, keep_quantized=True, lazy=True, stored_config=True)
     # the packed weights hold about the file's bytes; fused q/k/v of mixed types a little more
     check_memory(path, model.tensor_bytes + model.tensor_bytes // 16 + _LOAD_OVERHEAD)
     return model
@@ -313,16 +315,18 @@ def convert_in_place(
     run of the file's pages. ``model``: ``checked_gguf(path)``, read here when None."""
     if model is None:
         model = checked_gguf(path)
+    config = model.config  # its saved attributes where an earlier load saved them: read alike
     try:
         weights = LlamaWeights.from_hf_state_dict(
             model.state_dict,
-            model.config,
+            cast("PretrainedConfig", config),
             dtype=dtype,
             pack=functools.partial(pack_matrix, kernel=block, mapped=True),
         )
     except ValueError as exc:  # tensors that disagree with the metadata
         raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc
-    return ConvertedGGUF(pack_quantized(weights), model.config, model.eos_token_ids)
+    source = config.build if isinstance(config, StoredConfig) else config
+    return ConvertedGGUF(pack_quantized(weights), source, model.eos_token_ids)
 
 
 def _load_or_convert(
@@ -332,17 +336,18 @@ def _load_or_convert(
 
     def convert() -> ConvertedGGUF:
         model = read_gguf(path, keep_quantized=quantize != "none")
+        config = cast("PretrainedConfig", model.config)  # the real one: no stored_config
         try:
             weights = LlamaWeights.from_hf_state_dict(
                 model.state_dict,
-                model.config,
+                config,
                 dtype=dtype,
                 device=device,
                 quantize_bits=_QUANTIZE_BITS.get(quantize),
             )
         except ValueError as exc:  # tensors that disagree with the metadata
             raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc
-        return ConvertedGGUF(pack_quantized(weights), model.config, model.eos_token_ids)
+        return ConvertedGGUF(pack_quantized(weights), config, model.eos_token_ids)
 
     # the cache holds what the runtime multiplies: the kernel's tiles where it builds
     packed = quantize != "none" and device.type == "cpu" and qgemm.kernel() is not None

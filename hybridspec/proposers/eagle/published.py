@@ -40,17 +40,19 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
 
 from hybridspec.errors import InvalidRequestError, check
 from hybridspec.model import rope_inv_freq
 from hybridspec.proposers.eagle.config import CONFIG_FILE, DraftHead, HeadConfig, TargetParts
 from hybridspec.proposers.eagle.head import DecoderLayerHead, EagleHead
+
+if TYPE_CHECKING:  # imported where a head is read: the class costs about a second to import
+    from transformers import LlamaConfig
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _ATTENTION = tuple(f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o"))
@@ -339,6 +341,8 @@ def _refused(message: str) -> InvalidRequestError:
 
 
 def _llama_config(data: dict[str, Any], source: str) -> LlamaConfig:
+    from transformers import LlamaConfig
+
     try:
         return LlamaConfig(**data)
     except (KeyError, TypeError, ValueError) as exc:
