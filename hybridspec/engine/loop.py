@@ -12,7 +12,10 @@ one team.
 Callers talk to it through an inbox of commands (add, abort) drained between steps, and
 receive each request's outputs on an asyncio queue of their own. Adding a request waits for the
 engine thread to accept or refuse it, so validation and capacity errors reach the caller before
-any output.
+any output. A caller that wants only a request's end (a response that is not streamed) asks
+for ``final_only``: it gets the first output (its time to first token) and the final one (the
+whole result), not one per step, so that its event loop is not woken, and does not take the
+GIL and a core from the forward, on every round.
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ class _Add:
     accepted: asyncio.Future[list[list[str]]]
     outputs: asyncio.Queue[RequestOutput]  # every choice's outputs
     loop: asyncio.AbstractEventLoop
+    final_only: bool  # each choice's first and final outputs only (module docstring)
+
+
+@dataclass(slots=True)
+class _Route:
+    """Where one request's outputs go, and whether the caller wants only its first and final."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[RequestOutput]
+    final_only: bool
+    delivered: bool = False  # an output was handed over
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +92,7 @@ class EngineLoop:
             build = engine
         self._on_step = on_step
         self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
-        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._routes: dict[str, _Route] = {}
         self._thread = threading.Thread(
             target=self._run, args=(build,), name="hybridspec-engine", daemon=True
         )
@@ -118,14 +132,16 @@ class EngineLoop:
         params: Sequence[GenerationParams],
         n: int,
         checked: bool = False,
+        final_only: bool = False,
     ) -> tuple[list[list[str]], asyncio.Queue[RequestOutput]]:
         """Queue ``n`` choices of each prompt, all or none (``Engine.add_choices``, which
         ``checked`` is passed to); raises the refusal, else gives their ids
-        ``[prompt][choice]`` and one queue of all outputs."""
+        ``[prompt][choice]`` and one queue of all outputs (with ``final_only``, each choice's
+        first and final ones only)."""
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[list[list[str]]] = loop.create_future()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._inbox.put(_Add(prompts, params, n, checked, accepted, outputs, loop))
+        self._inbox.put(_Add(prompts, params, n, checked, accepted, outputs, loop, final_only))
         request_ids = await accepted
         return request_ids, outputs
 
@@ -142,11 +158,12 @@ class EngineLoop:
         params: Sequence[GenerationParams],
         n: int,
         checked: bool = False,
+        final_only: bool = False,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Submit ``n`` choices of each prompt, then yield ``(index, output)`` as they come,
         ``index = prompt * n + choice``, until every one has finished; closing the iterator
-        early aborts those that have not."""
-        request_ids, outputs = await self.submit_choices(prompts, params, n, checked)
+        early aborts those that have not. ``final_only``: as ``submit_choices``."""
+        request_ids, outputs = await self.submit_choices(prompts, params, n, checked, final_only)
         index = {rid: i for i, rid in enumerate(rid for ids in request_ids for rid in ids)}
         running = set(index)
         try:
@@ -217,7 +234,7 @@ class EngineLoop:
                 command.loop.call_soon_threadsafe(_set_exception, command.accepted, exc)
                 return
             for request_id in (rid for choices in ids for rid in choices):
-                self._routes[request_id] = (command.loop, command.outputs)
+                self._routes[request_id] = _Route(command.loop, command.outputs, command.final_only)
             command.loop.call_soon_threadsafe(self._accept, command.accepted, ids)
         elif isinstance(command, _Abort):
             output = self.engine.abort(command.request_id)
@@ -242,7 +259,7 @@ class EngineLoop:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their callers: one wake-up of each caller's event loop per
         step (``call_soon_threadsafe`` writes to the loop's self-pipe), however many requests
-        the step advanced."""
+        the step advanced; none for a step whose outputs a ``final_only`` caller skips."""
         by_loop: dict[asyncio.AbstractEventLoop, list[_Routed]] = {}
         for output in outputs:
             route = self._routes.get(output.request_id)
@@ -250,8 +267,10 @@ class EngineLoop:
                 continue
             if output.finished:
                 del self._routes[output.request_id]
-            loop, outputs_queue = route
-            by_loop.setdefault(loop, []).append((outputs_queue, output))
+            elif route.final_only and route.delivered:
+                continue
+            route.delivered = True
+            by_loop.setdefault(route.loop, []).append((route.outputs, output))
         for loop, routed in by_loop.items():
             loop.call_soon_threadsafe(_put_all, routed)
 

@@ -49,18 +49,22 @@ Indexed = tuple[int, RequestOutput]  # a choice's index (prompt * n + choice) an
 
 
 async def observe(
-    state: ServerState, prepared: Sequence[PreparedRequest]
+    state: ServerState, prepared: Sequence[PreparedRequest], final_only: bool = False
 ) -> AsyncGenerator[Indexed, None]:
     """Run every prompt's choices on the engine loop and yield their outputs with the
     choice's index, recording metrics (a prompt's tokens and first token once).
 
-    Refusals (InvalidRequestError, CapacityError) raise on the first ``__anext__``. Closing or
-    cancelling this generator before the last output aborts the choices still running.
+    ``final_only`` (a response that is not streamed): each choice's first and final outputs
+    only (``EngineLoop.stream_choices``); the tokens of the outputs between are counted from
+    the final one's result. Refusals (InvalidRequestError, CapacityError) raise on the first
+    ``__anext__``. Closing or cancelling this generator before the last output aborts the
+    choices still running.
     """
     metrics, proposer, n = state.metrics, prepared[0].proposer, prepared[0].n
     tenant = prepared[0].params.tenant
     arrival = time.perf_counter()
     started: set[int] = set()  # prompts that have a first token
+    counted: dict[int, int] = {}  # tokens counted so far per choice
     finished, refused = 0, False
     try:
         # EngineLoop.stream_choices is an async generator (typed as an AsyncIterator).
@@ -71,6 +75,7 @@ async def observe(
                 [p.params for p in prepared],
                 n,
                 checked=True,  # by prepare, before tokenizing
+                final_only=final_only,
             ),
         )
         async with contextlib.aclosing(stream) as outputs:
@@ -80,7 +85,11 @@ async def observe(
                     ttft_s = time.perf_counter() - arrival
                     num_prompt = len(prepared[index // n].prompt_token_ids)
                     metrics.observe_first_token(proposer, ttft_s, num_prompt)
-                metrics.observe_tokens(proposer, len(output.new_token_ids), tenant)
+                num_tokens = len(output.new_token_ids)
+                if final_only and output.finished and output.result is not None:  # and skipped
+                    num_tokens = len(output.result.token_ids) - counted.get(index, 0)
+                counted[index] = counted.get(index, 0) + num_tokens
+                metrics.observe_tokens(proposer, num_tokens, tenant)
                 if output.finished:
                     finished += 1
                     reason = output.finish_reason or FinishReason.ERROR

@@ -52,7 +52,8 @@ async def _respond(
     chat, stream = prepared[0].chat, prepared[0].stream
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    outputs = guard(state.shutdown, observe(state, prepared))  # 503 once shutdown aborts it
+    # 503 once shutdown aborts it; a response that is not streamed needs only each choice's end
+    outputs = guard(state.shutdown, observe(state, prepared, final_only=not stream))
     if stream:
         try:
             # Wait for the first output before answering, so that a refusal is an HTTP error.

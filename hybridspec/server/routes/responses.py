@@ -135,7 +135,7 @@ class _Answer:
 async def create_response(body: ResponsesRequest, request: Request, state: State) -> Response:
     (prepared,) = await prepare(state, to_chat(body), tenant_of(request))
     answer = _Answer(body, prepared)
-    outputs = observe(state, [prepared])
+    outputs = observe(state, [prepared], final_only=not body.stream)
     if body.stream:
         try:
             first = await until_disconnected(request, next_output(outputs))
