@@ -7,18 +7,17 @@
  *   score_j = fma(qs[hd - 1], k[hd - 1, j], ... fma(qs[1], k[1, j], fma(qs[0], k[0, j], 0)))
  *     with qs = q * scale (each dim in order, one rounding per step);
  *   with softcap > 0, score_j = softcap tanh(score_j / softcap) (``att_soft_cap``);
- *   e_j = exp(score_j - max) (``att_exp``), 0 before the window; 1 / sum by 16 lanes in a fixed
- *     tree (``softmax_weights``);
+ *   e_j = exp(score_j - max) (fastmath.h's ``hs_exp``), 0 before the window; 1 / sum by 16
+ *     lanes in a fixed tree (``softmax_weights``);
  *   out[d] = (fma chain over positions j in order of e_j v[j, d], from 0) * (1 / sum).
  * Vector lanes hold different positions (scores) or dims (values), never parts of one sum, so
  * the AVX-512, AVX2 and portable paths give the same bits; rows share key and value loads but
  * not sums, so a row's result does not depend on the rows beside it, the items, or the threads.
  *
- *
  * Items (int32 ``[n, 5]``: slot, key/value head, first token in q, its position, tokens) are
  * the unit of work, run in parallel on OpenMP threads (torch's, as the matmuls), each in its
  * thread's part of the caller's scratch (scratch.h). The scores and the weighted values of an
- * item's rows are attention_tiles.h's; the exp is fastmath.h's.
+ * item's rows are attention_tiles.h's.
  */
 #include <math.h>
 #include <stdint.h>

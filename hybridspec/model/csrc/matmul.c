@@ -118,11 +118,11 @@ typedef struct {
 
 #include "matmul_tiles.h"
 
-#define TILE_DOT_CASE(n)              \
-    case n:                           \
-        if (S == 1)                   \
+#define TILE_DOT_CASE(n)               \
+    case n:                            \
+        if (S == 1)                    \
             tile_dot(*job, 1, n, out); \
-        else                          \
+        else                           \
             tile_dot(*job, 2, n, out); \
         break;
 
