@@ -1,4 +1,4 @@
-"""The block-quantized matmul kernel (``csrc/qgemm.c``): built once per machine, called by ctypes.
+"""The block-quantized matmul kernel (``csrc/``): built once per machine, called by ctypes.
 
 ``BlockLinear`` computes ``y = x @ W.T`` straight from a ``QuantizedWeight``'s codes, scales
 and offsets (repacked once into tiles of 16 rows), with activations quantized to 8 bits per row
@@ -16,9 +16,18 @@ library's entry points sit beside each other.)
 Each output row is computed alike whatever rows share the call (one fixed order of summation,
 in one thread), so a token's logits do not depend on how many drafts it is verified with.
 
-Building: the C source is compiled with the system's C compiler (``$CC``, else ``cc``) with
-``-O3 -march=native -fopenmp`` into ``default_cache_dir()/kernels``, keyed by the source, the
-flags and the compiler, the first time it is needed (about a second). The library links the
+The C library, by concern: ``matmul.c`` (the matmul, its tiles per instruction set in
+``matmul_tiles.h``), ``tiles.c`` (packing into tiles, rows read back), ``layer.c`` (a layer's
+fused calls: ``hs_attn_in`` with rope and the cache stores, ``hs_mlp_block``), ``attention.c``
+(with ``attention_tiles.h``), ``pack.c`` (a GGUF file's blocks into tiles), and the headers
+``isa.h`` (the one set of instruction-set macros), ``fastmath.h`` (conversions, the one exp),
+``scratch.h``, ``matmul.h``, ``cache_layout.h``, ``gguf_decode.h``. No call allocates: each
+takes the calling thread's scratch buffer (``Scratch``), which grows when a call reports it
+short and is then reused.
+
+Building: the C sources are compiled with the system's C compiler (``$CC``, else ``cc``) with
+``-O3 -march=native -fopenmp`` into ``default_cache_dir()/kernels``, keyed by the sources, the
+flags and the compiler, the first time it is needed (a few seconds). The library links the
 OpenMP runtime that torch has loaded (same soname), so it runs on torch's threads and follows
 ``torch.set_num_threads``. Where no compiler works, ``kernel()`` is None and quantized weights
 fall back to torch's int4 kernel (``quant_linear``); ``HYBRIDSPEC_QGEMM=0`` forces that.
@@ -34,6 +43,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -53,8 +64,8 @@ from hybridspec.model.quant import (
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "qgemm.c", _CSRC / "attention.c", _CSRC / "pack.c")  # and the shared header
-HEADERS = (_CSRC / "cache_layout.h", _CSRC / "gguf_decode.h")
+SOURCES = tuple(sorted(_CSRC.glob("*.c")))  # compiled together into one library
+HEADERS = tuple(sorted(_CSRC.glob("*.h")))  # in the build's key with the sources
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
 _X_DTYPES = (torch.bfloat16, torch.float32)
@@ -62,7 +73,7 @@ _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 class QWeight(ctypes.Structure):
-    """csrc/qgemm.c's ``qweight_t``: one packed matrix's pointers, bits, group and shape, built
+    """csrc/matmul.h's ``qweight_t``: one packed matrix's pointers, bits, group and shape, built
     once per matrix (``BlockLinear``) so that each call passes one pointer for all of them."""
 
     _fields_ = [
@@ -80,7 +91,7 @@ _QW = ctypes.POINTER(QWeight)
 
 
 class CacheLayout(ctypes.Structure):
-    """csrc/qgemm.c's ``cache_layout_t``: one layer's keys ``[slots, KV, hd, S]`` and values
+    """csrc/cache_layout.h's ``cache_layout_t``: one layer's keys ``[slots, KV, hd, S]`` and values
     ``[slots, KV, S, hd]``, pointers and element strides (``Kernel.cache_struct``)."""
 
     _fields_ = [
@@ -94,21 +105,45 @@ class CacheLayout(ctypes.Structure):
 _CACHE = ctypes.POINTER(CacheLayout)
 
 
+class Scratch(ctypes.Structure):
+    """csrc/scratch.h's ``hs_scratch_t``: a buffer and its size, and what a call that found it
+    short needs (``Kernel._call`` grows it and calls again)."""
+
+    _fields_ = [("data", _ptr), ("bytes", _i64), ("need", _i64)]
+
+
+_SCRATCH = ctypes.POINTER(Scratch)
+
+
+class _ThreadScratch(threading.local):
+    """One thread's scratch: the kernels' calls from one thread run one at a time, so one
+    buffer serves them all; each thread that calls has its own."""
+
+    def __init__(self) -> None:
+        self.struct = Scratch(None, 0, 0)
+        self.pointer = ctypes.pointer(self.struct)
+        self.buffer: torch.Tensor | None = None  # owns the memory ``struct.data`` points at
+
+    def grow(self) -> None:
+        """Room for what the last call needed, and half again as much as before (so that a
+        context growing by a token at a time regrows it rarely)."""
+        size = max(int(self.struct.need), int(self.struct.bytes) * 3 // 2)
+        self.buffer = torch.empty(size, dtype=torch.uint8)
+        self.struct.data = self.buffer.data_ptr()
+        self.struct.bytes = size
+
+
 _SIGNATURES = {
-    "hs_qgemm": [
-        *(_ptr, _int, _i64, _i64, _int, _ptr, ctypes.c_float),  # x, f32, T, K, prologue, norm
-        *(_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),  # packed, scales, offsets (4)
-        *(_int, _int),  # bits, group
-        *(_i64, _ptr, _ptr),  # N, residual, y
+    # weight, x, x_f32, T, prologue, norm, eps, residual, y, scratch
+    "hs_matmul": [_QW, _ptr, _int, _i64, _int, _ptr, ctypes.c_float, _ptr, _ptr, _SCRATCH],
+    # wo, w_gate_up, w_down, attn, attn_f32, T, x, mlp_norm, eps, y, scratch
+    "hs_mlp_block": [
+        *(_QW, _QW, _QW, _ptr, _int, _i64, _ptr, _ptr, ctypes.c_float, _ptr, _SCRATCH)
     ],
-    # weight, x, x_f32, T, prologue, norm, eps, residual, y
-    "hs_qgemm_w": [_QW, _ptr, _int, _i64, _int, _ptr, ctypes.c_float, _ptr, _ptr],
-    # wo, w_gate_up, w_down, attn, attn_f32, T, x, mlp_norm, eps, y
-    "hs_mlp_block": [_QW, _QW, _QW, _ptr, _int, _i64, _ptr, _ptr, ctypes.c_float, _ptr],
-    # wqkv, x, T, attn_norm, eps, H, KV, hd, rope, slots, positions, cache, q_out
+    # wqkv, x, T, attn_norm, eps, H, KV, hd, rope, slots, positions, cache, q_out, scratch
     "hs_attn_in": [
         *(_QW, _ptr, _i64, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _ptr, _ptr),
-        *(_CACHE, _ptr),
+        *(_CACHE, _ptr, _SCRATCH),
     ],
     "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
     # parts, nparts, N, K, bits, group, mode, t0, t1, out, scratch (csrc/pack.c)
@@ -116,8 +151,11 @@ _SIGNATURES = {
     "hs_pack_scratch": [_i64, _int],
     "hs_pack_type_known": [_int],
     "hs_dequant_rows": [*(_ptr,) * 9, _int, _int, _i64, _ptr, _i64, _ptr],
-    # q, H, KV, hd, cache, f32, items, num_items, scale, softcap, window, out
-    "hs_attend": [_ptr, *(_i64,) * 3, _CACHE, _int, _ptr, _i64, *(ctypes.c_float,) * 2, _i64, _ptr],
+    # q, H, KV, hd, cache, f32, items, num_items, scale, softcap, window, out, scratch
+    "hs_attend": [
+        *(_ptr, *(_i64,) * 3, _CACHE, _int, _ptr, _i64, *(ctypes.c_float,) * 2, _i64, _ptr),
+        _SCRATCH,
+    ],
     # qkv, T, H, KV, hd, rope, slots, positions, cache, q_out
     "hs_rope_store": [*(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr), _CACHE, _ptr],
 }
@@ -176,7 +214,7 @@ class Kernel:
         self._lib = ctypes.CDLL(str(path))
         for name, argtypes in _SIGNATURES.items():
             getattr(self._lib, name).argtypes = argtypes
-        for name in ("hs_qgemm", "hs_qgemm_w", "hs_mlp_block", "hs_attn_in", "hs_attend"):
+        for name in ("hs_matmul", "hs_mlp_block", "hs_attn_in", "hs_attend"):
             getattr(self._lib, name).restype = ctypes.c_int
         self._lib.hs_isa.restype = ctypes.c_char_p
         self._lib.hs_pack_scratch.restype = _i64
@@ -185,6 +223,7 @@ class Kernel:
         # The attention's vector path (AVX-512); without it the portable C is slower than the
         # numba kernel of the same bits, which ``attention.KernelAttention`` then runs instead.
         self.attention_vectorized = bool(self._lib.hs_attend_vectorized())
+        self._scratch = _ThreadScratch()
 
     @property
     def lib(self) -> ctypes.CDLL:
@@ -194,8 +233,19 @@ class Kernel:
     def max_threads(self) -> int:
         return int(self._lib.hs_max_threads())
 
+    def _call(self, function: Callable[..., int], *args: object) -> None:
+        """``function(*args, scratch)`` with the calling thread's scratch, grown and called
+        again where the call found it short (it then did nothing)."""
+        scratch = self._scratch
+        if function(*args, scratch.pointer):
+            scratch.grow()
+            if function(*args, scratch.pointer):
+                raise RuntimeError(
+                    f"{getattr(function, '__name__', function)}: scratch short after growing it"
+                )
+
     def pack(self, weight: QuantizedWeight, narrow: bool = True) -> PackedWeight:
-        """``weight`` in the kernel's tiled layout (csrc/qgemm.c): 8-bit codes within -32..31
+        """``weight`` in the kernel's tiled layout (csrc/matmul.c): 8-bit codes within -32..31
         in 6 bits; its scales and offsets as int8 steps times a float32 factor per 256 columns
         where they have that form exactly (``quant.factor_steps``), else float16 where every
         one is a float16 value (a Q8_0 or Q4_1 block's d and m), else float32. ``narrow``
@@ -275,7 +325,8 @@ class Kernel:
         y = torch.empty((tokens, rows), dtype=torch.bfloat16)
         if tokens == 0:
             return y
-        status = self._lib.hs_qgemm_w(
+        self._call(
+            self._lib.hs_matmul,
             weight,
             x.data_ptr(),
             x.dtype is torch.float32,
@@ -286,8 +337,6 @@ class Kernel:
             None if residual is None else residual.data_ptr(),
             y.data_ptr(),
         )
-        if status != 0:
-            raise MemoryError("qgemm: no scratch memory for the quantized activations")
         return y
 
     def mlp_block(
@@ -300,7 +349,7 @@ class Kernel:
         mlp_norm: torch.Tensor,  # [D] bfloat16
         eps: float,
     ) -> torch.Tensor:
-        """A decoder layer after its attention in one call (csrc/qgemm.c, ``hs_mlp_block``):
+        """A decoder layer after its attention in one call (csrc/layer.c, ``hs_mlp_block``):
         ``h = wo(attn, residual=x)``, then ``w_down.after_silu_mul(w_gate_up.after_norm(h,
         mlp_norm, eps), residual=h)``, equal to those three calls to the bit."""
         dims = wo.weight.rows
@@ -321,7 +370,8 @@ class Kernel:
         y = torch.empty((attn.shape[0], dims), dtype=torch.bfloat16)
         if attn.shape[0] == 0:
             return y
-        status = self._lib.hs_mlp_block(
+        self._call(
+            self._lib.hs_mlp_block,
             wo.pointer,
             w_gate_up.pointer,
             w_down.pointer,
@@ -333,8 +383,6 @@ class Kernel:
             eps,
             y.data_ptr(),
         )
-        if status != 0:
-            raise MemoryError("mlp_block: no scratch memory")
         return y
 
     def rope_store(
@@ -348,7 +396,7 @@ class Kernel:
         values: torch.Tensor,  # [slots, KV, S, hd] bfloat16
     ) -> torch.Tensor:
         """q and k rotated by rope, k and v stored at each token's slot and position, q
-        returned ``[T, H, hd]`` float32 (csrc/qgemm.c, ``hs_rope_store``)."""
+        returned ``[T, H, hd]`` float32 (csrc/layer.c, ``hs_rope_store``)."""
         _, num_kv, head_dim, seq_len = keys.shape
         tokens = qkv.shape[0]
         if (
@@ -391,7 +439,8 @@ class Kernel:
         which builds every argument to fit: ``[T, H, hd]`` float32."""
         _, num_heads, head_dim = q.shape
         out = torch.empty_like(q)
-        status = self._lib.hs_attend(
+        self._call(
+            self._lib.hs_attend,
             q.data_ptr(),
             num_heads,
             num_kv,
@@ -405,8 +454,6 @@ class Kernel:
             window,
             out.data_ptr(),
         )
-        if status != 0:
-            raise MemoryError("attend: no scratch memory")
         return out
 
     @staticmethod
@@ -461,12 +508,13 @@ class Kernel:
         cache: ctypes._Pointer[CacheLayout],  # cache_struct(keys, values)
     ) -> torch.Tensor:
         """``rope_store_unchecked(wqkv.after_norm(x, attn_norm, eps), ...)`` in one call
-        (csrc/qgemm.c, ``hs_attn_in``), equal to it; for the runtime, which builds every
+        (csrc/layer.c, ``hs_attn_in``), equal to it; for the runtime, which builds every
         argument to fit (no checks). q ``[T, H, hd]`` float32."""
         q = torch.empty((x.shape[0], num_heads, head_dim), dtype=torch.float32)
         if x.shape[0] == 0:
             return q
-        status = self._lib.hs_attn_in(
+        self._call(
+            self._lib.hs_attn_in,
             wqkv.pointer,
             x.data_ptr(),
             x.shape[0],
@@ -481,8 +529,6 @@ class Kernel:
             cache,
             q.data_ptr(),
         )
-        if status != 0:
-            raise MemoryError("attn_in: no scratch memory")
         return q
 
     def dequantize_rows(self, weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:
@@ -524,7 +570,7 @@ def qweight(weight: PackedWeight) -> QWeight:
 
 def _factors(weight: PackedWeight) -> tuple[int | None, ...]:
     """The kernel's eight pointers to the scales and offsets: float32, float16, or int8 steps
-    and float32 super-block factors (csrc/qgemm.c, ``factors_t``)."""
+    and float32 super-block factors (csrc/matmul.h, ``factors_t``)."""
     parts: list[int | None] = []
     for part, sup in ((weight.scales, weight.scale_super), (weight.offsets, weight.offset_super)):
         if part is None:
@@ -632,4 +678,4 @@ class BlockLinear:
         return self._kernel.dequantize_rows(self.weight, index)
 
 
-assert GROUP_SIZE == 32  # csrc/qgemm.c's GS
+assert GROUP_SIZE == 32  # csrc/matmul.h's GS

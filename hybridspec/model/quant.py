@@ -35,7 +35,7 @@ import torch
 GROUP_SIZE = 32  # the activations' group: every K is a multiple of it
 GROUPS = (16, 32)
 BITS = (4, 8)
-ROWS = 16  # rows of a ``PackedWeight`` tile (csrc/qgemm.c)
+ROWS = 16  # rows of a ``PackedWeight`` tile (csrc/matmul.h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +122,7 @@ SUPER = 8  # groups of 32 per super-block of a ``PackedWeight``'s factored scale
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
     """A ``QuantizedWeight`` in the block kernel's tiles of ``ROWS`` = 16 rows (``model.qgemm``,
-    csrc/qgemm.c): the form the runtime multiplies, the weight cache stores and the model holds
+    csrc/matmul.c): the form the runtime multiplies, the weight cache stores and the model holds
     when the kernel builds, so each matrix is resident once.
 
     Codes ``[N / 16, G32, 16 * 32 * bits / 8]`` (``G32 = K / 32``): per tile and group of 32

@@ -4,6 +4,7 @@ the embedding lookup from the packed copy, refusals, and the fallback where it c
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -315,6 +316,22 @@ def test_bad_input_is_refused_before_the_kernel_runs(kernel: Kernel) -> None:
     with pytest.raises(ValueError, match="residual"):
         kernel.qgemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed, residual=torch.zeros(2, 16))
     assert kernel.qgemm(torch.zeros(0, 64, dtype=torch.bfloat16), packed).shape == (0, 16)
+
+
+def test_each_thread_grows_its_scratch_when_a_call_needs_more_then_reuses_it() -> None:
+    kernel = qgemm.load()  # a kernel of its own: its scratch starts empty
+    linear = BlockLinear(weight(4, 48, 256, 40), kernel)
+    x = activations(9, 256, 41)
+    want = linear(x)  # grown: the first call found no room, did nothing, and ran again
+    buffer = kernel._scratch.buffer
+    assert buffer is not None and kernel._scratch.struct.bytes >= kernel._scratch.struct.need > 0
+    assert torch.equal(linear(x[:3]), want[:3]) and kernel._scratch.buffer is buffer  # reused
+    assert torch.equal(linear(x), want) and kernel._scratch.buffer is buffer
+    results: list[torch.Tensor] = []
+    other = threading.Thread(target=lambda: results.append(linear(x)))
+    other.start()
+    other.join()
+    assert torch.equal(results[0], want) and kernel._scratch.buffer is buffer  # its own scratch
 
 
 @pytest.fixture

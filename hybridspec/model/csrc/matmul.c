@@ -1,0 +1,205 @@
+/* Matmuls with group-quantized weights on CPU: y = f(x) @ W.T, W in blocks of 32 columns.
+ *
+ * W [N, K] holds codes c and, per row and sub-group of ``group`` columns (32, or 16: S = 32 /
+ * group sub-groups per group of 32), a float32 scale d and optionally an offset m:
+ * W[n, group s + j] = d c + m (``hybridspec.model.quant``; 4-bit codes 0..15, 8-bit codes
+ * -128..127). ``hs_pack`` (tiles.c) reorders them into tiles of 16 rows (``ROWS``): for each
+ * tile and group of 32, 8 quads of 4 columns, each quad as 16 rows x 4 bytes (one 512-bit
+ * vector whose int32 lane r is row r, or two 256-bit halves of 8 rows). A 4-bit tile stores
+ * quads u and u + 4 in one vector, in the low and the high nibbles; an 8-bit tile stores
+ * c + 128 (0..255). Scales and offsets are stored [tiles, G, S, 16]; with S = 2, quads 0..3
+ * take the first sub-group's, quads 4..7 the second's. They are float32, float16 (where each
+ * is one: a block's float16 d or m), or (``factors_t``) int8 steps times a float32 factor per
+ * row and super-block of 256 columns (8 groups), [tiles, ceil(G / 8), 16]: a K-quant's d sc,
+ * whose float32 product is exact, formed in the kernel from the bytes that the file holds per
+ * 256 weights instead of 4 bytes per 16 or 32.
+ *
+ * The activations are quantized per row and group of 32 to 8 bits (llama.cpp's Q8_1: scale
+ * dx = amax / 127, codes q rounded to nearest even), so that each group's sum is an integer
+ * one, exact, then scaled:
+ *   acc = fma(float(sum_j c q), d dx, acc);  acc = fma(m, dx sum_j q, acc)
+ * (8 bits: sum_j c q = sum_j (c + 128) q - 128 sum_j q, the same integer)
+ * for each sub-group in order (j over its columns), in this order, for every (t, n) alike, in
+ * one thread: a row's result does not depend on the other rows of x, nor on the instruction
+ * set (AVX512-VNNI, AVX2, or the portable C compute the same integers and the same float
+ * operations; isa.h).
+ *
+ * Prologue (on each row of x, before quantizing): none; RMSNorm with a weight; or
+ * silu(x[:, :K]) * x[:, K:]. Epilogue: round to bfloat16, optionally add a bfloat16 residual
+ * (rounding again, as a bfloat16 add does). x, the residual and y are bfloat16.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "isa.h"
+#include "matmul.h"
+
+#if defined(HS_AVX2) && !defined(HS_VNNI)
+#define TILE_T 4 /* rows of x against one tile of W: AVX2 has 16 vector registers */
+#else
+#define TILE_T 8 /* rows of x against one tile of W: accumulators kept in registers */
+#endif
+
+const char *hs_isa(void) {
+#if defined(HS_VNNI)
+    return "avx512vnni";
+#elif defined(HS_AVX2)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
+
+int hs_max_threads(void) { return (int)team_size(); }
+
+/* a[:K] = the prologue of one row of activations, in float32. */
+static void prologue_row(const uint16_t *x, const float *x32, int64_t K, int prologue,
+                         const uint16_t *norm_w, float eps, float *a) {
+    if (prologue == PRO_SILU_MUL) {
+        for (int64_t k = 0; k < K; k++) {
+            float g = bf16_to_f32(x[k]);
+            a[k] = g / (1.0f + hs_exp(-g)) * bf16_to_f32(x[K + k]);
+        }
+    } else if (x32) {
+        memcpy(a, x32, sizeof(float) * (size_t)K);
+    } else {
+        for (int64_t k = 0; k < K; k++) a[k] = bf16_to_f32(x[k]);
+    }
+    if (prologue == PRO_RMSNORM) {
+        float ss = 0.0f;
+        for (int64_t k = 0; k < K; k++) ss = fmaf(a[k], a[k], ss);
+        float r = 1.0f / sqrtf(ss / (float)K + eps);
+        for (int64_t k = 0; k < K; k++) a[k] = a[k] * r * bf16_to_f32(norm_w[k]);
+    }
+}
+
+/* One row of activations ``a`` as 8-bit codes ``q`` per group (scale ``dx``), with each
+ * sub-group's integer sum ``qs`` and its scaled sum ``sx``. The rounding to the nearest
+ * integer (even on ties) adds and subtracts 1.5 * 2^23, exact for |v| < 2^22. */
+static void quantize_row(const float *a, int64_t K, int group, int8_t *q, float *dx, float *sx,
+                         int32_t *qs) {
+    int S = GS / group;
+    for (int64_t g = 0; g < K / GS; g++) {
+        const float *ag = a + g * GS;
+        float amax = 0.0f;
+        for (int j = 0; j < GS; j++) {
+            float v = fabsf(ag[j]);
+            amax = v > amax ? v : amax;
+        }
+        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t *qg = q + g * GS;
+        for (int h = 0; h < S; h++) {
+            int sum = 0;
+            for (int j = h * group; j < (h + 1) * group; j++) {
+                int v = (int)((ag[j] * id + 12582912.0f) - 12582912.0f);
+                qg[j] = (int8_t)v;
+                sum += v;
+            }
+            sx[g * S + h] = d * (float)sum;
+            qs[g * S + h] = sum;
+        }
+        dx[g] = d;
+    }
+}
+
+/* One tile's work: its packed codes, factors and shape, and the activations of the rows of x
+ * it meets (``tt`` of them, from row t0): codes ``q`` [tt, K], group scales ``dx`` [tt, G],
+ * sub-group scaled sums ``sx`` and integer sums ``qs`` [tt, G S]. */
+typedef struct {
+    const uint8_t *codes;
+    factors_t dw, mw;
+    int bits;
+    int64_t G, K;
+    const int8_t *q;
+    const float *dx, *sx;
+    const int32_t *qs;
+} tile_job_t;
+
+#include "matmul_tiles.h"
+
+#define TILE_DOT_CASE(n)               \
+    case n:                            \
+        if (S == 1)                    \
+            tile_dot(*job, 1, n, out); \
+        else                           \
+            tile_dot(*job, 2, n, out); \
+        break;
+
+/* tile_dot at constant heights, so that the accumulators live in registers. */
+static void tile_dot_rows(const tile_job_t *job, int S, int tt, float out[][ROWS]) {
+    switch (tt) {
+        TILE_DOT_CASE(1) TILE_DOT_CASE(2) TILE_DOT_CASE(3) TILE_DOT_CASE(4)
+#if TILE_T > 4
+        TILE_DOT_CASE(5) TILE_DOT_CASE(6) TILE_DOT_CASE(7) TILE_DOT_CASE(8)
+#endif
+    }
+}
+
+/* The epilogue of one tile's ``rows`` outputs for ``tt`` rows of x from t0: y = bfloat16(out),
+ * plus the residual rounded again. */
+static void store_tile(float out[][ROWS], int tt, int rows, int64_t t0, int64_t n0, int64_t N,
+                       const uint16_t *residual, uint16_t *y) {
+    for (int i = 0; i < tt; i++) {
+        for (int r = 0; r < rows; r++) {
+            int64_t at = (t0 + i) * N + n0 + r;
+            uint16_t v = f32_to_bf16(out[i][r]);
+            if (residual) v = f32_to_bf16(bf16_to_f32(v) + bf16_to_f32(residual[at]));
+            y[at] = v;
+        }
+    }
+}
+
+int64_t matmul_scratch(const qweight_t *w, int64_t T) {
+    int64_t K = w->K, G = K / GS, S = GS / w->group;
+    return lines(T * K) + lines(4 * T * G) + 2 * lines(4 * T * G * S) + team_size() * lines(4 * K);
+}
+
+/* y [T, N] = prologue(x) @ W.T (+ residual) (top of file). x [T, Kx] bfloat16 with Kx = K
+ * (2 K for PRO_SILU_MUL), or float32 when x_f32 (not with PRO_SILU_MUL). ``scratch``: the
+ * activations' codes and sums, and each thread's prologue row (``matmul_scratch`` bytes). */
+void matmul_run(const qweight_t *w, const void *x, int x_f32, int64_t T, int prologue,
+                const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *y,
+                uint8_t *scratch) {
+    int bits = w->bits, group = w->group;
+    int64_t N = w->N, K = w->K;
+    int64_t G = K / GS, S = GS / group, Kx = prologue == PRO_SILU_MUL ? 2 * K : K;
+    int64_t tiles = (N + ROWS - 1) / ROWS, tb = tile_bytes(bits);
+    int8_t *q = take(&scratch, T * K);
+    float *dx = take(&scratch, 4 * T * G), *sx = take(&scratch, 4 * T * G * S);
+    int32_t *qs = take(&scratch, 4 * T * G * S);
+    float *rows_a = (float *)scratch; /* one row of K floats per thread, lines(4 K) apart */
+#pragma omp parallel
+    {
+        float *a = rows_a + team_member() * (lines(4 * K) / 4);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            prologue_row(x_f32 ? NULL : (const uint16_t *)x + t * Kx,
+                         x_f32 ? (const float *)x + t * Kx : NULL, K, prologue, norm_w, eps, a);
+            quantize_row(a, K, group, q + t * K, dx + t * G, sx + t * G * S, qs + t * G * S);
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < tiles; b++) {
+            int rows = N - b * ROWS < ROWS ? (int)(N - b * ROWS) : ROWS;
+            factors_t td = tile_factors(w->scales, b, G, S), tm = tile_factors(w->offsets, b, G, S);
+            for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+                int tt = T - t0 < TILE_T ? (int)(T - t0) : TILE_T;
+                tile_job_t job = {w->packed + b * G * tb, td, tm, bits, G, K, q + t0 * K,
+                                  dx + t0 * G, sx + t0 * G * S, qs + t0 * G * S};
+                float out[TILE_T][ROWS];
+                tile_dot_rows(&job, (int)S, tt, out);
+                store_tile(out, tt, rows, t0, b * ROWS, N, residual, y);
+            }
+        }
+    }
+}
+
+/* y [T, w->N] = prologue(x) @ W.T (+ residual) for one packed matrix ``w``: what the runtime
+ * calls for a matrix alone. Returns 0, or HS_SCRATCH_SHORT (scratch.h). */
+int hs_matmul(const qweight_t *w, const void *x, int x_f32, int64_t T, int prologue,
+              const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *y,
+              hs_scratch_t *scratch) {
+    if (scratch_short(scratch, matmul_scratch(w, T))) return HS_SCRATCH_SHORT;
+    matmul_run(w, x, x_f32, T, prologue, norm_w, eps, residual, y, scratch->data);
+    return 0;
+}

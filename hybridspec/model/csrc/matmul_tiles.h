@@ -1,0 +1,217 @@
+/* One tile's dot products (matmul.c): out[i][r] for rows i < tt of x against the 16 rows r of
+ * one tile of W whose scales come in S sub-groups per group of 32 (quads 8 / S at a time), per
+ * instruction set (isa.h), each as its named steps: unpack a group's codes into vectors of
+ * unsigned bytes, reduce each sub-group to one integer per row (``dot``), scale it into the
+ * float accumulators (``scale``). The portable C is its own function; all three compute the
+ * same integers and the same float operations in the same order. Included once, by matmul.c,
+ * after ``tile_job_t``. */
+#ifndef HS_MATMUL_TILES_H
+#define HS_MATMUL_TILES_H
+
+#if defined(HS_VNNI)
+typedef __m512i codes_v; /* a quad's codes for a tile's 16 rows */
+#define CV(op) _mm512_##op
+#define CV_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define CV_AND _mm512_and_si512
+#define CV_OR _mm512_or_si512
+#elif defined(HS_AVX2)
+typedef __m256i codes_v; /* a quad's codes for 8 rows: half a tile */
+#define CV(op) _mm256_##op
+#define CV_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define CV_AND _mm256_and_si256
+#define CV_OR _mm256_or_si256
+#endif
+
+#if defined(HS_AVX2)
+/* c[u]: quad u of a group's 4- or 6-bit codes as unsigned bytes (matmul.c's layout): 4 bits
+ * in the low and high nibbles of 4 vectors; 6 bits with their high 2 bits at bits 2 (u % 4)
+ * of vector 4 + u / 4. */
+HS_INLINE void unpack_nibbles(const uint8_t *src, int bits, codes_v c[QUADS]) {
+    const codes_v low4 = CV(set1_epi8)(0x0f);
+    for (int p = 0; p < 4; p++) {
+        codes_v b = CV_LOAD(src + QB * p);
+        c[p] = CV_AND(b, low4);
+        c[p + 4] = CV_AND(CV(srli_epi16)(b, 4), low4);
+    }
+    if (bits != 6) return;
+    const codes_v mask = CV(set1_epi8)(0x30);
+    for (int v = 0; v < 2; v++) {
+        codes_v b = CV_LOAD(src + QB * (4 + v));
+        c[4 * v] = CV_OR(c[4 * v], CV_AND(CV(slli_epi16)(b, 4), mask));
+        c[4 * v + 1] = CV_OR(c[4 * v + 1], CV_AND(CV(slli_epi16)(b, 2), mask));
+        c[4 * v + 2] = CV_OR(c[4 * v + 2], CV_AND(b, mask));
+        c[4 * v + 3] = CV_OR(c[4 * v + 3], CV_AND(CV(srli_epi16)(b, 2), mask));
+    }
+}
+#endif
+
+#if defined(HS_VNNI)
+/* The factors of a tile's 16 rows at ``at`` in group g, as float32 (exact products). */
+static inline __m512 factors512(factors_t w, int64_t at, int64_t g) {
+    if (w.f) return _mm512_loadu_ps(w.f + at);
+    if (w.h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.h + at)));
+    if (!w.step) return _mm512_setzero_ps();
+    __m512i steps = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w.step + at)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(steps), _mm512_loadu_ps(w.super + (g / SUPER) * ROWS));
+}
+
+/* c[u]: quad u of one group's codes for the tile's 16 rows, as unsigned bytes (8 bits: c +
+ * 128 as stored; 4 and 6 bits: unpack_nibbles). */
+HS_INLINE void unpack512(const uint8_t *src, int bits, __m512i c[QUADS]) {
+    if (bits != 8) {
+        unpack_nibbles(src, bits, c);
+        return;
+    }
+    for (int u = 0; u < QUADS; u++) c[u] = _mm512_loadu_si512((const void *)(src + QB * u));
+}
+
+/* s[i] += the integer dot of quads [u0, u1) of ``c`` with row i's codes ``qg + i K`` (u8 x
+ * s8, VNNI), rows of x innermost. */
+HS_INLINE void dot512(const __m512i *c, int u0, int u1, const int8_t *qg, int64_t K, int tt,
+                      __m512i *s) {
+#pragma GCC unroll 8 /* whole: c[u] stays in registers */
+    for (int u = u0; u < u1; u++) {
+        for (int i = 0; i < tt; i++) {
+            int32_t quad;
+            memcpy(&quad, qg + i * K + 4 * u, 4);
+            s[i] = _mm512_dpbusd_epi32(s[i], c[u], _mm512_set1_epi32(quad));
+        }
+    }
+}
+
+HS_INLINE void tile_dot(const tile_job_t job, int S, int tt, float out[][ROWS]) {
+    const int bits = job.bits, span = QUADS / S, offset = has_factors(job.mw);
+    const int64_t G = job.G, K = job.K, tb = tile_bytes(bits), GS_ = G * S;
+    __m512 acc[TILE_T];
+    for (int i = 0; i < tt; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512i c[QUADS];
+        unpack512(job.codes + g * tb, bits, c);
+        for (int h = 0; h < S; h++) {
+            const int64_t at = (g * S + h) * ROWS;
+            const __m512 d = factors512(job.dw, at, g);
+            const __m512 m = offset ? factors512(job.mw, at, g) : _mm512_setzero_ps();
+            __m512i s[TILE_T];
+            for (int i = 0; i < tt; i++) /* 6, 8 bits: - 32 or - 128 sum q */
+                s[i] = _mm512_set1_epi32(-code_zero(bits) * job.qs[i * GS_ + g * S + h]);
+            dot512(c, h * span, (h + 1) * span, job.q + g * GS, K, tt, s);
+            for (int i = 0; i < tt; i++) { /* scale: fma(s, d dx, acc), then fma(m, sx, acc) */
+                const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(job.dx[i * G + g]));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), scale, acc[i]);
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(job.sx[i * GS_ + g * S + h]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < tt; i++) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+#elif defined(HS_AVX2)
+/* factors512 for the 8 rows of one half of a tile. */
+static inline __m256 factors256(factors_t w, int64_t at, int64_t g, int half) {
+    if (w.f) return _mm256_loadu_ps(w.f + at);
+#if defined(__F16C__)
+    if (w.h) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w.h + at)));
+#else
+    if (w.h) {
+        float v[8];
+        for (int i = 0; i < 8; i++) v[i] = f16_to_f32(w.h[at + i]);
+        return _mm256_loadu_ps(v);
+    }
+#endif
+    if (!w.step) return _mm256_setzero_ps();
+    __m256i steps = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w.step + at)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(steps),
+                         _mm256_loadu_ps(w.super + (g / SUPER) * ROWS + 8 * half));
+}
+
+/* unpack512 for one half of a tile (``src`` at its 8 rows); 8 bits as |c| (the sign goes to
+ * q in dot256), so that u8 x s8 pairs stay within int16. */
+HS_INLINE void unpack256(const uint8_t *src, int bits, __m256i c[QUADS]) {
+    if (bits != 8) {
+        unpack_nibbles(src, bits, c);
+        return;
+    }
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    for (int u = 0; u < QUADS; u++) {
+        c[u] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + QB * u)), bias);
+        c[u] = _mm256_sign_epi8(c[u], c[u]);
+    }
+}
+
+/* dot512 on 256 bits: u8 x s8 pairs summed to int16, then int32 (8 bits: q takes c's sign,
+ * read again from ``src``). */
+HS_INLINE void dot256(const __m256i *c, const uint8_t *src, int bits, int u0, int u1,
+                      const int8_t *qg, int64_t K, int tt, __m256i *s) {
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
+#pragma GCC unroll 8 /* whole: c[u] stays in registers */
+    for (int u = u0; u < u1; u++) {
+        for (int i = 0; i < tt; i++) {
+            int32_t quad;
+            memcpy(&quad, qg + i * K + 4 * u, 4);
+            __m256i qb = _mm256_set1_epi32(quad);
+            if (bits == 8) { /* |c| (u8) x sign(q, c) (s8) */
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(src + QB * u));
+                qb = _mm256_sign_epi8(qb, _mm256_xor_si256(raw, bias));
+            }
+            s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c[u], qb), ones));
+        }
+    }
+}
+
+HS_INLINE void tile_dot(const tile_job_t job, int S, int tt, float out[][ROWS]) {
+    const int bits = job.bits, span = QUADS / S, offset = has_factors(job.mw);
+    const int64_t G = job.G, K = job.K, tb = tile_bytes(bits), GS_ = G * S;
+    for (int half = 0; half < 2; half++) { /* rows 0..7, then 8..15 */
+        __m256 acc[TILE_T];
+        for (int i = 0; i < tt; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *src = job.codes + g * tb + 32 * half;
+            __m256i c[QUADS];
+            unpack256(src, bits, c);
+            for (int h = 0; h < S; h++) {
+                const int64_t at = (g * S + h) * ROWS + 8 * half;
+                const __m256 d = factors256(job.dw, at, g, half);
+                const __m256 m = offset ? factors256(job.mw, at, g, half) : _mm256_setzero_ps();
+                __m256i s[TILE_T];
+                for (int i = 0; i < tt; i++) /* 6 bits: - 32 sum q (8 bits: signed codes) */
+                    s[i] = _mm256_set1_epi32(bits == 6 ? -32 * job.qs[i * GS_ + g * S + h] : 0);
+                dot256(c, src, bits, h * span, (h + 1) * span, job.q + g * GS, K, tt, s);
+                for (int i = 0; i < tt; i++) {
+                    const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(job.dx[i * G + g]));
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
+                    acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(job.sx[i * GS_ + g * S + h]), acc[i]);
+                }
+            }
+        }
+        for (int i = 0; i < tt; i++) _mm256_storeu_ps(out[i] + 8 * half, acc[i]);
+    }
+}
+
+#else
+/* The portable C: each (row of x, row of W) alone, the same sums in the same order. */
+HS_INLINE void tile_dot(const tile_job_t job, int S, int tt, float out[][ROWS]) {
+    const int bits = job.bits, span = QUADS / S, offset = has_factors(job.mw);
+    const int64_t G = job.G, K = job.K, tb = tile_bytes(bits), GS_ = G * S;
+    for (int i = 0; i < tt; i++) {
+        for (int r = 0; r < ROWS; r++) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                const uint8_t *src = job.codes + g * tb;
+                const int8_t *qg = job.q + i * K + g * GS;
+                for (int h = 0; h < S; h++) {
+                    int32_t s = 0;
+                    for (int j = 4 * h * span; j < 4 * (h + 1) * span; j++)
+                        s += (code_at(src, bits, j / 4, r, j % 4) - code_zero(bits)) * qg[j];
+                    const int64_t at = (g * S + h) * ROWS + r;
+                    float m = offset ? factor_at(job.mw, at, g, r) : 0.0f;
+                    acc = fmaf((float)s, factor_at(job.dw, at, g, r) * job.dx[i * G + g], acc);
+                    acc = fmaf(m, job.sx[i * GS_ + g * S + h], acc);
+                }
+            }
+            out[i][r] = acc;
+        }
+    }
+}
+#endif
+
+#endif
