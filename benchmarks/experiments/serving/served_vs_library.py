@@ -2,7 +2,7 @@
 
 Run from the repository root with the environment's interpreter, e.g.::
 
-    .venv/bin/python benchmarks/experiments/serving/served_vs_library.py                 # --threads auto 2
+    .venv/bin/python benchmarks/experiments/serving/served_vs_library.py  # --threads auto 2
     .venv/bin/python benchmarks/experiments/serving/served_vs_library.py --threads 2 --repeats 5
 
 For each ``--threads`` setting (default: ``auto``, what both sides run by default, then a fixed
@@ -161,8 +161,7 @@ def measure(sides: Sides, proposers: list[str], repeats: int) -> dict[str, Runs]
 def one_setting(threads: str, args: argparse.Namespace) -> tuple[dict[str, Runs], str, int]:
     """Start the server and build the library's engine at ``threads``; measure both; return
     the runs, the server's ``ready:`` line and the library's thread count at the end."""
-    from hybridspec.cli import build_parser
-    from hybridspec.cli import server_config
+    from hybridspec.cli import build_parser, server_config
     from hybridspec.engine import Engine, warm_up
     from hybridspec.model import num_threads
 
