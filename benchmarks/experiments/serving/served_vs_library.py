@@ -42,25 +42,16 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from hybridspec.bench import free_port
+from hybridspec.bench import free_port, wait_ready
 
 PROMPT = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle. "
     "Describe the sea, the weather and the keeper's daily routine."
 )
 PATHS = ("library", "served", "streamed")
-
-
-def get_status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return None
 
 
 def post(base: str, body: dict[str, Any]) -> tuple[float, str]:
@@ -93,14 +84,6 @@ def serve_arguments(port: int, threads: str) -> list[str]:
 def start_server(arguments: list[str], log: Any) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "hybridspec.cli", *arguments]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_ready(base: str, server: subprocess.Popen[bytes], timeout_s: float) -> None:
-    start = time.perf_counter()
-    while get_status(f"{base}/health") != 200:
-        if server.poll() is not None or time.perf_counter() - start > timeout_s:
-            raise RuntimeError("the server did not become ready")
-        time.sleep(0.1)
 
 
 @dataclass
@@ -168,14 +151,14 @@ def one_setting(threads: str, args: argparse.Namespace) -> tuple[dict[str, Runs]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     arguments = serve_arguments(port, threads)
-    with tempfile.TemporaryFile() as log:
+    with tempfile.NamedTemporaryFile() as log:
         server = start_server(arguments, log)
         try:
             engine = Engine(server_config(build_parser().parse_args(arguments)).engine_config())
             try:
                 warm_up(engine)  # as the server's lifespan does
                 prompt_ids = engine.encode(PROMPT, None, None)
-                wait_ready(base, server, args.timeout)
+                wait_ready(base, server, args.timeout, Path(log.name))
                 sides = Sides(engine, base, prompt_ids, args.tokens)
                 runs = measure(sides, args.proposers, args.repeats)
                 library_threads = num_threads()
