@@ -4,6 +4,7 @@ equal to the old path; bad files refused by name before anything large is alloca
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,20 @@ def test_scale_edge_cases_pack_alike(kind: str, at: int, value: float, mode: str
 def test_only_the_types_pack_c_decodes_run_in_c() -> None:
     assert c_decodes(GGUFMatrix((part("Q4_K", 16, 256, 0), part("Q6_K", 16, 256, 1))), kernel())
     assert not c_decodes(GGUFMatrix((part("Q4_K", 16, 256, 0), part("Q8_0", 16, 256, 1))), kernel())
+
+
+def test_pack_c_compiles_without_warnings(tmp_path: Path) -> None:
+    cc = qgemm.compiler()
+    assert cc is not None
+    source = Path(qgemm.__file__).parent / "csrc" / "pack.c"
+    flags = ["-O3", "-march=native", "-fopenmp", "-Wall", "-Wextra", "-Werror"]
+    done = subprocess.run(
+        [cc, *flags, "-c", str(source), "-o", str(tmp_path / "pack.o")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,10 @@ static float half_to_float(const uint8_t *p) {
 }
 
 
-/* Values per block, bytes per block, group, whether the type has offsets. */
+/* Values per block, bytes per block, group, whether the type has offsets; 0 for a type not
+ * decoded here (then 32, 0, 32, 0: sizes no caller reads, callers check the type first). */
 static int type_info(int type, int *per, int *bytes, int *group, int *offsets) {
+    *per = 32, *bytes = 0, *group = 32, *offsets = 0;
     static const int table[][5] = {
         {T_Q4_0, 32, 18, 32, 1},   {T_Q4_1, 32, 20, 32, 1},   {T_Q5_0, 32, 22, 32, 0},
         {T_Q5_1, 32, 24, 32, 1},   {T_Q2_K, QK_K, 84, 16, 1}, {T_Q3_K, QK_K, 110, 16, 1},
@@ -54,7 +56,10 @@ static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
 
 /* The decoders below write each code plus ``bias`` (0, or 32 for a 6-bit tile, whose bytes
  * hold c + 32) as uint8, and the block's float32 scales and offsets, computed as gguf_blocks
- * computes them. */
+ * computes them. The K-quants' also write each scale's and offset's integer multiplier of the
+ * block's float16 factor (``ks``, ``ko``: scale = base[0] ks, offset = base[1] ko, exactly,
+ * since a float16 times an integer of at most 8 bits fits float32's 24 bits), which spares
+ * pack.c's factoring a division per value. */
 
 /* One block of 32 (Q4_0, Q4_1, Q5_0, Q5_1). */
 static void block32(int type, const uint8_t *b, int bias, uint8_t *c, float *sc, float *off) {
@@ -75,7 +80,8 @@ static void block32(int type, const uint8_t *b, int bias, uint8_t *c, float *sc,
                                                   : 0.0f;
 }
 
-static void block_q2_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off, float *base) {
+static void block_q2_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off, float *base,
+                       int16_t *ks, int16_t *ko) {
     float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
     base[0] = d, base[1] = dmin;
     for (int i = 0; i < 2; i++) /* runs of 32 bytes, shifts 0, 2, 4, 6 */
@@ -83,19 +89,23 @@ static void block_q2_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float 
             for (int j = 0; j < 32; j++)
                 c[i * 128 + s * 32 + j] = (uint8_t)(((b[16 + i * 32 + j] >> (2 * s)) & 3) + bias);
     for (int j = 0; j < 16; j++) {
+        ks[j] = (int16_t)(b[j] & 0x0f), ko[j] = (int16_t)-(b[j] >> 4);
         sc[j] = d * (float)(b[j] & 0x0f);
         off[j] = -(dmin * (float)(b[j] >> 4));
     }
 }
 
-static void block_q3_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off, float *base) {
+static void block_q3_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off, float *base,
+                       int16_t *ks, int16_t *ko) {
     const uint8_t *hmask = b, *qs = b + 32, *packed = b + 96;
     float d = half_to_float(b + 108);
     base[0] = d, base[1] = d;
     for (int j = 0; j < 16; j++) {
         int low = (packed[j % 8] >> (4 * (j / 8))) & 15;
         int high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
-        sc[j] = d * (float)((int8_t)(low | (high << 4)) - 32);
+        int k = (int8_t)(low | (high << 4)) - 32;
+        ks[j] = (int16_t)k, ko[j] = (int16_t)(-4 * k);
+        sc[j] = d * (float)k;
         off[j] = sc[j] * -4.0f;
     }
     for (int i = 0; i < 2; i++)
@@ -107,13 +117,14 @@ static void block_q3_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float 
 }
 
 static void block_q45_k(int type, const uint8_t *b, int bias, uint8_t *c, float *sc, float *off,
-                        float *base) {
+                        float *base, int16_t *ks, int16_t *ko) {
     float d = half_to_float(b), dmin = half_to_float(b + 2);
     base[0] = d, base[1] = dmin;
     const uint8_t *qs = b + (type == T_Q5_K ? 48 : 16), *qh = b + 16;
     for (int j = 0; j < 8; j++) {
         int s, m;
         k_scale_min(b + 4, j, &s, &m);
+        ks[j] = (int16_t)s, ko[j] = (int16_t)-m;
         sc[j] = d * (float)s;
         off[j] = -(dmin * (float)m);
     }
@@ -128,7 +139,8 @@ static void block_q45_k(int type, const uint8_t *b, int bias, uint8_t *c, float 
                 c[i * 32 + j] = (uint8_t)(c[i * 32 + j] + (((qh[j] >> i) & 1) << 4));
 }
 
-static void block_q6_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off, float *base) {
+static void block_q6_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float *off, float *base,
+                       int16_t *ks, int16_t *ko) {
     float d = half_to_float(b + 208);
     base[0] = d, base[1] = 0.0f;
     uint8_t shift = (uint8_t)(bias - 32);
@@ -141,34 +153,37 @@ static void block_q6_k(const uint8_t *b, int bias, uint8_t *c, float *sc, float 
                 out[j] = (uint8_t)((((ql[j] >> low) & 15) | (((qh[j] >> high) & 3) << 4)) + shift);
         }
     for (int j = 0; j < 16; j++) {
+        ks[j] = (int8_t)b[192 + j], ko[j] = 0;
         sc[j] = d * (float)(int8_t)b[192 + j];
         off[j] = 0.0f;
     }
 }
 
 /* One row of ``type``: codes c[K] (plus ``bias``), scales and offsets per sub-group of
- * ``group`` (the matrix's, at most the type's: each of the type's repeated) and, for a K-quant,
- * each block's float16 factors of its scales and offsets (base[2 b], base[2 b + 1]; 0 for the
- * blocks of 32, whose runs of 256 columns span 8 blocks). */
+ * ``group`` (the matrix's, at most the type's: each of the type's repeated) with their integer
+ * multipliers ``ks``, ``ko`` (0 for the blocks of 32) and, for a K-quant, each block's float16
+ * factors of its scales and offsets (base[2 b], base[2 b + 1]; 0 for the blocks of 32, whose
+ * runs of 256 columns span 8 blocks). */
 static void decode_row(int type, const uint8_t *row, int64_t K, int group, int bias, uint8_t *c,
-                       float *sc, float *off, float *base) {
+                       float *sc, float *off, float *base, int16_t *ks, int16_t *ko) {
     int per, bytes, tgroup, has_off;
     type_info(type, &per, &bytes, &tgroup, &has_off);
     float bsc[16], boff[16];
+    int16_t bks[16] = {0}, bko[16] = {0};
     int rep = tgroup / group, nsub = per / tgroup;
     for (int64_t blk = 0; blk < K / per; blk++) {
         const uint8_t *b = row + blk * bytes;
         uint8_t *bc = c + blk * per;
         float *bb = base + 2 * blk;
         if (per == 32) block32(type, b, bias, bc, bsc, boff), bb[0] = bb[1] = 0.0f;
-        else if (type == T_Q2_K) block_q2_k(b, bias, bc, bsc, boff, bb);
-        else if (type == T_Q3_K) block_q3_k(b, bias, bc, bsc, boff, bb);
-        else if (type == T_Q6_K) block_q6_k(b, bias, bc, bsc, boff, bb);
-        else block_q45_k(type, b, bias, bc, bsc, boff, bb);
+        else if (type == T_Q2_K) block_q2_k(b, bias, bc, bsc, boff, bb, bks, bko);
+        else if (type == T_Q3_K) block_q3_k(b, bias, bc, bsc, boff, bb, bks, bko);
+        else if (type == T_Q6_K) block_q6_k(b, bias, bc, bsc, boff, bb, bks, bko);
+        else block_q45_k(type, b, bias, bc, bsc, boff, bb, bks, bko);
         for (int j = 0; j < nsub * rep; j++) {
             int64_t at = blk * nsub * rep + j;
-            sc[at] = bsc[j / rep];
-            off[at] = has_off ? boff[j / rep] : 0.0f;
+            sc[at] = bsc[j / rep], ks[at] = bks[j / rep];
+            off[at] = has_off ? boff[j / rep] : 0.0f, ko[at] = bko[j / rep];
         }
     }
 }

@@ -181,32 +181,29 @@ static uint32_t gcd_binary(uint32_t a, uint32_t b) {
     return a << shift;
 }
 
-/* ``factor_run`` where each value is ``base`` times an integer (a K-quant's run of 256 columns:
- * d sc, dmin m), the same result in fewer steps: the factor is |base| gcd(integers), exact, as
- * the general one then is; 0 where the values are not of that form (then ``factor_run``). */
-static int factor_multiples(const float *v, int n, float base, int8_t *steps, float *factor) {
-    if (base == 0.0f || !isfinite(base)) return 0;
-    int32_t k[64];
+/* ``factor_run`` where each value is ``base`` times the integer ``k`` (a K-quant's run of 256
+ * columns: d sc, dmin m, decoded exactly: gguf_decode.h), the same result in fewer steps: the
+ * factor is |base| gcd(k), exact, as the general one then is; 0 where ``base`` is 0 or not
+ * finite, or the steps do not fit int8 (then ``factor_run``). */
+static int factor_multiples(const float *v, const int16_t *k, int n, float base, int8_t *steps,
+                            float *factor) {
+    if (base == 0.0f || !isfinite(base) || n <= 0) return 0;
     uint32_t g = 0;
-    for (int i = 0; i < n; i++) {
-        float q = v[i] / base;
-        if (!(fabsf(q) <= 256.0f) || (float)(int32_t)q != q || base * q != v[i]) return 0;
-        k[i] = (int32_t)q;
-        if (g != 1) g = gcd_binary(g, (uint32_t)(k[i] < 0 ? -k[i] : k[i]));
-    }
+    for (int i = 0; i < n && g != 1; i++) g = gcd_binary(g, (uint32_t)(k[i] < 0 ? -k[i] : k[i]));
     if (g == 0) { /* every value zero: steps 0, factor 1 */
         memset(steps, 0, (size_t)n);
         *factor = 1.0f;
         return 1;
     }
+    int32_t s[64];
     int top = INT32_MIN, sign = base < 0 ? -1 : 1;
     for (int i = 0; i < n; i++) {
-        k[i] = g == 1 ? sign * k[i] : sign * k[i] / (int32_t)g;
-        top = k[i] > top ? k[i] : top;
+        s[i] = g == 1 ? sign * k[i] : sign * k[i] / (int32_t)g;
+        top = s[i] > top ? s[i] : top;
     }
     int flip = top > 127; /* d < 0 with a step of -128: a negative factor */
     for (int i = 0; i < n; i++) {
-        int32_t step = flip ? -k[i] : k[i];
+        int32_t step = flip ? -s[i] : s[i];
         if (step < -128 || step > 127) return 0;
         steps[i] = (int8_t)step;
     }
@@ -217,9 +214,10 @@ static int factor_multiples(const float *v, int n, float base, int8_t *steps, fl
     return 1;
 }
 
-/* One row's factors (X per row) into the tile's [X, 16] at row r, by mode; 0: not exact. */
-static int store_factors(const float *v, const float *base, int64_t X, int S, int mode,
-                         int64_t tile, int r, void *out, float *super) {
+/* One row's factors (X per row; ``k`` their integer multipliers of ``base``) into the tile's
+ * [X, 16] at row r, by mode; 0: not exact. */
+static int store_factors(const float *v, const int16_t *k, const float *base, int64_t X, int S,
+                         int mode, int64_t tile, int r, void *out, float *super) {
     if (mode == 0) {
         int8_t *steps = (int8_t *)out + tile * X * ROWS;
         int64_t per = SUPER * S, runs = (X + per - 1) / per;
@@ -228,7 +226,8 @@ static int store_factors(const float *v, const float *base, int64_t X, int S, in
             int8_t s[64];
             float f;
             const float *run_v = v + run * per;
-            if (!factor_multiples(run_v, n, base[2 * run], s, &f) && !factor_run(run_v, n, s, &f))
+            if (!factor_multiples(run_v, k + run * per, n, base[2 * run], s, &f) &&
+                !factor_run(run_v, n, s, &f))
                 return 0;
             for (int i = 0; i < n; i++) steps[(run * per + i) * ROWS + r] = s[i];
             super[(tile * runs + run) * ROWS + r] = f;
@@ -278,9 +277,10 @@ static void pack_codes(const uint8_t *c, int64_t K, int bits, uint8_t *tile) {
     }
 }
 
-/* Bytes of scratch one thread needs: a tile's codes, a row's scales, offsets and bases. */
+/* Bytes of scratch one thread needs: a tile's codes, a row's scales, offsets, bases and the
+ * scales' and offsets' integer multipliers. */
 int64_t hs_pack_scratch(int64_t K, int group) {
-    return ROWS * K + 2 * (K / group) * 4 + 2 * (K / GS) * 4 + 64;
+    return ROWS * K + 2 * (K / group) * 4 + 2 * (K / GS) * 4 + 2 * (K / group) * 2 + 64;
 }
 
 /* Row n of the stacked matrix: its part's blocks. */
@@ -306,6 +306,7 @@ static int pack_tile(const pack_part_t *parts, int nparts, int64_t N, int64_t K,
     int S = GS / group;
     uint8_t *codes = scratch;
     float *sc = (float *)(scratch + ROWS * K), *off = sc + X, *base = off + X;
+    int16_t *ks = (int16_t *)(base + 2 * (K / GS)), *ko = ks + X;
     for (int r = 0; r < ROWS; r++) {
         int64_t n = tile * ROWS + r;
         if (n >= N) { /* rows past N: zero codes and factors */
@@ -314,12 +315,13 @@ static int pack_tile(const pack_part_t *parts, int nparts, int64_t N, int64_t K,
             if (out->offsets) zero_factors(X, S, mode, tile, r, out->offsets, out->offset_super);
             continue;
         }
-        int type;
+        int type = 0;
         const uint8_t *row = source_row(parts, nparts, n, K, &type);
-        decode_row(type, row, K, group, bits == 6 ? 32 : 0, codes + r * K, sc, off, base);
-        if (!store_factors(sc, base, X, S, mode, tile, r, out->scales, out->scale_super)) return 0;
-        if (out->offsets &&
-            !store_factors(off, base + 1, X, S, mode, tile, r, out->offsets, out->offset_super))
+        decode_row(type, row, K, group, bits == 6 ? 32 : 0, codes + r * K, sc, off, base, ks, ko);
+        if (!store_factors(sc, ks, base, X, S, mode, tile, r, out->scales, out->scale_super))
+            return 0;
+        if (out->offsets && !store_factors(off, ko, base + 1, X, S, mode, tile, r, out->offsets,
+                                           out->offset_super))
             return 0;
     }
     pack_codes(codes, K, bits, out->codes + tile * (K / GS) * (bits == 4 ? 4 : 6) * QB);
