@@ -12,6 +12,10 @@ Memory: the file's pages that a conversion touches count in the process's reside
 file) they are given back with ``madvise(MADV_DONTNEED)`` (they stay in the page cache). The
 peak is then what the packed weights hold plus one chunk.
 
+``read_ahead``: the whole file asked into the page cache on a thread of its own, so that on a
+first load the disk reads while the process works (the tokenizer, the packing of what was read
+before) rather than one run at a time as the packing reaches it.
+
 Dimensions: ``N`` rows, ``K`` columns, ``G = K / 32`` groups, ``X = K / group`` sub-groups per
 row, tiles of ``ROWS`` = 16 rows.
 """
@@ -21,6 +25,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import os
+import threading
 
 import numpy as np
 import torch
@@ -31,6 +37,7 @@ from hybridspec.model.qgemm import Kernel
 from hybridspec.model.quant import GROUP_SIZE, ROWS, SUPER, PackedWeight
 
 CHUNK_BYTES = 32 << 20  # of the file per call: the most of it resident at once
+READ_AHEAD_STEP = 128 << 10  # bytes per read-ahead request: the least device read-ahead size
 _MADV_WILLNEED, _MADV_DONTNEED = 3, 4
 # the modes of csrc/pack.c, in Kernel.pack's order of preference: int8 steps times a factor,
 # float16, float32
@@ -81,6 +88,29 @@ def trim_heap() -> None:
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(ctypes.c_size_t(0))
+
+
+def read_ahead(path: str | os.PathLike[str], kernel: Kernel) -> threading.Thread:
+    """Have the disk read the whole file into the page cache on a thread of its own (started,
+    and returned): csrc/pack.c's ``hs_read_ahead``, in C so that the thread holds the GIL
+    once, not once per request. The pages go to the page cache, not into the process (its
+    resident size does not grow); a file already cached costs a look-up per page. Where the
+    file cannot be opened, nothing is read ahead (the packing reads it as it goes)."""
+
+    def run() -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            size = ctypes.c_int64(os.fstat(fd).st_size)
+            kernel.lib.hs_read_ahead(fd, size, ctypes.c_int64(READ_AHEAD_STEP))
+        finally:
+            os.close(fd)
+
+    thread = threading.Thread(target=run, name="hs-gguf-read-ahead", daemon=True)
+    thread.start()
+    return thread
 
 
 def c_decodes(matrix: GGUFMatrix, kernel: Kernel) -> bool:

@@ -13,8 +13,8 @@ matrices stay dense), "int4"/"int8" also quantize dense matrices at load, "none"
 everything to ``dtype``. Quantized matrices are packed once into the block kernel's tiles
 and run through it in bfloat16; where it cannot be built, through torch's CPU int4 kernel
 (``resolve_quantize``). A GGUF file's blocks are packed straight from the mapped file, one
-matrix at a time (``convert_in_place``, ``model.gguf_pack``); other weights are converted in
-numpy (``pack_quantized``), and a GGUF file's result cached on disk (``model.weight_cache``).
+matrix at a time, while the disk reads ahead (``model.gguf_load``); other weights are converted
+in numpy (``pack_quantized``), and a GGUF file's result cached on disk (``model.weight_cache``).
 
 Models of the families in ``model.families`` run on the native forward (``model.llama``); any
 other causal LM runs on the generic transformers runtime (``model.hf_runtime``).
@@ -23,28 +23,29 @@ other causal LM runs on the generic transformers runtime (``model.hf_runtime``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.metadata
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridspec.config import ModelConfig
 from hybridspec.errors import ModelLoadError
-from hybridspec.model import qgemm, weight_cache
-from hybridspec.model.gguf import GGUFModel, load_gguf_tokenizer, read_gguf
-from hybridspec.model.gguf_file import check_memory
-from hybridspec.model.gguf_meta import StoredConfig
-from hybridspec.model.gguf_pack import pack_matrix, trim_heap
+from hybridspec.model import qgemm
+from hybridspec.model.gguf import load_gguf_tokenizer
+from hybridspec.model.gguf_load import (
+    QUANTIZE_BITS,
+    load_in_place,
+    load_or_convert,
+    pack_quantized,
+)
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
 from hybridspec.model.quant_linear import int4_kernel_available
 from hybridspec.model.runtime import ModelRuntime
-from hybridspec.model.weight_cache import ConvertedGGUF
 
 if TYPE_CHECKING:
     # transformers' model classes cost about a second to import: the GGUF path needs none.
@@ -64,8 +65,6 @@ CPU_FALLBACK_DTYPE = torch.float32
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 CUDA_AUTO_DTYPE = torch.bfloat16
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_QUANTIZE_BITS = {"gguf": None, "int4": 4, "int8": 8}
-_LOAD_OVERHEAD = 256 << 20  # bytes a load holds beyond the weights: scratch, one run of the file
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,14 +273,9 @@ def _load_gguf(
 ) -> LoadedModel:
     block = qgemm.kernel()
     if quantize == "gguf" and device.type == "cpu" and block is not None:
-        model = checked_gguf(path)
-        # the tokenizer before the weights: its first conversion (transformers reading the
-        # vocabulary) is over, and its memory freed, before the weights are held
-        tokenizer = load_gguf_tokenizer(path)
-        trim_heap()
-        converted = convert_in_place(path, dtype, block, model)  # faster than the weight cache
+        converted, tokenizer = load_in_place(path, dtype, block)  # faster than the weight cache
     else:
-        converted = _load_or_convert(path, dtype, device, quantize)
+        converted = load_or_convert(path, dtype, device, quantize)
         tokenizer = load_gguf_tokenizer(path)
     eos = set(converted.eos_token_ids)
     if tokenizer.eos_token_id is not None:
@@ -296,73 +290,6 @@ def _load_gguf(
         f"gguf:{path}",
         max_seq_len,
     )
-
-
-def checked_gguf(path: Path) -> GGUFModel:
-    """The GGUF file read lazily (``read_gguf``: every tensor checked against the file), and
-    its weights checked to fit in the memory available now (``gguf_file.check_memory``)."""
-    model = read_gguf(path, keep_quantized=True, lazy=True, stored_config=True)
-    # the packed weights hold about the file's bytes; fused q/k/v of mixed types a little more
-    check_memory(path, model.tensor_bytes + model.tensor_bytes // 16 + _LOAD_OVERHEAD)
-    return model
-
-
-def convert_in_place(
-    path: Path, dtype: torch.dtype, block: qgemm.Kernel, model: GGUFModel | None = None
-) -> ConvertedGGUF:
-    """A GGUF file's quantized matrices packed straight from the mapped file into the kernel's
-    tiles, one at a time (``gguf_pack``): the process holds the packed weights and a bounded
-    run of the file's pages. ``model``: ``checked_gguf(path)``, read here when None."""
-    if model is None:
-        model = checked_gguf(path)
-    config = model.config  # its saved attributes where an earlier load saved them: read alike
-    try:
-        weights = LlamaWeights.from_hf_state_dict(
-            model.state_dict,
-            cast("PretrainedConfig", config),
-            dtype=dtype,
-            pack=functools.partial(pack_matrix, kernel=block, mapped=True),
-        )
-    except ValueError as exc:  # tensors that disagree with the metadata
-        raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc
-    source = config.build if isinstance(config, StoredConfig) else config
-    return ConvertedGGUF(pack_quantized(weights), source, model.eos_token_ids)
-
-
-def _load_or_convert(
-    path: Path, dtype: torch.dtype, device: torch.device, quantize: str
-) -> ConvertedGGUF:
-    """The weight cache's entry for the file, else the file dequantized and fused in numpy."""
-
-    def convert() -> ConvertedGGUF:
-        model = read_gguf(path, keep_quantized=quantize != "none")
-        config = cast("PretrainedConfig", model.config)  # the real one: no stored_config
-        try:
-            weights = LlamaWeights.from_hf_state_dict(
-                model.state_dict,
-                config,
-                dtype=dtype,
-                device=device,
-                quantize_bits=_QUANTIZE_BITS.get(quantize),
-            )
-        except ValueError as exc:  # tensors that disagree with the metadata
-            raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc
-        return ConvertedGGUF(pack_quantized(weights), config, model.eos_token_ids)
-
-    # the cache holds what the runtime multiplies: the kernel's tiles where it builds
-    packed = quantize != "none" and device.type == "cpu" and qgemm.kernel() is not None
-    variant = f"{quantize}-packed" if packed else quantize
-    return weight_cache.load_or_convert(path, dtype, device, convert, quantize=variant)
-
-
-def pack_quantized(weights: LlamaWeights) -> LlamaWeights:
-    """``weights`` with every quantized matrix in the block kernel's tiles (``PackedWeight``)
-    where the kernel builds, so that the runtime multiplies them as they are: each matrix is
-    resident once, in the form it is read in, and no runtime packs a copy of its own."""
-    block = qgemm.kernel()
-    if block is None or weights.device.type != "cpu" or not weights.is_quantized:
-        return weights
-    return weights.map_quantized(block.pack)
 
 
 def _load_transformers(
@@ -385,7 +312,7 @@ def _load_transformers(
             hf_config,
             dtype=dtype,
             device=device,
-            quantize_bits=_QUANTIZE_BITS.get(quantize),
+            quantize_bits=QUANTIZE_BITS.get(quantize),
         )
         weights = pack_quantized(weights)
         del model

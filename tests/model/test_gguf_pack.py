@@ -4,7 +4,11 @@ equal to the old path; bad files refused by name before anything large is alloca
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +20,10 @@ from hybridspec.errors import ModelLoadError
 from hybridspec.model import gguf_file, qgemm
 from hybridspec.model.gguf import read_gguf
 from hybridspec.model.gguf_blocks import GGUF_TYPES, GGUFMatrix, GGUFPart
-from hybridspec.model.gguf_pack import c_decodes, pack_matrix
+from hybridspec.model.gguf_load import convert_in_place, pack_quantized
+from hybridspec.model.gguf_pack import c_decodes, pack_matrix, read_ahead
 from hybridspec.model.llama_weights import LlamaWeights
-from hybridspec.model.loader import convert_in_place, load_model, pack_quantized
+from hybridspec.model.loader import load_model
 from hybridspec.model.quant import PackedWeight
 from tests.model.test_gguf_types import (
     LAYOUT,
@@ -186,7 +191,7 @@ def test_a_file_larger_than_the_free_memory_is_refused_first(
     def no_packing(*_: object, **__: object) -> None:
         raise AssertionError("packed before the memory was checked")
 
-    monkeypatch.setattr("hybridspec.model.loader.pack_matrix", no_packing)
+    monkeypatch.setattr("hybridspec.model.gguf_load.pack_matrix", no_packing)
     with pytest.raises(ModelLoadError, match=r"mixed\.gguf.*needs about \d+ MB.* 1 MB is avail"):
         convert_in_place(mixed_file, torch.bfloat16, kernel())
 
@@ -194,3 +199,41 @@ def test_a_file_larger_than_the_free_memory_is_refused_first(
 def test_available_memory_reads_meminfo() -> None:
     available, source = gguf_file.available_memory()
     assert available > 0 and source
+
+
+def cached_pages(path: Path) -> tuple[int, int]:
+    """Pages of the file in the page cache (mincore), and its pages."""
+    size = path.stat().st_size
+    with path.open("rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        pages = -(-size // mmap.PAGESIZE)
+        vector = (ctypes.c_ubyte * pages)()
+        view = np.frombuffer(mapped, dtype=np.uint8)
+        address = ctypes.c_void_p(view.ctypes.data)
+        assert ctypes.CDLL(None).mincore(address, ctypes.c_size_t(size), vector) == 0
+        del view
+    return sum(v & 1 for v in vector), pages
+
+
+def test_read_ahead_brings_the_whole_file_into_the_page_cache(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    with path.open("wb") as f:
+        f.write(np.random.default_rng(0).bytes(24 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    cached, pages = cached_pages(path)
+    if cached == pages:
+        pytest.skip("this file system keeps the file in memory: nothing to read ahead")
+    read_ahead(path, kernel()).join(timeout=60)  # every read asked for: wait for the disk
+    deadline = time.monotonic() + 30
+    while cached_pages(path)[0] < pages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cached_pages(path) == (pages, pages)
+
+
+def test_read_ahead_of_a_missing_file_reads_nothing(tmp_path: Path) -> None:
+    thread = read_ahead(tmp_path / "missing.gguf", kernel())
+    thread.join(timeout=10)
+    assert not thread.is_alive()

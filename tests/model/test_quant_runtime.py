@@ -144,7 +144,7 @@ def test_a_gguf_file_keeps_its_blocks_through_loading_and_the_cache(
         raise AssertionError("the cached weights should have been used")
 
     if held is QuantizedWeight:  # decoded in numpy: a restart reads the weight cache
-        monkeypatch.setattr("hybridspec.model.loader.read_gguf", fail)
+        monkeypatch.setattr("hybridspec.model.gguf_load.read_gguf", fail)
     cached = load_model(config).weights  # else packed in place again, the same bytes
     assert isinstance(cached, LlamaWeights)
     for got, want in ((cached.layers[0].wo, weights.layers[0].wo), (cached.embed, weights.embed)):

@@ -39,7 +39,7 @@ def forbid_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(path: object) -> None:
         raise AssertionError("the cached weights should have been used")
 
-    monkeypatch.setattr("hybridspec.model.loader.read_gguf", fail)
+    monkeypatch.setattr("hybridspec.model.gguf_load.read_gguf", fail)
 
 
 def load(path: Path, dtype: str = "bfloat16") -> LoadedModel:

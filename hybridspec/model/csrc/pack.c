@@ -16,6 +16,7 @@
  * The caller owns every buffer: ``scratch`` holds ``hs_pack_scratch(K, group)`` bytes per
  * thread (``hs_max_threads``).
  */
+#include <fcntl.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -352,4 +353,14 @@ int hs_pack_gguf(const pack_part_t *parts, int nparts, int64_t N, int64_t K, int
         }
     }
     return failed;
+}
+
+/* The file behind ``fd`` (``size`` bytes) asked into the page cache from its start, one
+ * ``posix_fadvise(WILLNEED)`` per ``step`` bytes: a call reads ahead at most a device's
+ * read-ahead size (a few MB, 128 KB on some disks), so a whole file takes one call per step.
+ * Each call only queues reads (pages already cached are looked up); returns 1 where one fails. */
+int hs_read_ahead(int fd, int64_t size, int64_t step) {
+    for (int64_t at = 0; at < size; at += step)
+        if (posix_fadvise(fd, at, step, POSIX_FADV_WILLNEED)) return 1;
+    return 0;
 }
