@@ -8,6 +8,7 @@ same real config; a later in-place load imports no transformers config class.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,29 @@ def test_tokenizer_is_autotokenizers_own(family: str, tmp_path: Path) -> None:
     assert type(cached) is type(reference) and cached.encode(text) == reference.encode(text)
     again = load_gguf_tokenizer(path)
     assert type(again) is type(reference) and again.encode(text) == reference.encode(text)
+    states = [
+        {i: t.__getstate__() for i, t in tok.added_tokens_decoder.items()}
+        for tok in (reference, cached, again)
+    ]
+    assert states[0] == states[1] == states[2]
+    assert again.special_tokens_map == reference.special_tokens_map
+
+
+def test_a_cached_tokenizer_is_read_without_parsing_its_json_in_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _family_file("phi3", tmp_path / "files")  # TokenizersBackend, as a Llama 3 file
+    fresh = load_gguf_tokenizer(path, cache_dir=tmp_path)  # converted and saved
+    parse = json.load
+
+    def no_tokenizer_json(handle: Any, *args: Any, **kwargs: Any) -> Any:
+        assert not str(getattr(handle, "name", "")).endswith("tokenizer.json")
+        return parse(handle, *args, **kwargs)
+
+    monkeypatch.setattr(json, "load", no_tokenizer_json)
+    cached = load_gguf_tokenizer(path, cache_dir=tmp_path)
+    assert cached.added_tokens_decoder.keys() == fresh.added_tokens_decoder.keys()
+    assert cached.encode(" Hi there") == fresh.encode(" Hi there")
 
 
 def _same(stored: Any, real: Any) -> None:
