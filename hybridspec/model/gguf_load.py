@@ -18,10 +18,11 @@ import torch
 
 from hybridspec.errors import ModelLoadError
 from hybridspec.model import qgemm, weight_cache
-from hybridspec.model.gguf import GGUFModel, load_gguf_tokenizer, read_gguf
+from hybridspec.model.gguf import GGUFModel, read_gguf
 from hybridspec.model.gguf_file import check_memory
 from hybridspec.model.gguf_meta import StoredConfig
 from hybridspec.model.gguf_pack import pack_matrix, read_ahead, trim_heap
+from hybridspec.model.gguf_tokenizer import load_gguf_tokenizer
 from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.weight_cache import ConvertedGGUF
 

@@ -35,13 +35,13 @@ import torch
 from hybridspec.config import ModelConfig
 from hybridspec.errors import ModelLoadError
 from hybridspec.model import qgemm
-from hybridspec.model.gguf import load_gguf_tokenizer
 from hybridspec.model.gguf_load import (
     QUANTIZE_BITS,
     load_in_place,
     load_or_convert,
     pack_quantized,
 )
+from hybridspec.model.gguf_tokenizer import load_gguf_tokenizer
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
 from hybridspec.model.quant_linear import int4_kernel_available

@@ -26,7 +26,7 @@ from transformers import (
 
 from hybridspec.config import ModelConfig
 from hybridspec.errors import ModelLoadError
-from hybridspec.model import gguf as gguf_module
+from hybridspec.model import gguf_tokenizer
 from hybridspec.model import loader as loader_module
 from hybridspec.model.gguf import load_gguf_tokenizer, permute_qk, unpermute_qk
 from hybridspec.model.hf_runtime import HFRuntime
@@ -344,7 +344,7 @@ def test_cached_tokenizer_round_trips_like_a_fresh_conversion(
     def no_conversion(_: object) -> None:
         raise AssertionError("the cached tokenizer should have been used")
 
-    monkeypatch.setattr(gguf_module, "convert_gguf_tokenizer", no_conversion)
+    monkeypatch.setattr(gguf_tokenizer, "convert_gguf_tokenizer", no_conversion)
     cached = load_gguf_tokenizer(path, cache_dir=tmp_path)
     assert len(list((tmp_path / "tokenizers").iterdir())) == 1
     texts = [
