@@ -12,11 +12,10 @@ Memory: the file's pages that a conversion touches count in the process's reside
 file) they are given back with ``madvise(MADV_DONTNEED)`` (they stay in the page cache). The
 peak is then what the packed weights hold plus one chunk.
 
-Huge pages: the packed codes are held in anonymous memory advised ``MADV_HUGEPAGE`` (``held``):
-a decode streams every matrix once a token, and over gigabytes of 4 KB pages (an 8B model) the
-address translations cost a fair share of the reading rate; 2 MB pages take most of them away.
-Where the system gives no huge pages (transparent huge pages off) the memory is the same,
-in 4 KB pages.
+Huge pages: the packed codes and factors are held in anonymous memory advised
+``MADV_HUGEPAGE`` (``held``). A decode streams every matrix once a token; over gigabytes of
+4 KB pages (an 8B model) each page costs an address translation, which 2 MB pages take away.
+Where the system gives no huge pages, the memory is the same in 4 KB pages.
 
 Dimensions: ``N`` rows, ``K`` columns, ``G = K / 32`` groups, ``X = K / group`` sub-groups per
 row, tiles of ``ROWS`` = 16 rows.
@@ -139,8 +138,8 @@ def pack_matrix(matrix: GGUFMatrix, kernel: Kernel, *, mapped: bool = False) -> 
     threads = max(1, kernel.max_threads())
     scratch = torch.empty(threads * int(kernel.lib.hs_pack_scratch(cols, group)), dtype=torch.uint8)
     for mode, dtype in _MODES:
-        scales = torch.empty((tiles, groups, subs * ROWS), dtype=dtype)  # pack.c fills them
-        offsets = torch.empty_like(scales) if asymmetric else None
+        scales = held((tiles, groups, subs * ROWS), dtype)  # pack.c fills them
+        offsets = held(tuple(scales.shape), dtype) if asymmetric else None
         supers = [torch.empty((tiles, -(-groups // SUPER), ROWS)) for _ in range(2)]
         out = _Out(
             codes.data_ptr(),
