@@ -16,12 +16,18 @@ peak is then what the packed weights hold plus one chunk.
 first load the disk reads while the process works (the tokenizer, the packing of what was read
 before) rather than one run at a time as the packing reaches it.
 
+Huge pages: the packed codes and factors are held in anonymous memory advised
+``MADV_HUGEPAGE`` (``held``). A decode streams every matrix once a token; over gigabytes of
+4 KB pages (an 8B model) each page costs an address translation, which 2 MB pages take away.
+Where the system gives no huge pages, the memory is the same in 4 KB pages.
+
 Dimensions: ``N`` rows, ``K`` columns, ``G = K / 32`` groups, ``X = K / group`` sub-groups per
 row, tiles of ``ROWS`` = 16 rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
@@ -38,7 +44,8 @@ from hybridspec.model.quant import GROUP_SIZE, ROWS, SUPER, PackedWeight
 
 CHUNK_BYTES = 32 << 20  # of the file per call: the most of it resident at once
 READ_AHEAD_STEP = 128 << 10  # bytes per read-ahead request: the least device read-ahead size
-_MADV_WILLNEED, _MADV_DONTNEED = 3, 4
+_MADV_WILLNEED, _MADV_DONTNEED, _MADV_HUGEPAGE = 3, 4, 14
+_HUGE = 2 << 20  # bytes of one huge page: below it a buffer is not worth the advice
 # the modes of csrc/pack.c, in Kernel.pack's order of preference: int8 steps times a factor,
 # float16, float32
 _MODES = ((0, torch.int8), (1, torch.float16), (2, torch.float32))
@@ -113,6 +120,23 @@ def read_ahead(path: str | os.PathLike[str], kernel: Kernel) -> threading.Thread
     return thread
 
 
+def held(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor of ``shape`` in private anonymous memory advised
+    ``MADV_HUGEPAGE`` before any page of it is touched (module docstring), or ``torch.empty``
+    for a small one. The mapping lives as long as the tensor does."""
+    count = 1
+    for size in shape:
+        count *= size
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes < _HUGE:
+        return torch.empty(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(region, "madvise"):  # a kernel without transparent huge pages: 4 KB pages
+        with contextlib.suppress(OSError):
+            region.madvise(_MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=dtype, count=count).view(shape)
+
+
 def c_decodes(matrix: GGUFMatrix, kernel: Kernel) -> bool:
     """Whether csrc/pack.c decodes every part of ``matrix`` (else ``pack_matrix`` runs the
     numpy reference)."""
@@ -139,13 +163,13 @@ def pack_matrix(matrix: GGUFMatrix, kernel: Kernel, *, mapped: bool = False) -> 
     group = min(GGUF_TYPES[k][3] for k in kinds)
     asymmetric = any(k not in _SYMMETRIC for k in kinds)
     tiles, groups, subs = -(-rows // ROWS), cols // GROUP_SIZE, GROUP_SIZE // group
-    codes = torch.empty((tiles, groups, ROWS * GROUP_SIZE * bits // 8), dtype=torch.uint8)
+    codes = held((tiles, groups, ROWS * GROUP_SIZE * bits // 8), torch.uint8)
     parts = (_Part * len(matrix.parts))(*(_part(p) for p in matrix.parts))
     threads = max(1, kernel.max_threads())
     scratch = torch.empty(threads * int(kernel.lib.hs_pack_scratch(cols, group)), dtype=torch.uint8)
     for mode, dtype in _MODES:
-        scales = torch.empty((tiles, groups, subs * ROWS), dtype=dtype)  # pack.c fills them
-        offsets = torch.empty_like(scales) if asymmetric else None
+        scales = held((tiles, groups, subs * ROWS), dtype)  # pack.c fills them
+        offsets = held(tuple(scales.shape), dtype) if asymmetric else None
         supers = [torch.empty((tiles, -(-groups // SUPER), ROWS)) for _ in range(2)]
         out = _Out(
             codes.data_ptr(),

@@ -5,6 +5,7 @@ equal to the old path; bad files refused by name before anything large is alloca
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import os
 import subprocess
@@ -21,7 +22,7 @@ from hybridspec.model import gguf_file, qgemm
 from hybridspec.model.gguf import read_gguf
 from hybridspec.model.gguf_blocks import GGUF_TYPES, GGUFMatrix, GGUFPart
 from hybridspec.model.gguf_load import convert_in_place, pack_quantized
-from hybridspec.model.gguf_pack import c_decodes, pack_matrix, read_ahead
+from hybridspec.model.gguf_pack import c_decodes, held, pack_matrix, read_ahead
 from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.loader import load_model
 from hybridspec.model.quant import PackedWeight
@@ -237,3 +238,39 @@ def test_read_ahead_of_a_missing_file_reads_nothing(tmp_path: Path) -> None:
     thread = read_ahead(tmp_path / "missing.gguf", kernel())
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def _advised_huge(address: int) -> bool | None:
+    """Whether the mapping holding ``address`` is advised MADV_HUGEPAGE (``hg`` among its
+    VmFlags in /proc/self/smaps); None where smaps does not say."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    inside = False
+    for line in text.splitlines():
+        head = line.split()[0] if line.split() else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            start, end = (int(v, 16) for v in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return "hg" in line.split()[1:]
+    return None
+
+
+def test_packed_codes_are_held_in_memory_advised_for_huge_pages() -> None:
+    big = held((3, 1024, 1024), torch.uint8)  # 3 MiB: over one huge page
+    small = held((4, 8), torch.float32)
+    assert big.shape == (3, 1024, 1024) and big.dtype is torch.uint8 and big.is_contiguous()
+    assert small.shape == (4, 8) and small.dtype is torch.float32
+    advised = _advised_huge(big.data_ptr())
+    if advised is None or not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        pytest.skip("no smaps or no transparent huge pages here")
+    assert advised
+    view = big[1:2].clone()
+    big.fill_(7)  # writable, and every page of the mapping there
+    assert int(big[2, 1023, 1023]) == 7 and view.shape == (1, 1024, 1024)
+    rows = big[2]
+    del big
+    gc.collect()
+    assert int(rows.sum()) == 7 * 1024 * 1024  # the mapping outlives the name: a view holds it
