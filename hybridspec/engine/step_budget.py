@@ -16,12 +16,13 @@ slow model's or a large batch's streams never starve it. The first prefilling re
 
 A request whose whole prompt left is at most ``min_chunk`` tokens (a short prompt just admitted)
 counts as decoding: it feeds all of it at once, priced first, and its first token comes after
-this step whatever the prompts beside it (without this, beside a long prompt alone, a new
-request waited for a full chunk of it, ~2 s deep in a long prompt). A step with no decoding
-request is bounded too for ``LINGER_S`` after the last step that had one: a stream's client
-sends its next request as its answer ends, so the step running when it arrives is short.
-Otherwise a step with no decoding request is not bounded in time: prompts then feed
-``prefill_chunk_size`` tokens per step, at full speed (``Scheduler.plan``).
+this step whatever the prompts beside it (counted in tokens, first come first served, a long
+prompt admitted before it would take every step's whole budget until its own rest fit). A step
+with no decoding request is bounded too for ``LINGER_S`` after the last one priced with
+decoding requests: a stream's client sends its next request as its answer ends, so the step
+running when it arrives is short. Otherwise a step with no decoding request is not bounded in
+time: prompts then feed ``prefill_chunk_size`` tokens per step, at full speed
+(``Scheduler.plan``).
 
 ``FittedForwardCost`` is the cost model the engine uses: ``seconds = a + b rows + c scores``,
 fitted to the measured time of every forward the engine runs (``RoundSteps``), recent forwards
@@ -54,7 +55,7 @@ PRIOR_DOUBLING_CONTEXT = 2048
 PRIOR_FIXED_ROWS = 8  # and a forward's fixed cost is that of this many rows (weakly held)
 EXTRAPOLATION = 2  # the most rows priced, in multiples of the most timed
 FAIR_SHARE = 2  # a shared step may always take this many times its decoding requests' forward
-# Seconds after a step with decoding requests during which steps stay bounded: a client's next
+# Seconds after a step priced with decoding requests during which steps stay bounded: the next
 # request of a stream (on loopback: milliseconds; over a network: a round trip) finds a short step
 LINGER_S = 1.0
 
@@ -121,7 +122,7 @@ class FittedForwardCost:
 @dataclass(slots=True)
 class StepBudget:
     """How long a step shared with decoding requests may take (module docstring). Its one
-    state: when a step last had decoding requests (``LINGER_S``)."""
+    state: when a step was last priced with decoding requests (``LINGER_S``)."""
 
     cost: ForwardCost
     ratio: float  # times the decoding requests' own forward
@@ -152,9 +153,10 @@ class StepBudget:
 
     def start(self, decoding: list[tuple[int, int]], max_tokens: int) -> StepChunks | None:
         """The step's chunk sizer, given each decoding request's (cached tokens, rows it is
-        expected to feed), granting at most ``max_tokens`` in all (``prefill_chunk_size``: a
-        shared step never prefills more than one alone); None when nothing decodes (nor did
-        within ``linger_s``) or the cost model cannot tell yet."""
+        expected to feed), granting at most ``max_tokens`` in all besides the short prompts'
+        rests (``prefill_chunk_size``: a shared step never prefills much more than one alone);
+        None when nothing decodes (nor did within ``linger_s``) or the cost model cannot tell
+        yet."""
         now = self.clock()
         if decoding:
             self._last_decoding = now
