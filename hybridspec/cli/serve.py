@@ -197,6 +197,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         cache_isolation=args.cache_isolation,
         max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
+        freeze_heap=True,  # a process of its own (ServerConfig.freeze_heap)
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         ssl_keyfile_password=args.ssl_keyfile_password,

@@ -173,17 +173,20 @@ class Scheduler:
         """The step's grants, ``grant(cached, pending) -> tokens``, in running order: timed
         (``StepChunks``) when requests decode in this step and the cost model can tell, else
         ``prefill_chunk_size`` tokens shared first come first served. A decoding request is
-        expected to feed as many rows as it verified in its last round."""
-        decoding = [
-            (cached, request.speculation.last_verified)
+        expected to feed as many rows as it verified in its last round (a short prompt's
+        request, its prompt's rest too)."""
+        step_budget = self.step_budget
+        decoding = [  # and short prompts, fed whole with their first drafts (``starts``)
+            (cached, max(0, num_pending) + request.speculation.last_verified)
             for request, cached, num_pending in zip(
                 self.running, cached_lengths, pending, strict=True
             )
-            if request.group is None and num_pending <= 0
+            if request.group is None
+            and (num_pending <= 0 or (step_budget is not None and step_budget.starts(num_pending)))
         ]
         chunks: StepChunks | None = None
-        if self.step_budget is not None and any(p > 0 for p in pending):  # a prompt to feed
-            chunks = self.step_budget.start(decoding, self.prefill_chunk_size)
+        if step_budget is not None and any(p > 0 for p in pending):  # a prompt to feed
+            chunks = step_budget.start(decoding, self.prefill_chunk_size)
         if chunks is not None:
             return chunks.grant
         budget = self.prefill_chunk_size

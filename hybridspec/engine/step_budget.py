@@ -12,8 +12,16 @@ at most ``max_seconds`` (a decoding request's tokens come a step apart, so this 
 prompts prefill, however many decode beside it), unless the decoding requests' forward alone takes
 more than half of it: a prompt always gets as much of a step as they do (``FAIR_SHARE``), so a
 slow model's or a large batch's streams never starve it. The first prefilling request gets at least
-``min_chunk`` tokens, so a prompt always progresses. A step with no decoding request is not bounded
-in time: prompts then feed ``prefill_chunk_size`` tokens per step, at full speed
+``min_chunk`` tokens, so a prompt always progresses.
+
+A request whose whole prompt left is at most ``min_chunk`` tokens (a short prompt just admitted)
+counts as decoding: it feeds all of it at once, priced first, and its first token comes after
+this step whatever the prompts beside it (counted in tokens, first come first served, a long
+prompt admitted before it would take every step's whole budget until its own rest fit). A step
+with no decoding request is bounded too for ``LINGER_S`` after the last one priced with
+decoding requests: a stream's client sends its next request as its answer ends, so the step
+running when it arrives is short. Otherwise a step with no decoding request is not bounded in
+time: prompts then feed ``prefill_chunk_size`` tokens per step, at full speed
 (``Scheduler.plan``).
 
 ``FittedForwardCost`` is the cost model the engine uses: ``seconds = a + b rows + c scores``,
@@ -29,6 +37,8 @@ Dimensions: ``rows`` tokens fed in a forward; ``scores`` their query-key pairs o
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,6 +55,9 @@ PRIOR_DOUBLING_CONTEXT = 2048
 PRIOR_FIXED_ROWS = 8  # and a forward's fixed cost is that of this many rows (weakly held)
 EXTRAPOLATION = 2  # the most rows priced, in multiples of the most timed
 FAIR_SHARE = 2  # a shared step may always take this many times its decoding requests' forward
+# Seconds after a step priced with decoding requests during which steps stay bounded: the next
+# request of a stream (on loopback: milliseconds; over a network: a round trip) finds a short step
+LINGER_S = 1.0
 
 
 def attention_scores(cached: int, num_rows: int) -> int:
@@ -106,15 +119,19 @@ class FittedForwardCost:
         return max(0.0, float(a)), max(0.0, float(b)), max(0.0, float(c))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepBudget:
-    """How long a step shared with decoding requests may take (module docstring)."""
+    """How long a step shared with decoding requests may take (module docstring). Its one
+    state: when a step was last priced with decoding requests (``LINGER_S``)."""
 
     cost: ForwardCost
     ratio: float  # times the decoding requests' own forward
     min_seconds: float  # the bound is never below this
     min_chunk: int = MIN_PREFILL_CHUNK
     max_seconds: float = math.inf  # nor above this (>= min_seconds)
+    linger_s: float = LINGER_S
+    clock: Callable[[], float] = time.monotonic
+    _last_decoding: float = -math.inf
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ratio) and self.ratio >= 1):
@@ -129,16 +146,25 @@ class StepBudget:
         if self.min_chunk < 1:
             raise ValueError(f"min_chunk: expected an integer >= 1, got {self.min_chunk!r}")
 
+    def starts(self, pending: int) -> bool:
+        """Whether a request with ``pending`` prompt tokens left feeds them all this step,
+        priced as decoding (module docstring): the scheduler counts it among ``decoding``."""
+        return pending <= self.min_chunk
+
     def start(self, decoding: list[tuple[int, int]], max_tokens: int) -> StepChunks | None:
         """The step's chunk sizer, given each decoding request's (cached tokens, rows it is
-        expected to feed), granting at most ``max_tokens`` in all (``prefill_chunk_size``: a
-        shared step never prefills more than one alone); None when nothing decodes or the cost
-        model cannot tell yet."""
-        if not decoding:
+        expected to feed), granting at most ``max_tokens`` in all besides the short prompts'
+        rests (``prefill_chunk_size``: a shared step never prefills much more than one alone);
+        None when nothing decodes (nor did within ``linger_s``) or the cost model cannot tell
+        yet."""
+        now = self.clock()
+        if decoding:
+            self._last_decoding = now
+        elif now - self._last_decoding > self.linger_s:
             return None
         num_rows = sum(rows for _, rows in decoding)
         num_scores = sum(attention_scores(cached, rows) for cached, rows in decoding)
-        decode_s = self.cost.seconds(num_rows, num_scores)
+        decode_s = self.cost.seconds(num_rows, num_scores) if decoding else 0.0
         if decode_s is None:
             return None
         ceiling = max(self.max_seconds, min(FAIR_SHARE, self.ratio) * decode_s)
@@ -160,9 +186,12 @@ class StepChunks:
 
     def grant(self, cached: int, pending: int) -> int:
         """Prompt tokens (at most ``pending``, and what is left of ``max_tokens``) that a
-        request with ``cached`` tokens feeds: the most that keep the step's estimate within
-        the bound (found by bisection, the cost
-        rising with the tokens), at least ``min_chunk`` for the step's first grant."""
+        request with ``cached`` tokens feeds: all of a prompt that ``starts`` (priced with the
+        decoding requests), else the most that keep the step's estimate within the bound
+        (found by bisection, the cost rising with the tokens), at least ``min_chunk`` for the
+        step's first grant."""
+        if self.budget.starts(pending):
+            return pending
         most = min(pending, self.max_tokens - self.granted)
         low, high = 0, most  # fits(low) holds; find the largest n that fits
         while low < high:

@@ -60,6 +60,12 @@ class ServerConfig:
     stream_write_timeout_s: float = 30.0
     request_read_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
+    # Once warm, collect and freeze the heap (``app.freeze_heap``): the loaded model's and the
+    # libraries' objects are left out of every later collection, a full pass over which holds
+    # the interpreter lock (and so the engine thread) mid-stream for as long as it takes to
+    # visit them all. ``hybridspec serve`` turns it on; off by default, since each app made in
+    # one process (a test suite's) would pay a full collection at its start.
+    freeze_heap: bool = False
 
     def __post_init__(self) -> None:
         check(
@@ -139,6 +145,11 @@ class ServerConfig:
                 name,
                 f"expected a positive number of seconds, got {value!r}",
             )
+        check(
+            isinstance(self.freeze_heap, bool),
+            "freeze_heap",
+            f"expected a bool, got {self.freeze_heap!r}",
+        )
         self._check_tls()
 
     def _check_tls(self) -> None:

@@ -127,17 +127,49 @@ def test_floor_keeps_the_first_prompt_moving_when_decoding_fills_the_bound() -> 
 
 
 def test_prompts_share_the_step_and_a_fitting_rest_decodes() -> None:
-    """Two prompts after a decoding one: the first's 20 remaining tokens fit, so it decodes
+    """Two prompts after a decoding one: the first's 40 remaining tokens fit, so it decodes
     (feeding them with its drafts); the second gets what is left of the bound."""
     scheduler = Scheduler(8, 512, StepBudget(COST, ratio=4.0, min_seconds=0.15))
-    decoding, finishing, second = running(scheduler, 101, 3021, 8000)
+    decoding, finishing, second = running(scheduler, 101, 3041, 8000)
     plan = scheduler.plan([100, 3000, 0])
     assert plan.decode == [decoding, finishing]
     [(request, tokens)] = plan.prefill
     assert request is second
     bound = max(4 * step_seconds([(100, 1)], []), 0.15)
-    assert step_seconds([(100, 1), (3000, 20)], [(0, tokens)]) <= bound
-    assert step_seconds([(100, 1), (3000, 20)], [(0, tokens + 1)]) > bound
+    assert step_seconds([(100, 1), (3000, 40)], [(0, tokens)]) <= bound
+    assert step_seconds([(100, 1), (3000, 40)], [(0, tokens + 1)]) > bound
+
+
+def test_a_short_prompt_beside_a_prompt_alone_is_fed_whole_in_a_bounded_step() -> None:
+    """A long prompt prefills alone, 3,000 tokens in, and a 20-token prompt is admitted: it is
+    fed whole (priced as decoding: 20 rows and its first drafts' one), so its first token comes
+    after this step, and the long prompt gets what fits in 0.15 s, not a full chunk."""
+    scheduler = Scheduler(8, 512, StepBudget(COST, ratio=4.0, min_seconds=0.15))
+    long_prompt, short = running(scheduler, 8000, 21)
+    plan = scheduler.plan([3000, 0])
+    assert plan.decode == [short] and plan.feeds_prompt
+    [(request, tokens)] = plan.prefill
+    assert request is long_prompt and 32 < tokens < 512
+    assert step_seconds([(0, 21)], [(3000, tokens)]) <= 0.15
+    assert step_seconds([(0, 21)], [(3000, tokens + 1)]) > 0.15
+
+
+def test_steps_stay_bounded_for_a_while_after_the_last_decoding_request() -> None:
+    """A stream's answer ended: for ``linger_s`` the prompt left alone still gets bounded
+    chunks (its client's next request finds a short step), then full ones."""
+    now = [0.0]
+    budget = StepBudget(COST, 4.0, 0.15, linger_s=1.0, clock=lambda: now[0])
+    scheduler = Scheduler(8, 512, budget)
+    decoding, long_prompt = running(scheduler, 101, 8000)
+    first = scheduler.plan([100, 3000]).prefill[0][1]
+    scheduler.remove(decoding)  # its answer ended
+    now[0] = 0.9
+    [(request, tokens)] = scheduler.plan([3000 + first]).prefill
+    assert request is long_prompt and 32 < tokens < 512
+    assert step_seconds([], [(3000 + first, tokens)]) <= 0.15
+    assert step_seconds([], [(3000 + first, tokens + 1)]) > 0.15
+    now[0] = 1.1
+    assert scheduler.plan([3000 + first + tokens]).prefill == [(long_prompt, 512)]
 
 
 def test_decoding_requests_are_priced_by_their_last_round() -> None:

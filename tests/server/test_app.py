@@ -4,6 +4,7 @@ line."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -130,6 +131,28 @@ def test_startup_logs_one_ready_line(
         r"load \d+\.\d s, warm-up \d+\.\d s"
     )
     assert re.fullmatch(pattern, ready[0]), ready[0]
+
+
+def test_a_frozen_heap_leaves_the_startup_objects_out_of_collections(
+    make_app: AppFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``freeze_heap``: once warm, the model's and libraries' objects are frozen (no later
+    collection visits them) and the ready line says what it took; off, nothing is frozen."""
+    assert gc.get_freeze_count() == 0
+    with TestClient(make_app()):
+        assert gc.get_freeze_count() == 0
+    try:
+        with (
+            caplog.at_level(logging.INFO, logger="hybridspec.server"),
+            TestClient(make_app({"freeze_heap": True})) as client,
+        ):
+            assert gc.get_freeze_count() > 10_000
+            assert client.get("/health").status_code == 200
+    finally:
+        gc.unfreeze()
+    assert re.search(r"ready: .*, gc \d+\.\d s$", caplog.text, re.MULTILINE), caplog.text
+    with pytest.raises(ValueError, match="freeze_heap"):
+        ServerConfig(freeze_heap=1)  # type: ignore[arg-type]
 
 
 class _ThreadRecordingEngine(Engine):

@@ -13,11 +13,18 @@ loopback port and measures, in order:
    long prompt runs, and the long prompt's time; ``shared_over_alone`` = shared_s / alone_s.
    The worst of 2 runs. ``canary_max_text_gap_s``: the largest gap between two events that
    carry text; a token without text of its own (a special token, part of a character) makes
-   it span two tokens or more.
+   it span two tokens or more. ``canary_max_first_s``: the longest a canary's answer that
+   began while the long prompt ran waited for its first token (its next request is sent as
+   one answer ends: the wait between answers).
 4. ``ten_max_gap_s``: 8 streams run (400-token answers, back to back) and 10 such long prompts
    arrive at once: the largest gap between two tokens of one stream's answer while any long
    prompt runs (``ten_max_text_gap_s``: between texts); ``ten_long_s_median`` /
    ``ten_long_s_max``: the long prompts' times.
+
+5. ``short_first_s_max``: while such a long prompt prefills with nothing else running, 3 short
+   requests (16 tokens) are sent one after another: the longest wait for a first token. A
+   short prompt is fed whole in the first step after it arrives, so this is at most the step
+   in flight then (one full chunk: nothing was decoding) and one bounded step.
 
 The streams ask for ``stream_options.include_drafts``, so that every output, with text or not,
 is an event that lists its tokens: a gap between tokens is then seen as the server makes it.
@@ -106,6 +113,7 @@ class Streams:
         self.url, self.stop = url, threading.Event()
         self.gaps: list[tuple[float, float]] = []  # (when, gap)
         self.text_gaps: list[tuple[float, float]] = []
+        self.firsts: list[tuple[float, float]] = []  # (when, an answer's wait for its first token)
         self.errors = 0
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(count)]
 
@@ -123,6 +131,11 @@ class Streams:
         gaps = self.text_gaps if text else self.gaps
         return max((g for t, g in gaps if start <= t <= end), default=0.0)
 
+    def max_first(self, start: float, end: float) -> float:
+        """The longest wait for a first token among answers sent between ``start`` and
+        ``end``."""
+        return max((w for t, w in self.firsts if start <= t - w <= end), default=0.0)
+
     def _run(self) -> None:
         body = {
             "prompt": "Write a long story about a cat.",
@@ -133,6 +146,7 @@ class Streams:
         }
         with httpx.Client(base_url=self.url, timeout=1200) as client:
             while not self.stop.is_set():
+                sent = time.perf_counter()
                 with client.stream("POST", "/v1/completions", json=body) as response:
                     if response.status_code != 200:
                         self.errors += 1
@@ -144,6 +158,8 @@ class Streams:
                             continue
                         now = time.perf_counter()
                         choice = json.loads(line[6:])["choices"][0]
+                        if not last and choice.get("tokens"):
+                            self.firsts.append((now, now - sent))
                         for kind, gaps, seen in (
                             ("token", self.gaps, choice.get("tokens")),
                             ("text", self.text_gaps, choice.get("text")),
@@ -170,7 +186,7 @@ def alone(url: str, tokens: int) -> dict[str, float]:
 
 
 def with_canary(url: str, tokens: int) -> dict[str, float]:
-    gaps, text_gaps, times = [], [], []
+    gaps, text_gaps, firsts, times = [], [], [], []
     for i in range(2):
         with Streams(url, 1) as canary:
             time.sleep(3)
@@ -180,12 +196,30 @@ def with_canary(url: str, tokens: int) -> dict[str, float]:
             time.sleep(1)
         gaps.append(canary.max_gap(start, end))
         text_gaps.append(canary.max_gap(start, end, text=True))
+        firsts.append(canary.max_first(start, end))
         times.append(run["last"])
     return {
         "canary_max_gap_s": max(gaps),
         "canary_max_text_gap_s": max(text_gaps),
+        "canary_max_first_s": max(firsts),
         "shared_s": max(times),
     }
+
+
+def short_beside_long(url: str, tokens: int) -> dict[str, float]:
+    done: list[float] = []
+    thread = threading.Thread(
+        target=lambda: done.append(
+            timed_completion(url, long_prompt(400, tokens), NEW_TOKENS)["last"]
+        )
+    )
+    thread.start()
+    firsts = []
+    for _ in range(3):
+        time.sleep(2.0)
+        firsts.append(timed_completion(url, "Write a long story about a cat.", NEW_TOKENS)["first"])
+    thread.join()
+    return {"short_first_s_max": max(firsts), "short_beside_long_s": done[0]}
 
 
 def ten_long(url: str, tokens: int) -> dict[str, float]:
@@ -231,6 +265,7 @@ def main() -> None:
         figures.update(alone(url, args.tokens))
         figures.update(with_canary(url, args.tokens))
         figures["shared_over_alone"] = figures["shared_s"] / figures["alone_s"]
+        figures.update(short_beside_long(url, args.tokens))
         if not args.skip_ten:
             figures.update(ten_long(url, args.tokens))
     finally:
