@@ -41,9 +41,8 @@ import torch.nn.functional as F
 from hybridspec.model.attention import (
     Attention,
     KernelAttention,
-    OneSequenceAttention,
-    RaggedAttention,
     Scoring,
+    SdpaAttention,
 )
 from hybridspec.model.decoder import (
     DecoderLayer,
@@ -281,23 +280,19 @@ class LlamaRuntime:
     def _torch_pass(self, host: HostBatch, starts: list[int]) -> TorchPass:
         """The attention for this batch and each rope table's rows of its positions."""
         slots, num_new = host.slots, host.num_new_tokens
-        if len(slots) == 1:  # [2, T, 1, hd] views
-            attention: Attention = (
-                self._kernel_attention(host, starts)
-                if self.invariant_attention
-                else OneSequenceAttention(
-                    self._cache, slots[0], starts[0], num_new[0], self._rep, self._scoring
-                )
-            )
-            ropes = tuple(rope[:, starts[0] : starts[0] + num_new[0]] for rope in self._ropes)
-            return TorchPass(attention, ropes)
-        several: KernelAttention | RaggedAttention = (
+        attention: Attention = (
             self._kernel_attention(host, starts)
             if self.invariant_attention
-            else RaggedAttention(self._cache, slots, starts, num_new, self._rep, self._scoring)
+            else SdpaAttention(self._cache, slots, starts, num_new, self._rep, self._scoring)
         )
-        ropes = tuple(rope[:, several.positions] for rope in self._ropes)
-        return TorchPass(several, ropes)
+        if len(slots) == 1:  # [2, T, 1, hd] views
+            ropes = tuple(rope[:, starts[0] : starts[0] + num_new[0]] for rope in self._ropes)
+        else:
+            positions = torch.cat(
+                [torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
+            ).to(self.device)  # [T]
+            ropes = tuple(rope[:, positions] for rope in self._ropes)
+        return TorchPass(attention, ropes)
 
 
 def _check_options(weights: LlamaWeights, invariant_attention: bool | None) -> bool:
