@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from hybridspec.model.attention import Attention, KernelAttention
+from hybridspec.model.kernel_abi import CacheLayout
 from hybridspec.model.linear import PackedLinear
 from hybridspec.model.llama_weights import LlamaDims, LlamaLayerWeights, Matrix
-from hybridspec.model.qgemm import BlockLinear, CacheLayout, Kernel, kernel
+from hybridspec.model.qgemm import BlockLinear, Kernel, kernel
 from hybridspec.model.quant import GROUP_SIZE, PackedWeight, QuantizedWeight
 from hybridspec.model.quant_linear import Int4Linear, Int8Linear, quantized_linear
 from hybridspec.model.rope import apply_rope
@@ -148,7 +149,7 @@ class StoredAttentionIn:
 
     def __call__(self, x: torch.Tensor, attention: KernelAttention) -> torch.Tensor:
         d = self.dims
-        q = self.kernel.rope_store_unchecked(
+        q = self.kernel.rope_store(
             self.qkv(x),
             d.num_heads,
             d.num_kv_heads,
