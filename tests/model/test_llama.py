@@ -17,8 +17,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from hybridspec.errors import CapacityError
 from hybridspec.model.gguf import read_gguf
 from hybridspec.model.llama import LlamaRuntime
-from hybridspec.model.llama_weights import LlamaWeights, native_support_problem, rope_inv_freq
+from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
 from hybridspec.model.loader import LoadedModel, embedded_model_path
+from hybridspec.model.rope import rope_inv_freq
 from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 from tests.conftest import LLAMA3_ROPE, TINY_VOCAB_SIZE, tiny_llama, tiny_llama_config
 
