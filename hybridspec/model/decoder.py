@@ -135,22 +135,17 @@ class TorchAttentionIn:
 
 
 @dataclass(frozen=True, slots=True)
-class StoredAttentionIn:
-    """q/k/v projected (with the family's additions), then the block kernel's ``rope_store``
-    (q and k rotated, k and v into the cache) and the row-invariant attention over what it
-    stored: ``[T, H hd]`` float32, into ``wo`` as it is."""
+class KernelRope:
+    """What the block kernel's rope and cache stores read for one layer, beside its q/k/v."""
 
-    index: int
-    qkv: Step
-    kernel: Kernel
-    rope_pairs: torch.Tensor  # [S, hd / 2, 2] float32: cos, sin
-    layout: ctypes._Pointer[CacheLayout]  # the layer's cache
+    rope_pairs: torch.Tensor  # [S, hd / 2, 2] float32: cos, sin of the layer's rope table
+    layout: ctypes._Pointer[CacheLayout]  # the layer's cache (``KVCache.kernel_layouts``)
     dims: LlamaDims
 
-    def __call__(self, x: torch.Tensor, attention: KernelAttention) -> torch.Tensor:
+    def args(self, attention: KernelAttention) -> tuple[object, ...]:
+        """``Kernel.rope_store``'s arguments after ``qkv`` (``attn_in``'s after ``eps``)."""
         d = self.dims
-        q = self.kernel.rope_store(
-            self.qkv(x),
+        return (
             d.num_heads,
             d.num_kv_heads,
             d.head_dim,
@@ -159,6 +154,21 @@ class StoredAttentionIn:
             attention.positions,
             self.layout,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredAttentionIn:
+    """q/k/v projected (with the family's additions), then the block kernel's ``rope_store``
+    (q and k rotated, k and v into the cache) and the row-invariant attention over what it
+    stored: ``[T, H hd]`` float32, into ``wo`` as it is."""
+
+    index: int
+    qkv: Step
+    kernel: Kernel
+    rope: KernelRope
+
+    def __call__(self, x: torch.Tensor, attention: KernelAttention) -> torch.Tensor:
+        q = self.kernel.rope_store(self.qkv(x), *self.rope.args(attention))
         return attention.attend_stored(self.index, q)
 
 
@@ -170,24 +180,13 @@ class FusedAttentionIn:
     index: int
     wqkv: BlockLinear
     attn_norm: torch.Tensor  # [D] bfloat16
-    rope_pairs: torch.Tensor
-    layout: ctypes._Pointer[CacheLayout]
-    dims: LlamaDims
+    eps: float
+    rope: KernelRope
 
     def __call__(self, x: torch.Tensor, attention: KernelAttention) -> torch.Tensor:
-        d = self.dims
-        q = self.wqkv.kernel.attn_in(
-            self.wqkv,
-            x.contiguous(),
-            self.attn_norm,
-            d.rms_norm_eps,
-            d.num_heads,
-            d.num_kv_heads,
-            d.head_dim,
-            self.rope_pairs,
-            attention.token_slots,
-            attention.positions,
-            self.layout,
+        wqkv = self.wqkv
+        q = wqkv.kernel.attn_in(
+            wqkv, x.contiguous(), self.attn_norm, self.eps, *self.rope.args(attention)
         )
         return attention.attend_stored(self.index, q)
 
@@ -351,6 +350,7 @@ def kernel_layer(
     """Layer ``index`` with rope and the cache stores in the block kernel, attending through
     ``KernelAttention``: q/k/v in the same call where the family adds nothing before rope."""
     layer, dtype = m.weights, m.weights.attn_norm.dtype
+    rope = KernelRope(rope_pairs, layout, dims)
     attention_in: FusedAttentionIn | StoredAttentionIn
     if (
         isinstance(m.wqkv, BlockLinear)
@@ -358,8 +358,8 @@ def kernel_layer(
         and layer.q_norm is None
         and dtype is torch.bfloat16
     ):
-        attention_in = FusedAttentionIn(index, m.wqkv, layer.attn_norm, rope_pairs, layout, dims)
+        eps = dims.rms_norm_eps
+        attention_in = FusedAttentionIn(index, m.wqkv, layer.attn_norm, eps, rope)
     else:
-        qkv = qkv_projection(layer, m.wqkv, dims)
-        attention_in = StoredAttentionIn(index, qkv, block, rope_pairs, layout, dims)
+        attention_in = StoredAttentionIn(index, qkv_projection(layer, m.wqkv, dims), block, rope)
     return DecoderLayer(attention_in, after_attention(m, activation, dtype, dims.rms_norm_eps))
