@@ -1,9 +1,10 @@
 """A decoder layer as the native forward runs it, its path chosen once, when the runtime loads.
 
-``decoder_layer`` reads one layer's weights (their matmul kinds, the family's additions) and
-builds a ``DecoderLayer``: an attention input step (``x`` to the attention's output) and an
-after-attention step (the output projection and the MLP, each with its residual add). Each step
-is the one path that layer takes on every call, so the forward is a plain loop over layers:
+``torch_layer`` and ``kernel_layer`` read one layer's weights (their matmul kinds, the family's
+additions) and build a ``DecoderLayer``: an attention input step (``x`` to the attention's
+output) and an after-attention step (the output projection and the MLP, each with its residual
+add). Each step is the one path that layer takes on every call, so the forward is a plain loop
+over layers:
 
 - attention input: the block kernel's fused ``attn_in`` (norm, q/k/v projection, rope and the
   cache stores in one call, where the family adds nothing between them: ``FusedAttentionIn``),

@@ -186,7 +186,7 @@ class LlamaRuntime:
                 kernel_layer(m, i, dims, activation, wqkv.kernel, pairs[rope], layouts[i])
                 for i, (m, rope) in enumerate(zip(matrices, ropes, strict=True))
             )
-            return LayerStack(in_kernel, self._kernel_pass)
+            return LayerStack(in_kernel, self._kernel_attention)
         in_torch = tuple(
             torch_layer(m, i, rope, dims, activation)
             for i, (m, rope) in enumerate(zip(matrices, ropes, strict=True))
@@ -263,6 +263,7 @@ class LlamaRuntime:
         return ForwardOutput(self._lm_head(x), hidden_states)  # [num_logits, V]
 
     def _kernel_attention(self, host: HostBatch, starts: list[int]) -> KernelAttention:
+        """The row-invariant attention for this batch: all the block kernel's layers read."""
         return KernelAttention(
             self._cache,
             host.slots,
@@ -272,10 +273,6 @@ class LlamaRuntime:
             self._scoring,
             kernel=self._attention_kernel,
         )
-
-    def _kernel_pass(self, host: HostBatch, starts: list[int]) -> KernelAttention:
-        """The block kernel's layers read only the attention (rope rows come from positions)."""
-        return self._kernel_attention(host, starts)
 
     def _torch_pass(self, host: HostBatch, starts: list[int]) -> TorchPass:
         """The attention for this batch and each rope table's rows of its positions."""
