@@ -42,6 +42,10 @@ from hybridspec.model.rope import apply_rope
 
 Linear = PackedLinear | BlockLinear | Int4Linear | Int8Linear
 Step = Callable[[torch.Tensor], torch.Tensor]  # [T, in] -> [T, out]
+# H, KV, hd, rope pairs, token slots [T], positions [T], the layer's cache
+RopeArgs = tuple[
+    int, int, int, torch.Tensor, torch.Tensor, torch.Tensor, "ctypes._Pointer[CacheLayout]"
+]
 P = TypeVar("P")  # what one forward hands every layer: ``TorchPass`` or ``KernelAttention``
 
 
@@ -143,7 +147,7 @@ class KernelRope:
     layout: ctypes._Pointer[CacheLayout]  # the layer's cache (``KVCache.kernel_layouts``)
     dims: LlamaDims
 
-    def args(self, attention: KernelAttention) -> tuple[object, ...]:
+    def args(self, attention: KernelAttention) -> RopeArgs:
         """``Kernel.rope_store``'s arguments after ``qkv`` (``attn_in``'s after ``eps``)."""
         d = self.dims
         return (
