@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from hybridspec.model.llama_weights import LlamaWeights, dense, rope_inv_freq
+    from hybridspec.model.llama_weights import LlamaWeights, dense
     from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
     from hybridspec.model.qgemm import BlockLinear, Kernel, block_kernel
     from hybridspec.model.quant import PackedWeight, QuantizedWeight, held_bytes, quantize
-    from hybridspec.model.rope import apply_rope, rope_cos_sin
+    from hybridspec.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
     from hybridspec.model.runtime import (
         ForwardBatch,
         ForwardOutput,
@@ -64,11 +64,11 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     globals(),
     {
-        "hybridspec.model.llama_weights": ("LlamaWeights", "dense", "rope_inv_freq"),
+        "hybridspec.model.llama_weights": ("LlamaWeights", "dense"),
         "hybridspec.model.loader": ("LoadedModel", "embedded_model_path", "load_model"),
         "hybridspec.model.qgemm": ("BlockLinear", "Kernel", "block_kernel"),
         "hybridspec.model.quant": ("PackedWeight", "QuantizedWeight", "held_bytes", "quantize"),
-        "hybridspec.model.rope": ("apply_rope", "rope_cos_sin"),
+        "hybridspec.model.rope": ("apply_rope", "rope_cos_sin", "rope_inv_freq"),
         "hybridspec.model.runtime": (
             "ForwardBatch",
             "ForwardOutput",

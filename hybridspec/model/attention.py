@@ -1,19 +1,15 @@
-"""The ways of attending over the KV cache, each writing the batch's new keys and values first.
+"""The two ways of attending over the KV cache, each writing the batch's new keys and values first.
 
-``OneSequenceAttention`` reads slice views of one slot; ``PaddedAttention`` reads several short
-spans as rows of a padded block; ``RaggedAttention`` combines them for a batch (a prompt alone,
-short spans padded by length bucket); ``KernelAttention``, the CPU default, sends every row
-through the row-invariant kernel of ``attention_kernels``. ``LlamaRuntime`` builds one per
-forward and calls it once per decoder layer.
+``SdpaAttention``, the reference (and the path off CPU), runs torch's SDPA for each sequence
+over slice views of its slot (``OneSequenceAttention``); ``KernelAttention``, the CPU default,
+sends every row through the row-invariant kernel of ``attention_kernels``. ``LlamaRuntime``
+builds one per forward and calls it once per decoder layer.
 
 Dimensions: ``T`` new tokens, ``B`` sequences, ``H`` query heads, ``KV`` key/value heads,
 ``rep = H // KV``, ``hd`` head_dim, ``L`` keys attended.
 
 Every way takes a ``Scoring``: the query scale, a soft cap of the scores and each layer's sliding
 window (Gemma's local layers attend only the last ``window`` keys), all per layer, row by row.
-
-One module over 400 lines, on purpose: the four ways share ``Scoring`` and the masks, and
-the runtime picks one per forward; apart, each would import the others' helpers.
 """
 
 from __future__ import annotations
@@ -148,24 +144,14 @@ class OneSequenceAttention:
         return out.view(num_kv, n, self.rep, hd).transpose(0, 1).reshape(n, num_heads * hd)
 
 
-class PaddedAttention:
-    """Attention for several short spans: scatters new keys by (slot, position), reads each
-    sequence's keys as one row of a padded ``[R, KV, L, hd]`` block and masks each row to its
-    own past.
+class SdpaAttention:
+    """Attention for any batch in torch's SDPA, the reference: each sequence attends alone
+    over slice views of its own cache slot (``OneSequenceAttention``), so a row's result does
+    not depend on the other sequences of its batch, and no row is padded.
 
-    The block is a view of the cache over the slot range ``lo .. hi - 1`` spanned by the batch
-    when that range is at most ``MAX_RANGE_PADDING`` times the batch (slots are handed out lowest
-    first, so running sequences sit close together); otherwise the batch's slots are gathered
-    (a copy of every key and value read, each layer). In range mode, rows of slots outside the
-    batch are padding. Queries are padded to ``[R, KV, max_n * rep, hd]`` (rows folded as in
-    ``OneSequenceAttention``). A padding query attends to key 0 alone, so no row is fully masked
-    (a fully masked softmax row is NaN); its output is dropped.
-
-    Worked example: slots [3, 1] (lengths 10, 4, one new token each) span slots 1..3, R = 3
-    rows; slot 1 is row 0, slot 3 row 2, and row 1 (slot 2, not in the batch) is padding.
+    Worked example: spans of 1, 200 and 3 tokens (tokens 0, 1..200, 201..203) attend in three
+    calls, over token slices 0:1, 1:201 and 201:204.
     """
-
-    MAX_RANGE_PADDING = 2
 
     def __init__(
         self,
@@ -176,139 +162,11 @@ class PaddedAttention:
         rep: int,
         scoring: Scoring = PLAIN,
     ) -> None:
-        device = cache.keys.device
-        self.scoring = scoring
-        ends = [s + n for s, n in zip(starts, num_new, strict=True)]
-        for slot in slots:  # the padded reads below reach up to max(ends) in every slot
-            cache.make_finite(slot, max(ends))
-        self.cache, self.rep, self.max_new, self.max_end = cache, rep, max(num_new), max(ends)
-        self.slot_range = self.block_range(slots)
-        if self.slot_range is not None:
-            lo, hi = self.slot_range
-            row_of_seq = [slot - lo for slot in slots]
-            num_rows = hi - lo
-        else:
-            row_of_seq = list(range(len(slots)))
-            num_rows = len(slots)
-        self.num_rows = num_rows
-        self.slots = torch.tensor(slots, device=device)  # [B]
-        seq_of_token = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(num_new))
-        first_token = torch.tensor([0, *num_new[:-1]]).cumsum(0)
-        row = torch.arange(len(seq_of_token)) - first_token[seq_of_token]  # [T] index in its seq
-        self.positions = (torch.tensor(starts)[seq_of_token] + row).to(device)  # [T]
-        self.token_slots = self.slots[seq_of_token.to(device)]  # [T]
-        self.block_row = torch.tensor(row_of_seq)[seq_of_token].to(device)  # [T] row in block
-        self.row = row.to(device)
-        # Per block row: the first query position and the real query count (0: padding row).
-        row_start = torch.zeros(num_rows, dtype=torch.long)
-        row_new = torch.zeros(num_rows, dtype=torch.long)
-        row_start[row_of_seq] = torch.tensor(starts)
-        row_new[row_of_seq] = torch.tensor(num_new)
-        query_pos = row_start[:, None] + torch.arange(self.max_new)  # [R, max_n]
-        key_pos = torch.arange(self.max_end)
-        is_real = torch.arange(self.max_new)[None, :] < row_new[:, None]  # [R, max_n]
-        self.masks: dict[int, torch.Tensor] = {}  # window -> [R, 1, max_n rep, L] additive
-        for window in scoring.distinct_windows():
-            seen = visible_keys(key_pos, query_pos[..., None], window)
-            visible = torch.where(is_real[..., None], seen, key_pos == 0)
-            visible = visible.repeat_interleave(rep, dim=1)[:, None]
-            self.masks[window] = additive_mask(visible.to(device), cache.keys.dtype)
-
-    @classmethod
-    def block_range(cls, slots: list[int]) -> tuple[int, int] | None:
-        """The slot range ``(lo, hi)`` read as a view, or None when the slots are gathered."""
-        lo, hi = min(slots), max(slots) + 1
-        return (lo, hi) if hi - lo <= cls.MAX_RANGE_PADDING * len(slots) else None
-
-    def _block(self, layer_cache: torch.Tensor) -> torch.Tensor:
-        """The ``[R, KV, L, hd]`` keys or values the batch reads: a view, or a gathered copy."""
-        if self.slot_range is not None:
-            lo, hi = self.slot_range
-            return layer_cache[lo:hi, :, : self.max_end]
-        return layer_cache[self.slots, :, : self.max_end]
-
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        # q [T, H, hd], k and v [T, KV, hd] -> [T, H hd]
-        num_tokens, num_heads, hd = q.shape
-        num_kv, num_rows = k.shape[1], self.num_rows
-        layer_keys, layer_values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
-        self.cache.scatter(layer, self.token_slots, self.positions, k, v)
-        if self.cache.transposed_keys:
-            layer_keys = layer_keys.transpose(-1, -2)
-        padded = q.new_zeros(num_rows, self.max_new, num_heads, hd)
-        padded[self.block_row, self.row] = q
-        padded = padded.view(num_rows, self.max_new, num_kv, self.rep, hd).transpose(1, 2)
-        out = softmax_attention(
-            padded.reshape(num_rows, num_kv, self.max_new * self.rep, hd),
-            self._block(layer_keys),
-            self._block(layer_values),
-            self.masks[self.scoring.window(layer)],
-            self.scoring,
-        )
-        out = out.view(num_rows, num_kv, self.max_new, self.rep, hd).transpose(1, 2)
-        return out[self.block_row, self.row].reshape(num_tokens, num_heads * hd)
-
-
-class RaggedAttention:
-    """Attention for several sequences, each over its own cache slot.
-
-    Sequences are grouped by how many tokens they feed, and each group attends in one call,
-    so that no row is padded far past its own length: padding a row costs as much as a real
-    one. A sequence feeding more than ``MAX_PADDED_TOKENS`` tokens (a prompt) attends alone
-    (``OneSequenceAttention``); the others share a ``PaddedAttention`` call per bucket of
-    lengths 1, 2, 3-4, 5-8, 9-16 and 17-32. An extra call costs far less than the padding it
-    saves.
-
-    Worked example: spans of 1, 200, 3 and 1 tokens (tokens 0, 1..200, 201..203, 204): tokens
-    1..200 attend alone; tokens [0, 204] in one padded call of 2 rows of 1; tokens 201..203 in
-    another of 1 row of 3.
-    """
-
-    MAX_PADDED_TOKENS = 32
-
-    def __init__(
-        self,
-        cache: KVCache,
-        slots: list[int],
-        starts: list[int],
-        num_new: list[int],
-        rep: int,
-        scoring: Scoring = PLAIN,
-    ) -> None:
-        device = cache.keys.device
         offsets = [0, *itertools.accumulate(num_new)]
-        self.positions = torch.cat(
-            [torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
-        ).to(device)  # [T]
-        groups: dict[int, list[int]] = {}  # bucket -> sequences; -1 - i: sequence i alone
-        for i, n in enumerate(num_new):
-            bucket = (n - 1).bit_length() if n <= self.MAX_PADDED_TOKENS else -1 - i
-            groups.setdefault(bucket, []).append(i)
-        # Each part: the token indices it covers (None: every token) and its attention.
-        self.parts: list[tuple[torch.Tensor | slice | None, Attention]] = []
-        for members in groups.values():
-            attention: Attention
-            if len(members) == 1 and num_new[members[0]] > self.MAX_PADDED_TOKENS:
-                i = members[0]
-                attention = OneSequenceAttention(
-                    cache, slots[i], starts[i], num_new[i], rep, scoring
-                )
-                tokens: torch.Tensor | slice = slice(offsets[i], offsets[i + 1])
-            else:
-                attention = PaddedAttention(
-                    cache,
-                    [slots[i] for i in members],
-                    [starts[i] for i in members],
-                    [num_new[i] for i in members],
-                    rep,
-                    scoring,
-                )
-                tokens = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members]).to(
-                    device
-                )
-            self.parts.append((tokens if len(groups) > 1 else None, attention))
+        self.parts = [
+            (slice(offsets[i], offsets[i + 1]), OneSequenceAttention(cache, *seq, rep, scoring))
+            for i, seq in enumerate(zip(slots, starts, num_new, strict=True))
+        ]
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -318,7 +176,6 @@ class RaggedAttention:
             return self.parts[0][1](layer, q, k, v)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for tokens, attention in self.parts:
-            assert tokens is not None
             out[tokens] = attention(layer, q[tokens], k[tokens], v[tokens])
         return out
 
@@ -433,4 +290,4 @@ class KernelAttention:
         return torch.from_numpy(out).view(num_tokens, num_heads * hd)
 
 
-Attention = OneSequenceAttention | PaddedAttention | RaggedAttention | KernelAttention
+Attention = SdpaAttention | KernelAttention

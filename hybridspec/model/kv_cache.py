@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from hybridspec.errors import CapacityError
-from hybridspec.model.qgemm import Kernel
+from hybridspec.model.kernel_abi import cache_layout
 
 
 class SlotTable:
@@ -135,9 +135,7 @@ class KVCache:
     page aligned, and a page is backed by memory only once written, so a cache sized for the
     full context costs what the sequences touch (``resident_bytes``), and ``release_pages``
     gives a free slot's pages back to the system. Elsewhere they start uninitialised
-    (``torch.empty``), and may hold NaN bit patterns, which would survive masking in attention
-    (0 * NaN = NaN); readers that look past a slot's length (the padded ragged path) first call
-    ``make_finite``, which zero-fills once up to where they read.
+    (``torch.empty``), and may hold NaN bit patterns: no reader looks past a slot's length.
 
     ``transposed_keys`` stores keys as ``[layers, slots, KV, hd, S]`` (values keep ``[..., S,
     hd]``), the layout the row-invariant kernel reads (``attention_kernels``); ``key_view``
@@ -178,12 +176,7 @@ class KVCache:
         self.kernel_values = tuple(map(numpy_view, self.layer_values)) if kernel_ready else ()
         # Per layer, pointers and strides as the C kernel's calls take them (csrc/cache_layout.h).
         layers = zip(self.layer_keys, self.layer_values, strict=True)
-        self.kernel_layouts = (
-            tuple(Kernel.cache_struct(*kv) for kv in layers) if kernel_ready else ()
-        )
-        # Per slot: positions [0, n) have been written or zeroed at least once, so hold finite
-        # values. Writes always start at the slot's length, so this is at least that length.
-        self._finite_len = [0] * max_num_seqs
+        self.kernel_layouts = tuple(cache_layout(*kv) for kv in layers) if kernel_ready else ()
         # Per slot: positions [0, n) may have been written since its pages were last released
         # (``resident_bytes`` counts their pages), and that count, kept for as long as n holds.
         self._touched_len = [0] * max_num_seqs
@@ -196,7 +189,6 @@ class KVCache:
             self._touch(slot, length)
 
     def _touch(self, slot: int, end: int) -> None:
-        self._finite_len[slot] = max(self._finite_len[slot], end)
         self._touched_len[slot] = max(self._touched_len[slot], end)
 
     def copy_prefix(self, source: int, dest: int, length: int) -> None:
@@ -275,22 +267,12 @@ class KVCache:
                     mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
         self._touched_len[slot] = 0
 
-    def make_finite(self, slot: int, end: int) -> None:
-        """Zero-fill positions of ``slot`` never written before, up to ``end`` (all layers)."""
-        start = self._finite_len[slot]
-        if start < end:
-            keys = self.keys[:, slot]
-            (keys[..., start:end] if self.transposed_keys else keys[:, :, start:end]).zero_()
-            self.values[:, slot, :, start:end].zero_()
-            self._touch(slot, end)
-
     def key_view(self, layer: int, slot: int, end: int) -> torch.Tensor:
         """Keys of positions ``0 .. end - 1`` of ``slot`` at ``layer``, ``[KV, end, hd]``: a
         view, or a contiguous copy when keys are stored transposed.
 
-        The SDPA paths (``OneSequenceAttention``, ``PaddedAttention``, ``make_finite``) handle
-        both layouts, though the runtime pairs a transposed cache only with
-        ``KernelAttention``; the tests read either layout through this."""
+        ``OneSequenceAttention`` handles both layouts, though the runtime pairs a transposed
+        cache only with ``KernelAttention``; the tests read either layout through this."""
         keys = self.layer_keys[layer][slot]
         if self.transposed_keys:
             return keys[..., :end].transpose(-1, -2).contiguous()

@@ -1,4 +1,4 @@
-"""The weights of a Llama model as the native forward uses them, and its rope frequencies.
+"""The weights of a Llama model as the native forward uses them (its rope frequencies: ``rope``).
 
 ``LlamaWeights.from_hf_state_dict`` fuses a transformers ``LlamaForCausalLM`` state dict (q/k/v
 into one matrix, gate/up into another); ``hf_state_dict`` gives the transformers layout back as
@@ -20,7 +20,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,14 +35,18 @@ from hybridspec.model.families import (
 )
 from hybridspec.model.gguf_blocks import GGUFMatrix
 from hybridspec.model.quant import PackedWeight, QuantizedWeight, cat_rows, quantize
-from hybridspec.model.rope import default_inv_freq, llama3_inv_freq
+from hybridspec.model.rope import (
+    NATIVE_ROPE_TYPES,
+    head_dim_of,
+    local_rope_inv_freq,
+    rope_inv_freq,
+    rope_parameters,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
-
-NATIVE_ROPE_TYPES = ("default", "linear", "llama3")
 
 # a weight matrix: dense, quantized, or quantized in the block kernel's tiles
 Matrix = torch.Tensor | QuantizedWeight | PackedWeight
@@ -101,7 +105,7 @@ class LlamaDims:
             num_layers=config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            head_dim=head_dim_of(config),
             rms_norm_eps=float(config.rms_norm_eps),
             max_position_embeddings=context if window is None else min(context, window),
             attn_scale=attention_scale(config),
@@ -117,50 +121,12 @@ def native_support_problem(config: PretrainedConfig) -> str | None:
     if problem is not None:
         return problem
     for layer_type in ("full_attention", "sliding_attention"):
-        rope_type = _rope_parameters(config, layer_type).get("rope_type", "default")
+        rope_type = rope_parameters(config, layer_type).get("rope_type", "default")
         if rope_type not in NATIVE_ROPE_TYPES:
             return f"rope_type {rope_type!r} is not one of {NATIVE_ROPE_TYPES}"
     if config.num_attention_heads % (getattr(config, "num_key_value_heads", None) or 1):
         return "num_attention_heads is not a multiple of num_key_value_heads"
     return None
-
-
-def _rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict[str, Any]:
-    """The rope parameters of ``layer_type``'s layers (Gemma 3 keeps one dict per layer type;
-    None: the global layers')."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    params = dict(params or {})
-    if isinstance(params.get("full_attention"), Mapping):
-        params = dict(params.get(layer_type or "full_attention") or params["full_attention"])
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params.setdefault("rope_type", params.get("type", "default"))
-    return params
-
-
-def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> torch.Tensor:
-    """Rope inverse frequencies ``[hd // 2]`` float32, as transformers' rope init computes them
-    (for ``layer_type``'s layers where they differ by type, as Gemma 3's local ones)."""
-    params = _rope_parameters(config, layer_type)
-    inv_freq = default_inv_freq(
-        float(params["rope_theta"]), LlamaDims.from_hf_config(config).head_dim
-    )
-    rope_type = params["rope_type"]
-    if rope_type == "linear":
-        return inv_freq / float(params["factor"])
-    if rope_type == "llama3":
-        return llama3_inv_freq(inv_freq, params)
-    if rope_type != "default":
-        raise ValueError(f"rope_type: expected one of {NATIVE_ROPE_TYPES}, got {rope_type!r}")
-    return inv_freq
-
-
-def local_rope_inv_freq(config: PretrainedConfig) -> torch.Tensor | None:
-    """The rope of the sliding-window layers where it is their own (Gemma 3's
-    ``rope_local_base_freq``), or None."""
-    params = getattr(config, "rope_parameters", None) or {}
-    if not isinstance(params.get("sliding_attention"), Mapping):
-        return None
-    return rope_inv_freq(config, "sliding_attention")
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,8 @@ the positions it feeds). The C kernel's ``hs_rope_store`` rotates on its own, fr
 ``rope_tables``' float32 halves.
 
 Also the inverse frequencies a model's config or file names: plain (``default_inv_freq``) and
-Llama 3.1's scaling (``llama3_inv_freq``).
+Llama 3.1's scaling (``llama3_inv_freq``), read from a transformers config as its rope init
+reads them (``rope_inv_freq``; Gemma 3's sliding layers' own: ``local_rope_inv_freq``).
 
 Dimensions: ``hd`` head_dim, ``S`` positions of a table.
 """
@@ -13,9 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+NATIVE_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def rope_cos_sin(
@@ -71,3 +77,44 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, Any]) -> torch.
         wavelen <= old_context_len / low_freq_factor
     )
     return torch.where(is_medium, smoothed, scaled)
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """The config's ``head_dim``, else ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict[str, Any]:
+    """The rope parameters of ``layer_type``'s layers (Gemma 3 keeps one dict per layer type;
+    None: the global layers')."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = dict(params or {})
+    if isinstance(params.get("full_attention"), Mapping):
+        params = dict(params.get(layer_type or "full_attention") or params["full_attention"])
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> torch.Tensor:
+    """Rope inverse frequencies ``[hd // 2]`` float32, as transformers' rope init computes them
+    (for ``layer_type``'s layers where they differ by type, as Gemma 3's local ones)."""
+    params = rope_parameters(config, layer_type)
+    inv_freq = default_inv_freq(float(params["rope_theta"]), head_dim_of(config))
+    rope_type = params["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return llama3_inv_freq(inv_freq, params)
+    if rope_type != "default":
+        raise ValueError(f"rope_type: expected one of {NATIVE_ROPE_TYPES}, got {rope_type!r}")
+    return inv_freq
+
+
+def local_rope_inv_freq(config: PretrainedConfig) -> torch.Tensor | None:
+    """The rope of the sliding-window layers where it is their own (Gemma 3's
+    ``rope_local_base_freq``), or None."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params.get("sliding_attention"), Mapping):
+        return None
+    return rope_inv_freq(config, "sliding_attention")

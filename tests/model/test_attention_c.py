@@ -18,6 +18,7 @@ import torch
 
 from hybridspec.model import qgemm
 from hybridspec.model.attention_kernels import ITEM_COLUMNS, attend
+from hybridspec.model.kernel_abi import cache_layout
 from hybridspec.model.qgemm import Kernel
 
 pytestmark = pytest.mark.skipif(qgemm.kernel() is None, reason="no C compiler")
@@ -94,7 +95,7 @@ def test_the_c_kernel_gives_the_numba_kernels_bits(
 ) -> None:
     gen = torch.Generator().manual_seed(heads * 1000 + hd + window)
     keys, values = random_cache(gen, kv, hd, 300, dtype)
-    layout = Kernel.cache_struct(keys, values)
+    layout = cache_layout(keys, values)
     scale = hd**-0.5
     for spans in SPANS:
         items = items_of(spans, kv)

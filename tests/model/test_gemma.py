@@ -19,11 +19,12 @@ from transformers import AutoConfig
 
 from hybridspec.config import ModelConfig
 from hybridspec.model.attention_kernels import attend
+from hybridspec.model.decoder import FusedAttentionIn, StoredAttentionIn, UnfusedMlpBlock
 from hybridspec.model.kv_cache import numpy_view
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.llama_weights import LlamaDims, LlamaWeights, native_support_problem
 from hybridspec.model.loader import load_model
-from hybridspec.model.qgemm import BlockLinear, kernel
+from hybridspec.model.qgemm import kernel
 from hybridspec.model.runtime import ForwardBatch
 from tests.conftest import TINY_VOCAB_SIZE
 from tests.model.test_invariance import assert_logits_alike_decoded_verified_and_batched
@@ -135,7 +136,9 @@ def test_rows_alike_decoded_verified_batched_and_rolled_back(
     runtime = LlamaRuntime(weights, 2, 64)
     assert runtime.invariant_attention
     if quantize_bits is not None:  # the kernel's own rope and cache writes, its matmuls
-        assert runtime._block is not None and isinstance(runtime._layers[0].wo, BlockLinear)
+        layer = runtime._stack.layers[0]
+        assert isinstance(layer.attention_in, (FusedAttentionIn, StoredAttentionIn))
+        assert isinstance(layer.after_attention, UnfusedMlpBlock)  # the post-norms: unfused
     ids = random_ids(60, seed=11)
     plain = assert_logits_alike_decoded_verified_and_batched(runtime, ids)
     # and close to transformers' float32 logits (bfloat16, quantized: a loose bound)

@@ -20,12 +20,8 @@ from transformers import AutoTokenizer
 from hybridspec.model.families import family_of, family_problem
 from hybridspec.model.gguf import convert_gguf_tokenizer, load_gguf_tokenizer, read_gguf
 from hybridspec.model.gguf_meta import StoredConfig
-from hybridspec.model.llama_weights import (
-    LlamaDims,
-    local_rope_inv_freq,
-    native_support_problem,
-    rope_inv_freq,
-)
+from hybridspec.model.llama_weights import LlamaDims, native_support_problem
+from hybridspec.model.rope import local_rope_inv_freq, rope_inv_freq
 from tests.model.tiny_families import FAMILY_NAMES, GGUF_READY, tiny_family, write_family_gguf
 
 # names the native forward reads with getattr (model.families, model.llama_weights)

@@ -133,7 +133,7 @@ def test_every_type_loads_onto_its_blocks_with_the_default_settings(mixed_file: 
     assert (layer0.w_gate_up.bits, layer0.w_gate_up.group) == (4, 16)  # Q2_K and Q3_K
     dense = load_model(ModelConfig(name_or_path=str(mixed_file), quantize="none", dtype="float32"))
     runtime = model.create_runtime(1, 128)
-    assert runtime._lm_head.weight is weights.embed  # type: ignore[union-attr]  # no copy
+    assert runtime._lm_head.linear.weight is weights.embed  # type: ignore[union-attr]  # no copy
     want, got = last_logits(dense), last_logits(model)
     assert float((got - want).norm() / want.norm()) < 0.05  # 8-bit activations, bfloat16
     cached = load_model(ModelConfig(name_or_path=str(mixed_file)))  # from the weight cache

@@ -15,11 +15,11 @@ from transformers import LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hybridspec.errors import CapacityError
-from hybridspec.model.attention import PaddedAttention, RaggedAttention
 from hybridspec.model.gguf import read_gguf
 from hybridspec.model.llama import LlamaRuntime
-from hybridspec.model.llama_weights import LlamaWeights, native_support_problem, rope_inv_freq
+from hybridspec.model.llama_weights import LlamaWeights, native_support_problem
 from hybridspec.model.loader import LoadedModel, embedded_model_path
+from hybridspec.model.rope import rope_inv_freq
 from hybridspec.model.runtime import ForwardBatch, ModelRuntime
 from tests.conftest import LLAMA3_ROPE, TINY_VOCAB_SIZE, tiny_llama, tiny_llama_config
 
@@ -37,10 +37,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def native(
-    model: LlamaForCausalLM, max_num_seqs: int = 4, max_seq_len: int = 128, prepack: bool = True
+    model: LlamaForCausalLM,
+    max_num_seqs: int = 4,
+    max_seq_len: int = 128,
+    prepack: bool = True,
+    invariant_attention: bool | None = None,
 ) -> LlamaRuntime:
     weights = LlamaWeights.from_hf_state_dict(model.state_dict(), model.config, dtype=torch.float32)
-    return LlamaRuntime(weights, max_num_seqs, max_seq_len, prepack=prepack)
+    return LlamaRuntime(
+        weights, max_num_seqs, max_seq_len, prepack=prepack, invariant_attention=invariant_attention
+    )
 
 
 def reference_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
@@ -109,38 +115,24 @@ def test_logits_indices_select_rows() -> None:
     torch.testing.assert_close(logits, reference_logits(model, ids)[[11, 3, 3]], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "slot_ids",
-    [
-        (0, 1, 2),  # a contiguous range: the block is a view of the cache
-        (1, 2, 4),  # a range with slot 3 outside the batch: one padding row
-        (0, 1, 7),  # spread wider than twice the batch: the slots are gathered
-    ],
-)
-@pytest.mark.parametrize(
-    "new",
-    [
-        (5, 9, 1),  # short spans of three length buckets: three padded calls
-        (1, 3, 1),  # two spans of one bucket share a padded block
-        (5, 40, 1),  # a prompt longer than MAX_PADDED_TOKENS attends alone
-        (40, 35, 1),
-    ],
-)
-def test_ragged_batch_equals_each_sequence_alone(
-    slot_ids: tuple[int, int, int], new: tuple[int, int, int]
+@pytest.mark.parametrize("slot_ids", [(0, 1, 2), (1, 2, 4), (0, 1, 7)])
+@pytest.mark.parametrize("new", [(5, 9, 1), (1, 3, 1), (5, 40, 1), (40, 35, 1)])
+@pytest.mark.parametrize("invariant", [True, False], ids=["kernel", "sdpa"])
+def test_a_batch_equals_each_sequence_alone(
+    slot_ids: tuple[int, int, int], new: tuple[int, int, int], invariant: bool
 ) -> None:
+    """Both attention paths: the row-invariant kernel and the SDPA reference."""
     model = tiny_llama(seed=6)
     seqs = [prompt(70, seed=s) for s in (7, 8, 9)]
     cached = [11, 0, 24]  # slot lengths before the batch; it adds ``new`` tokens to each
-    assert RaggedAttention.MAX_PADDED_TOKENS < 35
     alone = []
     for seq, c, n in zip(seqs, cached, new, strict=True):
-        runtime = native(model)
+        runtime = native(model, invariant_attention=invariant)
         slot = runtime.allocate()
         chunks = [seq[:c], seq[c : c + n]] if c else [seq[:n]]
         alone.append(run_chunks(runtime, slot, chunks)[-n:])
-    runtime = native(model, max_num_seqs=8)
-    # Garbage (NaN) in never-written cache memory must not leak through the padded reads.
+    runtime = native(model, max_num_seqs=8, invariant_attention=invariant)
+    # Garbage (NaN) in never-written cache memory must not leak into any sequence's reads.
     runtime._cache.keys.fill_(float("nan"))
     runtime._cache.values.fill_(float("nan"))
     taken = [runtime.allocate() for _ in range(max(slot_ids) + 1)]
@@ -148,7 +140,6 @@ def test_ragged_batch_equals_each_sequence_alone(
         if slot not in slot_ids:
             runtime.free(slot)
     slots = list(slot_ids)
-    assert (PaddedAttention.block_range(slots) is None) == (slot_ids == (0, 1, 7))
     for slot, seq, c in zip(slots, seqs, cached, strict=True):
         if c:
             runtime.forward(ForwardBatch.from_lists([slot], [seq[:c]]))

@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridspec.model import qgemm
+from hybridspec.model import kernel_build, qgemm
+from hybridspec.model.decoder import build_linear
+from hybridspec.model.kernel_abi import PROLOGUE_RMSNORM, cache_layout
 from hybridspec.model.linear import PackedLinear
-from hybridspec.model.llama import build_linear
 from hybridspec.model.qgemm import BlockLinear, Kernel
 from hybridspec.model.quant import QuantizedWeight, factor_steps, quantize, widen
 from hybridspec.model.quant_linear import Int4Linear
@@ -117,13 +118,13 @@ def test_every_instruction_set_path_and_thread_count_computes_the_same(
 ) -> None:
     w, x = weight(bits, 61, 256, 2), activations(13, 256, 3)
     residual = activations(13, 61, 4)
-    outs = [k.qgemm(x, k.pack(w), residual=residual) for k in variants]
+    outs = [BlockLinear(k.pack(w), k)(x, residual=residual) for k in variants]
     assert all(torch.equal(outs[0], out) for out in outs[1:]), [k.isa for k in variants]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert variants[0].max_threads() == 1  # torch's OpenMP runtime, shared
-        assert torch.equal(variants[0].qgemm(x, variants[0].pack(w), residual=residual), outs[0])
+        assert torch.equal(BlockLinear(w, variants[0])(x, residual=residual), outs[0])
     finally:
         torch.set_num_threads(threads)
 
@@ -184,7 +185,8 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v_at_each_tokens_slot(kerne
     slots, positions = torch.tensor([1, 1, 0, 2, 1]), torch.tensor([3, 4, 0, 31, 5])
     keys = torch.zeros(3, kv_heads, hd, seq, dtype=torch.bfloat16)
     values = torch.zeros(3, kv_heads, seq, hd, dtype=torch.bfloat16)
-    q = kernel.rope_store(qkv, heads, pairs, slots, positions, keys, values)
+    layout = cache_layout(keys, values)
+    q = kernel.rope_store(qkv, heads, kv_heads, hd, pairs, slots, positions, layout)
     # the reference: rotate-half rope in float32 on the bfloat16 projections
     cos = torch.cat((pairs[..., 0], pairs[..., 0]), -1)[positions][:, None]  # [T, 1, hd]
     sin = torch.cat((pairs[..., 1], pairs[..., 1]), -1)[positions][:, None]
@@ -203,8 +205,6 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v_at_each_tokens_slot(kerne
     assert (
         not keys.permute(0, 3, 1, 2)[~written].any() and not values.transpose(1, 2)[~written].any()
     )
-    with pytest.raises(ValueError, match="rope_store"):
-        kernel.rope_store(qkv.float(), heads, pairs, slots, positions, keys, values)
 
 
 def test_attn_in_equals_the_projection_then_rope_store_to_the_bit(kernel: Kernel) -> None:
@@ -221,12 +221,12 @@ def test_attn_in_equals_the_projection_then_rope_store_to_the_bit(kernel: Kernel
         )
         for _ in range(2)
     ]
-    want = kernel.rope_store(
-        wqkv.after_norm(x, norm, 1e-5), heads, pairs, slots, positions, *caches[0]
-    )
+    qkv = wqkv.after_norm(x, norm, 1e-5)
+    layout = cache_layout(*caches[0])
+    want = kernel.rope_store(qkv, heads, kv_heads, hd, pairs, slots, positions, layout)
     got = kernel.attn_in(
         wqkv, x, norm, 1e-5, heads, kv_heads, hd, pairs, slots, positions,
-        kernel.cache_struct(*caches[1]),
+        cache_layout(*caches[1]),
     )  # fmt: skip
     assert torch.equal(got, want)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
@@ -266,8 +266,8 @@ def test_scales_are_held_in_the_bytes_of_the_files_blocks(
     assert packed.nbytes * 8 == bpw * 48 * 768  # a float32 scale per group would add 1-2 bits
     plain = variants[0].pack(w, narrow=False)  # float32 factors, 8-bit codes: same results
     assert plain.scale_super is None and plain.bits == w.bits
-    want = variants[0].qgemm(x, plain)
-    assert all(torch.equal(k.qgemm(x, k.pack(w)), want) for k in variants)
+    want = BlockLinear(plain, variants[0])(x)
+    assert all(torch.equal(BlockLinear(k.pack(w), k)(x), want) for k in variants)
     assert torch.equal(packed.unpack().dequantize(), w.dequantize())
 
 
@@ -302,20 +302,21 @@ def test_rows_of_the_packed_copy_are_the_weights_rows(kernel: Kernel, bits: str)
 
 
 def test_bad_input_is_refused_before_the_kernel_runs(kernel: Kernel) -> None:
-    packed = kernel.pack(weight(4, 16, 64, 13))
+    linear = BlockLinear(kernel.pack(weight(4, 16, 64, 13)), kernel)
+    bf16 = torch.bfloat16
     with pytest.raises(ValueError, match=r"x: expected bfloat16 \[T, 64\]"):
-        kernel.qgemm(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
+        linear(torch.zeros(2, 32, dtype=bf16))
     with pytest.raises(ValueError, match="x: expected bfloat16"):
-        kernel.qgemm(torch.zeros(2, 64, dtype=torch.float16), packed)
+        linear(torch.zeros(2, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="x: expected bfloat16"):  # silu * up reads bfloat16
-        kernel.qgemm(torch.zeros(2, 128), packed, qgemm.PROLOGUE_SILU_MUL)
+        linear.after_silu_mul(torch.zeros(2, 128), None)
     with pytest.raises(ValueError, match=r"x: expected bfloat16 \[T, 128\]"):
-        kernel.qgemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed, qgemm.PROLOGUE_SILU_MUL)
+        linear.after_silu_mul(torch.zeros(2, 64, dtype=bf16), None)
     with pytest.raises(ValueError, match="norm"):
-        kernel.qgemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed, qgemm.PROLOGUE_RMSNORM)
+        linear.apply(torch.zeros(2, 64, dtype=bf16), PROLOGUE_RMSNORM, None, 0.0, None)
     with pytest.raises(ValueError, match="residual"):
-        kernel.qgemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed, residual=torch.zeros(2, 16))
-    assert kernel.qgemm(torch.zeros(0, 64, dtype=torch.bfloat16), packed).shape == (0, 16)
+        linear(torch.zeros(2, 64, dtype=bf16), residual=torch.zeros(2, 16))
+    assert linear(torch.zeros(0, 64, dtype=bf16)).shape == (0, 16)
 
 
 def test_each_thread_grows_its_scratch_when_a_call_needs_more_then_reuses_it() -> None:
@@ -358,9 +359,9 @@ def test_without_the_kernel_quantized_weights_run_through_torchs(no_kernel: None
 def test_a_compiler_that_fails_is_reported_and_falls_back(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(qgemm, "compiler", lambda: "false")  # exits 1
+    monkeypatch.setattr(kernel_build, "compiler", lambda: "false")  # exits 1
     with pytest.raises(RuntimeError, match="failed to build"):
-        qgemm.build(cache_dir=tmp_path)
+        kernel_build.build(cache_dir=tmp_path)
     monkeypatch.setenv("HYBRIDSPEC_CACHE_DIR", str(tmp_path))
     qgemm.kernel.cache_clear()
     try:

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 
 from hybridspec.config import ModelConfig
 from hybridspec.model import LlamaWeights, LoadedModel, load_model, weight_cache
-from hybridspec.model.llama import LlamaLayerWeights
+from hybridspec.model.llama_weights import LlamaLayerWeights
 from tests.conftest import tiny_llama
 from tests.model.test_loader import write_tiny_gguf
 
