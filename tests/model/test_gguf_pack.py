@@ -18,7 +18,7 @@ import torch
 
 from hybridspec.config import ModelConfig
 from hybridspec.errors import ModelLoadError
-from hybridspec.model import gguf_file, qgemm
+from hybridspec.model import gguf_file, kernel_build, qgemm
 from hybridspec.model.gguf import read_gguf
 from hybridspec.model.gguf_blocks import GGUF_TYPES, GGUFMatrix, GGUFPart
 from hybridspec.model.gguf_load import convert_in_place, pack_quantized
@@ -122,7 +122,7 @@ def test_only_the_types_pack_c_decodes_run_in_c() -> None:
 
 
 def test_pack_c_compiles_without_warnings(tmp_path: Path) -> None:
-    cc = qgemm.compiler()
+    cc = kernel_build.compiler()
     assert cc is not None
     source = Path(qgemm.__file__).parent / "csrc" / "pack.c"
     flags = ["-O3", "-march=native", "-fopenmp", "-Wall", "-Wextra", "-Werror"]
