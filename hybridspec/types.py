@@ -243,6 +243,22 @@ class TokenHistory:
 
 
 @dataclass(frozen=True, slots=True)
+class Session:
+    """Whose text a sequence is, handed to its proposer's ``start``, for a proposer that drafts
+    from other requests' text (``suffix``): ``name`` the session (``GenerationParams.session``,
+    the server's ``user``), ``shares`` whether its text may be shared with others
+    (``GenerationParams.cache_prompt``), ``scope`` its cache scope
+    (``GenerationParams.cache_scope``: a tenant or a ``cache_salt``; None, the shared one)."""
+
+    name: str | None = None
+    shares: bool = True
+    scope: str | None = None
+
+
+NO_SESSION = Session()  # no session named, text shared in the shared scope
+
+
+@dataclass(frozen=True, slots=True)
 class ProposeRequest:
     """One sequence's request to a proposer for one round.
 
