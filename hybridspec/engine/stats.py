@@ -26,9 +26,7 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float:
         """Share of proposed draft tokens the target accepted (0 when nothing was proposed)."""
-        if self.draft_tokens_proposed == 0:
-            return 0.0
-        return self.draft_tokens_accepted / self.draft_tokens_proposed
+        return _share(self.draft_tokens_accepted, self.draft_tokens_proposed)
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -36,16 +34,14 @@ class GenerationStats:
         (``accepted_per_position[i] / proposed_per_position[i]``, 0 where none was proposed):
         the counts are ``accepted_per_position``, their rates this."""
         return [
-            a / p if p else 0.0
+            _share(a, p)
             for a, p in zip(self.accepted_per_position, self.proposed_per_position, strict=True)
         ]
 
     @property
     def mean_accepted_length(self) -> float:
         """Committed tokens per target forward, counting the bonus or recovered token."""
-        if self.target_forwards == 0:
-            return 0.0
-        return self.generated_tokens / self.target_forwards
+        return _share(self.generated_tokens, self.target_forwards)
 
     @property
     def tokens_per_second(self) -> float:
@@ -82,3 +78,8 @@ class GenerationStats:
             "time_to_first_token_s": self.time_to_first_token_s,
             "tokens_per_second": self.tokens_per_second,
         }
+
+
+def _share(part: int, whole: int) -> float:
+    """``part / whole``, 0 where ``whole`` is 0 (nothing counted yet)."""
+    return part / whole if whole else 0.0
