@@ -98,7 +98,7 @@ class ProposerContext:
     # The target itself, read-only: a feature-level head borrows its embedding, final norm
     # and LM head (``eagle``). None where a proposer is built without one (unit tests).
     target: LoadedModel | None = None
-    # Why ``draft`` is None although one was configured (its loading failed), for errors.
+    # Why ``draft_model`` is None although one was configured (its loading failed), for errors.
     draft_error: str | None = None
     # Seconds of a one-token forward of the target (timed once, on the first call, by the
     # engine's proposer pool), so that a proposer can price its own drafts relative to it
