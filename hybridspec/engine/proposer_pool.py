@@ -74,7 +74,8 @@ def proposer_context(
     sizes, shared = config.target, None
     if draft is not None:
         shared = DraftModel(draft, draft.create_runtime(sizes.max_num_seqs, sizes.max_seq_len))
-    verify_token_cost = config.verify_token_cost
+    # None: measured at start-up for adaptive speculation only; ``hybrid`` takes the default
+    verify_cost = config.verify_token_cost
     return ProposerContext(
         vocab_size=runtime.vocab_size,
         eos_token_ids=tuple(sorted(set(target.eos_token_ids))),
@@ -85,10 +86,7 @@ def proposer_context(
         suffix=config.suffix,
         eagle=config.eagle,
         draft=config.draft,
-        # measured at start-up where None (``engine.speculation``); ``hybrid`` takes the default
-        verify_token_cost=DEFAULT_VERIFY_TOKEN_COST
-        if verify_token_cost is None
-        else verify_token_cost,
+        verify_token_cost=DEFAULT_VERIFY_TOKEN_COST if verify_cost is None else verify_cost,
         draft_model=shared,
         target=target,
         draft_error=draft_error,
