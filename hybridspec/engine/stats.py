@@ -7,6 +7,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# What ``GenerationStats.to_dict`` reports, in order: the per-position counts are reported as
+# their rates (``acceptance_per_position``).
+REPORTED = (
+    "prompt_tokens",
+    "cached_tokens",
+    "generated_tokens",
+    "target_forwards",
+    "draft_tokens_proposed",
+    "draft_tokens_accepted",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "acceptance_per_position",
+    "elapsed_s",
+    "time_to_first_token_s",
+    "tokens_per_second",
+)
+
 
 @dataclass(slots=True)
 class GenerationStats:
@@ -64,20 +81,8 @@ class GenerationStats:
                 self.accepted_per_position[i] += 1
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "generated_tokens": self.generated_tokens,
-            "target_forwards": self.target_forwards,
-            "draft_tokens_proposed": self.draft_tokens_proposed,
-            "draft_tokens_accepted": self.draft_tokens_accepted,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_accepted_length": self.mean_accepted_length,
-            "acceptance_per_position": self.acceptance_per_position,
-            "elapsed_s": self.elapsed_s,
-            "time_to_first_token_s": self.time_to_first_token_s,
-            "tokens_per_second": self.tokens_per_second,
-        }
+        """The reported figures (``REPORTED``, in that order), counts and rates."""
+        return {name: getattr(self, name) for name in REPORTED}
 
 
 def _share(part: int, whole: int) -> float:
