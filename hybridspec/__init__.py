@@ -32,7 +32,7 @@ if TYPE_CHECKING:
         UnknownModelError,
     )
     from hybridspec.proposers import Proposer, ProposerContext, register_proposer
-    from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
+    from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams, Session
 
 __all__ = [
     "CapacityError",
@@ -55,6 +55,7 @@ __all__ = [
     "Proposer",
     "ProposerContext",
     "SamplingParams",
+    "Session",
     "UnknownModelError",
     "register_proposer",
 ]
@@ -80,6 +81,12 @@ __getattr__, __dir__ = lazy_exports(
             "UnknownModelError",
         ),
         "hybridspec.proposers": ("Proposer", "ProposerContext", "register_proposer"),
-        "hybridspec.types": ("CommitInfo", "Proposal", "ProposeRequest", "SamplingParams"),
+        "hybridspec.types": (
+            "CommitInfo",
+            "Proposal",
+            "ProposeRequest",
+            "SamplingParams",
+            "Session",
+        ),
     },
 )

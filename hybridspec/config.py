@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from hybridspec.errors import check
 
@@ -378,14 +378,3 @@ class EngineConfig:
             "tenants",
             "expected a TenantConfig reserving fewer slots than max_num_seqs",
         )
-
-    def proposer_options(self) -> dict[str, dict[str, Any]]:
-        """Each built-in proposer's own part of the configuration, by registered name."""
-        return {
-            "ngram": {"config": self.ngram},
-            "draft": {
-                "config": self.draft,
-                "max_num_seqs": self.target.max_num_seqs,
-                "max_seq_len": self.target.max_seq_len,
-            },
-        }

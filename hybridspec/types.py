@@ -1,7 +1,7 @@
-"""Types shared by the proposers, the verifier and the engine.
-
-The module stays whole (about 400 lines) because it is the one small module of shared types the
-layers below the engine all import: splitting it would give every caller two imports for one idea.
+"""Types shared by the proposers, the verifier and the engine: a request's sampling options and
+grammar, and the hand-offs between the engine and its proposers (``ProposeRequest``,
+``Proposal``, ``CommitInfo``). What only the engine and the layers above it use lives there
+(a request's statistics: ``engine.stats``).
 
 Glossary of dimensions used in tensor shape comments across the package (ARCHITECTURE.md has
 the whole glossary):
@@ -243,6 +243,22 @@ class TokenHistory:
 
 
 @dataclass(frozen=True, slots=True)
+class Session:
+    """Whose text a sequence is, handed to its proposer's ``start``, for a proposer that drafts
+    from other requests' text (``suffix``): ``name`` the session (``GenerationParams.session``,
+    the server's ``user``), ``shares`` whether its text may be shared with others
+    (``GenerationParams.cache_prompt``), ``scope`` its cache scope
+    (``GenerationParams.cache_scope``: a tenant or a ``cache_salt``; None, the shared one)."""
+
+    name: str | None = None
+    shares: bool = True
+    scope: str | None = None
+
+
+NO_SESSION = Session()  # no session named, text shared in the shared scope
+
+
+@dataclass(frozen=True, slots=True)
 class ProposeRequest:
     """One sequence's request to a proposer for one round.
 
@@ -329,79 +345,3 @@ class CommitInfo:
     # [num_rows, len(Proposer.feature_layers), hidden_size] in the target's dtype, or None
     hidden_states: torch.Tensor | None = None
     hidden_position: int = 0  # the position of hidden_states' first row
-
-
-@dataclass(slots=True)
-class GenerationStats:
-    """Speculation and speed statistics of one request."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens read from the prefix cache, not prefilled
-    generated_tokens: int = 0
-    target_forwards: int = 0  # verification forwards (each commits >= 1 token); prefill excluded
-    draft_tokens_proposed: int = 0
-    draft_tokens_accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    proposed_per_position: list[int] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    time_to_first_token_s: float | None = None
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Share of proposed draft tokens the target accepted (0 when nothing was proposed)."""
-        if self.draft_tokens_proposed == 0:
-            return 0.0
-        return self.draft_tokens_accepted / self.draft_tokens_proposed
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        """Per draft position ``i``: the share of drafts proposed there that were accepted
-        (``accepted_per_position[i] / proposed_per_position[i]``, 0 where none was proposed):
-        the counts are ``accepted_per_position``, their rates this."""
-        return [
-            a / p if p else 0.0
-            for a, p in zip(self.accepted_per_position, self.proposed_per_position, strict=True)
-        ]
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Committed tokens per target forward, counting the bonus or recovered token."""
-        if self.target_forwards == 0:
-            return 0.0
-        return self.generated_tokens / self.target_forwards
-
-    @property
-    def tokens_per_second(self) -> float:
-        if self.elapsed_s <= 0:
-            return 0.0
-        return self.generated_tokens / self.elapsed_s
-
-    def record_round(self, num_drafts: int, num_accepted: int) -> None:
-        """Count one verification round with ``num_drafts`` drafts, ``num_accepted`` kept."""
-        self.target_forwards += 1
-        self.draft_tokens_proposed += num_drafts
-        self.draft_tokens_accepted += num_accepted
-        grow = num_drafts - len(self.proposed_per_position)
-        if grow > 0:
-            self.proposed_per_position.extend([0] * grow)
-            self.accepted_per_position.extend([0] * grow)
-        for i in range(num_drafts):
-            self.proposed_per_position[i] += 1
-            if i < num_accepted:
-                self.accepted_per_position[i] += 1
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "generated_tokens": self.generated_tokens,
-            "target_forwards": self.target_forwards,
-            "draft_tokens_proposed": self.draft_tokens_proposed,
-            "draft_tokens_accepted": self.draft_tokens_accepted,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_accepted_length": self.mean_accepted_length,
-            "acceptance_per_position": self.acceptance_per_position,
-            "elapsed_s": self.elapsed_s,
-            "time_to_first_token_s": self.time_to_first_token_s,
-            "tokens_per_second": self.tokens_per_second,
-        }

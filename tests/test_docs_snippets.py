@@ -41,6 +41,7 @@ import pytest
 from hybridspec.cli import build_parser, main, server_config
 from hybridspec.config import ModelConfig
 from hybridspec.engine import engine as engine_module
+from hybridspec.engine import proposer_pool
 from hybridspec.model import LoadedModel, ModelRuntime, load_model, timing
 from hybridspec.proposers import registry
 from hybridspec.server import create_app
@@ -135,7 +136,7 @@ def shared_model() -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine_module, "load_model", load)
-        patch.setattr(engine_module, "fastest_forward_seconds", fastest_forward_seconds)
+        patch.setattr(proposer_pool, "fastest_forward_seconds", fastest_forward_seconds)
         patch.setattr(registry, "_PROCESS_REGISTRY", None)
         yield
 

@@ -20,6 +20,8 @@ RETIRED = {
     r"(proposer|self|inner|model)\.hidden_layers\b": "Proposer.feature_layers",
     r"\bconstraint_of\b|\bconstraint fields\b": "grammar_source; a grammar is what a request "
     "states, a constraint is that grammar at its committed position (the glossary)",
+    r"\bgrammar_of\b": "grammar_source (the grammar and the field it comes from)",
+    r"\bproposer_options\b": "ProposerContext (each proposer reads its own part of the config)",
 }
 
 

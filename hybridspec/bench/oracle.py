@@ -27,7 +27,7 @@ import numpy as np
 
 from hybridspec.errors import check
 from hybridspec.proposers.base import Proposer, ProposerContext, ProposerFactory
-from hybridspec.types import Proposal, ProposeRequest
+from hybridspec.types import NO_SESSION, Proposal, ProposeRequest, Session
 
 
 @dataclass(slots=True)
@@ -70,7 +70,9 @@ class OracleProposer(Proposer):
         self._seed = seed
         self._sequences: dict[int, _Sequence] = {}
 
-    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
+    def start(
+        self, seq_id: int, prompt_token_ids: Sequence[int], session: Session = NO_SESSION
+    ) -> None:
         continuation = self._references.get(prompt_token_ids)
         key = zlib.crc32(np.asarray(prompt_token_ids, np.int64).tobytes())
         rng = np.random.default_rng((self._seed, key))

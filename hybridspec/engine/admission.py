@@ -167,7 +167,7 @@ class Admission(RoundSteps):
                 request.kept_hidden = []
             request.start_time = time.perf_counter()
             try:
-                request.proposer.start(request.seq_id, request.prompt_token_ids)
+                self.proposers.start(request)  # with the request's session
             except Exception as exc:  # a proposer's failure harms its own request only
                 logger.exception("proposer %r failed to start", request.proposer_name)
                 outputs.append(self._finish(request, FinishReason.ERROR, f"proposer: {exc}"))

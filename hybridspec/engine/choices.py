@@ -38,9 +38,10 @@ from hybridspec.engine.request import (
     Request,
     RequestOutput,
 )
+from hybridspec.engine.stats import GenerationStats
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import ModelRuntime
-from hybridspec.types import MAX_SEED, GenerationStats
+from hybridspec.types import MAX_SEED
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

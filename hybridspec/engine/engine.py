@@ -48,7 +48,7 @@ from hybridspec.engine.prefix_cache import (
     physical_memory_bytes,
 )
 from hybridspec.engine.prompts import Messages, encode
-from hybridspec.engine.proposer_pool import ProposerPool, proposer_context
+from hybridspec.engine.proposer_pool import ProposerPool
 from hybridspec.engine.request import (
     FinishReason,
     GenerationParams,
@@ -63,7 +63,6 @@ from hybridspec.engine.turns import Turns
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import (
     LoadedModel,
-    fastest_forward_seconds,
     load_model,
     thread_controller,
 )
@@ -119,18 +118,12 @@ class Engine(Admission):
             self._step_budget(),
             turns=Turns(self.config.tenants),
         )
-        self._target_forward_s: float | None = None
-        context = proposer_context(
+        self.proposers = ProposerPool(
+            registry if registry is not None else default_registry(),
             self.config,
             self.target,
             self.runtime,
             draft,
-            self.target_forward_s,
-            self._session_of,
-            self._scope_of,
-        )
-        self.proposers = ProposerPool(
-            registry if registry is not None else default_registry(), context
         )
         self.proposers.catalog.find(self.config.default_proposer)
         self._seq_ids = itertools.count()
@@ -175,29 +168,12 @@ class Engine(Admission):
         per_token = kv_bytes_per_token(self.target)
         return num_slots_for(budget_mb, per_token, max_seq_len, physical_memory_bytes())
 
-    def _session_of(self, seq_id: int) -> str | None:
-        """The session of a running request (its proposer's ``start`` asks)."""
-        for request in self.scheduler.running:
-            if request.seq_id == seq_id:
-                return request.params.session
-        return None
-
-    def _scope_of(self, seq_id: int) -> tuple[bool, str | None]:
-        """Whether a running request shares text with others, and its cache scope."""
-        for request in self.scheduler.running:
-            if request.seq_id == seq_id:
-                return request.params.cache_prompt, request.params.cache_scope
-        return True, None
-
     # ----------------------------------------------------------------- proposers
 
     def target_forward_s(self) -> float:
         """Seconds of a one-token target forward, timed in place on first use (0: no slot);
         the fastest of several, as proposers time their own (``DraftModelProposer``)."""
-        if self._target_forward_s is None:
-            seconds = fastest_forward_seconds(self.runtime)
-            self._target_forward_s = seconds if seconds is not None else 0.0
-        return self._target_forward_s
+        return self.proposers.target_forward_s()
 
     def register_proposer(
         self, name: str, factory: ProposerFactory, *, replace: bool = False

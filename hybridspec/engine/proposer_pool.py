@@ -1,6 +1,7 @@
 """The engine's proposers: one instance per registered name, built once and shared by every
-request that names it (``catalog``: what a request resolves against, ``engine.resolution``),
-and the round's proposing step for all of them.
+request that names it and by every proposer that composes it (``hybrid``), the ``catalog`` a
+request resolves against (``engine.resolution``), starting a request's proposer with its
+session, and the round's proposing step for all of them.
 
 A proposal enters the engine here, and is validated here once (``verifier.check_proposal``);
 a proposer that fails (raises, or returns something invalid) fails its own requests only.
@@ -8,17 +9,19 @@ a proposer that fails (raises, or returns something invalid) fails its own reque
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
-from hybridspec.config import EngineConfig
+from hybridspec.config import DEFAULT_VERIFY_TOKEN_COST, EngineConfig
 from hybridspec.engine.proposer_costs import ProposerCosts
 from hybridspec.engine.request import Request
 from hybridspec.engine.resolution import ProposerCatalog
 from hybridspec.errors import HybridSpecError, InvalidRequestError, check
-from hybridspec.model import LoadedModel, ModelRuntime, load_model
+from hybridspec.model import LoadedModel, ModelRuntime, fastest_forward_seconds, load_model
 from hybridspec.proposers import (
     DraftModel,
     Proposer,
@@ -27,7 +30,7 @@ from hybridspec.proposers import (
     ProposerRegistry,
 )
 from hybridspec.proposers.draft_vocab import gguf_vocabulary_problem
-from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest, TokenConstraint
+from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest, Session, TokenConstraint
 from hybridspec.verifier import check_proposal
 
 logger = logging.getLogger(__name__)
@@ -47,10 +50,9 @@ def proposer_context(
     runtime: ModelRuntime,
     draft: LoadedModel | None,
     target_forward_s: Callable[[], float],
-    session_of: Callable[[int], str | None] | None = None,
-    scope_of: Callable[[int], tuple[bool, str | None]] | None = None,
 ) -> ProposerContext:
-    """What the proposers may use: the target's facts, the config, the draft model.
+    """What the proposers may use: the target's facts, their sections of ``config``, the draft
+    model.
 
     The draft model is ``draft`` or, when that is None, ``config.draft.model`` loaded here (a
     failure leaves ``draft`` None and says why in ``draft_error``); one runtime over it, sized
@@ -69,62 +71,132 @@ def proposer_context(
         except HybridSpecError as exc:
             draft_error = f"it failed to load: {exc}"
             logger.warning("draft model failed to load: %s", exc)
-    shared = None
+    sizes, shared = config.target, None
     if draft is not None:
-        sizes = config.target
         shared = DraftModel(draft, draft.create_runtime(sizes.max_num_seqs, sizes.max_seq_len))
+    # None: measured at start-up for adaptive speculation only; ``hybrid`` takes the default
+    verify_cost = config.verify_token_cost
     return ProposerContext(
         vocab_size=runtime.vocab_size,
         eos_token_ids=tuple(sorted(set(target.eos_token_ids))),
         device=runtime.device,
         tokenizer=target.tokenizer,
-        config=config,
-        draft=shared,
+        max_num_seqs=sizes.max_num_seqs,
+        ngram=config.ngram,
+        suffix=config.suffix,
+        eagle=config.eagle,
+        draft=config.draft,
+        verify_token_cost=DEFAULT_VERIFY_TOKEN_COST if verify_cost is None else verify_cost,
+        draft_model=shared,
         target=target,
         draft_error=draft_error,
         target_forward_s=target_forward_s,
-        session_of=session_of,
-        scope_of=scope_of,
     )
 
 
-class ProposerPool:
-    """Builds every registered proposer from one ``ProposerContext``, and the ``catalog`` that
-    requests resolve their proposer against (``context.config``'s defaults)."""
+class ForwardTimer:
+    """Seconds of a one-token forward of ``runtime``: timed in place on the first call (the
+    fastest of several, as proposers time their own, ``DraftModelProposer``), then kept; 0 where
+    no slot is free."""
 
-    def __init__(self, registry: ProposerRegistry, context: ProposerContext) -> None:
+    def __init__(self, runtime: ModelRuntime) -> None:
+        self._runtime = runtime
+        self._seconds: float | None = None
+
+    def __call__(self) -> float:
+        if self._seconds is None:
+            seconds = fastest_forward_seconds(self._runtime)
+            self._seconds = seconds if seconds is not None else 0.0
+        return self._seconds
+
+
+class _Reads(Mapping[str, Proposer]):
+    """The proposers built so far, as one factory sees them (``ProposerContext.proposers``),
+    remembering the names it looked up: replacing one of them rebuilds that proposer."""
+
+    def __init__(self, proposers: dict[str, Proposer]) -> None:
+        self._proposers = proposers
+        self.names: set[str] = set()
+
+    def __getitem__(self, name: str) -> Proposer:
+        self.names.add(name)  # a name not (yet) built counts too: building it later rebuilds
+        return self._proposers[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._proposers)
+
+    def __len__(self) -> int:
+        return len(self._proposers)
+
+
+class ProposerPool:
+    """Builds every registered proposer, in the order they were registered, and the
+    ``catalog`` that requests resolve their proposer against (``config``'s defaults); starts a
+    request's proposer with its session."""
+
+    def __init__(
+        self,
+        registry: ProposerRegistry,
+        config: EngineConfig,
+        target: LoadedModel,
+        runtime: ModelRuntime,
+        draft: LoadedModel | None = None,
+    ) -> None:
         self._registry = registry
-        self._context = context
+        self.target_forward_s = ForwardTimer(runtime)
+        self._context = proposer_context(config, target, runtime, draft, self.target_forward_s)
+        self._defaults = (config.default_proposer, config.default_num_speculative_tokens)
         self._proposers: dict[str, Proposer] = {}
         self._unavailable: dict[str, str] = {}
+        self._reads: dict[str, frozenset[str]] = {}  # name -> the names its factory looked up
         self.costs = ProposerCosts()  # each proposer's drafting time, timed in ``propose``
-        for name in registry.names():
+        for name in registry:
             self._build(name)
         self.catalog = self._catalog()
 
     def _build(self, name: str) -> None:
+        reads = _Reads(dict(self._proposers))
+        context = dataclasses.replace(
+            self._context, proposers=reads, unavailable=MappingProxyType(dict(self._unavailable))
+        )
         try:
-            self._proposers[name] = self._registry.factory(name)(self._context)
+            self._proposers[name] = self._registry.factory(name)(context)
             self._unavailable.pop(name, None)
         except HybridSpecError as exc:
             # A proposer that cannot be built (``draft`` with no draft model) stays listed:
             # requests naming it get this reason as their error.
             self._unavailable[name] = str(exc)
             logger.info("proposer %r unavailable: %s", name, exc)
+        self._reads[name] = frozenset(reads.names)
 
     def register(self, name: str, factory: ProposerFactory, *, replace: bool = False) -> None:
-        """Register ``factory`` under ``name`` and build it; raise if it cannot be built."""
+        """Register ``factory`` under ``name`` and build it, and again each proposer that
+        composes the one it replaces; raise if it cannot be built."""
         self._registry.register(name, factory, replace=replace)
-        old = self._proposers.pop(name, None)
-        if old is not None:
-            old.close()
-            self.costs.forget(old)
-        self._build(name)
+        self._rebuild(name, set())
         self.catalog = self._catalog()  # compositions of the replaced instance are rebuilt
         if name in self._unavailable:
             raise InvalidRequestError(
                 f"proposer: {name!r} could not be built: {self._unavailable[name]}", "proposer"
             )
+
+    def _rebuild(self, name: str, done: set[str]) -> None:
+        """Build ``name`` again (closing the instance it replaces), then each proposer whose
+        factory looked ``name`` up (``hybrid`` when ``eagle`` is replaced)."""
+        done.add(name)
+        old = self._proposers.pop(name, None)
+        if old is not None:
+            old.close()
+            self.costs.forget(old)
+        self._build(name)
+        for other in [n for n, read in self._reads.items() if name in read and n not in done]:
+            self._rebuild(other, done)
+
+    def start(self, request: Request) -> None:
+        """Start the request's proposer on it, with whose text it is (``types.Session``)."""
+        params = request.params
+        session = Session(params.session, params.cache_prompt, params.cache_scope)
+        request.proposer.start(request.seq_id, request.prompt_token_ids, session)
 
     def available(self) -> list[str]:
         """The built proposers, and each composition ``a+b`` of one that composes with one
@@ -146,13 +218,7 @@ class ProposerPool:
                 composed = proposers[head].compose(proposers[name])
                 if composed is not None:
                     proposers[f"{head}+{name}"] = composed
-        config = self._context.config
-        return ProposerCatalog(
-            proposers,
-            dict(self._unavailable),
-            config.default_proposer,
-            config.default_num_speculative_tokens,
-        )
+        return ProposerCatalog(proposers, dict(self._unavailable), *self._defaults)
 
     def propose(
         self, decode: Sequence[Request], num_drafts: Callable[[Request, Proposer], int]

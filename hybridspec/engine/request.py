@@ -22,10 +22,8 @@ from hybridspec.engine.params import DEFAULT_MAX_NEW_TOKENS as DEFAULT_MAX_NEW_T
 from hybridspec.engine.params import GenerationParams as GenerationParams  # its public path
 from hybridspec.engine.resolution import ResolvedProposer
 from hybridspec.engine.speculation import SpeculationState
-from hybridspec.types import (
-    GenerationStats,
-    TokenHistory,
-)
+from hybridspec.engine.stats import GenerationStats
+from hybridspec.types import TokenHistory
 from hybridspec.verifier.grammar import GrammarState
 from hybridspec.verifier.uniforms import key_of
 

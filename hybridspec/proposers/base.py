@@ -3,7 +3,8 @@
 A proposer guesses up to K next tokens for each sequence of a batch; the target verifies them
 all in one forward. Its lifecycle per sequence:
 
-1. ``start(seq_id, prompt_token_ids)`` when the sequence is admitted;
+1. ``start(seq_id, prompt_token_ids, session)`` when the sequence is admitted, with whose text
+   it is (``types.Session``);
 2. each round, ``propose(requests)`` for every sequence of the batch that uses this proposer,
    returning one ``Proposal`` of at most ``request.max_num_drafts`` drafts per request, in
    order;
@@ -25,8 +26,9 @@ exactly lossless. The engine validates every
 proposal once, where it enters (``verifier.check_proposal``).
 
 A proposer is built from a ``ProposerContext``: what it may use from the engine (the target's
-vocabulary, EOS ids and tokenizer, the engine's configuration, the draft model the engine
-loaded) and nothing else.
+vocabulary, EOS ids and tokenizer, its own section of the configuration, the draft model the
+engine loaded, the engine's other proposers to compose) and nothing else; it never calls back
+into the engine.
 
 A proposer that reads the target's features (a feature-level draft head, as EAGLE does) names
 the target's layers in ``feature_layers``; each ``commit`` then brings the layers' outputs at
@@ -40,15 +42,23 @@ next one starts at position 12, ``c``. ``engine.features`` has the details.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
 
-from hybridspec.config import EngineConfig
+from hybridspec.config import (
+    DEFAULT_VERIFY_TOKEN_COST,
+    DraftConfig,
+    EagleConfig,
+    ModelConfig,
+    NgramConfig,
+    SuffixConfig,
+)
 from hybridspec.model import LoadedModel, ModelRuntime
-from hybridspec.types import CommitInfo, Proposal, ProposeRequest
+from hybridspec.types import NO_SESSION, CommitInfo, Proposal, ProposeRequest, Session
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -68,29 +78,38 @@ class DraftModel:
 
 @dataclass(frozen=True, slots=True)
 class ProposerContext:
-    """What a proposer may use from the engine; read-only."""
+    """What a proposer may use from the engine; read-only. Each built-in proposer reads its own
+    section of the configuration (named as in ``EngineConfig``), never the engine's whole one."""
 
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     tokenizer: PreTrainedTokenizerBase | None = None  # the target's, when one is loaded
-    config: EngineConfig = field(default_factory=EngineConfig)  # each reads its own part
-    draft: DraftModel | None = None  # None: no draft model is configured
+    # The most sequences started at once (``ModelConfig.max_num_seqs``), for preallocation.
+    max_num_seqs: int = ModelConfig().max_num_seqs
+    ngram: NgramConfig = field(default_factory=NgramConfig)  # ``ngram``'s; ``suffix``'s orders
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    eagle: EagleConfig = field(default_factory=EagleConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    # Verifying one more token, relative to a forward's fixed cost (``EngineConfig``'s, its
+    # default where the engine measures it): what ``hybrid`` charges each draft.
+    verify_token_cost: float = DEFAULT_VERIFY_TOKEN_COST
+    draft_model: DraftModel | None = None  # None: no draft model is configured
     # The target itself, read-only: a feature-level head borrows its embedding, final norm
     # and LM head (``eagle``). None where a proposer is built without one (unit tests).
     target: LoadedModel | None = None
-    # Why ``draft`` is None although one was configured (its loading failed), for errors.
+    # Why ``draft_model`` is None although one was configured (its loading failed), for errors.
     draft_error: str | None = None
-    # Seconds of a one-token forward of the target (measured once, on the first call), so that
-    # a proposer can price its own drafts relative to it (``Proposer.cost_per_token``).
+    # Seconds of a one-token forward of the target (timed once, on the first call, by the
+    # engine's proposer pool), so that a proposer can price its own drafts relative to it
+    # (``Proposer.cost_per_token``).
     target_forward_s: Callable[[], float] | None = None
-    # The session of a started sequence (``GenerationParams.session``: the server's ``user``),
-    # for a proposer that keeps sessions' text apart (``suffix``). None: no sessions known.
-    session_of: Callable[[int], str | None] | None = None
-    # Whether a started sequence shares text with others (``GenerationParams.cache_prompt``)
-    # and its cache scope (``GenerationParams.cache_scope``; None the shared one), for a
-    # proposer that drafts from other requests' text (``suffix``). None: (True, None) for all.
-    scope_of: Callable[[int], tuple[bool, str | None]] | None = None
+    # The engine's proposers built before this one, by registered name, for a proposer that
+    # composes them (``hybrid``: ``ngram`` and ``eagle`` or ``draft``); it holds what it reads
+    # here and never closes it. Replacing one (``Engine.register_proposer``) rebuilds those that
+    # read its name. ``unavailable``: the registered ones that could not be built, with why.
+    proposers: Mapping[str, Proposer] = field(default_factory=lambda: MappingProxyType({}))
+    unavailable: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 class Proposer(ABC):
@@ -134,8 +153,11 @@ class Proposer(ABC):
         this proposer does not compose (the default)."""
         return None
 
-    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:  # noqa: B027
-        """Begin tracking a sequence whose context starts with ``prompt_token_ids``."""
+    def start(  # noqa: B027
+        self, seq_id: int, prompt_token_ids: Sequence[int], session: Session = NO_SESSION
+    ) -> None:
+        """Begin tracking a sequence whose context starts with ``prompt_token_ids``; ``session``
+        says whose text it is (the engine passes the request's)."""
 
     @abstractmethod
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:

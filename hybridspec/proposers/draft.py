@@ -73,7 +73,7 @@ def check_tokenizer_compatible(target: ProposerContext, draft: LoadedModel) -> i
 
 class DraftModelProposer(SequenceProposer[_DraftSeq]):
     """Drafts with a small model sharing the target's tokenizer: the engine's ``DraftModel``
-    (``context.draft``), whose runtime it shares with any other proposer drafting with it.
+    (``context.draft_model``), whose runtime it shares with any other proposer drafting with it.
 
     ``cost_per_token`` is ``DraftConfig.cost_per_token`` or, when that is None, measured when
     the proposer is built: a one-token forward of the draft over one of the target
@@ -86,7 +86,7 @@ class DraftModelProposer(SequenceProposer[_DraftSeq]):
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
-        if context.draft is None:
+        if context.draft_model is None:
             reason = context.draft_error or (
                 "none is configured (pass --draft MODEL on the command line, or "
                 "DraftConfig(model=...))"
@@ -94,10 +94,10 @@ class DraftModelProposer(SequenceProposer[_DraftSeq]):
             raise InvalidRequestError(
                 f"proposer: 'draft' needs a draft model: {reason}", "proposer"
             )
-        self._draftable = check_tokenizer_compatible(context, context.draft.model)
-        self.model = context.draft.model
-        self.runtime: ModelRuntime = context.draft.runtime
-        configured = context.config.draft.cost_per_token
+        self._draftable = check_tokenizer_compatible(context, context.draft_model.model)
+        self.model = context.draft_model.model
+        self.runtime: ModelRuntime = context.draft_model.runtime
+        configured = context.draft.cost_per_token
         self.cost_per_token = (
             configured if configured is not None else self._measure_cost_per_token()
         )

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from hybridspec.proposers.base import NoProposer, Proposer, ProposerContext
-from hybridspec.types import CommitInfo, Proposal, ProposeRequest
+from hybridspec.types import NO_SESSION, CommitInfo, Proposal, ProposeRequest, Session
 
 
 class GrammarProposer(Proposer):
@@ -54,8 +54,10 @@ class GrammarProposer(Proposer):
     def compose(self, inner: Proposer) -> Proposer:
         return GrammarProposer(self.context, inner)
 
-    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
-        self.inner.start(seq_id, prompt_token_ids)
+    def start(
+        self, seq_id: int, prompt_token_ids: Sequence[int], session: Session = NO_SESSION
+    ) -> None:
+        self.inner.start(seq_id, prompt_token_ids, session)
 
     def commit(self, info: CommitInfo) -> None:
         self.inner.commit(info)

@@ -1,5 +1,9 @@
 """The ``hybrid`` proposer: per request and per round, the n-gram proposal or the model's.
 
+``hybrid`` composes the engine's own ``ngram`` proposer and its ``eagle`` one, else its
+``draft`` one (the instances every request naming them shares: ``ProposerContext.proposers``),
+rather than building its own.
+
 n-gram speculation is nearly free and often right where the output copies its context; a
 model (the ``eagle`` head, or the ``draft`` model when the target has no head) costs a few
 percent of a forward per draft and wins on open text. Each round, each request takes the
@@ -10,8 +14,7 @@ verifying them costs (in target forwards, as adaptive speculation counts it):
     value(ngram) = gain(alpha_n, k_n) - c k_n
     value(model) = gain(alpha_m, k_m) - (c + cost) k_m
 
-with ``c`` the verification cost of one more token (``EngineConfig.verify_token_cost``; its
-default where the engine measures it),
+with ``c`` the verification cost of one more token (``ProposerContext.verify_token_cost``),
 ``cost`` the model's ``cost_per_token``, ``k_n`` the n-gram proposal's length and ``k_m`` the
 model drafts worth asking for: those ``j`` (up to the round's ``max_num_drafts``) with
 ``alpha_m^j >= c + cost``, which is also how many the model is asked for. ``alpha`` is the
@@ -25,8 +28,9 @@ proposal, made anyway and free to score, is checked against the tokens the targe
 (kept while equal to them), so that a request the model took over goes back to n-gram as soon
 as its text starts copying again; the model's estimate learns only when it drafts. With no
 n-gram match and no model draft worth its cost, the request decodes plainly this round. Both
-proposers follow every sequence (``start``, ``commit``, ``finish``) whichever drafted, so
-that either can take over the next round.
+proposers follow every hybrid sequence (``start``, ``commit``, ``finish``) whichever drafted,
+so that either can take over the next round; both keep their state per sequence, so sharing
+them with the requests that name them directly changes nothing for either.
 """
 
 from __future__ import annotations
@@ -35,28 +39,36 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridspec.config import DEFAULT_VERIFY_TOKEN_COST
-from hybridspec.errors import HybridSpecError, InvalidRequestError
+from hybridspec.errors import InvalidRequestError
 from hybridspec.proposers.base import Proposer, ProposerContext
-from hybridspec.proposers.draft import DraftModelProposer
-from hybridspec.proposers.eagle import EagleProposer
-from hybridspec.proposers.ngram import NgramProposer
-from hybridspec.types import CommitInfo, Proposal, ProposeRequest
+from hybridspec.types import NO_SESSION, CommitInfo, Proposal, ProposeRequest, Session
 from hybridspec.verifier.estimate import AcceptanceEstimate, drafts_worth_asking
 
 NGRAM_PRIOR = 0.6  # a fresh request's n-gram acceptance estimate
 MODEL_PRIOR = 0.5
 PRIOR_TRIALS = 2.0  # how many trials a prior counts for
 DECAY = 0.7  # weight of a proposer's past evidence each time it drafts again
-NGRAM_NAME = "ngram"  # the names a round's ``Proposal.drafted_by`` reports
+NGRAM_NAME = "ngram"  # the registered names it composes, which ``Proposal.drafted_by`` reports
+MODEL_NAMES = ("eagle", "draft")  # the model proposers it takes, the first built one
 
 
-def _registered_name(model: Proposer) -> str:
-    """The registry's name of the model proposer (``eagle``, ``draft``), for
-    ``Proposal.drafted_by``; another proposer passed in is reported as ``model``."""
-    if isinstance(model, EagleProposer):
-        return "eagle"
-    return "draft" if isinstance(model, DraftModelProposer) else "model"
+def pooled_hybrid(context: ProposerContext) -> HybridProposer:
+    """The registered ``hybrid``: the engine's ``ngram`` proposer and its ``eagle`` one, else
+    its ``draft`` one (``ProposerContext.proposers``); InvalidRequestError saying why each is
+    missing when there is no model proposer."""
+    shared = context.proposers
+    ngram = shared.get(NGRAM_NAME)
+    if ngram is None:
+        raise InvalidRequestError("proposer: 'hybrid' needs the 'ngram' proposer", "proposer")
+    for name in MODEL_NAMES:
+        model = shared.get(name)
+        if model is not None:
+            return HybridProposer(context, ngram, model, name)
+    reasons = [context.unavailable.get(name, f"{name!r} is not registered") for name in MODEL_NAMES]
+    raise InvalidRequestError(
+        "proposer: 'hybrid' needs an eagle head or a draft model: " + "; ".join(reasons),
+        "proposer",
+    )
 
 
 def gain(alpha: float, k: int) -> float:
@@ -87,38 +99,29 @@ class HybridProposer(Proposer):
 
     samples_drafts = True
 
-    def __init__(self, context: ProposerContext, model: Proposer | None = None) -> None:
-        """``model``: the proposer of open text; None builds ``eagle``, else ``draft``."""
+    def __init__(
+        self, context: ProposerContext, ngram: Proposer, model: Proposer, model_name: str = "model"
+    ) -> None:
+        """``ngram`` and ``model`` (the proposer of open text) are composed, not owned: closing
+        this proposer leaves them open. ``model_name`` is what ``Proposal.drafted_by`` reports
+        for the model's rounds (its registered name)."""
         super().__init__(context)
-        self.ngram = NgramProposer(context)
+        self.ngram = ngram
         self.model = model
-        reasons = []
-        for build in () if model is not None else (EagleProposer, DraftModelProposer):
-            try:
-                self.model = build(context)
-                break
-            except HybridSpecError as exc:
-                reasons.append(str(exc))
-        if self.model is None:
-            raise InvalidRequestError(
-                "proposer: 'hybrid' needs an eagle head or a draft model: " + "; ".join(reasons),
-                "proposer",
-            )
-        self.model_name = _registered_name(self.model)
-        self.feature_layers = self.model.feature_layers
-        self.cost_per_token = self.model.cost_per_token
-        measured = context.config.verify_token_cost
-        self.verify_token_cost = DEFAULT_VERIFY_TOKEN_COST if measured is None else measured
+        self.model_name = model_name
+        self.feature_layers = model.feature_layers
+        self.cost_per_token = model.cost_per_token
+        self.verify_token_cost = context.verify_token_cost
         self._choices: dict[int, _Choice] = {}
 
-    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
-        self.ngram.start(seq_id, prompt_token_ids)
-        assert self.model is not None
-        self.model.start(seq_id, prompt_token_ids)
+    def start(
+        self, seq_id: int, prompt_token_ids: Sequence[int], session: Session = NO_SESSION
+    ) -> None:
+        self.ngram.start(seq_id, prompt_token_ids, session)
+        self.model.start(seq_id, prompt_token_ids, session)
         self._choices[seq_id] = _Choice()
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        assert self.model is not None
         ngram = self.ngram.propose(requests)
         model_asks = []
         picks: list[bool] = []
@@ -149,7 +152,6 @@ class HybridProposer(Proposer):
         return out
 
     def commit(self, info: CommitInfo) -> None:
-        assert self.model is not None
         self.ngram.commit(info)
         self.model.commit(info)
         choice = self._choices[info.seq_id]
@@ -162,14 +164,8 @@ class HybridProposer(Proposer):
 
     def finish(self, seq_id: int) -> None:
         self.ngram.finish(seq_id)
-        if self.model is not None:
-            self.model.finish(seq_id)
+        self.model.finish(seq_id)
         self._choices.pop(seq_id, None)
-
-    def close(self) -> None:
-        self.ngram.close()
-        if self.model is not None:
-            self.model.close()
 
 
 def _would_have_kept(drafts: Sequence[int], committed: Sequence[int]) -> tuple[int, int]:

@@ -66,7 +66,7 @@ from hybridspec.proposers.ngram_kernels import (
     seed_slot,
     warmup,
 )
-from hybridspec.types import CommitInfo, Proposal, ProposeRequest
+from hybridspec.types import NO_SESSION, CommitInfo, Proposal, ProposeRequest, Session
 
 __all__ = ["NgramProposer", "warmup"]
 
@@ -88,7 +88,7 @@ def _invalid(param: str, message: str) -> InvalidRequestError:
 class NgramProposer(Proposer):
     """Deterministic proposer over per-sequence n-gram tables (see the module docstring).
 
-    Its options are the engine configuration's ``ngram`` part (``context.config.ngram``).
+    Its options are the configuration's ``ngram`` section (``context.ngram``).
     Each started sequence holds one slot of a pool of preallocated tables; ``propose`` serves a
     whole batch with one compiled call. It continues a ``ProposeRequest.draft_prefix``: the
     prefix ends the context it matches, and what it copies or predicts follows it.
@@ -98,7 +98,7 @@ class NgramProposer(Proposer):
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
-        config = context.config.ngram
+        config = context.ngram
         check(
             _is_int(context.vocab_size) and 1 <= context.vocab_size <= MAX_VOCAB_SIZE,
             "vocab_size",
@@ -123,7 +123,9 @@ class NgramProposer(Proposer):
         self._slot_of_seq: dict[int, int] = {}
         self._free_slots = list(range(INITIAL_NUM_SLOTS - 1, -1, -1))  # pop() takes slot 0 first
 
-    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
+    def start(
+        self, seq_id: int, prompt_token_ids: Sequence[int], session: Session = NO_SESSION
+    ) -> None:
         check(_is_int(seq_id), "seq_id", f"expected an integer, got {seq_id!r}")
         check(
             seq_id not in self._slot_of_seq,

@@ -3,11 +3,15 @@
 ``default_registry()`` gives every new engine the built-in proposers (``none``, ``ngram``,
 ``draft``, ``eagle``, ``hybrid``, ``grammar``, which composes: ``grammar+ngram``) plus those
 registered process-wide with ``register_proposer``; an engine's own
-``Engine.register_proposer`` adds to that engine alone. No code below this module compares
-proposer names.
+``Engine.register_proposer`` adds to that engine alone. An engine builds them in the order they
+were registered, so that a factory may compose those registered before it (``hybrid``: the
+engine's ``ngram`` and ``eagle`` or ``draft``, from ``ProposerContext.proposers``). No code
+below this module compares proposer names.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 from hybridspec.errors import InvalidRequestError
 from hybridspec.proposers.base import NoProposer, ProposerFactory
@@ -56,6 +60,10 @@ class ProposerRegistry:
     def names(self) -> list[str]:
         return sorted(self._factories)
 
+    def __iter__(self) -> Iterator[str]:
+        """The names in the order they were registered (a replaced one keeps its place)."""
+        return iter(list(self._factories))
+
     def __contains__(self, name: object) -> bool:
         return name in self._factories
 
@@ -69,7 +77,7 @@ def _builtin_registry() -> ProposerRegistry:
     from hybridspec.proposers.draft import DraftModelProposer
     from hybridspec.proposers.eagle import EagleProposer
     from hybridspec.proposers.grammar import GrammarProposer
-    from hybridspec.proposers.hybrid import HybridProposer
+    from hybridspec.proposers.hybrid import pooled_hybrid
     from hybridspec.proposers.ngram import NgramProposer
     from hybridspec.proposers.suffix import SuffixProposer
 
@@ -79,7 +87,7 @@ def _builtin_registry() -> ProposerRegistry:
     registry.register("ngram", NgramProposer)
     registry.register("draft", DraftModelProposer)
     registry.register("eagle", EagleProposer)
-    registry.register("hybrid", HybridProposer)
+    registry.register("hybrid", pooled_hybrid)  # after the proposers it composes
     registry.register("suffix", SuffixProposer)
     return registry
 

@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 
 from hybridspec.errors import InvalidRequestError
 from hybridspec.proposers.base import Proposer, ProposerContext
-from hybridspec.types import ProposeRequest
+from hybridspec.types import NO_SESSION, ProposeRequest, Session
 
 
 @dataclass(slots=True)
@@ -50,7 +50,9 @@ class SequenceProposer(Proposer, Generic[S]):
     def _free_seq(self, seq: S) -> None:
         """Release what ``_new_seq`` took."""
 
-    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
+    def start(
+        self, seq_id: int, prompt_token_ids: Sequence[int], session: Session = NO_SESSION
+    ) -> None:
         if seq_id in self._seqs:
             raise InvalidRequestError(f"seq_id: {seq_id} was already started", "seq_id")
         self._seqs[seq_id] = self._new_seq(prompt_token_ids)

@@ -46,7 +46,7 @@ from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.proposers.ngram_kernels import allocate_tables, append_tokens, seed_slot
 from hybridspec.proposers.ngram_kernels import warmup as ngram_warmup
 from hybridspec.proposers.suffix_kernels import propose_longest, warmup
-from hybridspec.types import CommitInfo, Proposal, ProposeRequest
+from hybridspec.types import NO_SESSION, CommitInfo, Proposal, ProposeRequest, Session
 from hybridspec.verifier.estimate import AcceptanceEstimate, drafts_worth_asking
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class SuffixProposer(Proposer):
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
-        ngram, config = context.config.ngram, context.config.suffix
+        ngram, config = context.ngram, context.suffix
         self.config = config
         self._vocab_size = int(context.vocab_size)
         ngram_warmup()
@@ -78,12 +78,12 @@ class SuffixProposer(Proposer):
         self._own_min_order = ngram.min_order
         self._max_order = ngram.max_order
         self._own = allocate_tables(
-            context.config.target.max_num_seqs,
+            context.max_num_seqs,
             ngram.max_order - ngram.min_order + 1,
             ngram.table_capacity,
             ngram.window,
         )
-        self._free = list(range(context.config.target.max_num_seqs - 1, -1, -1))
+        self._free = list(range(context.max_num_seqs - 1, -1, -1))
         num_pools = {"per-server": 1, "per-session": MAX_SESSIONS, "off": 0}[config.isolation]
         window = max(self._max_order + 1, config.max_tokens // max(1, num_pools))
         shared_orders = max(1, self._max_order - SHARED_MIN_ORDER + 1)
@@ -97,17 +97,14 @@ class SuffixProposer(Proposer):
         self._last: dict[int, tuple[int, int, int]] = {}  # seq -> source, order, drafts
         self._rates: dict[tuple[int, int], AcceptanceEstimate] = {}
 
-    def _key_of(self, seq_id: int) -> _Key | None:
-        """The pool key of a started sequence, (scope, session); None: it has no pool."""
-        shares, scope = (True, None)
-        if self.context.scope_of is not None:
-            shares, scope = self.context.scope_of(seq_id)
-        if self._num_pools == 0 or not shares:
+    def _key_of(self, session: Session) -> _Key | None:
+        """The pool key of a sequence of ``session``, (scope, session); None: it has no pool."""
+        if self._num_pools == 0 or not session.shares:
             return None
+        scope = session.scope
         if self.config.isolation == "per-server":
             return None if scope is not None else (None, None)
-        session = self.context.session_of(seq_id) if self.context.session_of else None
-        return None if scope is None and session is None else (scope, session)
+        return None if scope is None and session.name is None else (scope, session.name)
 
     def _pool_of(self, key: _Key | None) -> int:
         """The pool a request with pool key ``key`` drafts from and feeds (NO_POOL: none)."""
@@ -124,13 +121,15 @@ class SuffixProposer(Proposer):
         self._pools.move_to_end(key)
         return pool
 
-    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
+    def start(
+        self, seq_id: int, prompt_token_ids: Sequence[int], session: Session = NO_SESSION
+    ) -> None:
         check(seq_id not in self._seqs, "seq_id", f"sequence {seq_id} is already started")
         prompt = self._tokens(prompt_token_ids)
         check(bool(self._free), "seq_id", "more sequences than the engine's max_num_seqs")
         slot = self._free.pop()
         seed_slot(self._own, self._own_min_order, slot, prompt)
-        key = self._key_of(seq_id)
+        key = self._key_of(session)
         self._seqs[seq_id] = (slot, self._pool_of(key), key, [int(t) for t in prompt])
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:

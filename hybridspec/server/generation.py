@@ -20,6 +20,7 @@ from typing import cast
 
 from hybridspec.engine import FinishReason, Logprobs, RequestOutput
 from hybridspec.engine.choices import combined_stats
+from hybridspec.engine.stats import GenerationStats
 from hybridspec.errors import HybridSpecError
 from hybridspec.server.errors import GenerationFailed
 from hybridspec.server.logprobs import (
@@ -43,7 +44,6 @@ from hybridspec.server.protocol import (
 )
 from hybridspec.server.state import ServerState
 from hybridspec.server.structured import cut_calls, tool_calls
-from hybridspec.types import GenerationStats
 
 Indexed = tuple[int, RequestOutput]  # a choice's index (prompt * n + choice) and an output
 

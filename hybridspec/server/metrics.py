@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 
 from hybridspec.engine.prefix_cache import PrefixCacheStats
-from hybridspec.types import GenerationStats
+from hybridspec.engine.stats import GenerationStats
 
 # What ``generate_latest`` writes; prometheus_client>=0.22 names it CONTENT_TYPE_PLAIN_0_0_4
 # (its CONTENT_TYPE_LATEST became the 1.0.0 format then).

@@ -126,13 +126,6 @@ def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def grammar_of(
-    body: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None
-) -> GrammarSpec | None:
-    """The grammar the output must match, or None for free text."""
-    return grammar_source(body, tools)[1]
-
-
 def grammar_source(
     body: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None
 ) -> tuple[str, GrammarSpec | None]:

@@ -31,9 +31,10 @@ from hybridspec.engine import (
     GenerationResult,
     RequestOutput,
 )
+from hybridspec.engine.stats import GenerationStats
 from hybridspec.model.loader import load_model
 from hybridspec.model.runtime import ForwardBatch
-from hybridspec.types import GenerationStats, SamplingParams
+from hybridspec.types import SamplingParams
 from tests.conftest import TinyLlamaFactory
 
 # --------------------------------------------------------------------------- the loop

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybridspec.deploy.exposition import merge_expositions
+from hybridspec.engine.stats import GenerationStats
 from hybridspec.server.metrics import ServerMetrics
-from hybridspec.types import GenerationStats
 
 
 def _metrics(finished: int, running: int) -> bytes:

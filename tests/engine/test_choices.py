@@ -8,8 +8,9 @@ import torch
 
 from hybridspec import CapacityError, Engine, GenerationParams, InvalidRequestError
 from hybridspec.engine.choices import choice_seed, combined_stats
+from hybridspec.engine.stats import GenerationStats
 from hybridspec.model import LoadedModel
-from hybridspec.types import MAX_SEED, GenerationStats
+from hybridspec.types import MAX_SEED
 from tests.engine.test_engine import cache_equals_plain_prefill
 from tests.engine.test_features import LastLayer, handed_rows, plain_hidden_states
 from tests.engine.tiny import PROMPTS, make_engine, plain

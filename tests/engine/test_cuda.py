@@ -12,7 +12,7 @@ from hybridspec.config import EagleConfig
 from hybridspec.model.loader import LoadedModel
 from hybridspec.types import SamplingParams
 from tests.engine.tiny import PROMPTS, make_engine, plain, run_joining, tiny_loaded
-from tests.proposers.eagle_helpers import random_head, use_head, use_hybrid
+from tests.proposers.eagle_helpers import random_head, use_head
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +31,6 @@ def cuda_engine(target: LoadedModel, **config: object):  # type: ignore[no-untyp
     engine = make_engine(target, eagle=EagleConfig(cost_per_token=0.0), **config)
     head = random_head(target, 48)
     use_head(engine, head)
-    use_hybrid(engine, head)
     return engine
 
 

@@ -18,7 +18,7 @@ from hybridspec.proposers.eagle import EagleProposer, HeadCache, forward_cached
 from tests.engine import test_controls as controls
 from tests.engine import test_losslessness as lossless
 from tests.engine.tiny import PROMPTS, make_engine, plain, run_joining, tiny_loaded
-from tests.proposers.eagle_helpers import random_head, use_head, use_hybrid
+from tests.proposers.eagle_helpers import random_head, use_head
 
 FREE = EagleConfig(cost_per_token=0.0)  # the tiny head costs what the tiny target does
 
@@ -28,7 +28,6 @@ def engine(target: LoadedModel) -> Engine:
     engine = make_engine(target, eagle=FREE)
     head = random_head(target, 48)
     use_head(engine, head)
-    use_hybrid(engine, head)
     return engine
 
 
@@ -196,16 +195,11 @@ def test_greedy_hybrid_equals_plain_decoding_and_uses_both(target: LoadedModel) 
     from hybridspec.proposers.hybrid import HybridProposer
 
     engine = make_engine(target, eagle=FREE)
-    head = random_head(target, 48)
-
-    engine.register_proposer(
-        "hybrid",
-        lambda context: HybridProposer(context, EagleProposer(context, head)),
-        replace=True,
-    )
+    eagle = use_head(engine, random_head(target, 48))
     picked = {True: 0, False: 0}
     proposer = engine.resolve_proposer("hybrid")
     assert isinstance(proposer, HybridProposer)
+    assert proposer.model is eagle and proposer.ngram is engine.resolve_proposer("ngram")
     original = proposer.propose
 
     def counting(requests):  # type: ignore[no-untyped-def]

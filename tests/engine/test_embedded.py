@@ -124,7 +124,7 @@ def test_tokenizer_mismatch_is_rejected(target: LoadedModel) -> None:
         target.vocab_size,
         target.eos_token_ids,
         tokenizer=target.tokenizer,
-        draft=DraftModel(other_eos, other_eos.create_runtime(1, 64)),
+        draft_model=DraftModel(other_eos, other_eos.create_runtime(1, 64)),
     )
     with pytest.raises(ModelLoadError, match="EOS"):
         DraftModelProposer(context)

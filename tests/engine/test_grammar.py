@@ -21,7 +21,7 @@ from hybridspec.proposers.grammar import GrammarProposer
 from hybridspec.types import GrammarSpec
 from tests.conftest import tiny_tokenizer
 from tests.engine.tiny import make_engine, tiny_loaded
-from tests.proposers.eagle_helpers import random_head, use_head, use_hybrid
+from tests.proposers.eagle_helpers import random_head, use_head
 
 SCHEMA = {
     "type": "object",
@@ -66,7 +66,6 @@ def text_engine(text_target: LoadedModel) -> Engine:
     engine = make_engine(text_target, draft, eagle=EagleConfig(cost_per_token=0.0))
     head = random_head(text_target, 48)
     use_head(engine, head)
-    use_hybrid(engine, head)
     return engine
 
 

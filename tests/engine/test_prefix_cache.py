@@ -14,7 +14,7 @@ from hybridspec.proposers.base import ProposerContext
 from hybridspec.types import CommitInfo
 from tests.engine.tiny import make_engine, tiny_loaded
 from tests.model.test_kv_cache_memory import PAGE, resident_pages
-from tests.proposers.eagle_helpers import random_head, use_head, use_hybrid
+from tests.proposers.eagle_helpers import random_head, use_head
 
 FREE_HEAD = EagleConfig(cost_per_token=0.0)  # the tiny head costs what the tiny target does
 SYSTEM = [3, 9, 14, 2, 27, 5, 11, 40, 8, 19, 33, 6, 21, 12, 30, 7, 25, 16]
@@ -58,7 +58,6 @@ def engine_for(target: LoadedModel, draft: LoadedModel, proposer: str, cache_mb:
     if proposer in ("eagle", "hybrid"):
         head = random_head(target, 48)
         use_head(engine, head)
-        use_hybrid(engine, head)
     return engine
 
 

@@ -1,5 +1,6 @@
 """The engine's proposers: failures isolated to their own requests, the draft model's cost,
-and the validation of proposals where they enter."""
+the validation of proposals where they enter, composition of the engine's own proposers, and
+the session a proposer starts with."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from hybridspec import (
     ProposeRequest,
 )
 from hybridspec.model.loader import LoadedModel
+from hybridspec.proposers import ProposerContext
+from hybridspec.proposers.hybrid import HybridProposer
+from hybridspec.proposers.ngram import NgramProposer
+from hybridspec.types import NO_SESSION, Session
 from tests.engine.tiny import PROMPTS, VOCAB, make_engine, plain
 
 
@@ -78,3 +83,67 @@ def test_sampled_drafts_from_a_proposer_that_does_not_declare_them_fail_its_requ
     with pytest.raises(HybridSpecError, match="declares samples_drafts = False"):
         engine.generate(prompt_token_ids=PROMPTS[0], params=params)
     assert not engine.has_unfinished()
+
+
+class Pair(Proposer):
+    """Composes the engine's ``ngram`` proposer, as ``hybrid`` does."""
+
+    def __init__(self, context: ProposerContext) -> None:
+        super().__init__(context)
+        self.inner = context.proposers["ngram"]
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        return self.inner.propose(requests)
+
+
+def test_hybrid_composes_the_engines_own_ngram_and_draft(engine: Engine) -> None:
+    hybrid = engine.resolve_proposer("hybrid")
+    assert isinstance(hybrid, HybridProposer)  # no head for the tiny target: the draft model
+    assert hybrid.ngram is engine.resolve_proposer("ngram")
+    assert hybrid.model is engine.resolve_proposer("draft")
+
+
+def test_replacing_a_composed_proposer_rebuilds_what_composes_it(target: LoadedModel) -> None:
+    engine = make_engine(target)
+    engine.register_proposer("pair", Pair)
+    first = engine.resolve_proposer("pair")
+    assert isinstance(first, Pair) and first.inner is engine.resolve_proposer("ngram")
+    engine.register_proposer("ngram", NgramProposer, replace=True)
+    second = engine.resolve_proposer("pair")
+    assert isinstance(second, Pair) and second is not first
+    assert second.inner is engine.resolve_proposer("ngram") is not first.inner
+
+
+class Sessions(Proposer):
+    """Records the session each sequence starts with."""
+
+    def __init__(self, context: ProposerContext) -> None:
+        super().__init__(context)
+        self.sessions: list[Session] = []
+
+    def start(
+        self, seq_id: int, prompt_token_ids: Sequence[int], session: Session = NO_SESSION
+    ) -> None:
+        self.sessions.append(session)
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        return [Proposal(()) for _ in requests]
+
+
+def test_a_proposer_starts_with_the_requests_session(target: LoadedModel) -> None:
+    engine = make_engine(target)
+    engine.register_proposer("sessions", Sessions)
+    for params in (
+        GenerationParams(max_new_tokens=2, proposer="sessions"),
+        GenerationParams(
+            max_new_tokens=2,
+            proposer="sessions",
+            session="alice",
+            cache_prompt=False,
+            cache_scope="tenant A",
+        ),
+    ):
+        engine.generate(prompt_token_ids=PROMPTS[0], params=params)
+    proposer = engine.resolve_proposer("sessions")
+    assert isinstance(proposer, Sessions)
+    assert proposer.sessions == [NO_SESSION, Session("alice", False, "tenant A")]

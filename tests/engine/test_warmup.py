@@ -12,6 +12,7 @@ from hybridspec.engine import warm_up
 from hybridspec.model import LoadedModel
 from hybridspec.proposers import ProposerContext, default_registry
 from hybridspec.proposers.ngram import NgramProposer
+from hybridspec.types import NO_SESSION, Session
 from tests.engine.tiny import PROMPTS, make_engine
 
 REQUESTS = [
@@ -70,9 +71,11 @@ class CountingNgram(NgramProposer):
         super().__init__(context)
         self.started = []
 
-    def start(self, seq_id: int, prompt_token_ids: Sequence[int]) -> None:
+    def start(
+        self, seq_id: int, prompt_token_ids: Sequence[int], session: Session = NO_SESSION
+    ) -> None:
         self.started.append(seq_id)
-        super().start(seq_id, prompt_token_ids)
+        super().start(seq_id, prompt_token_ids, session)
 
 
 @pytest.mark.parametrize("with_draft", [False, True])

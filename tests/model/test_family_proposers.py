@@ -17,7 +17,7 @@ from hybridspec.model import LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from tests.engine.tiny import PROMPTS, VOCAB, make_engine, plain
 from tests.model.tiny_families import FAMILY_NAMES, tiny_family
-from tests.proposers.eagle_helpers import random_head, use_head, use_hybrid
+from tests.proposers.eagle_helpers import random_head, use_head
 
 PROPOSERS = ("ngram", "suffix", "draft", "eagle", "hybrid")
 
@@ -40,7 +40,6 @@ def family_engine(family: str) -> Engine:
     engine = make_engine(target, target)  # the target drafts for itself
     head = random_head(target, VOCAB)
     use_head(engine, head)
-    use_hybrid(engine, head)
     return engine
 
 

@@ -20,20 +20,9 @@ def random_head(target: LoadedModel, draft_vocab_size: int, seed: int = 0) -> Ea
 
 
 def use_head(engine: Engine, head: EagleHead) -> EagleProposer:
-    """Make ``engine``'s ``eagle`` proposer draft with ``head``; returns that proposer."""
+    """Make ``engine``'s ``eagle`` proposer draft with ``head``, and so its ``hybrid`` (which
+    composes the engine's ``eagle``, rebuilt with it); returns that proposer."""
     engine.register_proposer("eagle", lambda context: EagleProposer(context, head), replace=True)
     proposer = engine.resolve_proposer("eagle")
     assert isinstance(proposer, EagleProposer)
     return proposer
-
-
-def use_hybrid(engine: Engine, head: EagleHead) -> None:
-    """Make ``engine``'s ``hybrid`` proposer pair n-gram with an ``eagle`` drafting with
-    ``head``."""
-    from hybridspec.proposers.hybrid import HybridProposer
-
-    engine.register_proposer(
-        "hybrid",
-        lambda context: HybridProposer(context, EagleProposer(context, head)),
-        replace=True,
-    )

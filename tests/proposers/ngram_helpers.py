@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from hybridspec.config import EngineConfig, NgramConfig
+from hybridspec.config import NgramConfig
 from hybridspec.proposers.base import ProposerContext
 from hybridspec.proposers.ngram import NgramProposer
 from hybridspec.proposers.ngram_reference import ngram_counts
@@ -19,9 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_proposer(config: NgramConfig | None = None) -> NgramProposer:
-    engine_config = EngineConfig() if config is None else EngineConfig(ngram=config)
     return NgramProposer(
-        ProposerContext(vocab_size=VOCAB_SIZE, eos_token_ids=(0,), config=engine_config)
+        ProposerContext(vocab_size=VOCAB_SIZE, eos_token_ids=(0,), ngram=config or NgramConfig())
     )
 
 

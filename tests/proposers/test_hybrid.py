@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hybridspec.config import EngineConfig
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.proposers.hybrid import HybridProposer, _would_have_kept, acceptance, gain
+from hybridspec.proposers.ngram import NgramProposer
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.estimate import drafts_worth_asking
 
@@ -30,11 +30,9 @@ class Recorder(Proposer):
 
 
 def hybrid(cost_per_token: float) -> tuple[HybridProposer, Recorder]:
-    context = ProposerContext(
-        vocab_size=VOCAB, eos_token_ids=(0,), config=EngineConfig(verify_token_cost=0.03)
-    )
+    context = ProposerContext(vocab_size=VOCAB, eos_token_ids=(0,), verify_token_cost=0.03)
     model = Recorder(context, cost_per_token)
-    return HybridProposer(context, model), model
+    return HybridProposer(context, NgramProposer(context), model), model
 
 
 def ask(proposer: HybridProposer, tokens: list[int], k: int) -> Proposal:

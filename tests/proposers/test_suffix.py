@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from hybridspec.config import EngineConfig, SuffixConfig
+from hybridspec.config import SuffixConfig
 from hybridspec.errors import InvalidRequestError
 from hybridspec.proposers.base import ProposerContext
 from hybridspec.proposers.suffix import SuffixProposer
-from hybridspec.types import CommitInfo
+from hybridspec.types import CommitInfo, Session
 from tests.proposers.ngram_helpers import request
 
 VOCAB_SIZE = 1000
@@ -23,11 +23,7 @@ def make(isolation: str = "per-server", max_tokens: int = 4096) -> SuffixPropose
     scopes: dict[int, tuple[bool, str | None]] = {}
     proposer = SuffixProposer(
         ProposerContext(
-            vocab_size=VOCAB_SIZE,
-            eos_token_ids=(0,),
-            config=EngineConfig(suffix=SuffixConfig(max_tokens, isolation)),
-            session_of=sessions.get,
-            scope_of=lambda seq_id: scopes.get(seq_id, (True, None)),
+            vocab_size=VOCAB_SIZE, eos_token_ids=(0,), suffix=SuffixConfig(max_tokens, isolation)
         )
     )
     proposer.sessions = sessions  # type: ignore[attr-defined]  # the tests set them
@@ -35,11 +31,17 @@ def make(isolation: str = "per-server", max_tokens: int = 4096) -> SuffixPropose
     return proposer
 
 
+def start(proposer: SuffixProposer, seq_id: int, prompt: list[int]) -> None:
+    """Start ``seq_id`` with the session and scope the test set for it (``Session``)."""
+    shares, scope = proposer.scopes.get(seq_id, (True, None))  # type: ignore[attr-defined]
+    proposer.start(seq_id, prompt, Session(proposer.sessions.get(seq_id), shares, scope))  # type: ignore[attr-defined]
+
+
 def serve(proposer: SuffixProposer, seq_id: int, prompt: list[int], output: list[int],
           session: str | None = None) -> None:  # fmt: skip
     """A whole request: started, its output committed one token a round, finished."""
     proposer.sessions[seq_id] = session  # type: ignore[attr-defined]
-    proposer.start(seq_id, prompt)
+    start(proposer, seq_id, prompt)
     for token in output:
         proposer.commit(CommitInfo(seq_id, [token], 0))
     proposer.finish(seq_id)
@@ -48,7 +50,7 @@ def serve(proposer: SuffixProposer, seq_id: int, prompt: list[int], output: list
 def drafts(proposer: SuffixProposer, seq_id: int, tokens: list[int], k: int = 8,
            session: str | None = None) -> list[int]:  # fmt: skip
     proposer.sessions[seq_id] = session  # type: ignore[attr-defined]
-    proposer.start(seq_id, tokens)
+    start(proposer, seq_id, tokens)
     [proposal] = proposer.propose([request(seq_id, tokens, k)])
     proposer.finish(seq_id)
     return list(proposal.token_ids)
@@ -87,7 +89,7 @@ def test_per_session_pools_keep_sessions_apart() -> None:
 def test_the_least_recent_session_is_evicted_and_never_leaks() -> None:
     proposer = make("per-session")
     proposer.sessions[0] = "s0"  # type: ignore[attr-defined]
-    proposer.start(0, [5, 6, 7, 8])  # s0 live while 8 other sessions take every pool
+    start(proposer, 0, [5, 6, 7, 8])  # s0 live while 8 other sessions take every pool
     for i in range(1, 9):
         serve(proposer, i, [5, 6, 7, 8], [300 + i, 301 + i], session=f"s{i}")
     [proposal] = proposer.propose([request(0, [5, 6, 7, 8], 4)])

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from hybridspec.engine.stats import GenerationStats
 from hybridspec.server.metrics import (
     HTTP_METHODS,
     LATENCY_BUCKETS_S,
@@ -23,7 +24,6 @@ from hybridspec.server.metrics import (
     method_label,
 )
 from hybridspec.server.middleware import app_routes
-from hybridspec.types import GenerationStats
 from tests.server.conftest import AppFactory
 from tests.server.helpers import metric, parse_metrics
 

@@ -155,7 +155,7 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         if head is None:
             if context.target is None:
                 raise InvalidRequestError("proposer: 'eagle' needs the target model", "proposer")
-            path = find_head(context.config.eagle.head, leading_embedding_rows(context.target))
+            path = find_head(context.eagle.head, leading_embedding_rows(context.target))
             parts = target_parts(context.target)
             if is_eagle_checkpoint(path):
                 layers = int(context.target.hf_config.num_hidden_layers)
@@ -175,7 +175,7 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         self.head = head
         self.feature_layers = head.feature_layers
         self.cache = HeadCache(head.config, head.parts.embed.dtype, head.parts.embed.device)
-        configured = context.config.eagle.cost_per_token
+        configured = context.eagle.cost_per_token
         self.cost_per_token = configured if configured is not None else self._measure_cost()
 
     def _measure_cost(self) -> float:
