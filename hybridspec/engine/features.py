@@ -2,12 +2,13 @@
 the proposers that ask for them (``Proposer.feature_layers``) at no extra forward.
 
 A forward names the union of the layers that its sequences' proposers ask for
-(``ForwardBatch.hidden_layers``) and returns their outputs for every fed token. The rows of a
-sequence's committed tokens are kept, in position order, until its next ``commit``, which
-hands them over in ``CommitInfo.hidden_states`` (columns: the proposer's own layers, in its
-order) with ``CommitInfo.hidden_position``, the position of the first row. A row of a rejected
-draft is never kept. Over a sequence's life the commits cover positions ``0, 1, 2, ...`` without
-gap or overlap, up to the last committed token but one (the last is fed by the next forward).
+(``ForwardBatch.hidden_layers``, from ``batch.forward_layers``) and returns their outputs for
+every fed token. The rows of a sequence's committed tokens are kept, in position order, until
+its next ``commit``, which hands them over in ``CommitInfo.hidden_states`` (columns: the
+proposer's own layers, in its order) with ``CommitInfo.hidden_position``, the position of the
+first row. A row of a rejected draft is never kept. Over a sequence's life the commits cover
+positions ``0, 1, 2, ...`` without gap or overlap, up to the last committed token but one (the
+last is fed by the next forward).
 
 Worked example, one layer asked: a 10-token prompt fed as a prefill chunk of 6, then a decode
 forward of ``[p6 .. p9, d1, d2, d3]`` whose verification accepts ``d1, d2`` and corrects the
@@ -26,47 +27,33 @@ computes no hidden states.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from hybridspec.engine.batch import RoundBatch
 from hybridspec.engine.prefix_cache import CachedFeatures
 from hybridspec.engine.request import Request
-from hybridspec.model import ForwardBatch
-from hybridspec.proposers import Proposer
-
-
-def forward_layers(proposers: Iterable[Proposer]) -> tuple[int, ...]:
-    """The union, in order of first appearance, of the layers ``proposers`` ask for (one
-    entry per sequence of the forward)."""
-    layers: dict[int, None] = {}
-    for proposer in proposers:
-        layers.update(dict.fromkeys(proposer.feature_layers))
-    return tuple(layers)
 
 
 def keep_committed_rows(
-    batch: ForwardBatch,
-    hidden_states: torch.Tensor,
-    requests: Sequence[Request],
-    proposers: Sequence[Proposer],
-    rejected: Sequence[int],
+    batch: RoundBatch, hidden_states: torch.Tensor, rejected: Sequence[int]
 ) -> None:
     """Keep, until its next commit, each request's rows of ``batch`` that hold committed tokens:
     all it fed but its last ``rejected[i]`` (rejected drafts), in its proposer's columns.
 
-    ``requests``, ``proposers``, ``rejected``: per sequence of the batch, in its order.
-    ``hidden_states``: [num_tokens, len(batch.hidden_layers), hidden_size].
+    ``rejected``: per sequence of the batch, in its order. ``hidden_states``: [num_tokens,
+    len(batch.forward.hidden_layers), hidden_size].
     """
-    cu = batch.cu_num_tokens.tolist()
-    for i, (request, proposer) in enumerate(zip(requests, proposers, strict=True)):
+    cu, layers = batch.cu, batch.forward.hidden_layers
+    for i, request in enumerate(batch.requests):
+        proposer = request.proposer
         end = cu[i + 1] - rejected[i]
         if not proposer.feature_layers or end <= cu[i]:
             continue
         rows = hidden_states[cu[i] : end]
-        if proposer.feature_layers != batch.hidden_layers:
-            columns = [batch.hidden_layers.index(layer) for layer in proposer.feature_layers]
-            rows = rows[:, columns]
+        if proposer.feature_layers != layers:
+            rows = rows[:, [layers.index(layer) for layer in proposer.feature_layers]]
         request.pending_hidden.append(rows)
 
 
