@@ -171,9 +171,9 @@ class Admission:
             )
             request.slot, request.stats.cached_tokens = allocation.slot, allocation.num_cached
             if allocation.features is not None:  # the cached positions' rows, as if prefilled
-                request.pending_hidden.append(allocation.features)
+                request.features.pending.append(allocation.features)
             if layers and request.params.cache_prompt and self.prefix_cache.num_slots:
-                request.kept_hidden = []
+                request.features.kept = []
             request.start_time = time.perf_counter()
             try:
                 request.proposer.start(request.seq_id, request.prompt_token_ids)

@@ -7,9 +7,8 @@ from __future__ import annotations
 import logging
 
 from hybridspec.engine.choices import leave
-from hybridspec.engine.features import kept_features
 from hybridspec.engine.logprobs import Logprobs
-from hybridspec.engine.prefix_cache import PrefixCache
+from hybridspec.engine.prefix_cache import CachedFeatures, PrefixCache
 from hybridspec.engine.request import FinishReason, Request, RequestOutput
 from hybridspec.engine.scheduler import Scheduler
 
@@ -37,7 +36,9 @@ class Finisher:
         request.error = error
         if request.slot is not None:
             retain = request.params.cache_prompt and reason is not FinishReason.ERROR
-            features = kept_features(request) if retain else None
+            rows = request.features.all_rows() if retain else None
+            layers = request.proposer.feature_layers
+            features = CachedFeatures(layers, rows) if rows is not None else None
             self.prefix_cache.release(
                 request.slot, request.token_ids, retain, features, request.params.cache_scope
             )

@@ -20,7 +20,6 @@ import torch
 
 from hybridspec.engine.batch import RoundBatch, build_round, run_forward, verify_round
 from hybridspec.engine.drafts import DraftCounts
-from hybridspec.engine.features import keep_committed_rows, take_rows
 from hybridspec.engine.finish import Finisher
 from hybridspec.engine.request import FinishReason, Request, RequestOutput
 from hybridspec.engine.step_budget import FittedForwardCost
@@ -64,7 +63,7 @@ class RoundRunner:
         num_drafts = layout.num_drafts if layout is not None else ()
         if output.hidden_states is not None:
             rejected = [k - n for k, n in zip(num_drafts, accepted, strict=True)]
-            keep_committed_rows(batch, output.hidden_states, rejected + [0] * len(batch.prefill))
+            batch.keep_feature_rows(output.hidden_states, rejected + [0] * len(batch.prefill))
         if verified is None or layout is None:
             return []
         if verified.controlled_logits is not None:  # what p was made from: logprobs read it too
@@ -143,7 +142,7 @@ class RoundRunner:
         new_token_ids, consumed, reason = request.append(
             tokens, self.eos_token_ids, self.runtime.max_seq_len
         )
-        logprobs = request.score_committed(logits[:consumed], tokens[:consumed])
+        logprobs = request.scores.score_committed(logits[:consumed], tokens[:consumed])
         # The accepted drafts lead the round's tokens: the first ``num_drafted`` appended.
         num_drafted = min(num_accepted, len(new_token_ids))
         if reason is not None:
@@ -154,7 +153,7 @@ class RoundRunner:
         if request.constraint is not None:
             request.constraint.commit(new_token_ids)
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
-        hidden_states, hidden_position = take_rows(request)
+        hidden_states, hidden_position = request.features.take()
         try:
             request.proposer.commit(
                 CommitInfo(request.seq_id, tokens, num_accepted, hidden_states, hidden_position)
@@ -170,7 +169,7 @@ class RoundRunner:
             request.detokenizer.stream_text(),
             False,
             logprobs=logprobs,
-            prompt_logprobs=request.take_prompt_logprobs(),
+            prompt_logprobs=request.scores.take_prompt_logprobs(),
             num_drafted=num_drafted,
             drafted_by=drafted_by,
         )
