@@ -4,7 +4,7 @@ speculation back (``record``). The proposer pool asks it per request while draft
 
 from __future__ import annotations
 
-from hybridspec.engine.proposer_costs import ProposerCosts
+from hybridspec.engine.proposer_pool import ProposerPool
 from hybridspec.engine.request import Request
 from hybridspec.engine.speculation import SpeculationPolicy
 from hybridspec.engine.step_budget import FittedForwardCost
@@ -18,15 +18,16 @@ class DraftCounts:
         self,
         speculation: SpeculationPolicy | None,
         forward_cost: FittedForwardCost,
-        costs: ProposerCosts,
+        proposers: ProposerPool,
         max_seq_len: int,
         measure_proposer_costs: bool,
     ) -> None:
         """``forward_cost``: the fitted target forward (``a`` of ``engine.speculation``);
-        ``costs``: the proposers' measured times (priced where ``measure_proposer_costs``)."""
+        ``proposers``: the pool whose ``costs`` (the proposers' measured times) price them
+        where ``measure_proposer_costs``."""
         self.speculation = speculation
         self.forward_cost = forward_cost
-        self.costs = costs
+        self.proposers = proposers
         self.max_seq_len = max_seq_len
         self.measure_proposer_costs = measure_proposer_costs
 
@@ -42,7 +43,7 @@ class DraftCounts:
         by_step = request.params.sampling.is_greedy or not proposer.samples_drafts
         per_token, per_round = proposer.cost_per_token, 0.0
         if by_step and self.measure_proposer_costs:  # (a seeded sampled request: fixed)
-            measured = self.costs.price(proposer, self._forward_fixed_s(self.speculation))
+            measured = self.proposers.costs.price(proposer, self._forward_fixed_s(self.speculation))
             if measured is not None:
                 per_token, per_round = measured
         return self.speculation.num_drafts(

@@ -139,7 +139,7 @@ class Engine:
         self.draft_counts = DraftCounts(
             setup.speculation_policy(config, self.runtime),
             self.forward_cost,
-            self.proposers.costs,
+            self.proposers,
             self.max_seq_len,
             config.measure_proposer_costs,
         )
@@ -287,7 +287,7 @@ class Engine:
         yielded. Closing the iterator early aborts the request.
         """
         prompt_token_ids, params = prompt_and_params(
-            self.tokenizer, prompt, messages, prompt_token_ids, params, kwargs
+            self.encode, prompt, messages, prompt_token_ids, params, kwargs
         )
         request_id = self.add_request(prompt_token_ids, params)
         finished = False
@@ -333,7 +333,7 @@ class Engine:
         """Run ``n`` choices of one prompt to completion, its prefill shared, and return their
         results in choice order (``engine.choices``; arguments as for ``stream``)."""
         ids, params = prompt_and_params(
-            self.tokenizer, prompt, messages, prompt_token_ids, params, kwargs
+            self.encode, prompt, messages, prompt_token_ids, params, kwargs
         )
         return run_to_results(self.step, self.abort, self.add_choices([ids], params, n)[0])
 

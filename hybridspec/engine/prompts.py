@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridspec.engine.params import GenerationParams
@@ -45,7 +45,7 @@ def encode(
 
 
 def prompt_and_params(
-    tokenizer: Any,
+    encode_messages: Callable[[str | None, Messages | None], list[int]],
     prompt: str | None,
     messages: Messages | None,
     prompt_token_ids: Sequence[int] | None,
@@ -54,13 +54,13 @@ def prompt_and_params(
 ) -> tuple[Sequence[int], GenerationParams]:
     """The prompt's token ids and the parameters, from ``Engine.stream``'s arguments: one of a
     prompt, messages or token ids, and ``params`` or keyword options for
-    ``GenerationParams.create``."""
+    ``GenerationParams.create``; ``encode_messages``: ``Engine.encode``."""
     if params is None:
         params = GenerationParams.create(**kwargs)
     else:
         check(not kwargs, "params", f"give either params or keyword options, not {sorted(kwargs)}")
     if prompt_token_ids is None:
-        return encode(tokenizer, prompt, messages), params
+        return encode_messages(prompt, messages), params
     check(
         prompt is None and messages is None,
         "prompt",
