@@ -1,21 +1,23 @@
-"""How requests enter the engine and what each asks of a round: checked and resolved where
-they enter (``add_request``, ``add_choices``: the proposer and K through ``ProposerCatalog``,
-the prompt, ``logit_bias`` and stop ids against the model), admitted into KV-cache slots with
-the prefix cache's help (``_admit``), and the drafts each asks for in a round (``_num_drafts``:
-its K, the room left, adaptive speculation). ``Admission`` is one of ``Engine``'s bases.
+"""How requests enter the engine: checked and resolved where they enter (``add_request``,
+``add_choices``: the proposer and K through ``ProposerCatalog``, the prompt, ``logit_bias`` and
+stop ids against the model), then admitted into KV-cache slots with the prefix cache's help
+(``admit``), each one's proposer started. ``Engine`` owns one ``Admission``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hybridspec.config import EngineConfig
 from hybridspec.engine.choices import check_choices, choice_seed, group_choices
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
+from hybridspec.engine.finish import Finisher
+from hybridspec.engine.prefix_cache import PrefixCache
 from hybridspec.engine.prompts import check_prompt
 from hybridspec.engine.proposer_pool import ProposerPool
 from hybridspec.engine.request import (
@@ -25,10 +27,9 @@ from hybridspec.engine.request import (
     RequestOutput,
     new_generator,
 )
-from hybridspec.engine.resolution import ProposerCatalog
-from hybridspec.engine.round import RoundSteps
+from hybridspec.engine.scheduler import Scheduler
 from hybridspec.errors import check
-from hybridspec.proposers import Proposer
+from hybridspec.model import ModelRuntime
 from hybridspec.verifier import check_logit_bias
 from hybridspec.verifier.grammar import Grammars
 from hybridspec.verifier.uniforms import key_of
@@ -39,30 +40,35 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Admission(RoundSteps):
-    """Requests' entry, admission and per-round draft counts for ``Engine`` (module docstring),
-    over the engine's state that ``Engine.__init__`` sets (annotated here for the type checker).
-    """
+class Admission:
+    """Requests' entry and admission (module docstring); its collaborators are passed in."""
 
-    config: EngineConfig
-    tokenizer: PreTrainedTokenizerBase
-    vocab_size: int
-    max_num_seqs: int
-    proposers: ProposerPool
-    _seq_ids: Iterator[int]
-    _grammars: Grammars | None
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        runtime: ModelRuntime,
+        eos_token_ids: frozenset[int],
+        scheduler: Scheduler,
+        prefix_cache: PrefixCache,
+        proposers: ProposerPool,
+        finisher: Finisher,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size, self.max_seq_len = runtime.vocab_size, runtime.max_seq_len
+        self.max_num_seqs = config.target.max_num_seqs
+        self.eos_token_ids = eos_token_ids
+        self.scheduler = scheduler
+        self.prefix_cache = prefix_cache
+        self.proposers = proposers
+        self.finisher = finisher
+        self.seq_ids = itertools.count()  # each request's ``seq_id``
+        self._grammars: Grammars | None = None
 
     def num_free_slots(self) -> int:
         """Slots free for running requests (the prefix cache gives up its entries for them)."""
         return self.max_num_seqs - len(self.scheduler.running)
-
-    def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
-        check_prompt(prompt_token_ids, self.max_seq_len, self.vocab_size)
-
-    @property
-    def catalog(self) -> ProposerCatalog:
-        """What requests' proposers and K resolve against (``engine.resolution``)."""
-        return self.proposers.catalog
 
     def grammars(self) -> Grammars:
         """The compiler of structured-output grammars for this model's tokenizer (built on
@@ -126,14 +132,14 @@ class Admission(RoundSteps):
         params = params if params is not None else GenerationParams()
         check(isinstance(params, GenerationParams), "params", "expected GenerationParams")
         prompt = list(prompt_token_ids)
-        self.check_prompt(prompt)
+        check_prompt(prompt, self.max_seq_len, self.vocab_size)
         check_logit_bias(params.sampling, self.vocab_size)
         check(
             all(t < self.vocab_size for t in params.stop_token_ids),
             "stop_token_ids",
             f"expected token ids below the vocabulary size {self.vocab_size}",
         )
-        resolved = params.resolved or self.catalog.resolve(
+        resolved = params.resolved or self.proposers.catalog.resolve(
             params.proposer, params.num_speculative_tokens
         )
         check(
@@ -144,7 +150,7 @@ class Admission(RoundSteps):
         seed = choice_seed(params.sampling.seed, choice_index)
         return Request(
             request_id=request_id or uuid.uuid4().hex,
-            seq_id=next(self._seq_ids),
+            seq_id=next(self.seq_ids),
             prompt_token_ids=prompt,
             params=params,
             resolved=resolved,
@@ -154,7 +160,10 @@ class Admission(RoundSteps):
             constraint=None if params.grammar is None else self.grammars().state(params.grammar),
         )
 
-    def _admit(self, outputs: list[RequestOutput]) -> None:
+    def admit(self) -> list[RequestOutput]:
+        """Move waiting requests into free slots and start their proposers; the outputs of
+        those whose proposer failed to start (they end with an error)."""
+        outputs: list[RequestOutput] = []
         for request in self.scheduler.admit(self.num_free_slots()):
             layers = request.proposer.feature_layers
             allocation = self.prefix_cache.allocate(
@@ -162,15 +171,18 @@ class Admission(RoundSteps):
             )
             request.slot, request.stats.cached_tokens = allocation.slot, allocation.num_cached
             if allocation.features is not None:  # the cached positions' rows, as if prefilled
-                request.pending_hidden.append(allocation.features)
+                request.features.pending.append(allocation.features)
             if layers and request.params.cache_prompt and self.prefix_cache.num_slots:
-                request.kept_hidden = []
+                request.features.kept = []
             request.start_time = time.perf_counter()
             try:
                 self.proposers.start(request)  # with the request's session
             except Exception as exc:  # a proposer's failure harms its own request only
                 logger.exception("proposer %r failed to start", request.proposer_name)
-                outputs.append(self._finish(request, FinishReason.ERROR, f"proposer: {exc}"))
+                outputs.append(
+                    self.finisher.finish(request, FinishReason.ERROR, f"proposer: {exc}")
+                )
+        return outputs
 
     def _cache_lookup(self, request: Request) -> list[int] | None:
         """The prompt to look up in the prefix cache, or None where the request must prefill
@@ -181,33 +193,3 @@ class Admission(RoundSteps):
         if not request.params.cache_prompt or request.params.prompt_logprobs is not None or grouped:
             return None
         return request.prompt_token_ids
-
-    def _num_drafts(self, request: Request, proposer: Proposer) -> int:
-        """Drafts to ask for this round: the request's K, shrunk so that committing k + 1 tokens
-        fits the context and budget, then to what pays off (adaptive speculation), the proposer
-        priced by its measured time where the request's text allows (``engine.speculation``)."""
-        room = self.max_seq_len - len(request.token_ids) - 1
-        budget = request.params.max_new_tokens - request.num_generated - 1
-        k = max(0, min(request.num_speculative_tokens, room, budget))
-        if self.speculation is None or k == 0:
-            return k
-        by_step = request.params.sampling.is_greedy or not proposer.samples_drafts
-        per_token, per_round = proposer.cost_per_token, 0.0
-        if by_step and self.config.measure_proposer_costs:  # (a seeded sampled request: fixed)
-            measured = self.proposers.costs.price(proposer, self._forward_fixed_s())
-            if measured is not None:
-                per_token, per_round = measured
-        return self.speculation.num_drafts(
-            request.speculation,
-            k,
-            by_step=by_step,
-            proposer_cost_per_token=per_token,
-            proposer_cost_per_round=per_round,
-        )
-
-    def _forward_fixed_s(self) -> float | None:
-        """Seconds of a target forward's fixed part, ``a`` of ``engine.speculation``: the
-        fitted time of a one-token forward (``forward_cost``), less its one token's share."""
-        assert self.speculation is not None
-        one = self.forward_cost.seconds(1, 1)
-        return None if one is None else one / (1.0 + self.speculation.verify_token_cost)

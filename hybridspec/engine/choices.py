@@ -102,8 +102,8 @@ def fork_ready(running: Iterable[Request], runtime: ModelRuntime) -> None:
         for member in group.requests[1:]:
             assert member.slot is not None and runtime.seq_len(member.slot) == 0
             runtime.copy_prefix(request.slot, member.slot, length)
-            member.prompt_logprob_parts = list(request.prompt_logprob_parts)
-            member.pending_hidden = list(request.pending_hidden)
+            member.scores.prompt = list(request.scores.prompt)
+            member.features.pending = list(request.features.pending)
         for member in group.requests:
             member.group = None
 

@@ -1,27 +1,26 @@
 """The engine: continuous batching of requests, each with its own proposer and K.
 
-One step (see ARCHITECTURE.md for the full data flow):
+One step (docs/round.md follows its data in full):
 
-1. admit waiting requests into free KV-cache slots;
-2. plan: each running request either decodes or feeds a prefill chunk;
-3. propose: every proposer drafts for all its decoding requests at once;
-4. one target forward over the ragged batch ``[uncached committed tokens, d_1 .. d_k]`` per
-   decoding request, plus the prefill chunks;
-5. verify all decoding requests together (greedy or rejection sampling);
+1. admit waiting requests into free KV-cache slots (``admission``);
+2. plan: each running request either decodes or feeds a prefill chunk (``scheduler``);
+3. propose: every proposer drafts for all its decoding requests at once (``proposer_pool``,
+   each request's draft count from ``drafts``);
+4. build the round's one batch (``batch.build_round``) and run one target forward over it:
+   ``[uncached committed tokens, d_1 .. d_k]`` per decoding request, plus the prefill chunks;
+5. verify all decoding requests together (greedy or rejection sampling; ``batch.verify_round``);
 6. commit each request's accepted tokens and bonus or recovered token, check stop conditions on
-   them, roll the target cache back to the committed length and tell the proposer.
+   them, roll the target cache back to the committed length and tell the proposer (``round``).
 
 A failure stays with the request it comes from (``step``): when the shared forward or
 verification raises, the round runs again one sequence at a time.
 
-Dimensions: ``num_seqs`` decoding requests in the step; ``k_i`` drafts of request i.
-
-``Engine`` is the one class callers use; its parts live beside it: requests' entry and
-admission (``admission.Admission``: ``add_request``, ``add_choices``), the round after drafting
-(``round.RoundSteps``: forward, verify, commit, finish), proposers, prompts, scheduling,
-features and choices in their own modules. What stays here is the construction, the step
-(with its fault containment) and the one-request API (``stream``, ``generate``,
-``generate_choices``, ``abort``).
+``Engine`` is the one class callers use. It owns its parts, each its own object with its
+collaborators passed in: ``admission`` (requests' entry), the ``scheduler``, the proposer pool
+(``proposers``), ``draft_counts``, the round runner (``rounds``: commit), the ``prefix_cache``
+and the ``finisher`` (how a request ends). What stays here is the construction, the step (with
+its fault containment) and the one-request API (``stream``, ``generate``, ``generate_choices``,
+``abort``).
 """
 
 from __future__ import annotations
@@ -32,22 +31,15 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-
-from hybridspec.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from hybridspec.config import EngineConfig
+from hybridspec.engine import setup
 from hybridspec.engine.admission import Admission
-from hybridspec.engine.choices import (
-    fork_ready,
-    run_to_results,
-)
-from hybridspec.engine.prefix_cache import (
-    PrefixCache,
-    default_prefix_cache_mb,
-    kv_bytes_per_token,
-    num_slots_for,
-    physical_memory_bytes,
-)
-from hybridspec.engine.prompts import Messages, encode
+from hybridspec.engine.batch import build_round, run_forward, verify_round
+from hybridspec.engine.choices import fork_ready, run_to_results
+from hybridspec.engine.drafts import DraftCounts
+from hybridspec.engine.finish import Finisher
+from hybridspec.engine.prefix_cache import PrefixCache, kv_bytes_per_token
+from hybridspec.engine.prompts import Messages, check_prompt, encode, prompt_and_params
 from hybridspec.engine.proposer_pool import ProposerPool
 from hybridspec.engine.request import (
     FinishReason,
@@ -55,17 +47,15 @@ from hybridspec.engine.request import (
     GenerationResult,
     RequestOutput,
 )
+from hybridspec.engine.resolution import ProposerCatalog
 from hybridspec.engine.round import ROUND_FAILED as ROUND_FAILED  # its public path
+from hybridspec.engine.round import RoundRunner
 from hybridspec.engine.scheduler import Scheduler
-from hybridspec.engine.speculation import SpeculationPolicy, measure_verify_token_cost
-from hybridspec.engine.step_budget import FittedForwardCost, StepBudget
+from hybridspec.engine.speculation import SpeculationPolicy
+from hybridspec.engine.step_budget import FittedForwardCost
 from hybridspec.engine.turns import Turns
 from hybridspec.errors import HybridSpecError, check
-from hybridspec.model import (
-    LoadedModel,
-    load_model,
-    thread_controller,
-)
+from hybridspec.model import LoadedModel, load_model, thread_controller
 from hybridspec.proposers import (
     Proposer,
     ProposerFactory,
@@ -77,7 +67,7 @@ from hybridspec.verifier.grammar import Grammars
 logger = logging.getLogger(__name__)
 
 
-class Engine(Admission):
+class Engine:
     """Generates with speculative decoding; every request picks its proposer and K.
 
     ``step()`` advances every running request by one verification round (the building block
@@ -94,17 +84,17 @@ class Engine(Admission):
     ) -> None:
         """Load the target (and the draft model, if configured) unless given, and build every
         registered proposer (``registry``; default: ``proposers.default_registry()``)."""
-        self.config = config if config is not None else EngineConfig()
+        self.config = config = config if config is not None else EngineConfig()
         # before loading: the load runs forwards
-        self.thread_policy = thread_controller(self.config.num_threads)
-        self.target = target if target is not None else load_model(self.config.target)
+        self.thread_policy = thread_controller(config.num_threads)
+        self.target = target if target is not None else load_model(config.target)
         self.tokenizer = self.target.tokenizer
         self.eos_token_ids = frozenset(self.target.eos_token_ids)
-        self.max_num_seqs = self.config.target.max_num_seqs
-        budget_mb = self._prefix_cache_mb()
-        cache_slots = self._prefix_cache_slots(budget_mb)
+        self.max_num_seqs = config.target.max_num_seqs
+        budget_mb = setup.prefix_cache_mb(config, self.target)
+        cache_slots = setup.prefix_cache_slots(config, self.target, budget_mb)
         self.runtime = self.target.create_runtime(
-            self.max_num_seqs + cache_slots, self.config.target.max_seq_len
+            self.max_num_seqs + cache_slots, config.target.max_seq_len
         )
         self.prefix_cache = PrefixCache(
             self.runtime, cache_slots, budget_mb * 2**20, kv_bytes_per_token(self.target)
@@ -113,60 +103,52 @@ class Engine(Admission):
         self.vocab_size = self.runtime.vocab_size
         self.forward_cost = FittedForwardCost()  # the machine's, kept across ``reset``
         self.scheduler = Scheduler(
-            self.config.max_queue_size,
-            self.config.prefill_chunk_size,
-            self._step_budget(),
-            turns=Turns(self.config.tenants),
+            config.max_queue_size,
+            config.prefill_chunk_size,
+            setup.step_budget(config, self.forward_cost),
+            turns=Turns(config.tenants),
         )
         self.proposers = ProposerPool(
             registry if registry is not None else default_registry(),
-            self.config,
+            config,
             self.target,
             self.runtime,
             draft,
         )
-        self.proposers.catalog.find(self.config.default_proposer)
-        self._seq_ids = itertools.count()
-        self._grammars: Grammars | None = None
-        self.speculation: SpeculationPolicy | None = None
-        if self.config.adaptive_speculation:
-            cost = self.config.verify_token_cost
-            if cost is None:
-                cost = measure_verify_token_cost(self.runtime, MAX_SPECULATIVE_TOKENS)
-                logger.info("verify cost per token: %.4f of a forward", cost)
-            self.speculation = SpeculationPolicy(cost)
-
-    def _step_budget(self) -> StepBudget | None:
-        """The time bound of steps that prefill beside decoding requests (``step_budget``);
-        None where the configuration turns it off."""
-        ratio = self.config.prefill_step_ratio
-        if ratio is None:
-            return None
-        config = self.config
-        return StepBudget(
+        self.proposers.catalog.find(config.default_proposer)
+        self.finisher = Finisher(self.scheduler, self.prefix_cache)
+        self.admission = Admission(
+            config,
+            self.tokenizer,
+            self.runtime,
+            self.eos_token_ids,
+            self.scheduler,
+            self.prefix_cache,
+            self.proposers,
+            self.finisher,
+        )
+        # Requests enter through admission: its methods, with their docstrings, are the engine's.
+        self.add_request = self.admission.add_request
+        self.add_choices = self.admission.add_choices
+        self.draft_counts = DraftCounts(
+            setup.speculation_policy(config, self.runtime),
             self.forward_cost,
-            ratio,
-            config.prefill_step_min_s,
-            max_seconds=config.prefill_step_max_s,
+            self.proposers,
+            self.max_seq_len,
+            config.measure_proposer_costs,
+        )
+        self.rounds = RoundRunner(
+            self.runtime, self.forward_cost, self.draft_counts, self.finisher, self.eos_token_ids
         )
 
-    def _prefix_cache_mb(self) -> int:
-        """The prefix cache's budget of resident memory (0: off). By default it is on where
-        reuse is exact to the bit: the native runtime in bfloat16 on CPU, row-invariant (in
-        float32 a token decoded alone gets keys 1e-7 off its prefilled ones)."""
-        budget = self.config.prefix_cache_mb
-        if budget is None:
-            exact = self.target.is_native and self.target.dtype == torch.bfloat16
-            on_cpu = torch.device(self.config.target.device).type == "cpu"
-            budget = default_prefix_cache_mb() if exact and on_cpu else 0
-        return budget
+    @property
+    def speculation(self) -> SpeculationPolicy | None:
+        """Adaptive speculation's policy (None: off), which ``draft_counts`` keeps."""
+        return self.draft_counts.speculation
 
-    def _prefix_cache_slots(self, budget_mb: int) -> int:
-        """Virtual slots the prefix cache gets beyond the running requests' (``num_slots_for``)."""
-        max_seq_len = self.config.target.max_seq_len
-        max_seq_len = max_seq_len or self.target.max_seq_len or self.target.context_length
-        per_token = kv_bytes_per_token(self.target)
-        return num_slots_for(budget_mb, per_token, max_seq_len, physical_memory_bytes())
+    @speculation.setter
+    def speculation(self, policy: SpeculationPolicy | None) -> None:
+        self.draft_counts.speculation = policy
 
     # ----------------------------------------------------------------- proposers
 
@@ -204,12 +186,28 @@ class Engine(Admission):
         (and ``tools``, for a template that shows them)."""
         return encode(self.tokenizer, prompt, messages, tools)
 
+    def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        check_prompt(prompt_token_ids, self.max_seq_len, self.vocab_size)
+
+    def num_free_slots(self) -> int:
+        """Slots free for running requests (``Admission.num_free_slots``)."""
+        return self.admission.num_free_slots()
+
+    @property
+    def catalog(self) -> ProposerCatalog:
+        """What requests' proposers and K resolve against (``engine.resolution``)."""
+        return self.proposers.catalog
+
+    def grammars(self) -> Grammars:
+        """The compiler of structured-output grammars (``Admission.grammars``)."""
+        return self.admission.grammars()
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request, releasing everything it holds; None if it is not known."""
         request = self.scheduler.find(request_id)
         if request is None:
             return None
-        return self._finish(request, FinishReason.ABORT)
+        return self.finisher.finish(request, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return len(self.scheduler) > 0
@@ -227,13 +225,13 @@ class Engine(Admission):
     def step(self) -> list[RequestOutput]:
         """Advance every running request by one round; return what each one committed.
 
-        A failure is contained to its request: a proposer's (``ProposerPool.propose``), a
-        commit's (``_commit_all``), and one in the shared forward or verification, after which
-        every sequence of the round runs again alone (``_isolate``) and only those that fail
-        alone fail.
+        The round reads: admit, plan, propose, build, forward, verify, commit. A failure is
+        contained to its request: a proposer's (``ProposerPool.propose``), a commit's
+        (``RoundRunner.commit``), and one in the shared forward or verification, after which
+        every sequence of the round runs again alone (``RoundRunner.isolate``) and only those
+        that fail alone fail.
         """
-        outputs: list[RequestOutput] = []
-        self._admit(outputs)
+        outputs = self.admission.admit()
         fork_ready(self.scheduler.running, self.runtime)  # choices share their prompt's prefill
         running = self.scheduler.running
         if not running:
@@ -243,22 +241,24 @@ class Engine(Admission):
         if self.thread_policy is not None:
             self.thread_policy.for_step(prefill=plan.feeds_prompt)
         started = time.perf_counter()
-        proposed = self.proposers.propose(plan.decode, self._num_drafts)
+        proposed = self.proposers.propose(plan.decode, self.draft_counts.num_drafts)
         for request, error in proposed.failed:
-            outputs.append(self._finish(request, FinishReason.ERROR, error))
-        drafts = proposed.drafts
-        if not drafts and not plan.prefill:
+            outputs.append(self.finisher.finish(request, FinishReason.ERROR, error))
+        drafts, prefill = proposed.drafts, plan.prefill
+        if not drafts and not prefill:
             return outputs
-        cached = {r.seq_id: self.runtime.seq_len(r.slot) for r, _ in (*drafts, *plan.prefill)}  # type: ignore[arg-type]
+        cached = {r.seq_id: self.runtime.seq_len(r.slot) for r, _ in (*drafts, *prefill)}  # type: ignore[arg-type]
         try:
-            verified = self._forward_and_verify(drafts, plan.prefill)
+            batch = build_round(drafts, prefill, cached, self.runtime.device)
+            output = run_forward(self.runtime, batch, self.forward_cost)
+            verified = verify_round(batch, output.logits, self.eos_token_ids)
         except Exception:
             logger.exception("a round of %d sequences failed; running each alone", len(cached))
-            self._roll_back(cached)
-            return outputs + self._isolate(drafts, plan.prefill, cached)
+            self.rounds.roll_back([r for r, _ in (*drafts, *prefill)], cached)
+            return outputs + self.rounds.isolate(drafts, prefill, cached)
         if self.thread_policy is not None and not plan.feeds_prompt:  # decode rounds compare
             self.thread_policy.observe(time.perf_counter() - started)
-        return outputs + self._commit_all(verified)
+        return outputs + self.rounds.commit(batch, output, verified)
 
     # ------------------------------------------------------------- one request
 
@@ -277,8 +277,8 @@ class Engine(Admission):
         Other requests already in the engine advance too, but only this one's outputs are
         yielded. Closing the iterator early aborts the request.
         """
-        prompt_token_ids, params = self._prompt_and_params(
-            prompt, messages, prompt_token_ids, params, kwargs
+        prompt_token_ids, params = prompt_and_params(
+            self.encode, prompt, messages, prompt_token_ids, params, kwargs
         )
         request_id = self.add_request(prompt_token_ids, params)
         finished = False
@@ -323,42 +323,20 @@ class Engine(Admission):
     ) -> list[GenerationResult]:
         """Run ``n`` choices of one prompt to completion, its prefill shared, and return their
         results in choice order (``engine.choices``; arguments as for ``stream``)."""
-        ids, params = self._prompt_and_params(prompt, messages, prompt_token_ids, params, kwargs)
-        return run_to_results(self.step, self.abort, self.add_choices([ids], params, n)[0])
-
-    def _prompt_and_params(
-        self,
-        prompt: str | None,
-        messages: Messages | None,
-        prompt_token_ids: Sequence[int] | None,
-        params: GenerationParams | None,
-        kwargs: dict[str, Any],
-    ) -> tuple[Sequence[int], GenerationParams]:
-        """The prompt's token ids and the parameters, from ``stream``'s arguments."""
-        if params is None:
-            params = GenerationParams.create(**kwargs)
-        else:
-            check(
-                not kwargs, "params", f"give either params or keyword options, not {sorted(kwargs)}"
-            )
-        if prompt_token_ids is None:
-            return self.encode(prompt, messages), params
-        check(
-            prompt is None and messages is None,
-            "prompt",
-            "expected one of prompt, messages or prompt_token_ids",
+        ids, params = prompt_and_params(
+            self.encode, prompt, messages, prompt_token_ids, params, kwargs
         )
-        return prompt_token_ids, params
+        return run_to_results(self.step, self.abort, self.add_choices([ids], params, n)[0])
 
     def abort_all(self) -> list[RequestOutput]:
         """Cancel every running and waiting request (at shutdown)."""
         requests = [*self.scheduler.running, *self.scheduler.waiting]
-        return [self._finish(request, FinishReason.ABORT) for request in requests]
+        return [self.finisher.finish(request, FinishReason.ABORT) for request in requests]
 
     def fail_running(self, message: str) -> list[RequestOutput]:
         """Fail every running request with ``message`` (after an unrecoverable step error)."""
         return [
-            self._finish(request, FinishReason.ERROR, message)
+            self.finisher.finish(request, FinishReason.ERROR, message)
             for request in list(self.scheduler.running)
         ]
 
@@ -372,7 +350,7 @@ class Engine(Admission):
         check(not self.has_unfinished(), "engine", "reset with requests still in the engine")
         self.prefix_cache.reset()
         assert self.runtime.num_free_slots() == self.runtime.max_num_seqs
-        self._seq_ids = itertools.count()
+        self.admission.seq_ids = itertools.count()
         if self.speculation is not None:
             self.speculation = SpeculationPolicy(self.speculation.verify_token_cost)
         if self.thread_policy is not None:

@@ -2,12 +2,13 @@
 the proposers that ask for them (``Proposer.feature_layers``) at no extra forward.
 
 A forward names the union of the layers that its sequences' proposers ask for
-(``ForwardBatch.hidden_layers``) and returns their outputs for every fed token. The rows of a
-sequence's committed tokens are kept, in position order, until its next ``commit``, which
-hands them over in ``CommitInfo.hidden_states`` (columns: the proposer's own layers, in its
-order) with ``CommitInfo.hidden_position``, the position of the first row. A row of a rejected
-draft is never kept. Over a sequence's life the commits cover positions ``0, 1, 2, ...`` without
-gap or overlap, up to the last committed token but one (the last is fed by the next forward).
+(``ForwardBatch.hidden_layers``, from ``batch.forward_layers``) and returns their outputs for
+every fed token. The rows of a sequence's committed tokens are kept
+(``RoundBatch.keep_feature_rows``), in position order, until its next ``commit``, which hands
+them over in ``CommitInfo.hidden_states`` (columns: the proposer's own layers, in its order)
+with ``CommitInfo.hidden_position``, the position of the first row. A row of a rejected draft
+is never kept. Over a sequence's life the commits cover positions ``0, 1, 2, ...`` without gap
+or overlap, up to the last committed token but one (the last is fed by the next forward).
 
 Worked example, one layer asked: a 10-token prompt fed as a prefill chunk of 6, then a decode
 forward of ``[p6 .. p9, d1, d2, d3]`` whose verification accepts ``d1, d2`` and corrects the
@@ -18,7 +19,7 @@ and the next commit starts at ``hidden_position = 12``.
 
 A request served from the prefix cache starts with the cached positions' rows pending, as if
 its prefill had computed them; a request whose entry the cache may keep keeps the rows it hands
-(``Request.kept_hidden``) for the entry (``kept_features``).
+(``FeatureRows.kept``) for the entry (``FeatureRows.all_rows``).
 
 Proposers that ask for no layer cost nothing: a forward none of whose sequences' proposers ask
 computes no hidden states.
@@ -26,74 +27,37 @@ computes no hidden states.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from hybridspec.engine.prefix_cache import CachedFeatures
-from hybridspec.engine.request import Request
-from hybridspec.model import ForwardBatch
-from hybridspec.proposers import Proposer
 
+@dataclass(eq=False)
+class FeatureRows:
+    """One request's target features (module docstring): the rows at committed positions not
+    yet handed to its proposer, how many positions were handed, and, where the prefix cache may
+    keep its entry, the rows handed so far (else None)."""
 
-def forward_layers(proposers: Iterable[Proposer]) -> tuple[int, ...]:
-    """The union, in order of first appearance, of the layers ``proposers`` ask for (one
-    entry per sequence of the forward)."""
-    layers: dict[int, None] = {}
-    for proposer in proposers:
-        layers.update(dict.fromkeys(proposer.feature_layers))
-    return tuple(layers)
+    pending: list[torch.Tensor] = field(default_factory=list)
+    num_handed: int = 0
+    kept: list[torch.Tensor] | None = None
 
+    def take(self) -> tuple[torch.Tensor | None, int]:
+        """The rows kept since the last commit and the position of the first; forgets them.
+        (None, position) when none were kept."""
+        position = self.num_handed
+        if not self.pending:
+            return None, position
+        rows = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+        self.pending.clear()
+        self.num_handed += rows.shape[0]
+        if self.kept is not None:
+            self.kept.append(rows)
+        return rows, position
 
-def keep_committed_rows(
-    batch: ForwardBatch,
-    hidden_states: torch.Tensor,
-    requests: Sequence[Request],
-    proposers: Sequence[Proposer],
-    rejected: Sequence[int],
-) -> None:
-    """Keep, until its next commit, each request's rows of ``batch`` that hold committed tokens:
-    all it fed but its last ``rejected[i]`` (rejected drafts), in its proposer's columns.
-
-    ``requests``, ``proposers``, ``rejected``: per sequence of the batch, in its order.
-    ``hidden_states``: [num_tokens, len(batch.hidden_layers), hidden_size].
-    """
-    cu = batch.cu_num_tokens.tolist()
-    for i, (request, proposer) in enumerate(zip(requests, proposers, strict=True)):
-        end = cu[i + 1] - rejected[i]
-        if not proposer.feature_layers or end <= cu[i]:
-            continue
-        rows = hidden_states[cu[i] : end]
-        if proposer.feature_layers != batch.hidden_layers:
-            columns = [batch.hidden_layers.index(layer) for layer in proposer.feature_layers]
-            rows = rows[:, columns]
-        request.pending_hidden.append(rows)
-
-
-def take_rows(request: Request) -> tuple[torch.Tensor | None, int]:
-    """The rows kept since the request's last commit and the position of the first; forgets
-    them. (None, position) when none were kept."""
-    position = request.num_hidden_handed
-    if not request.pending_hidden:
-        return None, position
-    rows = (
-        request.pending_hidden[0]
-        if len(request.pending_hidden) == 1
-        else torch.cat(request.pending_hidden)
-    )
-    request.pending_hidden.clear()
-    request.num_hidden_handed += rows.shape[0]
-    if request.kept_hidden is not None:
-        request.kept_hidden.append(rows)
-    return rows, position
-
-
-def kept_features(request: Request) -> CachedFeatures | None:
-    """The rows of every position the request computed (handed or still pending), for the
-    prefix cache to keep with its entry; None where it did not keep them."""
-    if request.kept_hidden is None:
-        return None
-    rows = request.kept_hidden + request.pending_hidden
-    if not rows:
-        return None
-    return CachedFeatures(request.proposer.feature_layers, torch.cat(rows))
+    def all_rows(self) -> torch.Tensor | None:
+        """The rows of every position computed (handed or still pending), for the prefix
+        cache to keep with the request's entry (``CachedFeatures``); None where they were not
+        kept."""
+        rows = (self.kept + self.pending) if self.kept is not None else []
+        return torch.cat(rows) if rows else None

@@ -17,7 +17,7 @@ Dimensions: ``num_tokens`` positions scored, ``num_top`` alternatives per positi
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -111,3 +111,57 @@ def score(
     chosen = logprobs.gather(1, ids.to(logprobs.device).unsqueeze(1)).squeeze(1)
     top = logprobs.topk(num_top, dim=-1)
     return Logprobs(ids, chosen.float().cpu(), top.indices.cpu(), top.values.float().cpu())
+
+
+@dataclass(eq=False)
+class LogprobParts:
+    """What one request's ``logprobs`` and ``prompt_logprobs`` ask for, scored so far: the
+    committed tokens' parts, the prompt's parts (in position order), and whether an output has
+    carried the prompt's yet (once complete, they go out once)."""
+
+    sampling: SamplingParams
+    num_top: int | None  # ``GenerationParams.logprobs``: None asks for none
+    num_prompt_top: int | None  # ``GenerationParams.prompt_logprobs``
+    prompt_token_ids: Sequence[int]
+    committed: list[Logprobs] = field(default_factory=list)
+    prompt: list[Logprobs] = field(default_factory=list)
+    prompt_sent: bool = False
+
+    def score_prompt(self, logits: torch.Tensor, start: int) -> None:
+        """Score the prompt tokens after positions ``start, start + 1, ...`` against
+        ``logits`` [num_rows, vocab_size], the rows of the prompt tokens at those positions."""
+        assert self.num_prompt_top is not None
+        ids = self.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+        self.prompt.append(score(logits, ids, self.sampling, self.num_prompt_top))
+
+    def score_committed(self, logits: torch.Tensor, token_ids: Sequence[int]) -> Logprobs | None:
+        """Score the tokens a commit consumed against ``logits`` [len(token_ids), vocab_size],
+        the rows that produced them; None when the request asks for no logprobs."""
+        if self.num_top is None:
+            return None
+        scored = score(logits, token_ids, self.sampling, self.num_top)
+        self.committed.append(scored)
+        return scored
+
+    def committed_logprobs(self) -> Logprobs | None:
+        """Every committed token's, joined; None when the request asks for none."""
+        return None if self.num_top is None else Logprobs.cat(self.committed, self.num_top)
+
+    def prompt_logprobs(self) -> Logprobs | None:
+        """The prompt's log-probabilities once every token but the first is scored, else None."""
+        num_top = self.num_prompt_top
+        scored = sum(len(part) for part in self.prompt)
+        if num_top is None or scored < len(self.prompt_token_ids) - 1:
+            return None
+        joined = Logprobs.cat(self.prompt, num_top)
+        self.prompt[:] = [joined]
+        return joined
+
+    def take_prompt_logprobs(self) -> Logprobs | None:
+        """``prompt_logprobs()`` the first time they are complete, then None: an output
+        carries them once."""
+        if self.prompt_sent:
+            return None
+        scored = self.prompt_logprobs()
+        self.prompt_sent = scored is not None
+        return scored

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from hybridspec.engine.params import GenerationParams
 from hybridspec.errors import ContextLengthError, InvalidRequestError, check
 
 Messages = Sequence[dict[str, Any]]
@@ -41,6 +42,31 @@ def encode(
             f"messages: the chat template rejected them: {exc}", "messages"
         ) from exc
     return list(tokenizer.encode(str(text), add_special_tokens=False))
+
+
+def prompt_and_params(
+    encode_messages: Callable[[str | None, Messages | None], list[int]],
+    prompt: str | None,
+    messages: Messages | None,
+    prompt_token_ids: Sequence[int] | None,
+    params: GenerationParams | None,
+    kwargs: dict[str, Any],
+) -> tuple[Sequence[int], GenerationParams]:
+    """The prompt's token ids and the parameters, from ``Engine.stream``'s arguments: one of a
+    prompt, messages or token ids, and ``params`` or keyword options for
+    ``GenerationParams.create``; ``encode_messages``: ``Engine.encode``."""
+    if params is None:
+        params = GenerationParams.create(**kwargs)
+    else:
+        check(not kwargs, "params", f"give either params or keyword options, not {sorted(kwargs)}")
+    if prompt_token_ids is None:
+        return encode_messages(prompt, messages), params
+    check(
+        prompt is None and messages is None,
+        "prompt",
+        "expected one of prompt, messages or prompt_token_ids",
+    )
+    return prompt_token_ids, params
 
 
 def check_prompt(prompt_token_ids: Sequence[int], max_seq_len: int, vocab_size: int) -> None:

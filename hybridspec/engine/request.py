@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
-from hybridspec.engine.logprobs import Logprobs, score
+from hybridspec.engine.features import FeatureRows
+from hybridspec.engine.logprobs import LogprobParts, Logprobs
 from hybridspec.engine.params import DEFAULT_MAX_NEW_TOKENS as DEFAULT_MAX_NEW_TOKENS
 from hybridspec.engine.params import GenerationParams as GenerationParams  # its public path
 from hybridspec.engine.resolution import ResolvedProposer
@@ -136,16 +137,10 @@ class Request:
     error: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
     speculation: SpeculationState = field(default_factory=SpeculationState)
-    # The target's hidden states at committed positions not yet handed to the proposer
-    # (``engine.features``), and how many positions were handed so far.
-    pending_hidden: list[torch.Tensor] = field(default_factory=list)
-    num_hidden_handed: int = 0
-    # The rows handed so far, kept for the prefix cache where it may retain them (else None).
-    kept_hidden: list[torch.Tensor] | None = None
-    # What ``params.logprobs`` and ``prompt_logprobs`` ask for, scored so far (engine.logprobs).
-    logprob_parts: list[Logprobs] = field(default_factory=list)
-    prompt_logprob_parts: list[Logprobs] = field(default_factory=list)
-    prompt_logprobs_sent: bool = False
+    # Its parts: the target's features for its proposer (``engine.features``), and its
+    # log-probabilities scored so far (``engine.logprobs``; made from ``params``).
+    features: FeatureRows = field(default_factory=FeatureRows)
+    scores: LogprobParts = field(init=False)
     # The choices of its prompt, until they share its prefill (``engine.choices``); else None.
     group: ChoiceGroup | None = None
     # The grammar's matcher at the committed position (``params.grammar``), None for none.
@@ -154,6 +149,10 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.stats.prompt_tokens = len(self.prompt_token_ids)
+        params = self.params
+        self.scores = LogprobParts(
+            params.sampling, params.logprobs, params.prompt_logprobs, self.prompt_token_ids
+        )
 
     @property
     def proposer(self) -> Proposer:
@@ -233,42 +232,6 @@ class Request:
             self.stats.time_to_first_token_s = time.perf_counter() - self.arrival_time
         return new_token_ids, consumed, reason
 
-    def score_prompt(self, logits: torch.Tensor, start: int) -> None:
-        """Score the prompt tokens after positions ``start, start + 1, ...`` against
-        ``logits`` [num_rows, vocab_size], the rows of the prompt tokens at those positions."""
-        assert self.params.prompt_logprobs is not None
-        ids = self.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
-        scored = score(logits, ids, self.params.sampling, self.params.prompt_logprobs)
-        self.prompt_logprob_parts.append(scored)
-
-    def score_committed(self, logits: torch.Tensor, token_ids: Sequence[int]) -> Logprobs | None:
-        """Score the tokens a commit consumed against ``logits`` [len(token_ids), vocab_size],
-        the rows that produced them; None when the request asks for no logprobs."""
-        if self.params.logprobs is None:
-            return None
-        scored = score(logits, token_ids, self.params.sampling, self.params.logprobs)
-        self.logprob_parts.append(scored)
-        return scored
-
-    def prompt_logprobs(self) -> Logprobs | None:
-        """The prompt's log-probabilities once every token but the first is scored, else None."""
-        num_top = self.params.prompt_logprobs
-        scored = sum(len(part) for part in self.prompt_logprob_parts)
-        if num_top is None or scored < len(self.prompt_token_ids) - 1:
-            return None
-        joined = Logprobs.cat(self.prompt_logprob_parts, num_top)
-        self.prompt_logprob_parts[:] = [joined]
-        return joined
-
-    def take_prompt_logprobs(self) -> Logprobs | None:
-        """``prompt_logprobs()`` the first time they are complete, then None: an output
-        carries them once."""
-        if self.prompt_logprobs_sent:
-            return None
-        scored = self.prompt_logprobs()
-        self.prompt_logprobs_sent = scored is not None
-        return scored
-
     def final_output(
         self, new_token_ids: list[int], logprobs: Logprobs | None = None
     ) -> RequestOutput:
@@ -278,7 +241,6 @@ class Request:
         if self.start_time is not None:
             self.stats.elapsed_s = time.perf_counter() - self.start_time
         detokenizer = self.detokenizer
-        num_top = self.params.logprobs
         result = GenerationResult(
             request_id=self.request_id,
             text=detokenizer.text if detokenizer is not None else "",
@@ -286,8 +248,8 @@ class Request:
             finish_reason=self.finish_reason,
             stats=self.stats,
             error=self.error,
-            logprobs=None if num_top is None else Logprobs.cat(self.logprob_parts, num_top),
-            prompt_logprobs=self.prompt_logprobs(),
+            logprobs=self.scores.committed_logprobs(),
+            prompt_logprobs=self.scores.prompt_logprobs(),
         )
         return RequestOutput(
             self.request_id,
@@ -297,5 +259,5 @@ class Request:
             self.finish_reason,
             result,
             logprobs,
-            self.take_prompt_logprobs(),
+            self.scores.take_prompt_logprobs(),
         )

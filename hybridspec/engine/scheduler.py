@@ -13,9 +13,7 @@ A decoding request has 1 uncached token (its last committed one) and always deco
 one does, the step is bounded in time instead (``engine.step_budget``): the prompt's chunks
 are as many tokens as the step's estimated forward allows, fewer the deeper they sit.
 
-A request that asks for its prompt's log-probabilities (``GenerationParams.prompt_logprobs``)
-also wants the logits of every prompt token it feeds but the last (whose row predicts the first
-generated token, and is verified); ``forward_batch`` appends those rows after the verified ones.
+What each one feeds becomes the round's batch in ``engine.batch``.
 """
 
 from __future__ import annotations
@@ -24,47 +22,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from hybridspec.engine.request import Request
-from hybridspec.engine.step_budget import StepBudget, StepChunks, attention_scores
+from hybridspec.engine.step_budget import StepBudget, StepChunks
 from hybridspec.engine.turns import Turns, entry_size
 from hybridspec.errors import CapacityError
-from hybridspec.model import ForwardBatch
-from hybridspec.types import Proposal
-
-
-@dataclass(frozen=True, slots=True)
-class PromptRows:
-    """Logits rows of one request's prompt in a forward, for ``prompt_logprobs``: those of the
-    prompt tokens at positions ``start .. start + num_rows - 1``, which predict the tokens at
-    ``start + 1 .. start + num_rows``."""
-
-    request: Request
-    start: int
-    num_rows: int
-
-
-@dataclass(frozen=True, slots=True)
-class StepBatch:
-    """One step's forward and the meaning of its logits rows: first each decoding request's
-    ``num_drafts + 1`` verified rows, in order (``num_verify_rows`` in all), then the rows of
-    ``prompt_rows``, one request after another. ``num_scores``: the forward's query-key pairs
-    of attention (``step_budget.attention_scores``), which its cost grows with."""
-
-    batch: ForwardBatch
-    num_verify_rows: int
-    prompt_rows: list[PromptRows]
-    num_scores: int
-
-    def score_prompts(self, logits: torch.Tensor) -> torch.Tensor:
-        """Hand each request of ``prompt_rows`` its rows of ``logits`` (the forward's, [num_logits,
-        vocab_size]) to score its prompt; return the verified rows."""
-        row = self.num_verify_rows
-        for prompt in self.prompt_rows:
-            prompt.request.score_prompt(logits[row : row + prompt.num_rows], prompt.start)
-            row += prompt.num_rows
-        return logits[: self.num_verify_rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,75 +176,3 @@ class Scheduler:
 
     def __len__(self) -> int:
         return len(self.running) + len(self.waiting)
-
-
-def forward_batch(
-    drafts: list[tuple[Request, Proposal]],
-    prefill: list[tuple[Request, int]],
-    seq_len: Callable[[int], int],
-    hidden_layers: tuple[int, ...] = (),
-) -> StepBatch:
-    """Flatten the step's decoding spans and prefill chunks into one ragged batch.
-
-    A decoding request feeds its uncached committed tokens (``seq_len(slot)`` are cached) and
-    its drafts, with logits at its last ``num_drafts + 1`` positions; a chunk feeds the next
-    ``n`` tokens of its prompt and wants none. Example: a request with 1 uncached token and
-    drafts ``d1 d2`` then a chunk of 3 give ``token_ids [t, d1, d2, p0, p1, p2]``,
-    ``cu_num_tokens [0, 3, 6]`` and ``logits_indices [0, 1, 2]``. Had the chunk's request asked
-    for prompt logprobs, ``logits_indices`` would be ``[0, 1, 2, 3, 4, 5]`` and its
-    ``PromptRows`` start at position 0 with 3 rows.
-    """
-    slots: list[int] = []
-    token_ids: list[int] = []
-    cu = [0]
-    logits_indices: list[int] = []
-    fed: list[tuple[Request, int, int]] = []  # (request, first position fed, committed fed)
-    for request, proposal in drafts:
-        assert request.slot is not None
-        cached = seq_len(request.slot)
-        token_ids.extend(request.token_ids[cached:])
-        token_ids.extend(proposal.token_ids)
-        logits_indices.extend(range(len(token_ids) - proposal.num_drafts - 1, len(token_ids)))
-        fed.append((request, cached, len(request.token_ids) - cached))
-        slots.append(request.slot)
-        cu.append(len(token_ids))
-    for request, num_tokens in prefill:
-        assert request.slot is not None
-        cached = seq_len(request.slot)
-        token_ids.extend(request.token_ids[cached : cached + num_tokens])
-        fed.append((request, cached, num_tokens))
-        slots.append(request.slot)
-        cu.append(len(token_ids))
-    num_scores = sum(
-        attention_scores(start, cu[i + 1] - cu[i]) for i, (_, start, _) in enumerate(fed)
-    )
-    num_verify_rows = len(logits_indices)
-    prompt_rows = _add_prompt_rows(fed, cu, logits_indices)
-    batch = ForwardBatch(
-        slots=torch.tensor(slots, dtype=torch.long),
-        token_ids=torch.tensor(token_ids, dtype=torch.long),
-        cu_num_tokens=torch.tensor(cu, dtype=torch.long),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
-        hidden_layers=hidden_layers,
-    )
-    return StepBatch(batch, num_verify_rows, prompt_rows, num_scores)
-
-
-def _add_prompt_rows(
-    fed: list[tuple[Request, int, int]], cu: list[int], logits_indices: list[int]
-) -> list[PromptRows]:
-    """Append to ``logits_indices`` the rows of the prompt tokens that each request asking for
-    prompt logprobs feeds, but the prompt's last (it predicts no prompt token).
-
-    ``fed``: per sequence, (request, position of its first fed token, committed tokens fed);
-    ``cu``: the batch's cumulative offsets.
-    """
-    prompt_rows = []
-    for (request, start, num_fed), offset in zip(fed, cu, strict=False):
-        if request.params.prompt_logprobs is None:
-            continue
-        num_rows = min(start + num_fed, len(request.prompt_token_ids) - 1) - start
-        if num_rows > 0:
-            logits_indices.extend(range(offset, offset + num_rows))
-            prompt_rows.append(PromptRows(request, start, num_rows))
-    return prompt_rows

@@ -25,8 +25,8 @@ time: prompts then feed ``prefill_chunk_size`` tokens per step, at full speed
 (``Scheduler.plan``).
 
 ``FittedForwardCost`` is the cost model the engine uses: ``seconds = a + b rows + c scores``,
-fitted to the measured time of every forward the engine runs (``RoundSteps``), recent forwards
-weighing more, so that it follows the machine's load. It prices no forward of more than
+fitted to the measured time of every forward the engine runs (``batch.run_forward``), recent
+forwards weighing more, so that it follows the machine's load. It prices no forward of more than
 ``EXTRAPOLATION`` times the most rows it has timed: a fit to small forwards (the warm-up's,
 decoding's) may price a large one far off, so a prompt's chunks beside decoding requests grow
 at most that fast from step to step, each step's time teaching the fit the next size.

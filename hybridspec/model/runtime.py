@@ -22,16 +22,29 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 
 @dataclass(frozen=True, slots=True)
+class BatchInts:
+    """A ``ForwardBatch``'s bookkeeping as host ints, checked once where the batch was built
+    (``ForwardBatch.build``), so that a runtime reads them instead of the tensors each forward."""
+
+    slots: tuple[int, ...]  # [num_seqs], at least one
+    num_new_tokens: tuple[int, ...]  # [num_seqs], each >= 1
+    min_token_id: int  # the smallest and largest of token_ids, which a runtime bounds by its
+    max_token_id: int  # vocabulary
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardBatch:
-    """New tokens for several sequences, flat and ragged."""
+    """New tokens for several sequences, flat and ragged. Build it with ``build`` (checked
+    once, carrying its host ints) or ``from_lists``; one built field by field is checked by
+    every forward instead."""
 
     slots: torch.Tensor  # [num_seqs] int64, distinct cache slots
     token_ids: torch.Tensor  # [num_tokens] int64
@@ -44,6 +57,29 @@ class ForwardBatch:
     # transformers' ``output_hidden_states`` (index 0: the embeddings) layer ``i`` is entry
     # ``i + 1``, except that transformers by default gives the last entry after the final norm.
     hidden_layers: tuple[int, ...] = ()
+    host: BatchInts | None = field(default=None, compare=False, repr=False)  # set by ``build``
+
+    @staticmethod
+    def build(
+        slots: Sequence[int],
+        token_ids: Sequence[int],
+        cu_num_tokens: Sequence[int],
+        logits_indices: Sequence[int] | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardBatch:
+        """A batch from host ints, checked here (ValueError naming the field) so that a
+        runtime trusts its ``host`` and checks only what depends on the model (the vocabulary,
+        the layers)."""
+        rows = None if logits_indices is None else list(logits_indices)
+        ints = _checked_ints(list(slots), list(cu_num_tokens), list(token_ids), rows)
+        return ForwardBatch(
+            slots=torch.tensor(slots, dtype=torch.long),
+            token_ids=torch.tensor(token_ids, dtype=torch.long),
+            cu_num_tokens=torch.tensor(cu_num_tokens, dtype=torch.long),
+            logits_indices=None if rows is None else torch.tensor(rows, dtype=torch.long),
+            hidden_layers=hidden_layers,
+            host=ints,
+        )
 
     @staticmethod
     def from_lists(
@@ -53,19 +89,9 @@ class ForwardBatch:
         hidden_layers: tuple[int, ...] = (),
     ) -> ForwardBatch:
         """Build a batch from per-sequence token lists (tests and simple callers)."""
-        cu = [0]
-        for ids in token_ids:
-            cu.append(cu[-1] + len(ids))
+        cu = list(itertools.accumulate((len(ids) for ids in token_ids), initial=0))
         flat = [t for ids in token_ids for t in ids]
-        return ForwardBatch(
-            slots=torch.tensor(slots, dtype=torch.long),
-            token_ids=torch.tensor(flat, dtype=torch.long),
-            cu_num_tokens=torch.tensor(cu, dtype=torch.long),
-            logits_indices=None
-            if logits_indices is None
-            else torch.tensor(logits_indices, dtype=torch.long),
-            hidden_layers=hidden_layers,
-        )
+        return ForwardBatch.build(slots, flat, cu, logits_indices, hidden_layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,36 +229,15 @@ class HostBatch:
 
 
 def read_batch(batch: ForwardBatch, vocab_size: int, num_layers: int) -> HostBatch:
-    """Check ``batch`` field by field (ValueError naming the field) and read it to host ints."""
-    for name in ("slots", "token_ids", "cu_num_tokens"):
-        _check_index_tensor(getattr(batch, name), name)
-    slots = batch.slots.tolist()
-    cu = batch.cu_num_tokens.tolist()
-    if not slots:
-        raise ValueError("slots: expected at least one sequence, got none")
-    if len(cu) != len(slots) + 1 or cu[0] != 0:
+    """``batch`` read to host ints and checked against the model (ValueError naming the field):
+    a built batch's ints as ``build`` checked them, another's read from its tensors and checked
+    field by field."""
+    ints = batch.host if batch.host is not None else _read_ints(batch)
+    if ints.min_token_id < 0 or ints.max_token_id >= vocab_size:
         raise ValueError(
-            f"cu_num_tokens: expected {len(slots) + 1} cumulative offsets starting at 0, got {cu}"
+            f"token_ids: expected ids in [0, {vocab_size}), "
+            f"got [{ints.min_token_id}, {ints.max_token_id}]"
         )
-    num_new_tokens = [b - a for a, b in itertools.pairwise(cu)]
-    if min(num_new_tokens) < 1:
-        raise ValueError(f"cu_num_tokens: expected each sequence to add >= 1 token, got {cu}")
-    token_ids = batch.token_ids
-    if token_ids.numel() != cu[-1]:
-        raise ValueError(
-            f"token_ids: expected {cu[-1]} tokens (cu_num_tokens[-1]), got {token_ids.numel()}"
-        )
-    ids = token_ids.tolist()  # host ints: cheaper than a tensor reduction for a few tokens
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise ValueError(
-            f"token_ids: expected ids in [0, {vocab_size}), got [{min(ids)}, {max(ids)}]"
-        )
-    indices = batch.logits_indices
-    if indices is not None:
-        _check_index_tensor(indices, "logits_indices")
-        rows = indices.tolist()
-        if rows and (min(rows) < 0 or max(rows) >= cu[-1]):
-            raise ValueError(f"logits_indices: expected indices in [0, {cu[-1]}), got {rows}")
     layers = batch.hidden_layers
     if not isinstance(layers, tuple) or not all(
         isinstance(i, int) and not isinstance(i, bool) and -num_layers <= i < num_layers
@@ -243,8 +248,45 @@ def read_batch(batch: ForwardBatch, vocab_size: int, num_layers: int) -> HostBat
             f"got {layers!r}"
         )
     return HostBatch(
-        slots, num_new_tokens, token_ids, indices, tuple(i % num_layers for i in layers)
+        list(ints.slots),
+        list(ints.num_new_tokens),
+        batch.token_ids,
+        batch.logits_indices,
+        tuple(i % num_layers for i in layers),
     )
+
+
+def _read_ints(batch: ForwardBatch) -> BatchInts:
+    """The host ints of a batch built field by field, checked."""
+    for name in ("slots", "token_ids", "cu_num_tokens"):
+        _check_index_tensor(getattr(batch, name), name)
+    if batch.logits_indices is not None:
+        _check_index_tensor(batch.logits_indices, "logits_indices")
+    rows = None if batch.logits_indices is None else batch.logits_indices.tolist()
+    # host ints: cheaper than tensor reductions for a few tokens
+    return _checked_ints(
+        batch.slots.tolist(), batch.cu_num_tokens.tolist(), batch.token_ids.tolist(), rows
+    )
+
+
+def _checked_ints(
+    slots: list[int], cu: list[int], ids: list[int], rows: list[int] | None
+) -> BatchInts:
+    """The batch's host ints after the checks that do not depend on the model."""
+    if not slots:
+        raise ValueError("slots: expected at least one sequence, got none")
+    if len(cu) != len(slots) + 1 or cu[0] != 0:
+        raise ValueError(
+            f"cu_num_tokens: expected {len(slots) + 1} cumulative offsets starting at 0, got {cu}"
+        )
+    num_new_tokens = [b - a for a, b in itertools.pairwise(cu)]
+    if min(num_new_tokens) < 1:
+        raise ValueError(f"cu_num_tokens: expected each sequence to add >= 1 token, got {cu}")
+    if len(ids) != cu[-1]:
+        raise ValueError(f"token_ids: expected {cu[-1]} tokens (cu_num_tokens[-1]), got {len(ids)}")
+    if rows and (min(rows) < 0 or max(rows) >= cu[-1]):
+        raise ValueError(f"logits_indices: expected indices in [0, {cu[-1]}), got {rows}")
+    return BatchInts(tuple(slots), tuple(num_new_tokens), min(ids), max(ids))
 
 
 def _check_index_tensor(tensor: object, name: str) -> None:

@@ -160,7 +160,6 @@ class DraftModelProposer(SequenceProposer[_DraftSeq]):
                 [requests[i].sampling for i in active],
                 [requests[i].history() for i in active],
                 [[*requests[i].draft_prefix, *drafted[i]] for i in active],
-                [1] * len(active),
             )
             for row, i in enumerate(active):
                 token, q = _sample(logits[row], requests[i].sampling, requests[i].generator)

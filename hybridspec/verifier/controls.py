@@ -45,7 +45,6 @@ Dimensions: ``num_seqs`` sequences, ``num_rows`` rows of logits (each sequence's
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +52,7 @@ import torch
 
 from hybridspec.errors import check
 from hybridspec.types import SamplingParams, TokenHistory
+from hybridspec.verifier.layout import DraftLayout
 
 
 def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
@@ -84,19 +84,16 @@ def apply_controls(
     params: Sequence[SamplingParams],
     histories: Sequence[TokenHistory | None],
     drafts: Sequence[Sequence[int]],
-    num_rows: Sequence[int] | None = None,
-    row_offsets: Sequence[int] | None = None,
+    layout: DraftLayout | None = None,
 ) -> torch.Tensor:
     """The logits after each sequence's controls (module docstring), every row.
 
     ``logits`` [num_rows, vocab_size]; per sequence: its ``SamplingParams``, its history (may be
-    None only when it has no controls) and its drafts. Sequence i owns ``num_rows[i]``
-    consecutive rows (default ``len(drafts[i]) + 1``, the verifier's layout), the last of which
-    follows all its drafts: row j of r follows ``drafts[i][:len(drafts[i]) - r + 1 + j]``.
-    Example: drafts ``[a, b, c]`` with 4 rows follow ``[], [a], [a, b], [a, b, c]``; with 1 row
-    (a proposer's next position) it follows ``[a, b, c]``. ``row_offsets`` (``num_seqs + 1``,
-    from 0): where each sequence's rows start, when the caller has them (the verifier passes
-    its ``DraftLayout.row_offsets``); else counted from ``num_rows``.
+    None only when it has no controls) and its drafts. ``layout``: the verifier's rows, sequence
+    i's ``k_i + 1`` from ``layout.row_offsets[i]``, row j after ``drafts[i][:j]``; None: one row
+    per sequence, after all its drafts (a proposer's next position). Example: drafts
+    ``[a, b, c]`` in a layout own 4 rows, after ``[], [a], [a, b], [a, b, c]``; without one, 1
+    row, after ``[a, b, c]``.
 
     Returns ``logits`` itself when no sequence has controls; else a new float32 tensor (float64
     stays float64) in which only the controlled sequences' rows differ.
@@ -108,27 +105,22 @@ def apply_controls(
     ]
     if not controlled:
         return logits
-    if row_offsets is not None:
-        counts = [b - a for a, b in itertools.pairwise(row_offsets)]
+    if layout is None:
+        counts, starts = [1] * len(drafts), list(range(len(drafts) + 1))
     else:
-        counts = [len(d) + 1 for d in drafts] if num_rows is None else list(num_rows)
+        counts, starts = [k + 1 for k in layout.num_drafts], list(layout.row_offsets)
     check(
         len(params) == len(histories) == len(drafts) == len(counts)
-        and sum(counts) == logits.shape[0]
-        and all(1 <= n <= len(d) + 1 for n, d in zip(counts, drafts, strict=True)),
-        "num_rows",
-        f"expected one entry per sequence and {logits.shape[0]} rows, each sequence's at most "
-        f"its drafts + 1, got {counts} rows for drafts of {[len(d) for d in drafts]}",
+        and starts[-1] == logits.shape[0]
+        and (layout is None or list(layout.num_drafts) == [len(d) for d in drafts]),
+        "layout",
+        f"expected one entry per sequence and {logits.shape[0]} rows, got {counts} rows for "
+        f"drafts of {[len(d) for d in drafts]}",
     )
     for i in controlled:
         check(histories[i] is not None, "histories", f"sequence {i} has controls but no history")
     float_input = logits.dtype in (torch.float32, torch.float64)
     out = logits.clone() if float_input else logits.float()  # never the caller's tensor
-    starts = (
-        list(row_offsets)
-        if row_offsets is not None
-        else list(itertools.accumulate(counts, initial=0))
-    )
     rows = [r for i in controlled for r in range(starts[i], starts[i + 1])]
     whole = len(rows) == logits.shape[0]
     index = torch.tensor(rows, device=out.device)

@@ -59,9 +59,7 @@ def verify(inp: VerifyInput) -> VerifyOutput:
     if not any(map(is_controlled, inp.sampling, inp.histories)):
         return _verify(inp, inp.target_logits)
     drafts = inp.layout.split(inp.draft_token_ids.tolist())
-    logits = apply_controls(
-        inp.target_logits, inp.sampling, inp.histories, drafts, row_offsets=inp.layout.row_offsets
-    )
+    logits = apply_controls(inp.target_logits, inp.sampling, inp.histories, drafts, inp.layout)
     out = _verify(inp, logits)
     return VerifyOutput(out.num_accepted, out.output_token_ids, logits)
 

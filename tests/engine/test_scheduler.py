@@ -1,4 +1,4 @@
-"""The scheduler's admission, bounded queue, prefill chunking and the forward's layout."""
+"""The scheduler's admission, bounded queue and prefill chunking."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import torch
 
 from hybridspec.engine.request import GenerationParams, Request
 from hybridspec.engine.resolution import ResolvedProposer
-from hybridspec.engine.scheduler import Scheduler, forward_batch
+from hybridspec.engine.scheduler import Scheduler
 from hybridspec.errors import CapacityError
 from hybridspec.proposers import NoProposer, ProposerContext
-from hybridspec.types import Proposal
 
 NONE = ResolvedProposer("none", NoProposer(ProposerContext(vocab_size=8, eos_token_ids=())), 4)
 
@@ -85,29 +84,3 @@ def test_budget_is_shared_between_new_requests() -> None:
     plan = scheduler.plan([0, 0])  # the first costs 10 of 16, the second gets the last 6
     assert plan.decode == [first]
     assert plan.prefill == [(second, 6)]
-
-
-def test_prompt_rows_are_computed_only_for_requests_that_ask() -> None:
-    """A request asking for prompt logprobs adds the rows of the prompt tokens it feeds, but the
-    prompt's last, after every verified row; one that does not ask adds none."""
-    scoring = GenerationParams(max_new_tokens=0, prompt_logprobs=2)
-    asks_chunk, plain_chunk = make_request(0, 40, scoring), make_request(1, 40)
-    asks_decode, plain_decode = make_request(2, 10, scoring), make_request(3, 10)
-    cached = {0: 16, 1: 16, 2: 6, 3: 6}
-    for slot, request in enumerate((asks_chunk, plain_chunk, asks_decode, plain_decode)):
-        request.slot = slot
-    drafts = [(asks_decode, Proposal([7, 8])), (plain_decode, Proposal([9]))]
-    step = forward_batch(drafts, [(asks_chunk, 5), (plain_chunk, 5)], cached.__getitem__)
-    # Decoding spans: [p6 p7 p8 p9 d d] at 0..5 and [p6 p7 p8 p9 d] at 6..10; chunks at 11, 16.
-    assert step.batch.cu_num_tokens.tolist() == [0, 6, 11, 16, 21]
-    assert step.num_verify_rows == 3 + 2
-    verified = [3, 4, 5, 9, 10]
-    # asks_decode's p6 p7 p8 (p9 predicts the first new token: a verified row); the chunk's 5.
-    assert step.batch.logits_indices.tolist() == [*verified, 0, 1, 2, 11, 12, 13, 14, 15]
-    assert [(r.request, r.start, r.num_rows) for r in step.prompt_rows] == [
-        (asks_decode, 6, 3),
-        (asks_chunk, 16, 5),
-    ]
-    nothing_asked = forward_batch(drafts[1:], [(plain_chunk, 5)], cached.__getitem__)
-    assert nothing_asked.batch.logits_indices.tolist() == [3, 4]
-    assert nothing_asked.prompt_rows == []

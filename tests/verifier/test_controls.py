@@ -24,7 +24,9 @@ def test_worked_example_of_the_module_docstring() -> None:
     """Prompt [5, 6], generated [7, 7], drafts [8, 7, 9]: penalties and min_tokens per row."""
     params = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0, min_tokens=4)
     history = TokenHistory([5, 6, 7, 7], 2, frozenset({9}))
-    out = apply_controls(torch.zeros(4, VOCAB), [params], [history], [[8, 7, 9]])
+    out = apply_controls(
+        torch.zeros(4, VOCAB), [params], [history], [[8, 7, 9]], DraftLayout.from_counts([3])
+    )
     expected = torch.zeros(4, VOCAB)
     expected[:, 7] = torch.tensor([-2.0, -2.0, -2.5, -2.5])  # 2, 2, 3, 3 times generated
     expected[1:, 8] = -1.5  # after d_1 = 8
@@ -40,7 +42,11 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits
     assert out.tolist() == [[1.0, -4.0, 2.0, -2.0, 0.0, 2.0]]
     # A draft counts as seen at the rows after it.
     out = apply_controls(
-        logits.repeat(2, 1), [SamplingParams(repetition_penalty=2.0)], [history], [[5]]
+        logits.repeat(2, 1),
+        [SamplingParams(repetition_penalty=2.0)],
+        [history],
+        [[5]],
+        DraftLayout.from_counts([1]),
     )
     assert out[:, 5].tolist() == [2.0, 1.0]
 
@@ -54,26 +60,29 @@ def test_presence_and_frequency_count_generated_tokens_only() -> None:
 
 def test_logit_bias_adds_to_the_logits() -> None:
     params = SamplingParams(logit_bias=((1, 2.5), (3, -100.0)))
-    out = apply_controls(torch.ones(2, 4), [params], [TokenHistory([0], 1)], [[2]])
+    out = apply_controls(
+        torch.ones(2, 4), [params], [TokenHistory([0], 1)], [[2]], DraftLayout.from_counts([1])
+    )
     assert out.tolist() == [[1.0, 3.5, 1.0, -99.0]] * 2
 
 
 def test_one_row_per_sequence_follows_all_its_drafts() -> None:
-    """A proposer's next position (num_rows 1) is the verifier's last row."""
+    """A proposer's next position (no layout: one row) is the verifier's last row."""
     params = SamplingParams(frequency_penalty=0.5, repetition_penalty=1.5, min_tokens=3)
     history = TokenHistory([1, 2, 2], 2, frozenset({0}))
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
-    rows = apply_controls(logits, [params], [history], [[2, 5, 2]])
-    last = apply_controls(logits[3:], [params], [history], [[2, 5, 2]], [1])
+    rows = apply_controls(logits, [params], [history], [[2, 5, 2]], DraftLayout.from_counts([3]))
+    last = apply_controls(logits[3:], [params], [history], [[2, 5, 2]])
     assert torch.equal(rows[3:], last)
 
 
 def test_requests_without_controls_cost_nothing_and_keep_their_rows() -> None:
     logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(1))
+    layout = DraftLayout.from_counts([2, 3])
     assert apply_controls(logits, [PLAIN, PLAIN], [None, None], [[1, 2], [3, 4, 5]]) is logits
     params = SamplingParams(presence_penalty=1.0)
     history = TokenHistory([1, 1], 1)  # generated [1]
-    out = apply_controls(logits, [PLAIN, params], [None, history], [[1, 2], [3, 4, 5]])
+    out = apply_controls(logits, [PLAIN, params], [None, history], [[1, 2], [3, 4, 5]], layout)
     assert torch.equal(out[:3], logits[:3])  # the first sequence's rows
     assert out[3, 1] == logits[3, 1] - 1 and out[3, 3] == logits[3, 3]
     assert out[4, 3] == logits[4, 3] - 1  # after its first draft
@@ -82,7 +91,9 @@ def test_requests_without_controls_cost_nothing_and_keep_their_rows() -> None:
 def test_half_precision_logits_come_back_in_float32() -> None:
     logits = torch.randn(2, VOCAB).to(torch.bfloat16)
     params = SamplingParams(logit_bias=((0, 1.0),))
-    out = apply_controls(logits, [params], [TokenHistory([0], 1)], [[1]])
+    out = apply_controls(
+        logits, [params], [TokenHistory([0], 1)], [[1]], DraftLayout.from_counts([1])
+    )
     assert out.dtype == torch.float32
     assert torch.equal(out[:, 1:], logits[:, 1:].float())
 

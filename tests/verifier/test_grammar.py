@@ -20,7 +20,7 @@ import xgrammar as xgr
 import tests.verifier.test_controls_losslessness as exact
 from hybridspec.errors import InvalidRequestError
 from hybridspec.types import GrammarSpec, SamplingParams, TokenHistory
-from hybridspec.verifier import apply_controls, logits_to_probs
+from hybridspec.verifier import DraftLayout, apply_controls, logits_to_probs
 from hybridspec.verifier.grammar import Grammars, GrammarState, allowed_tokens, bitmask_of
 from tests.conftest import TINY_EOS, tiny_tokenizer
 
@@ -161,7 +161,9 @@ def test_min_tokens_yields_where_the_grammar_allows_only_eos() -> None:
     vocab = len(grammars().tokenizer)
     history = TokenHistory((1, 97), 1, frozenset({TINY_EOS}), state)
     params = SamplingParams(min_tokens=5)
-    out = apply_controls(torch.zeros(2, vocab), [params], [history], [[97]])
+    out = apply_controls(
+        torch.zeros(2, vocab), [params], [history], [[97]], DraftLayout.from_counts([1])
+    )
     assert out[0].argmax().item() == 97 and torch.isinf(out[0, TINY_EOS])  # EOS held back
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [TINY_EOS]  # only EOS: kept
 

@@ -288,7 +288,6 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
             [requests[i].sampling for i in active],
             [requests[i].history() for i in active],
             [drafted[i] for i in active],
-            [1] * len(active),
         )
         sampled = [row for row, i in enumerate(active) if not requests[i].sampling.is_greedy]
         qs = iter(

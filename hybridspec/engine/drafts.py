@@ -1,0 +1,66 @@
+"""How many drafts each decoding request asks for in a round (``DraftCounts.num_drafts``: its
+K, the room left, adaptive speculation), and what the round's commit tells adaptive
+speculation back (``record``). The proposer pool asks it per request while drafting."""
+
+from __future__ import annotations
+
+from hybridspec.engine.proposer_pool import ProposerPool
+from hybridspec.engine.request import Request
+from hybridspec.engine.speculation import SpeculationPolicy
+from hybridspec.engine.step_budget import FittedForwardCost
+from hybridspec.proposers import Proposer
+
+
+class DraftCounts:
+    """The per-round draft counts; ``speculation`` None: every request asks for its K."""
+
+    def __init__(
+        self,
+        speculation: SpeculationPolicy | None,
+        forward_cost: FittedForwardCost,
+        proposers: ProposerPool,
+        max_seq_len: int,
+        measure_proposer_costs: bool,
+    ) -> None:
+        """``forward_cost``: the fitted target forward (``a`` of ``engine.speculation``);
+        ``proposers``: the pool whose ``costs`` (the proposers' measured times) price them
+        where ``measure_proposer_costs``."""
+        self.speculation = speculation
+        self.forward_cost = forward_cost
+        self.proposers = proposers
+        self.max_seq_len = max_seq_len
+        self.measure_proposer_costs = measure_proposer_costs
+
+    def num_drafts(self, request: Request, proposer: Proposer) -> int:
+        """Drafts to ask for this round: the request's K, shrunk so that committing k + 1 tokens
+        fits the context and budget, then to what pays off (adaptive speculation), the proposer
+        priced by its measured time where the request's text allows (``engine.speculation``)."""
+        room = self.max_seq_len - len(request.token_ids) - 1
+        budget = request.params.max_new_tokens - request.num_generated - 1
+        k = max(0, min(request.num_speculative_tokens, room, budget))
+        if self.speculation is None or k == 0:
+            return k
+        by_step = request.params.sampling.is_greedy or not proposer.samples_drafts
+        per_token, per_round = proposer.cost_per_token, 0.0
+        if by_step and self.measure_proposer_costs:  # (a seeded sampled request: fixed)
+            measured = self.proposers.costs.price(proposer, self._forward_fixed_s(self.speculation))
+            if measured is not None:
+                per_token, per_round = measured
+        return self.speculation.num_drafts(
+            request.speculation,
+            k,
+            by_step=by_step,
+            proposer_cost_per_token=per_token,
+            proposer_cost_per_round=per_round,
+        )
+
+    def record(self, num_committed: int, num_rows: int) -> None:
+        """A round committed ``num_committed`` tokens from ``num_rows`` verified rows."""
+        if self.speculation is not None:
+            self.speculation.record_step(num_committed, num_rows)
+
+    def _forward_fixed_s(self, speculation: SpeculationPolicy) -> float | None:
+        """Seconds of a target forward's fixed part, ``a`` of ``engine.speculation``: the
+        fitted time of a one-token forward (``forward_cost``), less its one token's share."""
+        one = self.forward_cost.seconds(1, 1)
+        return None if one is None else one / (1.0 + speculation.verify_token_cost)
