@@ -213,8 +213,9 @@ class ProposerPool:
         proposer that composes may come first, any that does not after it."""
         proposers = dict(sorted(self._proposers.items()))
         heads = [n for n, p in proposers.items() if type(p).compose is not Proposer.compose]
+        bases = [n for n in proposers if n not in heads]  # by name, whatever the build order
         for head in heads:
-            for name in [n for n in self._proposers if n not in heads]:
+            for name in bases:
                 composed = proposers[head].compose(proposers[name])
                 if composed is not None:
                     proposers[f"{head}+{name}"] = composed
