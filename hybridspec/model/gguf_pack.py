@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
 import mmap
 import os
 import threading
@@ -124,10 +125,8 @@ def held(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized tensor of ``shape`` in private anonymous memory advised
     ``MADV_HUGEPAGE`` before any page of it is touched (module docstring), or ``torch.empty``
     for a small one. The mapping lives as long as the tensor does."""
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
     if nbytes < _HUGE:
         return torch.empty(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
