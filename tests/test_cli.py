@@ -1,10 +1,15 @@
-"""The ``generate`` command's sampling options reach GenerationParams (no model loaded)."""
+"""The ``generate`` command's sampling options reach GenerationParams (no model loaded); its
+start-up's garbage-collector policy; run as the program, it ends with its output flushed."""
 
 from __future__ import annotations
 
+import gc
+import subprocess
+import sys
+
 import pytest
 
-from hybridspec.cli import build_parser, generation_params
+from hybridspec.cli import _start_up, build_parser, generation_params
 from hybridspec.errors import InvalidRequestError
 
 
@@ -57,3 +62,37 @@ def test_out_of_bounds_values_name_the_field() -> None:
     args = build_parser().parse_args(["generate", "hi", "--min-p", "2"])
     with pytest.raises(InvalidRequestError, match="min_p"):
         generation_params(args)
+
+
+def test_start_up_collects_nothing_inside_then_freezes_what_survives() -> None:
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    try:
+        with _start_up():
+            assert not gc.isenabled()
+            kept = [[] for _ in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(kept)
+    finally:
+        gc.unfreeze()
+
+
+def test_start_up_turns_the_collector_back_on_after_an_error() -> None:
+    frozen = gc.get_freeze_count()
+    with pytest.raises(RuntimeError), _start_up():
+        raise RuntimeError("load failed")
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+def test_generate_as_the_program_streams_its_text_and_stats_before_it_exits() -> None:
+    # ``main()`` ends the process with os._exit: what was written must still arrive
+    command = ["generate", "Hi", "--raw", "--max-new-tokens", "3", "--max-seq-len", "256"]
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridspec.cli", *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert out.stdout.endswith("\n")
+    assert out.stderr.strip().splitlines()[-1].startswith("[")
+    assert "target forwards" in out.stderr

@@ -2,15 +2,26 @@
 
 Every default is read from the configuration classes (``EngineConfig``, ``ModelConfig``,
 ``ServerConfig``, ``GenerationParams``), so a default changes in one place.
+
+Start-up (``generate``, the user's wait for a first token): the garbage collector is off while
+the engine is built (imports and the load allocate hundreds of thousands of objects that all
+survive, so each full collection on the way only visits them again), then one collection and
+``gc.freeze`` leave them in the permanent generation, out of every later collection's way. Run
+as the program (``main()`` with no arguments), ``generate`` ends the process once its output is
+flushed, without the interpreter's teardown (collecting and freeing every module's objects,
+unregistering torch's operators: about a second after the text is out, for nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from hybridspec.bench.cli import add_bench_command
 from hybridspec.cli.options import (
@@ -45,11 +56,26 @@ __all__ = [
 ]
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from hybridspec.engine import Engine
+@contextlib.contextmanager
+def _start_up() -> Iterator[None]:
+    """No garbage collection inside the block (the engine's imports and load); after it, one
+    collection and every surviving object frozen (module docstring). The collector is on
+    again after the block whatever happens inside."""
+    gc.disable()
+    try:
+        yield
+        gc.collect()
+        gc.freeze()
+    finally:
+        gc.enable()
 
+
+def _generate(args: argparse.Namespace) -> int:
     params = generation_params(args)
-    engine = Engine(engine_config(args))
+    with _start_up():
+        from hybridspec.engine import Engine
+
+        engine = Engine(engine_config(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     messages = None if args.raw else [{"role": "user", "content": prompt}]
     if args.n != 1:
@@ -108,13 +134,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command ``argv`` names (default: the program's arguments) and return its exit
+    status. With no ``argv`` (the program itself), ``generate`` ends the process instead of
+    returning (module docstring), after flushing its output and the logs."""
+    gc.enable()  # off while ``python -m hybridspec.cli`` imported this module (``__main__``)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(args.run(args))
+        status = int(args.run(args))
     except HybridSpecError as exc:
         print(f"hybridspec: error: {exc}", file=sys.stderr)
-        return 2
+        status = 2
+    if argv is None and args.run is _generate:
+        _exit_now(status)
+    return status
+
+
+def _exit_now(status: int) -> None:
+    """End the process with ``status`` once standard output, standard error and the logging
+    handlers are flushed, skipping the interpreter's teardown (``os._exit``)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)
