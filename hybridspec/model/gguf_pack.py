@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from hybridspec.model import huge_arena
 from hybridspec.model.gguf_blocks import GGUF_TYPES, GGUFMatrix, GGUFPart
 from hybridspec.model.qgemm import Kernel
 from hybridspec.model.quant import GROUP_SIZE, ROWS, SUPER, PackedWeight
@@ -121,14 +122,18 @@ def read_ahead(path: str | os.PathLike[str], kernel: Kernel) -> threading.Thread
     return thread
 
 
-def held(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def held(shape: tuple[int, ...], dtype: torch.dtype, *, arena: bool = False) -> torch.Tensor:
     """An uninitialized tensor of ``shape`` in private anonymous memory advised
     ``MADV_HUGEPAGE`` before any page of it is touched (module docstring), or ``torch.empty``
-    for a small one. The mapping lives as long as the tensor does."""
+    for a small one. The mapping lives as long as the tensor does. ``arena``: from the load's
+    ``huge_arena`` while it has room (codes only: they are never thrown away)."""
     count = math.prod(shape)
     nbytes = count * dtype.itemsize
     if nbytes < _HUGE:
         return torch.empty(shape, dtype=dtype)
+    taken = huge_arena.take(shape, dtype) if arena else None
+    if taken is not None:
+        return taken
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(region, "madvise"):  # a kernel without transparent huge pages: 4 KB pages
         with contextlib.suppress(OSError):
@@ -162,7 +167,7 @@ def pack_matrix(matrix: GGUFMatrix, kernel: Kernel, *, mapped: bool = False) -> 
     group = min(GGUF_TYPES[k][3] for k in kinds)
     asymmetric = any(k not in _SYMMETRIC for k in kinds)
     tiles, groups, subs = -(-rows // ROWS), cols // GROUP_SIZE, GROUP_SIZE // group
-    codes = held((tiles, groups, ROWS * GROUP_SIZE * bits // 8), torch.uint8)
+    codes = held((tiles, groups, ROWS * GROUP_SIZE * bits // 8), torch.uint8, arena=True)
     parts = (_Part * len(matrix.parts))(*(_part(p) for p in matrix.parts))
     threads = max(1, kernel.max_threads())
     scratch = torch.empty(threads * int(kernel.lib.hs_pack_scratch(cols, group)), dtype=torch.uint8)
