@@ -1,7 +1,8 @@
 """A GGUF file's weights and tokenizer loaded for ``model.loader``.
 
 ``load_in_place``: the file checked (``checked_gguf``), its pages read ahead from disk in the
-background (``gguf_pack.read_ahead``) while the tokenizer loads, then its quantized matrices
+background (``gguf_pack.read_ahead``) and part of the packed codes' huge pages faulted in on a
+spare core (``huge_arena``) while the tokenizer loads, then its quantized matrices
 packed straight from the mapped file into the block kernel's tiles, one at a time
 (``convert_in_place``, ``model.gguf_pack``). ``load_or_convert``: other settings (another
 device, ``quantize`` "none"/"int4"/"int8", no kernel) dequantize and fuse the file in numpy and
@@ -17,11 +18,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from hybridspec.errors import ModelLoadError
-from hybridspec.model import qgemm, weight_cache
+from hybridspec.model import huge_arena, qgemm, weight_cache
 from hybridspec.model.gguf import GGUFModel, read_gguf
+from hybridspec.model.gguf_blocks import GGUF_TYPES, GGUFMatrix
 from hybridspec.model.gguf_file import check_memory
 from hybridspec.model.gguf_meta import StoredConfig
-from hybridspec.model.gguf_pack import pack_matrix, read_ahead, trim_heap
+from hybridspec.model.gguf_pack import c_decodes, pack_matrix, read_ahead, trim_heap
 from hybridspec.model.gguf_tokenizer import load_gguf_tokenizer
 from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.weight_cache import ConvertedGGUF
@@ -41,12 +43,33 @@ def load_in_place(
     The tokenizer loads before the weights are packed, so that its first conversion's memory
     (transformers reading the vocabulary) is freed (``trim_heap``) before the weights are
     held; meanwhile the disk reads the file ahead of the packing (a first load waits on the
-    disk, not the CPU)."""
+    disk, not the CPU), and another core faults in the huge pages of part of the codes
+    (``huge_arena``: at most what the codes take, so the peak is the same)."""
     model = checked_gguf(path)
     read_ahead(path, block)
-    tokenizer = load_gguf_tokenizer(path)
-    trim_heap()
-    return convert_in_place(path, dtype, block, model), tokenizer
+    with huge_arena.prefaulted(codes_lower_bound(model, block)) as arena:
+        tokenizer = load_gguf_tokenizer(path)
+        trim_heap()
+        arena.stop_faulting()  # the packing runs on every core
+        return convert_in_place(path, dtype, block, model), tokenizer
+
+
+def codes_lower_bound(model: GGUFModel, block: qgemm.Kernel) -> int:
+    """Bytes that the packed codes of the layers' matrices take at least: 4 bits a weight for
+    a 4-bit type, 6 for the others (``gguf_pack`` holds 5- to 8-bit codes in 6 bits, and a
+    fused matrix of mixed types in its widest part's), counting only the matrices that
+    csrc/pack.c packs (``gguf_pack.c_decodes``). The embedding and LM head are left out:
+    whether they are packed depends on the model."""
+    total = 0
+    for name, matrix in model.state_dict.items():
+        if ".layers." not in name or not isinstance(matrix, GGUFMatrix):
+            continue
+        if not c_decodes(matrix, block):
+            continue
+        for part in matrix.parts:
+            bits = 4 if GGUF_TYPES[part.type_name][2] == 4 else 6
+            total += part.shape[0] * part.shape[1] * bits // 8
+    return total
 
 
 def checked_gguf(path: Path) -> GGUFModel:

@@ -1,15 +1,27 @@
 """The packed codes' arena (model.huge_arena): tensors handed out from its start, page-aligned
-and apart, until it is used up; faulted in on its own thread; its unused part given back."""
+and apart, until it is used up; faulted in on its own thread; its unused part given back; a
+file packed with its codes in the arena holds the same bytes; the arena's size a lower bound
+of the codes."""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+from pathlib import Path
 
 import pytest
 import torch
 
-from hybridspec.model import huge_arena
+from hybridspec.model import gguf_pack, huge_arena
+from hybridspec.model.gguf import read_gguf
+from hybridspec.model.gguf_load import codes_lower_bound, convert_in_place
+from hybridspec.model.quant import PackedWeight
+from tests.model.test_gguf_pack import (
+    _private_cache,  # noqa: F401  # a fixture: the cache dir
+    assert_same_bytes,
+    kernel,
+    mixed_file,  # noqa: F401  # a fixture: the file of every type
+)
 
 MB = 1 << 20
 
@@ -74,3 +86,26 @@ def test_take_outside_a_load_gives_nothing() -> None:
         inside = huge_arena.take((4 * MB,), torch.uint8)
     assert inside is not None
     assert huge_arena.take((4 * MB,), torch.uint8) is None
+
+
+def test_codes_packed_in_the_arena_are_the_same_bytes(
+    mixed_file: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(gguf_pack, "_HUGE", 4096)  # the small file's matrices held as big ones
+    model = read_gguf(mixed_file, keep_quantized=True, lazy=True, stored_config=True)
+    bound = codes_lower_bound(model, kernel())
+    plain = convert_in_place(mixed_file, torch.bfloat16, kernel()).weights
+    with huge_arena.prefaulted(bound) as arena:
+        arena.stop_faulting()
+        inside = convert_in_place(mixed_file, torch.bfloat16, kernel()).weights
+        used = arena._used
+    codes = 0
+    for ours, theirs in zip(inside.layers, plain.layers, strict=True):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            got, want = getattr(ours, name), getattr(theirs, name)
+            if isinstance(want, PackedWeight):
+                assert_same_bytes(got, want)
+                codes += want.codes.numel()
+    assert 0 < bound <= codes  # a lower bound: the arena never holds what the load would not
+    assert used > bound // 2  # the codes were taken from it
