@@ -5,6 +5,7 @@ so, and its forward's logits are those of the embedding packed."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +14,20 @@ from gguf import GGMLQuantizationType
 
 from hybridspec.model import qgemm
 from hybridspec.model.gguf_blocks import GGUF_TYPES, GGUFMatrix, GGUFPart
+from hybridspec.model.gguf_load import convert_in_place
 from hybridspec.model.gguf_pack import c_decodes, pack_matrix
 from hybridspec.model.gguf_rows import MappedRows
+from hybridspec.model.llama import LlamaRuntime
+from hybridspec.model.llama_weights import dense
+from hybridspec.model.quant import PackedWeight
+from hybridspec.model.runtime import ForwardBatch
+from tests.model.test_gguf_types import (
+    PROMPT,
+    _private_cache,  # noqa: F401  # a fixture: the cache dir
+    scaled_blocks,
+)
+from tests.model.test_llama import tiny_llama
+from tests.model.test_loader import write_tiny_gguf
 from tests.model.test_quant import random_raw
 
 pytestmark = pytest.mark.skipif(qgemm.kernel() is None, reason="no C compiler")
@@ -71,3 +84,37 @@ def test_what_pack_c_cannot_decode_or_is_stacked_is_not_mapped() -> None:
     assert MappedRows.of(GGUFMatrix((q4, q4)), kernel()) is None
     permuted = dataclasses.replace(q4, order=np.arange(8)[::-1].copy())
     assert MappedRows.of(GGUFMatrix((permuted,)), kernel()) is None
+
+
+def write_untied_file(path: Path) -> Path:
+    """A Q4_K_M-like file whose embedding (Q4_K) and LM head (Q6_K) are two tensors, as
+    Llama-3.1-8B's are."""
+    model = tiny_llama(0, hidden_size=256, intermediate_size=512, tie_word_embeddings=False)
+    vocab = int(model.config.vocab_size)
+    blocks = {
+        "token_embd.weight": (scaled_blocks("Q4_K", vocab, 256, 1), GGMLQuantizationType.Q4_K),
+        "output.weight": (scaled_blocks("Q6_K", vocab, 256, 2), GGMLQuantizationType.Q6_K),
+    }
+    return write_tiny_gguf(path, model, qtype=GGMLQuantizationType.F16, blocks=blocks)
+
+
+def test_an_untied_embedding_stays_in_the_file_and_the_logits_do_not_change(
+    tmp_path: Path,
+) -> None:
+    path = write_untied_file(tmp_path / "untied.gguf")
+    weights = convert_in_place(path, torch.bfloat16, kernel()).weights
+    assert isinstance(weights.embed, MappedRows) and isinstance(weights.lm_head, PackedWeight)
+    embed_matrix = GGUFMatrix((weights.embed.part,))
+    packed = dataclasses.replace(weights, embed=pack_matrix(embed_matrix, kernel()))
+    every = torch.arange(weights.dims.vocab_size)
+    assert isinstance(packed.embed, PackedWeight)
+    want = kernel().dequantize_rows(packed.embed, every)
+    assert torch.equal(weights.embed.rows(every).float(), want.float())
+    assert torch.equal(dense(weights.embed, torch.bfloat16), want)
+
+    def logits(w: object) -> torch.Tensor:
+        runtime = LlamaRuntime(w, 1, 128)  # type: ignore[arg-type]
+        batch = ForwardBatch.from_lists([runtime.allocate()], [PROMPT])
+        return runtime.forward(batch).logits
+
+    assert torch.equal(logits(weights), logits(packed))
