@@ -24,6 +24,7 @@ from hybridspec.model.gguf_blocks import GGUF_TYPES, GGUFMatrix
 from hybridspec.model.gguf_file import check_memory
 from hybridspec.model.gguf_meta import StoredConfig
 from hybridspec.model.gguf_pack import c_decodes, pack_matrix, read_ahead, trim_heap
+from hybridspec.model.gguf_rows import MappedRows
 from hybridspec.model.gguf_tokenizer import load_gguf_tokenizer
 from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.weight_cache import ConvertedGGUF
@@ -86,7 +87,8 @@ def convert_in_place(
 ) -> ConvertedGGUF:
     """A GGUF file's quantized matrices packed straight from the mapped file into the kernel's
     tiles, one at a time (``gguf_pack``): the process holds the packed weights and a bounded
-    run of the file's pages. ``model``: ``checked_gguf(path)``, read here when None."""
+    run of the file's pages; an untied embedding stays in the file (``gguf_rows``). ``model``:
+    ``checked_gguf(path)``, read here when None."""
     if model is None:
         model = checked_gguf(path)
     config = model.config  # its saved attributes where an earlier load saved them: read alike
@@ -96,6 +98,7 @@ def convert_in_place(
             cast("PretrainedConfig", config),
             dtype=dtype,
             pack=functools.partial(pack_matrix, kernel=block, mapped=True),
+            rows=functools.partial(MappedRows.of, kernel=block),
         )
     except ValueError as exc:  # tensors that disagree with the metadata
         raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc

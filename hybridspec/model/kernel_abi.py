@@ -97,6 +97,8 @@ SIGNATURES = {
     "hs_pack_gguf": [_ptr, _int, _i64, _i64, _int, _int, _int, _i64, _i64, _ptr, _ptr],
     "hs_pack_scratch": [_i64, _int],
     "hs_pack_type_known": [_int],
+    # blocks, type, K, index, count, out, scratch (csrc/pack.c)
+    "hs_gguf_rows": [_ptr, _int, _i64, _ptr, _i64, _ptr, _ptr],
     "hs_dequant_rows": [*(_ptr,) * 9, _int, _int, _i64, _ptr, _i64, _ptr],
     # q, H, KV, hd, cache, f32, items, num_items, scale, softcap, window, out, scratch
     "hs_attend": [

@@ -56,6 +56,7 @@ from hybridspec.model.decoder import (
     normed_linear,
     torch_layer,
 )
+from hybridspec.model.gguf_rows import MappedRows
 from hybridspec.model.kv_cache import KVCache
 from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.qgemm import BlockLinear, Kernel, kernel
@@ -355,6 +356,8 @@ def _lookup(weights: LlamaWeights, lm_head: Linear) -> Step:
     embed, dtype = weights.embed, weights.dtype
     if embed is weights.lm_head and isinstance(lm_head, BlockLinear):
         return lm_head.rows  # the same values, from the packed copy
+    if isinstance(embed, MappedRows):  # an untied table left in its GGUF file
+        return embed.rows
     if isinstance(embed, PackedWeight):
         block: Kernel | None = kernel()
         if block is None:  # packed by a kernel that no longer loads: unpacked per call

@@ -34,6 +34,7 @@ from hybridspec.model.families import (
     layer_windows,
 )
 from hybridspec.model.gguf_blocks import GGUFMatrix
+from hybridspec.model.gguf_rows import MappedRows
 from hybridspec.model.quant import PackedWeight, QuantizedWeight, cat_rows, quantize
 from hybridspec.model.rope import (
     NATIVE_ROPE_TYPES,
@@ -52,8 +53,10 @@ logger = logging.getLogger(__name__)
 Matrix = torch.Tensor | QuantizedWeight | PackedWeight
 
 
-def dense(matrix: Matrix, dtype: torch.dtype) -> torch.Tensor:
+def dense(matrix: Matrix | MappedRows, dtype: torch.dtype) -> torch.Tensor:
     """``matrix`` as a dense tensor of ``dtype`` (dequantized when it is quantized)."""
+    if isinstance(matrix, MappedRows):
+        return matrix.dequantize(dtype)
     if isinstance(matrix, PackedWeight):
         matrix = matrix.unpack()
     if isinstance(matrix, QuantizedWeight):
@@ -150,7 +153,7 @@ class LlamaWeights:
     of one dtype (the dtype the forward computes in)."""
 
     dims: LlamaDims
-    embed: Matrix  # [V, D]
+    embed: Matrix | MappedRows  # [V, D]; an untied one may stay in its GGUF file
     layers: tuple[LlamaLayerWeights, ...]
     norm: torch.Tensor  # [D]
     lm_head: Matrix  # [V, D]; the very object ``embed`` when embeddings are tied
@@ -191,6 +194,8 @@ class LlamaWeights:
             )
             for layer in self.layers
         )
+        if isinstance(self.embed, MappedRows):  # left in its file: never tied
+            return dataclasses.replace(self, layers=layers, lm_head=one(self.lm_head))
         embed = one(self.embed)
         lm_head = embed if self.lm_head is self.embed else one(self.lm_head)
         return dataclasses.replace(self, embed=embed, layers=layers, lm_head=lm_head)
@@ -204,13 +209,16 @@ class LlamaWeights:
         device: torch.device | str = "cpu",
         quantize_bits: int | None = None,
         pack: Callable[[GGUFMatrix], Matrix] | None = None,
+        rows: Callable[[GGUFMatrix], MappedRows | None] | None = None,
     ) -> LlamaWeights:
         """Fuse a ``LlamaForCausalLM`` state dict (transformers names and layout).
 
         Quantized matrices in ``state_dict`` stay quantized; ``quantize_bits`` (4 or 8)
         quantizes the dense matrices too (``quant.quantize``). Norms are cast to ``dtype``.
         Matrices still in a GGUF file (``GGUFMatrix``) are stacked where they fuse and turned
-        into what the forward holds by ``pack``, one at a time in the order of the layers.
+        into what the forward holds by ``pack``, one at a time in the order of the layers; an
+        untied embedding still in the file is left there by ``rows`` where it returns one
+        (``gguf_rows.MappedRows``: a forward reads a row per token), else packed.
         """
         problem = native_support_problem(config)
         if problem is not None:
@@ -261,15 +269,25 @@ class LlamaWeights:
             _layer(tensor, vector, stacked, dims, family, f"model.layers.{i}.")
             for i in range(dims.num_layers)
         )
-        embed = tensor("model.embed_tokens.weight", (dims.vocab_size, d))
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
+        embed_name, embed_shape = "model.embed_tokens.weight", (dims.vocab_size, d)
+        source = state_dict.get(embed_name)
+        mapped = None
+        if rows is not None and not tied and isinstance(source, GGUFMatrix):
+            mapped = rows(source) if source.shape == embed_shape else None
+        embed: Matrix | MappedRows
+        if mapped is None:
+            embed = packed = tensor(embed_name, embed_shape)
+            lm_head = packed if tied else tensor("lm_head.weight", (dims.vocab_size, d))
+        else:
+            embed, lm_head = mapped, tensor("lm_head.weight", (dims.vocab_size, d))
         local = local_rope_inv_freq(config)
         return LlamaWeights(
             dims=dims,
             embed=embed,
             layers=tuple(layers),
             norm=vector("model.norm.weight", (d,)),
-            lm_head=embed if tied else tensor("lm_head.weight", (dims.vocab_size, d)),
+            lm_head=lm_head,
             inv_freq=rope_inv_freq(config).to(device),
             family=family,
             local_inv_freq=None if local is None else local.to(device),

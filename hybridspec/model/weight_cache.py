@@ -35,6 +35,7 @@ import torch
 from hybridspec.model import families, gguf, gguf_blocks, llama_weights, quant
 from hybridspec.model.families import FAMILIES
 from hybridspec.model.gguf import default_cache_dir
+from hybridspec.model.gguf_rows import MappedRows
 from hybridspec.model.llama_weights import LlamaDims, LlamaLayerWeights, LlamaWeights, Matrix
 from hybridspec.model.quant import PackedWeight, QuantizedWeight
 
@@ -138,6 +139,8 @@ def _prune(folder: Path, prefix: str, keep: Path) -> None:
 
 def _to_payload(converted: ConvertedGGUF) -> dict[str, Any]:
     weights, config = converted.weights, converted.config
+    if isinstance(weights.embed, MappedRows):  # only a load in place leaves it in the file
+        raise ValueError("weights: an embedding still in its GGUF file is not cached")
     return {
         "config": (config() if callable(config) else config).to_dict(),
         "eos_token_ids": list(converted.eos_token_ids),

@@ -240,9 +240,9 @@ def test_read_ahead_of_a_missing_file_reads_nothing(tmp_path: Path) -> None:
     assert not thread.is_alive()
 
 
-def _advised_huge(address: int) -> bool | None:
-    """Whether the mapping holding ``address`` is advised MADV_HUGEPAGE (``hg`` among its
-    VmFlags in /proc/self/smaps); None where smaps does not say."""
+def vm_flags(address: int) -> list[str] | None:
+    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps: ``hg`` advised
+    MADV_HUGEPAGE, ``nh`` MADV_NOHUGEPAGE); None where smaps does not say."""
     try:
         text = Path("/proc/self/smaps").read_text()
     except OSError:
@@ -254,8 +254,14 @@ def _advised_huge(address: int) -> bool | None:
             start, end = (int(v, 16) for v in head.split("-"))
             inside = start <= address < end
         elif inside and line.startswith("VmFlags:"):
-            return "hg" in line.split()[1:]
+            return line.split()[1:]
     return None
+
+
+def _advised_huge(address: int) -> bool | None:
+    """Whether the mapping holding ``address`` is advised MADV_HUGEPAGE; None where unknown."""
+    flags = vm_flags(address)
+    return None if flags is None else "hg" in flags
 
 
 def test_packed_codes_are_held_in_memory_advised_for_huge_pages() -> None:

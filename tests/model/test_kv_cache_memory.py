@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridspec.model.kv_cache import KVCache
+from tests.model.test_gguf_pack import vm_flags
 
 PAGE = mmap.PAGESIZE
 
@@ -103,3 +104,14 @@ def test_released_pages_go_back_and_read_as_zeros(transposed: bool) -> None:
     # (Reading maps the system's zero page, which mincore counts: last.)
     keys = cache.keys[:, slot, ..., 10:] if transposed else cache.keys[:, slot, :, 10:]
     assert not keys.any() and not cache.values[:, slot, :, 10:].any()
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_NOHUGEPAGE"), reason="no transparent huge pages")
+def test_the_cache_is_never_held_in_huge_pages() -> None:
+    """A token touches one page per key row: a 2 MB page each would hold 512x what it counts."""
+    cache = big_cache(transposed=True)
+    for tensor in (cache.keys, cache.values):
+        flags = vm_flags(tensor.data_ptr())
+        if flags is None:
+            pytest.skip("no /proc/self/smaps")
+        assert "nh" in flags and "hg" not in flags

@@ -24,6 +24,7 @@
 #include <omp.h>
 #endif
 
+#include "fastmath.h"
 #include "gguf_decode.h"
 
 #define GS 32
@@ -353,6 +354,31 @@ int hs_pack_gguf(const pack_part_t *parts, int nparts, int64_t N, int64_t K, int
         }
     }
     return failed;
+}
+
+/* Rows ``index`` (``count`` of them) of one GGUF tensor of ``type`` with ``K`` columns, its
+ * blocks at ``data``, decoded to bfloat16 (an embedding lookup from the mapped file): each value
+ * d c + m in float32 (d c alone for a type without offsets), rounded once: the values that
+ * ``hs_dequant_rows`` gives from the matrix packed, which holds every d, c and m exactly (a zero
+ * may differ in sign, as a factor of zero does there). ``scratch``: ``hs_pack_scratch(K, group)``
+ * bytes, the type's group. */
+void hs_gguf_rows(const uint8_t *data, int type, int64_t K, const int64_t *index, int64_t count,
+                  uint16_t *out, uint8_t *scratch) {
+    int per, bytes, group, has_off;
+    type_info(type, &per, &bytes, &group, &has_off);
+    int64_t X = K / group, row_bytes = K / per * bytes;
+    int8_t *codes = (int8_t *)scratch; /* int8 for every type: 4-bit codes are 0..15 */
+    float *sc = (float *)(scratch + ROWS * K), *off = sc + X, *base = off + X;
+    int16_t *ks = (int16_t *)(base + 2 * (K / GS)), *ko = ks + X;
+    for (int64_t i = 0; i < count; i++) {
+        decode_row(type, data + index[i] * row_bytes, K, group, 0, (uint8_t *)codes, sc, off,
+                   base, ks, ko);
+        uint16_t *row = out + i * K;
+        for (int64_t k = 0; k < K; k++) {
+            float d = sc[k / group], c = (float)codes[k];
+            row[k] = f32_to_bf16(has_off ? fmaf(d, c, off[k / group]) : d * c);
+        }
+    }
 }
 
 /* The file behind ``fd`` (``size`` bytes) asked into the page cache from its start, one

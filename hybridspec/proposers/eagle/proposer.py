@@ -44,6 +44,7 @@ from hybridspec.model import (
     dense,
     synchronize,
 )
+from hybridspec.model.gguf_rows import MappedRows
 from hybridspec.proposers.base import ProposerContext
 from hybridspec.proposers.eagle.cache import HeadCache, forward_cached
 from hybridspec.proposers.eagle.config import (
@@ -107,7 +108,7 @@ def leading_embedding_rows(model: LoadedModel, count: int = 64) -> torch.Tensor:
         kernel = block_kernel()
         if isinstance(embed, PackedWeight) and kernel is not None:
             return kernel.dequantize_rows(embed, index).to(weights.dtype)
-        if isinstance(embed, QuantizedWeight):
+        if isinstance(embed, (QuantizedWeight, MappedRows)):
             return embed.dequantize_rows(index, weights.dtype)
     return target_parts(model).embed[:count]
 
