@@ -14,15 +14,18 @@ more than half of it: a prompt always gets as much of a step as they do (``FAIR_
 slow model's or a large batch's streams never starve it. The first prefilling request gets at least
 ``min_chunk`` tokens, so a prompt always progresses.
 
-A request whose whole prompt left is at most ``min_chunk`` tokens (a short prompt just admitted)
-counts as decoding: it feeds all of it at once, priced first, and its first token comes after
-this step whatever the prompts beside it (counted in tokens, first come first served, a long
-prompt admitted before it would take every step's whole budget until its own rest fit). A step
-with no decoding request is bounded too for ``LINGER_S`` after the last one priced with
-decoding requests: a stream's client sends its next request as its answer ends, so the step
-running when it arrives is short. Otherwise a step with no decoding request is not bounded in
-time: prompts then feed ``prefill_chunk_size`` tokens per step, at full speed
-(``Scheduler.plan``).
+A request whose whole prompt left is at most ``min_chunk`` tokens (a short prompt just admitted,
+or a long one's last tokens) *starts*: it feeds all of it at once, priced first, and its first
+token comes after this step whatever the prompts beside it (counted in tokens, first come first
+served, a long prompt admitted before it would take every step's whole budget until its own
+rest fit). A starting rest is priced within the step's bound but does not set it: the bound
+follows the decoding requests alone, or is ``min_seconds`` where none decodes (a rest 7,800
+tokens deep costs about a whole bound; were it priced as decoding, ``ratio`` would let the
+prompts beside it take several times that). A step with no decoding request is bounded too for
+``LINGER_S`` after the last one priced with decoding or starting requests: a stream's client
+sends its next request as its answer ends, so the step running when it arrives is short.
+Otherwise a step with no decoding request is not bounded in time: prompts then feed
+``prefill_chunk_size`` tokens per step, at full speed (``Scheduler.plan``).
 
 ``FittedForwardCost`` is the cost model the engine uses: ``seconds = a + b rows + c scores``,
 fitted to the measured time of every forward the engine runs (``batch.run_forward``), recent
@@ -147,29 +150,47 @@ class StepBudget:
             raise ValueError(f"min_chunk: expected an integer >= 1, got {self.min_chunk!r}")
 
     def starts(self, pending: int) -> bool:
-        """Whether a request with ``pending`` prompt tokens left feeds them all this step,
-        priced as decoding (module docstring): the scheduler counts it among ``decoding``."""
+        """Whether a request with ``pending`` prompt tokens left feeds them all this step
+        (module docstring): the scheduler passes it to ``start`` among ``starting``."""
         return pending <= self.min_chunk
 
-    def start(self, decoding: list[tuple[int, int]], max_tokens: int) -> StepChunks | None:
+    def start(
+        self,
+        decoding: list[tuple[int, int]],
+        max_tokens: int,
+        starting: list[tuple[int, int]] | None = None,
+    ) -> StepChunks | None:
         """The step's chunk sizer, given each decoding request's (cached tokens, rows it is
-        expected to feed), granting at most ``max_tokens`` in all besides the short prompts'
-        rests (``prefill_chunk_size``: a shared step never prefills much more than one alone);
-        None when nothing decodes (nor did within ``linger_s``) or the cost model cannot tell
-        yet."""
+        expected to feed) and each starting one's (a rest that ``starts``: its rows and first
+        drafts), granting at most ``max_tokens`` in all besides the starting rests
+        (``prefill_chunk_size``: a shared step never prefills much more than one alone); None
+        when nothing decodes or starts (nor did within ``linger_s``) or the cost model cannot
+        tell yet.
+
+        Only the decoding requests set the bound: a starting rest is priced within it, never
+        raises it. A long prompt's last 32 tokens 7,800 deep cost as much as a step's whole
+        bound; counted as decoding, ``ratio`` and ``FAIR_SHARE`` would let the prompts beside
+        it take twice that, and every stream wait as long."""
+        starting = starting or []
         now = self.clock()
-        if decoding:
+        if decoding or starting:
             self._last_decoding = now
         elif now - self._last_decoding > self.linger_s:
             return None
-        num_rows = sum(rows for _, rows in decoding)
-        num_scores = sum(attention_scores(cached, rows) for cached, rows in decoding)
-        decode_s = self.cost.seconds(num_rows, num_scores) if decoding else 0.0
-        if decode_s is None:
+        spans = decoding + starting
+        decode_s = self._seconds(decoding) if decoding else 0.0
+        if decode_s is None or self._seconds(spans) is None:
             return None
         ceiling = max(self.max_seconds, min(FAIR_SHARE, self.ratio) * decode_s)
         bound = max(min(self.ratio * decode_s, ceiling), self.min_seconds)
-        return StepChunks(self, bound, max_tokens, num_rows, num_scores)
+        num_rows = sum(rows for _, rows in spans)
+        num_scores = sum(attention_scores(cached, rows) for cached, rows in spans)
+        return StepChunks(self, bound, max_tokens, num_rows, num_scores, progressed=bool(starting))
+
+    def _seconds(self, spans: list[tuple[int, int]]) -> float | None:
+        """The cost model's estimate of a forward over ``spans`` (cached tokens, rows)."""
+        num_rows = sum(rows for _, rows in spans)
+        return self.cost.seconds(num_rows, sum(attention_scores(c, r) for c, r in spans))
 
 
 @dataclass(slots=True)
@@ -183,13 +204,14 @@ class StepChunks:
     num_rows: int
     num_scores: int
     granted: int = 0  # prompt tokens granted so far this step
+    progressed: bool = False  # a prompt is fed this step (a starting rest, or a grant)
 
     def grant(self, cached: int, pending: int) -> int:
         """Prompt tokens (at most ``pending``, and what is left of ``max_tokens``) that a
         request with ``cached`` tokens feeds: all of a prompt that ``starts`` (priced with the
         decoding requests), else the most that keep the step's estimate within the bound
-        (found by bisection, the cost rising with the tokens), at least ``min_chunk`` for the
-        step's first grant."""
+        (found by bisection, the cost rising with the tokens), at least ``min_chunk`` where no
+        prompt is fed yet this step (every step feeds one: prompts always progress)."""
         if self.budget.starts(pending):
             return pending
         most = min(pending, self.max_tokens - self.granted)
@@ -200,8 +222,9 @@ class StepChunks:
                 low = mid
             else:
                 high = mid - 1
-        if self.granted == 0:
+        if not self.progressed:
             low = max(low, min(self.budget.min_chunk, most))
+        self.progressed = self.progressed or low > 0
         self.num_rows += low
         self.num_scores += attention_scores(cached, low)
         self.granted += low

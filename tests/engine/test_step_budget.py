@@ -154,6 +154,32 @@ def test_a_short_prompt_beside_a_prompt_alone_is_fed_whole_in_a_bounded_step() -
     assert step_seconds([(0, 21)], [(3000, tokens + 1)]) > 0.15
 
 
+def test_a_long_prompts_last_tokens_are_priced_within_the_bound_not_raising_it() -> None:
+    """A long prompt 4,000 tokens in with 30 left starts (fed whole, 0.09 s), beside a stream
+    decoding (0.011 s) and a second prompt: the bound stays the stream's (0.15 s) and the second
+    prompt gets what is left of it. Priced as decoding, the rest would have raised the bound to
+    0.2 s (twice the forward of stream and rest), and the stream's gap with it."""
+    scheduler = Scheduler(8, 512, StepBudget(COST, ratio=4.0, min_seconds=0.15, max_seconds=0.18))
+    stream, ending, second = running(scheduler, 101, 4031, 8000)
+    plan = scheduler.plan([100, 4000, 0])
+    assert plan.decode == [stream, ending]
+    [(request, tokens)] = plan.prefill
+    assert request is second and 0 < tokens < 100
+    spans = [(100, 1), (4000, 31)]
+    assert step_seconds(spans, [(0, tokens)]) <= 0.15 < step_seconds(spans, [(0, tokens + 1)])
+
+
+def test_a_starting_rest_that_fills_the_bound_leaves_the_other_prompts_for_the_next_step() -> None:
+    """The rest 7,000 tokens deep takes the whole bound (with the stream's row, 0.151 s of
+    0.15): it is this step's prompt progress, so the second prompt waits a step rather than
+    take ``min_chunk`` tokens past the bound."""
+    scheduler = Scheduler(8, 512, StepBudget(COST, ratio=4.0, min_seconds=0.15, max_seconds=0.18))
+    stream, ending, _ = running(scheduler, 101, 7031, 8000)
+    plan = scheduler.plan([100, 7000, 0])
+    assert plan.decode == [stream, ending] and plan.prefill == []
+    assert step_seconds([(100, 1), (7000, 31)], []) == pytest.approx(0.151, abs=1e-3)
+
+
 def test_steps_stay_bounded_for_a_while_after_the_last_decoding_request() -> None:
     """A stream's answer ended: for ``linger_s`` the prompt left alone still gets bounded
     chunks (its client's next request finds a short step), then full ones."""
