@@ -169,7 +169,7 @@ class Scheduler:
             rows = max(0, num_pending) + request.speculation.last_verified
             if num_pending <= 0:
                 decoding.append((cached, rows))
-            elif step_budget.starts(num_pending):
+            elif step_budget.starts(cached, num_pending):
                 starting.append((cached, rows))
         return decoding, starting
 

@@ -11,17 +11,18 @@ times what the decoding requests' forward alone is estimated to take, at least `
 at most ``max_seconds`` (a decoding request's tokens come a step apart, so this caps its gaps while
 prompts prefill, however many decode beside it), unless the decoding requests' forward alone takes
 more than half of it: a prompt always gets as much of a step as they do (``FAIR_SHARE``), so a
-slow model's or a large batch's streams never starve it. The first prefilling request gets at least
-``min_chunk`` tokens, so a prompt always progresses.
+slow model's or a large batch's streams never starve it. Where no prompt is fed yet in a step, the
+first prefilling request gets at least ``min_chunk`` tokens, so a prompt always progresses; the
+floor is small, since 32 tokens 7,800 deep already cost more than a bound of 0.15 s.
 
-A request whose whole prompt left is at most ``min_chunk`` tokens (a short prompt just admitted,
-or a long one's last tokens) *starts*: it feeds all of it at once, priced first, and its first
+A request with at most ``short_prompt`` prompt tokens left and at most ``START_DEPTH`` cached (a
+short prompt just admitted) *starts*: it feeds all of it at once, priced first, and its first
 token comes after this step whatever the prompts beside it (counted in tokens, first come first
 served, a long prompt admitted before it would take every step's whole budget until its own
 rest fit). A starting rest is priced within the step's bound but does not set it: the bound
-follows the decoding requests alone, or is ``min_seconds`` where none decodes (a rest 7,800
-tokens deep costs about a whole bound; were it priced as decoding, ``ratio`` would let the
-prompts beside it take several times that). A step with no decoding request is bounded too for
+follows the decoding requests alone, or is ``min_seconds`` where none decodes. A long prompt's
+last tokens do not start: 7,800 deep they cost a whole bound, so they are granted like any
+chunk, what fits. A step with no decoding request is bounded too for
 ``LINGER_S`` after the last one priced with decoding or starting requests: a stream's client
 sends its next request as its answer ends, so the step running when it arrives is short.
 Otherwise a step with no decoding request is not bounded in time: prompts then feed
@@ -47,7 +48,9 @@ from typing import Protocol
 
 import numpy as np
 
-MIN_PREFILL_CHUNK = 32  # tokens the first prefilling request gets in a step, whatever it costs
+MIN_PREFILL_CHUNK = 8  # tokens the first prefilling request gets in a step, whatever it costs
+SHORT_PROMPT = 32  # a rest of at most this many prompt tokens, shallow, is fed whole (``starts``)
+START_DEPTH = 1024  # a rest after more cached tokens than this is granted like any chunk
 MIN_OBSERVATIONS = 8  # forwards timed before the fitted model prices anything
 DECAY = 0.97  # weight of a timed forward after each later one: about the last 30 count
 SCORES_UNIT = 1000.0  # the fit's unit of query-key pairs, so its three columns are alike
@@ -131,6 +134,7 @@ class StepBudget:
     ratio: float  # times the decoding requests' own forward
     min_seconds: float  # the bound is never below this
     min_chunk: int = MIN_PREFILL_CHUNK
+    short_prompt: int = SHORT_PROMPT
     max_seconds: float = math.inf  # nor above this (>= min_seconds)
     linger_s: float = LINGER_S
     clock: Callable[[], float] = time.monotonic
@@ -148,11 +152,14 @@ class StepBudget:
             )
         if self.min_chunk < 1:
             raise ValueError(f"min_chunk: expected an integer >= 1, got {self.min_chunk!r}")
+        if self.short_prompt < 0:
+            raise ValueError(f"short_prompt: expected an integer >= 0, got {self.short_prompt!r}")
 
-    def starts(self, pending: int) -> bool:
-        """Whether a request with ``pending`` prompt tokens left feeds them all this step
-        (module docstring): the scheduler passes it to ``start`` among ``starting``."""
-        return pending <= self.min_chunk
+    def starts(self, cached: int, pending: int) -> bool:
+        """Whether a request with ``cached`` tokens cached and ``pending`` prompt tokens left
+        feeds them all this step (module docstring): the scheduler passes it to ``start`` among
+        ``starting``."""
+        return pending <= self.short_prompt and cached <= START_DEPTH
 
     def start(
         self,
@@ -168,9 +175,8 @@ class StepBudget:
         tell yet.
 
         Only the decoding requests set the bound: a starting rest is priced within it, never
-        raises it. A long prompt's last 32 tokens 7,800 deep cost as much as a step's whole
-        bound; counted as decoding, ``ratio`` and ``FAIR_SHARE`` would let the prompts beside
-        it take twice that, and every stream wait as long."""
+        raises it, since what a prompt costs is no measure of how long the streams beside it
+        may wait."""
         starting = starting or []
         now = self.clock()
         if decoding or starting:
@@ -212,7 +218,7 @@ class StepChunks:
         decoding requests), else the most that keep the step's estimate within the bound
         (found by bisection, the cost rising with the tokens), at least ``min_chunk`` where no
         prompt is fed yet this step (every step feeds one: prompts always progress)."""
-        if self.budget.starts(pending):
+        if self.budget.starts(cached, pending):
             return pending
         most = min(pending, self.max_tokens - self.granted)
         low, high = 0, most  # fits(low) holds; find the largest n that fits

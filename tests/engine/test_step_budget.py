@@ -154,30 +154,44 @@ def test_a_short_prompt_beside_a_prompt_alone_is_fed_whole_in_a_bounded_step() -
     assert step_seconds([(0, 21)], [(3000, tokens + 1)]) > 0.15
 
 
-def test_a_long_prompts_last_tokens_are_priced_within_the_bound_not_raising_it() -> None:
-    """A long prompt 4,000 tokens in with 30 left starts (fed whole, 0.09 s), beside a stream
-    decoding (0.011 s) and a second prompt: the bound stays the stream's (0.15 s) and the second
-    prompt gets what is left of it. Priced as decoding, the rest would have raised the bound to
-    0.2 s (twice the forward of stream and rest), and the stream's gap with it."""
+def test_a_short_prompt_is_priced_within_the_bound_not_raising_it() -> None:
+    """A 31-token prompt starts (fed whole, 0.042 s) beside a stream decoding (0.011 s) and a
+    long prompt: the bound stays the stream's (0.15 s), the long prompt gets what is left of it.
+    Priced as decoding, the short prompt would have raised the bound to 0.17 s (4 x the forward
+    of stream and short prompt), and the stream's gap with it."""
     scheduler = Scheduler(8, 512, StepBudget(COST, ratio=4.0, min_seconds=0.15, max_seconds=0.18))
-    stream, ending, second = running(scheduler, 101, 4031, 8000)
-    plan = scheduler.plan([100, 4000, 0])
-    assert plan.decode == [stream, ending]
+    stream, short, long_prompt = running(scheduler, 101, 32, 8000)
+    plan = scheduler.plan([100, 0, 3000])
+    assert plan.decode == [stream, short]
     [(request, tokens)] = plan.prefill
-    assert request is second and 0 < tokens < 100
-    spans = [(100, 1), (4000, 31)]
-    assert step_seconds(spans, [(0, tokens)]) <= 0.15 < step_seconds(spans, [(0, tokens + 1)])
+    assert request is long_prompt and tokens > 8
+    spans = [(100, 1), (0, 32)]
+    assert step_seconds(spans, [(3000, tokens)]) <= 0.15 < step_seconds(spans, [(3000, tokens + 1)])
 
 
-def test_a_starting_rest_that_fills_the_bound_leaves_the_other_prompts_for_the_next_step() -> None:
-    """The rest 7,000 tokens deep takes the whole bound (with the stream's row, 0.151 s of
-    0.15): it is this step's prompt progress, so the second prompt waits a step rather than
-    take ``min_chunk`` tokens past the bound."""
+def test_a_long_prompts_deep_last_tokens_are_granted_what_fits() -> None:
+    """A long prompt 7,800 tokens in with 31 left (0.152 s with the stream's row, past the
+    0.15 s bound) does not start: it feeds what fits, and the rest next step."""
     scheduler = Scheduler(8, 512, StepBudget(COST, ratio=4.0, min_seconds=0.15, max_seconds=0.18))
-    stream, ending, _ = running(scheduler, 101, 7031, 8000)
-    plan = scheduler.plan([100, 7000, 0])
-    assert plan.decode == [stream, ending] and plan.prefill == []
-    assert step_seconds([(100, 1), (7000, 31)], []) == pytest.approx(0.151, abs=1e-3)
+    stream, ending = running(scheduler, 101, 7832)
+    plan = scheduler.plan([100, 7800])
+    assert plan.decode == [stream]
+    [(request, tokens)] = plan.prefill
+    assert request is ending and 8 < tokens < 31
+    assert step_seconds([(100, 1)], [(7800, tokens)]) <= 0.15
+    assert step_seconds([(100, 1)], [(7800, tokens + 1)]) > 0.15
+
+
+def test_the_floor_is_small_and_only_where_no_prompt_is_fed_yet() -> None:
+    """Decoding fills the bound (``ratio`` 1): a prompt alone in the step gets the 8-token
+    floor; beside a short prompt fed whole (this step's progress) it gets nothing."""
+    scheduler = Scheduler(8, 512, StepBudget(COST, ratio=1.0, min_seconds=0.0))
+    stream, long_prompt = running(scheduler, 101, 8000)
+    assert scheduler.plan([100, 7000]).prefill == [(long_prompt, 8)]
+    scheduler = Scheduler(8, 512, StepBudget(COST, ratio=1.0, min_seconds=0.0))
+    stream, short, long_prompt = running(scheduler, 101, 21, 8000)
+    plan = scheduler.plan([100, 0, 7000])
+    assert plan.decode == [stream, short] and plan.prefill == []
 
 
 def test_steps_stay_bounded_for_a_while_after_the_last_decoding_request() -> None:
