@@ -10,10 +10,14 @@ and grants each prefilling request the most tokens that keep the step within a b
 times what the decoding requests' forward alone is estimated to take, at least ``min_seconds`` and
 at most ``max_seconds`` (a decoding request's tokens come a step apart, so this caps its gaps while
 prompts prefill, however many decode beside it), unless the decoding requests' forward alone takes
-more than half of it: a prompt always gets as much of a step as they do (``FAIR_SHARE``), so a
-slow model's or a large batch's streams never starve it. Where no prompt is fed yet in a step, the
-first prefilling request gets at least ``min_chunk`` tokens, so a prompt always progresses; the
-floor is small, since 32 tokens 7,800 deep already cost more than a bound of 0.15 s.
+more than all of it: a prompt then gets as much of a step as they do (``FAIR_SHARE``), so a
+slow model's or a large batch's streams never starve it. (Below the cap the bound stays the cap:
+every shared step is sized to end at the bound, so the fit sees nearly one time for every shape
+and cannot tell its fixed cost from its per-row cost well; the decoding requests alone are then
+priced high, and a share of twice that would let steps run past the cap.) Where no prompt is
+fed yet in a step, the first prefilling request gets at least ``min_chunk`` tokens, so a prompt
+always progresses; the floor is small, since 32 tokens 7,800 deep already cost more than a bound
+of 0.15 s.
 
 A request with at most ``short_prompt`` prompt tokens left and at most ``START_DEPTH`` cached (a
 short prompt just admitted) *starts*: it feeds all of it at once, priced first, and its first
@@ -187,7 +191,8 @@ class StepBudget:
         decode_s = self._seconds(decoding) if decoding else 0.0
         if decode_s is None or self._seconds(spans) is None:
             return None
-        ceiling = max(self.max_seconds, min(FAIR_SHARE, self.ratio) * decode_s)
+        share = min(FAIR_SHARE, self.ratio) * decode_s if decode_s > self.max_seconds else 0.0
+        ceiling = max(self.max_seconds, share)
         bound = max(min(self.ratio * decode_s, ceiling), self.min_seconds)
         num_rows = sum(rows for _, rows in spans)
         num_scores = sum(attention_scores(cached, rows) for cached, rows in spans)

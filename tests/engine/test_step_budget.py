@@ -85,13 +85,13 @@ def test_deeper_chunks_are_smaller_and_a_bigger_ratio_grants_more() -> None:
     assert chunk(2000, 40.0) > chunk(2000, 20.0)
 
 
-def test_bound_is_capped_unless_decoding_alone_takes_half_the_cap() -> None:
-    """Decoding spans of 60 rows (0.074 s; 4 x: 0.30 s) leave the prompt what fits in
-    ``max_seconds``, so their next tokens come no later; spans of 200 rows (0.23 s, past the
-    cap) still leave it as much time as they take (twice their forward in all)."""
+def test_bound_is_capped_unless_decoding_alone_takes_the_whole_cap() -> None:
+    """Decoding spans of 60 or 120 rows (0.074, 0.134 s: more than half the cap) leave the
+    prompt what fits in ``max_seconds``, so their next tokens come no later; spans of 200 rows
+    (0.23 s, past the cap) still leave it as much time as they take (twice their forward)."""
     scheduler = Scheduler(8, 512, StepBudget(COST, 4.0, 0.15, max_seconds=0.18))
     decoding, long_prompt = running(scheduler, 101, 8000)
-    for rows, bound in ((60, 0.18), (200, 2 * step_seconds([(100, 200)], []))):
+    for rows, bound in ((60, 0.18), (120, 0.18), (200, 2 * step_seconds([(100, 200)], []))):
         decoding.speculation.last_verified = rows
         [(request, tokens)] = scheduler.plan([100, 0]).prefill
         assert request is long_prompt and tokens > 32
