@@ -262,12 +262,14 @@ class EngineConfig:
     # A step that prefills beside decoding requests is bounded in time (engine.step_budget):
     # its forward may take this many times the decoding requests' forward alone, at least
     # prefill_step_min_s and at most prefill_step_max_s seconds (a stream's gap between tokens
-    # while prompts prefill; or twice the decoding forward where that is more); its prompts'
+    # while prompts prefill; or twice the decoding forward where that alone is more); its prompts'
     # chunks are sized to fit. None: no time bound,
-    # prefill_chunk_size tokens per step however deep.
+    # prefill_chunk_size tokens per step however deep. A step runs up to 1.5x its estimate on a
+    # 2-core machine (the event loop and clients share the cores), so 0.16 s keeps a stream's
+    # gaps under 0.25 s.
     prefill_step_ratio: float | None = 4.0
     prefill_step_min_s: float = 0.15
-    prefill_step_max_s: float = 0.18
+    prefill_step_max_s: float = 0.16
     # Adaptive speculation (engine.speculation): each round, a request asks for the drafts
     # (at most its K) whose estimated chance of acceptance pays for verifying them. False: K.
     adaptive_speculation: bool = True

@@ -134,20 +134,13 @@ class Scheduler:
         """The step's grants, ``grant(cached, pending) -> tokens``, in running order: timed
         (``StepChunks``) when requests decode in this step and the cost model can tell, else
         ``prefill_chunk_size`` tokens shared first come first served. A decoding request is
-        expected to feed as many rows as it verified in its last round (a short prompt's
-        request, its prompt's rest too)."""
+        expected to feed as many rows as it verified in its last round; a starting one (a rest
+        of a prompt fed whole, ``StepBudget.starts``) its rest too."""
         step_budget = self.step_budget
-        decoding = [  # and short prompts, fed whole with their first drafts (``starts``)
-            (cached, max(0, num_pending) + request.speculation.last_verified)
-            for request, cached, num_pending in zip(
-                self.running, cached_lengths, pending, strict=True
-            )
-            if request.group is None
-            and (num_pending <= 0 or (step_budget is not None and step_budget.starts(num_pending)))
-        ]
         chunks: StepChunks | None = None
         if step_budget is not None and any(p > 0 for p in pending):  # a prompt to feed
-            chunks = step_budget.start(decoding, self.prefill_chunk_size)
+            decoding, starting = self._spans(step_budget, cached_lengths, pending)
+            chunks = step_budget.start(decoding, self.prefill_chunk_size, starting)
         if chunks is not None:
             return chunks.grant
         budget = self.prefill_chunk_size
@@ -161,6 +154,24 @@ class Scheduler:
             return granted
 
         return grant
+
+    def _spans(
+        self, step_budget: StepBudget, cached_lengths: list[int], pending: list[int]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(cached tokens, rows expected) of the decoding requests and of the starting ones (a
+        rest fed whole with its first drafts, ``StepBudget.starts``); choices before their
+        shared prefill are neither (their source feeds a chunk)."""
+        decoding: list[tuple[int, int]] = []
+        starting: list[tuple[int, int]] = []
+        for request, cached, num_pending in zip(self.running, cached_lengths, pending, strict=True):
+            if request.group is not None:
+                continue
+            rows = max(0, num_pending) + request.speculation.last_verified
+            if num_pending <= 0:
+                decoding.append((cached, rows))
+            elif step_budget.starts(cached, num_pending):
+                starting.append((cached, rows))
+        return decoding, starting
 
     def remove(self, request: Request) -> None:
         if request in self.running:

@@ -10,19 +10,27 @@ and grants each prefilling request the most tokens that keep the step within a b
 times what the decoding requests' forward alone is estimated to take, at least ``min_seconds`` and
 at most ``max_seconds`` (a decoding request's tokens come a step apart, so this caps its gaps while
 prompts prefill, however many decode beside it), unless the decoding requests' forward alone takes
-more than half of it: a prompt always gets as much of a step as they do (``FAIR_SHARE``), so a
-slow model's or a large batch's streams never starve it. The first prefilling request gets at least
-``min_chunk`` tokens, so a prompt always progresses.
+more than all of it: a prompt then gets as much of a step as they do (``FAIR_SHARE``), so a
+slow model's or a large batch's streams never starve it. (Below the cap the bound stays the cap:
+every shared step is sized to end at the bound, so the fit sees nearly one time for every shape
+and cannot tell its fixed cost from its per-row cost well; the decoding requests alone are then
+priced high, and a share of twice that would let steps run past the cap.) Where no prompt is
+fed yet in a step, the first prefilling request gets at least ``min_chunk`` tokens, so a prompt
+always progresses; the floor is small, since 32 tokens 7,800 deep already cost more than a bound
+of 0.15 s.
 
-A request whose whole prompt left is at most ``min_chunk`` tokens (a short prompt just admitted)
-counts as decoding: it feeds all of it at once, priced first, and its first token comes after
-this step whatever the prompts beside it (counted in tokens, first come first served, a long
-prompt admitted before it would take every step's whole budget until its own rest fit). A step
-with no decoding request is bounded too for ``LINGER_S`` after the last one priced with
-decoding requests: a stream's client sends its next request as its answer ends, so the step
-running when it arrives is short. Otherwise a step with no decoding request is not bounded in
-time: prompts then feed ``prefill_chunk_size`` tokens per step, at full speed
-(``Scheduler.plan``).
+A request with at most ``short_prompt`` prompt tokens left and at most ``START_DEPTH`` cached (a
+short prompt just admitted) *starts*: it feeds all of it at once, priced first, and its first
+token comes after this step whatever the prompts beside it (counted in tokens, first come first
+served, a long prompt admitted before it would take every step's whole budget until its own
+rest fit). A starting rest is priced within the step's bound but does not set it: the bound
+follows the decoding requests alone, or is ``min_seconds`` where none decodes. A long prompt's
+last tokens do not start: 7,800 deep they cost a whole bound, so they are granted like any
+chunk, what fits. A step with no decoding request is bounded too for
+``LINGER_S`` after the last one priced with decoding or starting requests: a stream's client
+sends its next request as its answer ends, so the step running when it arrives is short.
+Otherwise a step with no decoding request is not bounded in time: prompts then feed
+``prefill_chunk_size`` tokens per step, at full speed (``Scheduler.plan``).
 
 ``FittedForwardCost`` is the cost model the engine uses: ``seconds = a + b rows + c scores``,
 fitted to the measured time of every forward the engine runs (``batch.run_forward``), recent
@@ -44,7 +52,9 @@ from typing import Protocol
 
 import numpy as np
 
-MIN_PREFILL_CHUNK = 32  # tokens the first prefilling request gets in a step, whatever it costs
+MIN_PREFILL_CHUNK = 8  # tokens the first prefilling request gets in a step, whatever it costs
+SHORT_PROMPT = 32  # a rest of at most this many prompt tokens, shallow, is fed whole (``starts``)
+START_DEPTH = 1024  # a rest after more cached tokens than this is granted like any chunk
 MIN_OBSERVATIONS = 8  # forwards timed before the fitted model prices anything
 DECAY = 0.97  # weight of a timed forward after each later one: about the last 30 count
 SCORES_UNIT = 1000.0  # the fit's unit of query-key pairs, so its three columns are alike
@@ -128,6 +138,7 @@ class StepBudget:
     ratio: float  # times the decoding requests' own forward
     min_seconds: float  # the bound is never below this
     min_chunk: int = MIN_PREFILL_CHUNK
+    short_prompt: int = SHORT_PROMPT
     max_seconds: float = math.inf  # nor above this (>= min_seconds)
     linger_s: float = LINGER_S
     clock: Callable[[], float] = time.monotonic
@@ -145,31 +156,52 @@ class StepBudget:
             )
         if self.min_chunk < 1:
             raise ValueError(f"min_chunk: expected an integer >= 1, got {self.min_chunk!r}")
+        if self.short_prompt < 0:
+            raise ValueError(f"short_prompt: expected an integer >= 0, got {self.short_prompt!r}")
 
-    def starts(self, pending: int) -> bool:
-        """Whether a request with ``pending`` prompt tokens left feeds them all this step,
-        priced as decoding (module docstring): the scheduler counts it among ``decoding``."""
-        return pending <= self.min_chunk
+    def starts(self, cached: int, pending: int) -> bool:
+        """Whether a request with ``cached`` tokens cached and ``pending`` prompt tokens left
+        feeds them all this step (module docstring): the scheduler passes it to ``start`` among
+        ``starting``."""
+        return pending <= self.short_prompt and cached <= START_DEPTH
 
-    def start(self, decoding: list[tuple[int, int]], max_tokens: int) -> StepChunks | None:
+    def start(
+        self,
+        decoding: list[tuple[int, int]],
+        max_tokens: int,
+        starting: list[tuple[int, int]] | None = None,
+    ) -> StepChunks | None:
         """The step's chunk sizer, given each decoding request's (cached tokens, rows it is
-        expected to feed), granting at most ``max_tokens`` in all besides the short prompts'
-        rests (``prefill_chunk_size``: a shared step never prefills much more than one alone);
-        None when nothing decodes (nor did within ``linger_s``) or the cost model cannot tell
-        yet."""
+        expected to feed) and each starting one's (a rest that ``starts``: its rows and first
+        drafts), granting at most ``max_tokens`` in all besides the starting rests
+        (``prefill_chunk_size``: a shared step never prefills much more than one alone); None
+        when nothing decodes or starts (nor did within ``linger_s``) or the cost model cannot
+        tell yet.
+
+        Only the decoding requests set the bound: a starting rest is priced within it, never
+        raises it, since what a prompt costs is no measure of how long the streams beside it
+        may wait."""
+        starting = starting or []
         now = self.clock()
-        if decoding:
+        if decoding or starting:
             self._last_decoding = now
         elif now - self._last_decoding > self.linger_s:
             return None
-        num_rows = sum(rows for _, rows in decoding)
-        num_scores = sum(attention_scores(cached, rows) for cached, rows in decoding)
-        decode_s = self.cost.seconds(num_rows, num_scores) if decoding else 0.0
-        if decode_s is None:
+        spans = decoding + starting
+        decode_s = self._seconds(decoding) if decoding else 0.0
+        if decode_s is None or self._seconds(spans) is None:
             return None
-        ceiling = max(self.max_seconds, min(FAIR_SHARE, self.ratio) * decode_s)
+        share = min(FAIR_SHARE, self.ratio) * decode_s if decode_s > self.max_seconds else 0.0
+        ceiling = max(self.max_seconds, share)
         bound = max(min(self.ratio * decode_s, ceiling), self.min_seconds)
-        return StepChunks(self, bound, max_tokens, num_rows, num_scores)
+        num_rows = sum(rows for _, rows in spans)
+        num_scores = sum(attention_scores(cached, rows) for cached, rows in spans)
+        return StepChunks(self, bound, max_tokens, num_rows, num_scores, progressed=bool(starting))
+
+    def _seconds(self, spans: list[tuple[int, int]]) -> float | None:
+        """The cost model's estimate of a forward over ``spans`` (cached tokens, rows)."""
+        num_rows = sum(rows for _, rows in spans)
+        return self.cost.seconds(num_rows, sum(attention_scores(c, r) for c, r in spans))
 
 
 @dataclass(slots=True)
@@ -183,14 +215,15 @@ class StepChunks:
     num_rows: int
     num_scores: int
     granted: int = 0  # prompt tokens granted so far this step
+    progressed: bool = False  # a prompt is fed this step (a starting rest, or a grant)
 
     def grant(self, cached: int, pending: int) -> int:
         """Prompt tokens (at most ``pending``, and what is left of ``max_tokens``) that a
         request with ``cached`` tokens feeds: all of a prompt that ``starts`` (priced with the
         decoding requests), else the most that keep the step's estimate within the bound
-        (found by bisection, the cost rising with the tokens), at least ``min_chunk`` for the
-        step's first grant."""
-        if self.budget.starts(pending):
+        (found by bisection, the cost rising with the tokens), at least ``min_chunk`` where no
+        prompt is fed yet this step (every step feeds one: prompts always progress)."""
+        if self.budget.starts(cached, pending):
             return pending
         most = min(pending, self.max_tokens - self.granted)
         low, high = 0, most  # fits(low) holds; find the largest n that fits
@@ -200,8 +233,9 @@ class StepChunks:
                 low = mid
             else:
                 high = mid - 1
-        if self.granted == 0:
+        if not self.progressed:
             low = max(low, min(self.budget.min_chunk, most))
+        self.progressed = self.progressed or low > 0
         self.num_rows += low
         self.num_scores += attention_scores(cached, low)
         self.granted += low

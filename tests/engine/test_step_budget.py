@@ -85,13 +85,13 @@ def test_deeper_chunks_are_smaller_and_a_bigger_ratio_grants_more() -> None:
     assert chunk(2000, 40.0) > chunk(2000, 20.0)
 
 
-def test_bound_is_capped_unless_decoding_alone_takes_half_the_cap() -> None:
-    """Decoding spans of 60 rows (0.074 s; 4 x: 0.30 s) leave the prompt what fits in
-    ``max_seconds``, so their next tokens come no later; spans of 200 rows (0.23 s, past the
-    cap) still leave it as much time as they take (twice their forward in all)."""
+def test_bound_is_capped_unless_decoding_alone_takes_the_whole_cap() -> None:
+    """Decoding spans of 60 or 120 rows (0.074, 0.134 s: more than half the cap) leave the
+    prompt what fits in ``max_seconds``, so their next tokens come no later; spans of 200 rows
+    (0.23 s, past the cap) still leave it as much time as they take (twice their forward)."""
     scheduler = Scheduler(8, 512, StepBudget(COST, 4.0, 0.15, max_seconds=0.18))
     decoding, long_prompt = running(scheduler, 101, 8000)
-    for rows, bound in ((60, 0.18), (200, 2 * step_seconds([(100, 200)], []))):
+    for rows, bound in ((60, 0.18), (120, 0.18), (200, 2 * step_seconds([(100, 200)], []))):
         decoding.speculation.last_verified = rows
         [(request, tokens)] = scheduler.plan([100, 0]).prefill
         assert request is long_prompt and tokens > 32
@@ -152,6 +152,46 @@ def test_a_short_prompt_beside_a_prompt_alone_is_fed_whole_in_a_bounded_step() -
     assert request is long_prompt and 32 < tokens < 512
     assert step_seconds([(0, 21)], [(3000, tokens)]) <= 0.15
     assert step_seconds([(0, 21)], [(3000, tokens + 1)]) > 0.15
+
+
+def test_a_short_prompt_is_priced_within_the_bound_not_raising_it() -> None:
+    """A 31-token prompt starts (fed whole, 0.042 s) beside a stream decoding (0.011 s) and a
+    long prompt: the bound stays the stream's (0.15 s), the long prompt gets what is left of it.
+    Priced as decoding, the short prompt would have raised the bound to 0.17 s (4 x the forward
+    of stream and short prompt), and the stream's gap with it."""
+    scheduler = Scheduler(8, 512, StepBudget(COST, ratio=4.0, min_seconds=0.15, max_seconds=0.18))
+    stream, short, long_prompt = running(scheduler, 101, 32, 8000)
+    plan = scheduler.plan([100, 0, 3000])
+    assert plan.decode == [stream, short]
+    [(request, tokens)] = plan.prefill
+    assert request is long_prompt and tokens > 8
+    spans = [(100, 1), (0, 32)]
+    assert step_seconds(spans, [(3000, tokens)]) <= 0.15 < step_seconds(spans, [(3000, tokens + 1)])
+
+
+def test_a_long_prompts_deep_last_tokens_are_granted_what_fits() -> None:
+    """A long prompt 7,800 tokens in with 31 left (0.152 s with the stream's row, past the
+    0.15 s bound) does not start: it feeds what fits, and the rest next step."""
+    scheduler = Scheduler(8, 512, StepBudget(COST, ratio=4.0, min_seconds=0.15, max_seconds=0.18))
+    stream, ending = running(scheduler, 101, 7832)
+    plan = scheduler.plan([100, 7800])
+    assert plan.decode == [stream]
+    [(request, tokens)] = plan.prefill
+    assert request is ending and 8 < tokens < 31
+    assert step_seconds([(100, 1)], [(7800, tokens)]) <= 0.15
+    assert step_seconds([(100, 1)], [(7800, tokens + 1)]) > 0.15
+
+
+def test_the_floor_is_small_and_only_where_no_prompt_is_fed_yet() -> None:
+    """Decoding fills the bound (``ratio`` 1): a prompt alone in the step gets the 8-token
+    floor; beside a short prompt fed whole (this step's progress) it gets nothing."""
+    scheduler = Scheduler(8, 512, StepBudget(COST, ratio=1.0, min_seconds=0.0))
+    stream, long_prompt = running(scheduler, 101, 8000)
+    assert scheduler.plan([100, 7000]).prefill == [(long_prompt, 8)]
+    scheduler = Scheduler(8, 512, StepBudget(COST, ratio=1.0, min_seconds=0.0))
+    stream, short, long_prompt = running(scheduler, 101, 21, 8000)
+    plan = scheduler.plan([100, 0, 7000])
+    assert plan.decode == [stream, short] and plan.prefill == []
 
 
 def test_steps_stay_bounded_for_a_while_after_the_last_decoding_request() -> None:

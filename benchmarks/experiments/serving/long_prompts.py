@@ -11,14 +11,16 @@ loopback port and measures, in order:
 3. ``canary_max_gap_s`` / ``shared_s``: the same prompt while a canary streams (400-token
    answers, back to back): the canary's largest gap between two tokens of one answer while the
    long prompt runs, and the long prompt's time; ``shared_over_alone`` = shared_s / alone_s.
-   The worst of 2 runs. ``canary_max_text_gap_s``: the largest gap between two events that
+   The worst of 2 runs; ``canary_max_gap_at_s``: when its largest gap began, in seconds after
+   the long prompt was sent. ``canary_max_text_gap_s``: the largest gap between two events that
    carry text; a token without text of its own (a special token, part of a character) makes
    it span two tokens or more. ``canary_max_first_s``: the longest a canary's answer that
    began while the long prompt ran waited for its first token (its next request is sent as
    one answer ends: the wait between answers).
 4. ``ten_max_gap_s``: 8 streams run (400-token answers, back to back) and 10 such long prompts
    arrive at once: the largest gap between two tokens of one stream's answer while any long
-   prompt runs (``ten_max_text_gap_s``: between texts); ``ten_long_s_median`` /
+   prompt runs (``ten_max_text_gap_s``: between texts; ``ten_max_gap_at_s``: when it began,
+   after the prompts were sent); ``ten_long_s_median`` /
    ``ten_long_s_max``: the long prompts' times.
 
 5. ``short_first_s_max``: while such a long prompt prefills with nothing else running, 3 short
@@ -31,7 +33,7 @@ is an event that lists its tokens: a gap between tokens is then seen as the serv
 
 Run: ``python benchmarks/experiments/serving/long_prompts.py REPO [--tokens 7800] [--skip-ten]``
 (REPO: the checkout to serve, e.g. ``.``; about 6-10 minutes on a quiet 2-core machine); prints
-one JSON object.
+each part's figures on stderr as it ends, then all of them as one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +77,15 @@ def long_prompt(seed: int, tokens: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(tokens)]
 
 
-def timed_completion(url: str, prompt: list[int] | str, max_tokens: int) -> dict[str, float]:
-    """Stream one completion; its events' times (first, last) from its start, and tokens."""
+def timed_completion(
+    url: str, prompt: list[int] | str, max_tokens: int, client: httpx.Client | None = None
+) -> dict[str, float]:
+    """Stream one completion; its events' times (first, last) from its start, and tokens.
+    ``client``: one made beforehand (else one is made here: tens of milliseconds of this
+    process's CPU, which a timed window on a 2-core machine would count against the server)."""
+    if client is None:
+        with httpx.Client(base_url=url, timeout=1200) as own:
+            return timed_completion(url, prompt, max_tokens, own)
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -86,10 +96,7 @@ def timed_completion(url: str, prompt: list[int] | str, max_tokens: int) -> dict
     start = time.perf_counter()
     first = last = None
     completion_tokens = 0
-    with (
-        httpx.Client(base_url=url, timeout=1200) as client,
-        client.stream("POST", "/v1/completions", json=body) as response,
-    ):
+    with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -130,6 +137,12 @@ class Streams:
     def max_gap(self, start: float, end: float, text: bool = False) -> float:
         gaps = self.text_gaps if text else self.gaps
         return max((g for t, g in gaps if start <= t <= end), default=0.0)
+
+    def max_gap_at(self, start: float, end: float) -> float:
+        """When the largest gap between ``start`` and ``end`` began, in seconds after ``start``
+        (near 0: as the long prompt arrived; near the end: its last chunks or first tokens)."""
+        gap, when = max(((g, t) for t, g in self.gaps if start <= t <= end), default=(0.0, start))
+        return when - gap - start
 
     def max_first(self, start: float, end: float) -> float:
         """The longest wait for a first token among answers sent between ``start`` and
@@ -186,20 +199,23 @@ def alone(url: str, tokens: int) -> dict[str, float]:
 
 
 def with_canary(url: str, tokens: int) -> dict[str, float]:
-    gaps, text_gaps, firsts, times = [], [], [], []
+    gaps, text_gaps, firsts, times, ats = [], [], [], [], []
     for i in range(2):
-        with Streams(url, 1) as canary:
+        with Streams(url, 1) as canary, httpx.Client(base_url=url, timeout=1200) as client:
+            prompt = long_prompt(200 + i, tokens)  # made before the window, as the client
             time.sleep(3)
             start = time.perf_counter()
-            run = timed_completion(url, long_prompt(200 + i, tokens), NEW_TOKENS)
+            run = timed_completion(url, prompt, NEW_TOKENS, client)
             end = time.perf_counter()
             time.sleep(1)
         gaps.append(canary.max_gap(start, end))
+        ats.append(canary.max_gap_at(start, end))
         text_gaps.append(canary.max_gap(start, end, text=True))
         firsts.append(canary.max_first(start, end))
         times.append(run["last"])
     return {
         "canary_max_gap_s": max(gaps),
+        "canary_max_gap_at_s": ats[gaps.index(max(gaps))],
         "canary_max_text_gap_s": max(text_gaps),
         "canary_max_first_s": max(firsts),
         "shared_s": max(times),
@@ -223,22 +239,30 @@ def short_beside_long(url: str, tokens: int) -> dict[str, float]:
 
 
 def ten_long(url: str, tokens: int) -> dict[str, float]:
+    """The prompts and their clients are made before the window: making 10 clients at once
+    takes a core of this process for about half a second, which the server's forward (its
+    threads on every core) would wait for."""
     times: list[float] = []
+    prompts = [long_prompt(300 + i, tokens) for i in range(10)]
+    clients = [httpx.Client(base_url=url, timeout=1200) for _ in prompts]
 
     def one(i: int) -> None:
-        times.append(timed_completion(url, long_prompt(300 + i, tokens), NEW_TOKENS)["last"])
+        times.append(timed_completion(url, prompts[i], NEW_TOKENS, clients[i])["last"])
 
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
     with Streams(url, 8) as streams:
         time.sleep(5)
         start = time.perf_counter()
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
         end = time.perf_counter()
+    for client in clients:
+        client.close()
     return {
         "ten_max_gap_s": streams.max_gap(start, end),
+        "ten_max_gap_at_s": streams.max_gap_at(start, end),
         "ten_max_text_gap_s": streams.max_gap(start, end, text=True),
         "ten_long_s_median": statistics.median(times),
         "ten_long_s_max": max(times),
@@ -261,13 +285,20 @@ def main() -> None:
     server = start_server(repo, port, Path(tempfile.gettempdir()) / f"long_prompts_{port}.log")
     try:
         timed_completion(url, "Hello", 8)  # first request's one-off costs
-        figures: dict[str, Any] = {"decode_tok_s": decode_rate(url)}
-        figures.update(alone(url, args.tokens))
-        figures.update(with_canary(url, args.tokens))
-        figures["shared_over_alone"] = figures["shared_s"] / figures["alone_s"]
-        figures.update(short_beside_long(url, args.tokens))
+        figures: dict[str, Any] = {}
+        parts: list[Callable[[], dict[str, float]]] = [
+            lambda: {"decode_tok_s": decode_rate(url)},
+            lambda: alone(url, args.tokens),
+            lambda: with_canary(url, args.tokens),
+            lambda: {"shared_over_alone": figures["shared_s"] / figures["alone_s"]},
+            lambda: short_beside_long(url, args.tokens),
+        ]
         if not args.skip_ten:
-            figures.update(ten_long(url, args.tokens))
+            parts.append(lambda: ten_long(url, args.tokens))
+        for part in parts:  # each part's figures as it ends, on stderr: a long run shows progress
+            found = part()
+            figures.update(found)
+            print(json.dumps({k: round(v, 3) for k, v in found.items()}), file=sys.stderr)
     finally:
         server.terminate()
         server.wait(30)
