@@ -67,14 +67,15 @@ HS_INLINE __m512 factors512(factors_t w, int64_t at, int64_t g, int form) {
 /* Software prefetch of the codes HS_PF bytes past group g's (and of the int8 factors as far
  * ahead in their own stream): a tile's codes are read once, in order, and the hardware's
  * prefetcher alone leaves the loop waiting on memory while it computes, and computing while
- * it waits (a verify's rows then cost more than their arithmetic). Past the end of the
- * matrix a prefetch is a hint that never faults. */
+ * it waits (a verify's rows then cost more than their arithmetic). The addresses are formed
+ * as integers: past the end of the matrix a prefetch is a hint that never faults. */
 HS_INLINE void prefetch_ahead(const tile_job_t job, int64_t g, int S, int64_t tb) {
-    const char *codes = (const char *)job.codes + g * tb + HS_PF;
-    for (int64_t line = 0; line < tb; line += 64) _mm_prefetch(codes + line, _MM_HINT_T0);
+    const uintptr_t codes = (uintptr_t)job.codes + (uintptr_t)(g * tb + HS_PF);
+    for (int64_t line = 0; line < tb; line += 64)
+        _mm_prefetch((const char *)(codes + (uintptr_t)line), _MM_HINT_T0);
     const int64_t ahead = g * S * ROWS + HS_PF / 8; /* int8 factors: S * 16 bytes a group */
-    if (job.dw.step) _mm_prefetch((const char *)(job.dw.step + ahead), _MM_HINT_T0);
-    if (job.mw.step) _mm_prefetch((const char *)(job.mw.step + ahead), _MM_HINT_T0);
+    if (job.dw.step) _mm_prefetch((const char *)((uintptr_t)job.dw.step + ahead), _MM_HINT_T0);
+    if (job.mw.step) _mm_prefetch((const char *)((uintptr_t)job.mw.step + ahead), _MM_HINT_T0);
 }
 
 /* c[u]: quad u of one group's codes for the tile's 16 rows, as unsigned bytes (8 bits: c +
