@@ -5,11 +5,11 @@
 ``kernel_pack``), with activations quantized to 8 bits per row and group of 32 as llama.cpp
 does (Q8_1), so each group's dot product is an integer one (AVX512-VNNI, AVX2, or portable C:
 the same integers and float operations, hence the same results). It reads each weight block
-once for up to 8 rows of ``x``, where torch's int4 kernel dequantizes the weights again for
-every 4 rows. Its fused forms take a layer's RMSNorm, or the MLP's ``silu(gate) * up``, as the
-prologue and the residual add as the epilogue; ``Kernel.attn_in`` adds rope and the KV-cache
-stores to the q/k/v projection, and ``Kernel.mlp_block`` runs a layer after its attention in one
-call.
+once for up to 16 rows of ``x`` (AVX512-VNNI; 4 with AVX2), where torch's int4 kernel
+dequantizes the weights again for every 4 rows. Its fused forms take a layer's RMSNorm, or the
+MLP's ``silu(gate) * up``, as the prologue and the residual add as the epilogue;
+``Kernel.attn_in`` adds rope and the KV-cache stores to the q/k/v projection, and
+``Kernel.mlp_block`` runs a layer after its attention in one call.
 
 Each output row is computed alike whatever rows share the call (one fixed order of summation,
 in one thread), so a token's logits do not depend on how many drafts it is verified with.
@@ -229,18 +229,8 @@ class Kernel:
         bfloat16 ``qkv``, contiguous ``slots`` and ``positions`` within the cache, ``cache``
         from ``kernel_abi.cache_layout``): no checks, the least work per layer."""
         q = torch.empty((qkv.shape[0], num_heads, head_dim), dtype=torch.float32)
-        self._lib.hs_rope_store(
-            qkv.data_ptr(),
-            qkv.shape[0],
-            num_heads,
-            num_kv,
-            head_dim,
-            rope.data_ptr(),
-            slots.data_ptr(),
-            positions.data_ptr(),
-            cache,
-            q.data_ptr(),
-        )
+        tail = _rope_tail(q, num_kv, rope, slots, positions, cache)
+        self._lib.hs_rope_store(qkv.data_ptr(), qkv.shape[0], *tail)
         return q
 
     def attn_in(
@@ -263,22 +253,9 @@ class Kernel:
         q = torch.empty((x.shape[0], num_heads, head_dim), dtype=torch.float32)
         if x.shape[0] == 0:
             return q
-        self._call(
-            self._lib.hs_attn_in,
-            wqkv.pointer,
-            x.data_ptr(),
-            x.shape[0],
-            attn_norm.data_ptr(),
-            eps,
-            num_heads,
-            num_kv,
-            head_dim,
-            rope.data_ptr(),
-            slots.data_ptr(),
-            positions.data_ptr(),
-            cache,
-            q.data_ptr(),
-        )
+        tail = _rope_tail(q, num_kv, rope, slots, positions, cache)
+        head = (wqkv.pointer, x.data_ptr(), x.shape[0], attn_norm.data_ptr(), eps)
+        self._call(self._lib.hs_attn_in, *head, *tail)
         return q
 
     def dequantize_rows(self, weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:
@@ -298,6 +275,21 @@ class Kernel:
             out.data_ptr(),
         )
         return out
+
+
+def _rope_tail(
+    q: torch.Tensor,  # [T, H, hd] float32, written by the call
+    num_kv: int,
+    rope: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    cache: ctypes._Pointer[CacheLayout],
+) -> tuple[object, ...]:
+    """The arguments ``hs_rope_store`` and ``hs_attn_in`` end with, in their C order: H, KV,
+    hd, rope, slots, positions, the cache and q's data."""
+    _, num_heads, head_dim = q.shape
+    pointers = (rope.data_ptr(), slots.data_ptr(), positions.data_ptr())
+    return (num_heads, num_kv, head_dim, *pointers, cache, q.data_ptr())
 
 
 def load(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> Kernel:

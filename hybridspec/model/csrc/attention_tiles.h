@@ -16,6 +16,18 @@ static inline float att_widen(const char *base, int f32, int64_t i) {
     return f32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
 }
 
+#if defined(HS_AVX2)
+/* a[r][c] += w[r ld] vs[c] for rows r < nr: one position's values (4 vectors of dims) into
+ * the accumulators, at either vector width (isa.h's hs_vf): values_tile's and values_tile8's
+ * step. */
+HS_INLINE void values_step(hs_vf a[][4], const hs_vf vs[4], const float *w, int64_t ld, int nr) {
+    for (int r = 0; r < nr; r++) {
+        hs_vf p = HS_MM(set1_ps)(w[r * ld]);
+        for (int c = 0; c < 4; c++) a[r][c] = HS_MM(fmadd_ps)(p, vs[c], a[r][c]);
+    }
+}
+#endif
+
 #if defined(HS_AVX512)
 static inline __m512 load16(const char *p, int f32, __mmask16 mask) {
     if (f32)
@@ -68,15 +80,9 @@ HS_INLINE void values_tile(
             a[r][c] = _mm512_maskz_loadu_ps(m[c], acc + r * hd + 16 * c);
     for (int64_t j = j_lo; j < j_hi; j++) {
         const char *v = values + j * pos_bytes;
-        __m512 v0 = load16(v, f32, m[0]), v1 = load16(v + step, f32, m[1]);
-        __m512 v2 = load16(v + 2 * step, f32, m[2]), v3 = load16(v + 3 * step, f32, m[3]);
-        for (int r = 0; r < nr; r++) {
-            __m512 p = _mm512_set1_ps(w[r * ld + j]);
-            a[r][0] = _mm512_fmadd_ps(p, v0, a[r][0]);
-            a[r][1] = _mm512_fmadd_ps(p, v1, a[r][1]);
-            a[r][2] = _mm512_fmadd_ps(p, v2, a[r][2]);
-            a[r][3] = _mm512_fmadd_ps(p, v3, a[r][3]);
-        }
+        const __m512 vs[4] = {load16(v, f32, m[0]), load16(v + step, f32, m[1]),
+                              load16(v + 2 * step, f32, m[2]), load16(v + 3 * step, f32, m[3])};
+        values_step(a, vs, w + j, ld, nr);
     }
     for (int r = 0; r < nr; r++)
         for (int c = 0; c < 4; c++)
@@ -152,15 +158,9 @@ HS_INLINE void values_tile8(
             a[r][c] = _mm256_loadu_ps(acc + r * hd + 8 * c);
     for (int64_t j = j_lo; j < j_hi; j++) {
         const char *v = values + j * pos_bytes;
-        __m256 v0 = load8(v, f32), v1 = load8(v + step, f32);
-        __m256 v2 = load8(v + 2 * step, f32), v3 = load8(v + 3 * step, f32);
-        for (int r = 0; r < nr; r++) {
-            __m256 p = _mm256_set1_ps(w[r * ld + j]);
-            a[r][0] = _mm256_fmadd_ps(p, v0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(p, v1, a[r][1]);
-            a[r][2] = _mm256_fmadd_ps(p, v2, a[r][2]);
-            a[r][3] = _mm256_fmadd_ps(p, v3, a[r][3]);
-        }
+        const __m256 vs[4] = {load8(v, f32), load8(v + step, f32), load8(v + 2 * step, f32),
+                              load8(v + 3 * step, f32)};
+        values_step(a, vs, w + j, ld, nr);
     }
     for (int r = 0; r < nr; r++)
         for (int c = 0; c < 4; c++)

@@ -35,11 +35,21 @@
 #include "isa.h"
 #include "matmul.h"
 
-#if defined(HS_AVX2) && !defined(HS_VNNI)
+#if defined(HS_VNNI)
+#define TILE_T 16 /* rows of x against one tile of W in one pass: 32 vector registers */
+#elif defined(HS_AVX2)
 #define TILE_T 4 /* rows of x against one tile of W: AVX2 has 16 vector registers */
 #else
-#define TILE_T 8 /* rows of x against one tile of W: accumulators kept in registers */
+#define TILE_T 8 /* rows of x against one tile of W */
 #endif
+
+/* The form of a matrix's factors, where a tile_dot is specialised on it (else FORM_ANY). */
+enum { FORM_ANY = 0, FORM_NONE = 1, FORM_STEP = 2 };
+
+/* The kinds of matrix with a tile_dot of their own on the VNNI path (constant bits and factor
+ * forms, no tests inside the loop): a Q4_K's, a Q6_K's, a fused Q4_K / Q6_K's (6 bits with
+ * offsets); any other in groups of 32 (S = 1) or 16 (S = 2). */
+enum { KIND_S1, KIND_S2, KIND_Q4K, KIND_Q6K, KIND_Q6K_M };
 
 const char *hs_isa(void) {
 #if defined(HS_VNNI)
@@ -118,20 +128,43 @@ typedef struct {
 
 #include "matmul_tiles.h"
 
-#define TILE_DOT_CASE(n)               \
-    case n:                            \
-        if (S == 1)                    \
-            tile_dot(*job, 1, n, out); \
-        else                           \
-            tile_dot(*job, 2, n, out); \
+/* The kind of ``w`` (KIND_*): which tile_dot runs it. */
+static int kind_of(const qweight_t *w) {
+    int S = GS / w->group, steps = w->scales.step && (!w->offsets.f && !w->offsets.h);
+    if (steps && w->bits == 4 && S == 1 && w->offsets.step) return KIND_Q4K;
+    if (steps && w->bits == 6 && S == 2) return w->offsets.step ? KIND_Q6K_M : KIND_Q6K;
+    return S == 1 ? KIND_S1 : KIND_S2;
+}
+
+/* tile_dot for one kind of matrix at a constant height ``tt``. */
+HS_INLINE void tile_dot_kind(const tile_job_t *job, int kind, int tt, float out[][ROWS]) {
+#if defined(HS_VNNI)
+    if (kind == KIND_Q4K) tile_dot_vnni(*job, 4, 1, tt, FORM_STEP, FORM_STEP, out);
+    else if (kind == KIND_Q6K) tile_dot_vnni(*job, 6, 2, tt, FORM_STEP, FORM_NONE, out);
+    else if (kind == KIND_Q6K_M) tile_dot_vnni(*job, 6, 2, tt, FORM_STEP, FORM_STEP, out);
+    else if (kind == KIND_S1) tile_dot_vnni(*job, 0, 1, tt, FORM_ANY, FORM_ANY, out);
+    else tile_dot_vnni(*job, 0, 2, tt, FORM_ANY, FORM_ANY, out);
+#else
+    if (kind == KIND_S1 || kind == KIND_Q4K) tile_dot(*job, 1, tt, out);
+    else tile_dot(*job, 2, tt, out);
+#endif
+}
+
+#define TILE_DOT_CASE(n) \
+    case n:              \
+        tile_dot_kind(job, kind, n, out); \
         break;
 
 /* tile_dot at constant heights, so that the accumulators live in registers. */
-static void tile_dot_rows(const tile_job_t *job, int S, int tt, float out[][ROWS]) {
+static void tile_dot_rows(const tile_job_t *job, int kind, int tt, float out[][ROWS]) {
     switch (tt) {
         TILE_DOT_CASE(1) TILE_DOT_CASE(2) TILE_DOT_CASE(3) TILE_DOT_CASE(4)
 #if TILE_T > 4
         TILE_DOT_CASE(5) TILE_DOT_CASE(6) TILE_DOT_CASE(7) TILE_DOT_CASE(8)
+#endif
+#if TILE_T > 8
+        TILE_DOT_CASE(9) TILE_DOT_CASE(10) TILE_DOT_CASE(11) TILE_DOT_CASE(12)
+        TILE_DOT_CASE(13) TILE_DOT_CASE(14) TILE_DOT_CASE(15) TILE_DOT_CASE(16)
 #endif
     }
 }
@@ -165,6 +198,10 @@ void matmul_run(const qweight_t *w, const void *x, int x_f32, int64_t T, int pro
     int64_t N = w->N, K = w->K;
     int64_t G = K / GS, S = GS / group, Kx = prologue == PRO_SILU_MUL ? 2 * K : K;
     int64_t tiles = (N + ROWS - 1) / ROWS, tb = tile_bytes(bits);
+    /* rows of x a pass over a tile takes: T in passes of equal heights up to TILE_T (17 rows:
+     * 9 + 8, not 16 + 1, a pass of one row being the slowest per row) */
+    int64_t passes = (T + TILE_T - 1) / TILE_T, height = (T + passes - 1) / passes;
+    int kind = kind_of(w);
     int8_t *q = take(&scratch, T * K);
     float *dx = take(&scratch, 4 * T * G), *sx = take(&scratch, 4 * T * G * S);
     int32_t *qs = take(&scratch, 4 * T * G * S);
@@ -182,12 +219,12 @@ void matmul_run(const qweight_t *w, const void *x, int x_f32, int64_t T, int pro
         for (int64_t b = 0; b < tiles; b++) {
             int rows = N - b * ROWS < ROWS ? (int)(N - b * ROWS) : ROWS;
             factors_t td = tile_factors(w->scales, b, G, S), tm = tile_factors(w->offsets, b, G, S);
-            for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
-                int tt = T - t0 < TILE_T ? (int)(T - t0) : TILE_T;
+            for (int64_t t0 = 0; t0 < T; t0 += height) {
+                int tt = T - t0 < height ? (int)(T - t0) : (int)height;
                 tile_job_t job = {w->packed + b * G * tb, td, tm, bits, G, K, q + t0 * K,
                                   dx + t0 * G, sx + t0 * G * S, qs + t0 * G * S};
                 float out[TILE_T][ROWS];
-                tile_dot_rows(&job, (int)S, tt, out);
+                tile_dot_rows(&job, kind, tt, out);
                 store_tile(out, tt, rows, t0, b * ROWS, N, residual, y);
             }
         }

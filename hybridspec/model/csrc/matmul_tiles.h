@@ -3,8 +3,11 @@
  * instruction set (isa.h), each as its named steps: unpack a group's codes into vectors of
  * unsigned bytes, reduce each sub-group to one integer per row (``dot``), scale it into the
  * float accumulators (``scale``). The portable C is its own function; all three compute the
- * same integers and the same float operations in the same order. Included once, by matmul.c,
- * after ``tile_job_t``. */
+ * same integers and the same float operations in the same order (the VNNI path leaves out the
+ * offsets' step for a matrix without offsets: it adds a zero product to a sum that is never
+ * -0, which changes no bit). The VNNI path takes up to 16 rows in one pass and is specialised
+ * on the kinds of matrix a GGUF file holds most (matmul.c, ``tile_dot_kind``). Included once,
+ * by matmul.c, after ``tile_job_t``. */
 #ifndef HS_MATMUL_TILES_H
 #define HS_MATMUL_TILES_H
 
@@ -46,13 +49,33 @@ HS_INLINE void unpack_nibbles(const uint8_t *src, int bits, codes_v c[QUADS]) {
 #endif
 
 #if defined(HS_VNNI)
-/* The factors of a tile's 16 rows at ``at`` in group g, as float32 (exact products). */
-static inline __m512 factors512(factors_t w, int64_t at, int64_t g) {
-    if (w.f) return _mm512_loadu_ps(w.f + at);
-    if (w.h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.h + at)));
-    if (!w.step) return _mm512_setzero_ps();
+#ifndef HS_PF
+#define HS_PF 2048 /* bytes of codes read ahead (software prefetch) */
+#endif
+/* The factors of a tile's 16 rows at ``at`` in group g, as float32 (exact products), in the
+ * form ``form`` (a constant where the caller specialises on it: FORM_ANY tests ``w``). */
+HS_INLINE __m512 factors512(factors_t w, int64_t at, int64_t g, int form) {
+    if (form == FORM_NONE) return _mm512_setzero_ps();
+    if (form == FORM_ANY && w.f) return _mm512_loadu_ps(w.f + at);
+    if (form == FORM_ANY && w.h)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.h + at)));
+    if (form == FORM_ANY && !w.step) return _mm512_setzero_ps();
     __m512i steps = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w.step + at)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(steps), _mm512_loadu_ps(w.super + (g / SUPER) * ROWS));
+}
+
+/* Software prefetch of the codes HS_PF bytes past group g's (and of the int8 factors as far
+ * ahead in their own stream): a tile's codes are read once, in order, and the hardware's
+ * prefetcher alone leaves the loop waiting on memory while it computes, and computing while
+ * it waits (a verify's rows then cost more than their arithmetic). The addresses are formed
+ * as integers: past the end of the matrix a prefetch is a hint that never faults. */
+HS_INLINE void prefetch_ahead(const tile_job_t job, int64_t g, int S, int64_t tb) {
+    const uintptr_t codes = (uintptr_t)job.codes + (uintptr_t)(g * tb + HS_PF);
+    for (int64_t line = 0; line < tb; line += 64)
+        _mm_prefetch((const char *)(codes + (uintptr_t)line), _MM_HINT_T0);
+    const int64_t ahead = g * S * ROWS + HS_PF / 8; /* int8 factors: S * 16 bytes a group */
+    if (job.dw.step) _mm_prefetch((const char *)((uintptr_t)job.dw.step + ahead), _MM_HINT_T0);
+    if (job.mw.step) _mm_prefetch((const char *)((uintptr_t)job.mw.step + ahead), _MM_HINT_T0);
 }
 
 /* c[u]: quad u of one group's codes for the tile's 16 rows, as unsigned bytes (8 bits: c +
@@ -65,40 +88,56 @@ HS_INLINE void unpack512(const uint8_t *src, int bits, __m512i c[QUADS]) {
     for (int u = 0; u < QUADS; u++) c[u] = _mm512_loadu_si512((const void *)(src + QB * u));
 }
 
-/* s[i] += the integer dot of quads [u0, u1) of ``c`` with row i's codes ``qg + i K`` (u8 x
- * s8, VNNI), rows of x innermost. */
-HS_INLINE void dot512(const __m512i *c, int u0, int u1, const int8_t *qg, int64_t K, int tt,
-                      __m512i *s) {
+/* s + the integer dot of quads [u0, u0 + span) of ``c`` with one row's codes ``qg`` (u8 x s8,
+ * VNNI), in ``chains`` independent sums added at the end (integers: the same sum in any
+ * order), so that a row alone does not wait on one chain of ``span`` dependent VNNI steps. */
+HS_INLINE __m512i dot512(const __m512i *c, int u0, int span, const int8_t *qg, int chains,
+                         __m512i s) {
+    __m512i part[4];
+    part[0] = s;
+    for (int p = 1; p < chains; p++) part[p] = _mm512_setzero_si512();
 #pragma GCC unroll 8 /* whole: c[u] stays in registers */
-    for (int u = u0; u < u1; u++) {
-        for (int i = 0; i < tt; i++) {
-            int32_t quad;
-            memcpy(&quad, qg + i * K + 4 * u, 4);
-            s[i] = _mm512_dpbusd_epi32(s[i], c[u], _mm512_set1_epi32(quad));
-        }
+    for (int u = u0; u < u0 + span; u++) {
+        int32_t quad;
+        memcpy(&quad, qg + 4 * u, 4);
+        part[u % chains] = _mm512_dpbusd_epi32(part[u % chains], c[u], _mm512_set1_epi32(quad));
     }
+    if (chains == 4) {
+        part[0] = _mm512_add_epi32(part[0], part[2]);
+        part[1] = _mm512_add_epi32(part[1], part[3]);
+    }
+    return chains > 1 ? _mm512_add_epi32(part[0], part[1]) : part[0];
 }
 
-HS_INLINE void tile_dot(const tile_job_t job, int S, int tt, float out[][ROWS]) {
-    const int bits = job.bits, span = QUADS / S, offset = has_factors(job.mw);
+/* tile_dot for ``tt`` rows with the codes' ``bits`` and the factors' forms ``dform`` and
+ * ``mform`` constant where the caller knows them (``bits`` 0: the job's), in one pass over
+ * the tile: each group's codes are unpacked once for all rows. */
+HS_INLINE void tile_dot_vnni(const tile_job_t job, int bits, int S, int tt, int dform,
+                             int mform, float out[][ROWS]) {
+    if (!bits) bits = job.bits;
+    const int span = QUADS / S, zero = code_zero(bits);
+    const int offset = mform == FORM_ANY ? has_factors(job.mw) : mform != FORM_NONE;
+    const int chains = tt == 1 ? 4 : (tt == 2 ? 2 : 1); /* independent sums a row's dot takes */
     const int64_t G = job.G, K = job.K, tb = tile_bytes(bits), GS_ = G * S;
     __m512 acc[TILE_T];
     for (int i = 0; i < tt; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512i c[QUADS];
+        prefetch_ahead(job, g, S, tb);
         unpack512(job.codes + g * tb, bits, c);
         for (int h = 0; h < S; h++) {
-            const int64_t at = (g * S + h) * ROWS;
-            const __m512 d = factors512(job.dw, at, g);
-            const __m512 m = offset ? factors512(job.mw, at, g) : _mm512_setzero_ps();
-            __m512i s[TILE_T];
-            for (int i = 0; i < tt; i++) /* 6, 8 bits: - 32 or - 128 sum q */
-                s[i] = _mm512_set1_epi32(-code_zero(bits) * job.qs[i * GS_ + g * S + h]);
-            dot512(c, h * span, (h + 1) * span, job.q + g * GS, K, tt, s);
-            for (int i = 0; i < tt; i++) { /* scale: fma(s, d dx, acc), then fma(m, sx, acc) */
+            const int64_t at = (g * S + h) * ROWS, sub = g * S + h;
+            const __m512 d = factors512(job.dw, at, g, dform);
+            const __m512 m = offset ? factors512(job.mw, at, g, mform) : _mm512_setzero_ps();
+            for (int i = 0; i < tt; i++) { /* 6, 8 bits: from - 32 or - 128 sum q */
+                __m512i s = zero ? _mm512_set1_epi32(-zero * job.qs[i * GS_ + sub])
+                                 : _mm512_setzero_si512();
+                s = dot512(c, h * span, span, job.q + i * K + g * GS, chains, s);
+                /* scale: fma(s, d dx, acc), then fma(m, sx, acc) where there are offsets */
                 const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(job.dx[i * G + g]));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), scale, acc[i]);
-                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(job.sx[i * GS_ + g * S + h]), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
+                if (offset)
+                    acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(job.sx[i * GS_ + sub]), acc[i]);
             }
         }
     }
