@@ -74,7 +74,9 @@ class DraftCounts:
         return MeasuredPrice(rows.seconds, proposer.cost_per_token * one)
 
     def record(self, num_committed: int, num_rows: int) -> None:
-        """A round committed ``num_committed`` tokens from ``num_rows`` verified rows."""
+        """A round committed ``num_committed`` tokens from ``num_rows`` verified rows (its
+        forward's time prices rows where it fed no prompt: ``engine.row_costs``)."""
+        self.forward_cost.observe_round(num_rows)
         if self.speculation is not None:
             self.speculation.record_step(num_committed, num_rows)
 
