@@ -6,7 +6,7 @@ the forward already has: on CPU a one-row forward takes the matrix-vector path a
 block kernel (at the 3B shape 2 rows cost 1.05 decodes, 9 rows 2.25, 17 rows 3.7: 0.05 for the
 first extra row, about 0.16 each after it), and 8 requests of ``K + 1`` rows each are no longer
 nearly free beside one. So no constant per row prices them. ``RowCosts`` keeps the measured
-seconds of the engine's forwards by their row count (``observe``, every forward the engine runs)
+seconds of the engine's forwards by their row count (``observe``: its rounds, below)
 and prices a forward of ``n`` rows from them (``seconds``): the mean at ``n`` itself, a straight
 line between the nearest measured counts on either side, and past the largest the slope of its
 last stretch (never below 0). The means are taken as non-decreasing in ``n`` (each at least the
