@@ -108,12 +108,16 @@ def _cost(text: str) -> float | str:
 
 
 def _priced(table: OracleTable) -> str:
-    """Adaptive speculation's price of one more verified row beside this run's measured one
-    (``engine.speculation.measure_verify_token_cost``'s slope, over the sweep's rows)."""
+    """This run's measured cost of one more verified row (the slope over the sweep's rows),
+    beside adaptive speculation's constant one, which prices rows only where no forward of so
+    few rows is timed yet (``engine.speculation``, "Measured costs")."""
     rows = max(table.verify_cost)
     slope = (table.verify_cost[rows] - 1.0) / (rows - 1) if rows > 1 else 0.0
     policy = "off" if table.policy_cost is None else f"{table.policy_cost:.3f}"
-    return f"cost of one more verified row: adaptive speculation's {policy}, measured {slope:.3f}"
+    return (
+        f"cost of one more verified row: measured {slope:.3f} (adaptive speculation prices "
+        f"rows by the timed forwards; its constant, before any: {policy})"
+    )
 
 
 def _row(alpha: float, label: str, run: Run, none: float, ideal: float) -> str:

@@ -5,7 +5,10 @@ One run, one engine over the target, greedy requests only:
 
 1. ``none`` on each prompt: the reference continuation (the oracle's drafts) and the decode rate.
 2. The forward's cost of verifying ``n`` rows, ``t(n) / t(1)``, timed in the same process
-   (``model.median_forward_seconds``, one sequence, a short cached context).
+   (``model.median_forward_seconds``, one sequence, a short cached context); the engine's
+   measured row costs (``engine.row_costs``) learn these timings too, as an engine that has
+   served for a while has timed forwards of every row count, so that the first adaptive run
+   is priced as well as the later ones (each run's forwards keep teaching it).
 3. Per alpha: oracle drafts with adaptive K (up to the largest K of the sweep), then with each
    fixed K (adaptive speculation off); ``none`` again at the end, its rate averaged with the
    first one's. Every run's text must equal ``none``'s, token for token.
@@ -188,6 +191,8 @@ def run_oracle_table(
     if timings is None or timings[0] <= 0:
         raise HybridSpecError("no free cache slot to time the forward's cost per row")
     table = OracleTable(0.0, {n: t / timings[0] for n, t in zip(rows, timings, strict=True)})
+    for n, seconds in zip(rows, timings, strict=True):  # what a long-running engine has learned
+        engine.forward_cost.rows.observe(n, seconds)
     if engine.speculation is not None:
         table.policy_cost = engine.speculation.verify_token_cost
     for alpha in plan.alphas:

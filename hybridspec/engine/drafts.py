@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from hybridspec.engine.proposer_pool import ProposerPool
 from hybridspec.engine.request import Request
-from hybridspec.engine.speculation import SpeculationPolicy
-from hybridspec.engine.step_budget import FittedForwardCost
+from hybridspec.engine.row_costs import TimedForwardCost
+from hybridspec.engine.speculation import MeasuredPrice, SpeculationPolicy
 from hybridspec.proposers import Proposer
 
 
@@ -17,12 +17,13 @@ class DraftCounts:
     def __init__(
         self,
         speculation: SpeculationPolicy | None,
-        forward_cost: FittedForwardCost,
+        forward_cost: TimedForwardCost,
         proposers: ProposerPool,
         max_seq_len: int,
         measure_proposer_costs: bool,
     ) -> None:
-        """``forward_cost``: the fitted target forward (``a`` of ``engine.speculation``);
+        """``forward_cost``: the fitted target forward (``a`` of ``engine.speculation``) and
+        its measured seconds by row count (``rows``);
         ``proposers``: the pool whose ``costs`` (the proposers' measured times) price them
         where ``measure_proposer_costs``."""
         self.speculation = speculation
@@ -41,21 +42,41 @@ class DraftCounts:
         if self.speculation is None or k == 0:
             return k
         by_step = request.params.sampling.is_greedy or not proposer.samples_drafts
-        per_token, per_round = proposer.cost_per_token, 0.0
+        per_token, per_round, measured = proposer.cost_per_token, 0.0, None
         if by_step and self.measure_proposer_costs:  # (a seeded sampled request: fixed)
-            measured = self.proposers.costs.price(proposer, self._forward_fixed_s(self.speculation))
-            if measured is not None:
-                per_token, per_round = measured
+            timed = self.proposers.costs.price(proposer, 1.0)  # (over 1 s: in seconds)
+            fixed_s = self._forward_fixed_s(self.speculation)
+            if timed is not None and fixed_s is not None and fixed_s > 0:
+                per_token, per_round = timed[0] / fixed_s, timed[1] / fixed_s
+            measured = self._measured(proposer, timed)
         return self.speculation.num_drafts(
             request.speculation,
             k,
             by_step=by_step,
             proposer_cost_per_token=per_token,
             proposer_cost_per_round=per_round,
+            measured=measured,
         )
 
+    def _measured(
+        self, proposer: Proposer, timed: tuple[float, float] | None
+    ) -> MeasuredPrice | None:
+        """The round's price in measured seconds (``engine.speculation``, "Measured costs"):
+        the forwards by their rows, the proposer's ``timed`` seconds per draft and per round
+        (before it has them, its ``cost_per_token`` times a one-row forward); None before a
+        one-row forward is timed."""
+        rows = self.forward_cost.rows
+        if timed is not None:
+            return MeasuredPrice(rows.seconds, *timed)
+        one = rows.seconds(1)
+        if one is None:
+            return None
+        return MeasuredPrice(rows.seconds, proposer.cost_per_token * one)
+
     def record(self, num_committed: int, num_rows: int) -> None:
-        """A round committed ``num_committed`` tokens from ``num_rows`` verified rows."""
+        """A round committed ``num_committed`` tokens from ``num_rows`` verified rows (its
+        forward's time prices rows where it fed no prompt: ``engine.row_costs``)."""
+        self.forward_cost.observe_round(num_rows)
         if self.speculation is not None:
             self.speculation.record_step(num_committed, num_rows)
 

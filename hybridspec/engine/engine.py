@@ -50,9 +50,9 @@ from hybridspec.engine.request import (
 from hybridspec.engine.resolution import ProposerCatalog
 from hybridspec.engine.round import ROUND_FAILED as ROUND_FAILED  # its public path
 from hybridspec.engine.round import RoundRunner
+from hybridspec.engine.row_costs import TimedForwardCost
 from hybridspec.engine.scheduler import Scheduler
 from hybridspec.engine.speculation import SpeculationPolicy
-from hybridspec.engine.step_budget import FittedForwardCost
 from hybridspec.engine.turns import Turns
 from hybridspec.errors import HybridSpecError, check
 from hybridspec.model import LoadedModel, load_model, thread_controller
@@ -101,7 +101,7 @@ class Engine:
         )
         self.max_seq_len = self.runtime.max_seq_len
         self.vocab_size = self.runtime.vocab_size
-        self.forward_cost = FittedForwardCost()  # the machine's, kept across ``reset``
+        self.forward_cost = TimedForwardCost()  # the machine's, kept across ``reset``
         self.scheduler = Scheduler(
             config.max_queue_size,
             config.prefill_chunk_size,

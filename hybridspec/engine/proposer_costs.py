@@ -37,6 +37,7 @@ class _Fit:
     gram: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))
     moment: np.ndarray = field(default_factory=lambda: np.zeros(2))
     calls: int = 0
+    solved: tuple[float, float] | None = None  # ``solve``'s answer since the last call
 
     def observe(self, num_requests: int, num_drafts: int, seconds: float) -> None:
         """Add a call, its time at most ``OUTLIER`` times what the fit predicts for it (a
@@ -48,11 +49,17 @@ class _Fit:
         self.gram = DECAY * self.gram + np.outer(x, x)
         self.moment = DECAY * self.moment + x * seconds
         self.calls += 1
+        self.solved = None
 
     def solve(self) -> tuple[float, float]:
         """``(f, p)`` in seconds, both at least 0: where the joint fit makes one negative, the
         other is fitted alone. Calls whose drafts are always the same multiple of their
         requests cannot split the two; the least-norm split prices such calls alike."""
+        if self.solved is None:  # asked once per request a round, learned once per call
+            self.solved = self._solve()
+        return self.solved
+
+    def _solve(self) -> tuple[float, float]:
         f, p = np.linalg.lstsq(self.gram + 1e-15 * np.eye(2), self.moment, rcond=None)[0]
         if f >= 0 and p >= 0:
             return float(f), float(p)

@@ -46,10 +46,21 @@ that is not doubles the pause, up to the length at which probing costs at most
 ``PROBE_BUDGET`` tokens a round (cheap n-gram probes: a few rounds; the eagle head's: dozens).
 
 Measured costs: where a request's text does not depend on its drafts (``by_step``), the engine
-prices the proposer with its measured time (``engine.proposer_costs``) over the measured time of
-a one-token target forward; a request whose drafts steer its random generator uses the
-proposer's own ``cost_per_token`` (fixed for the run), so that its seeded text depends on its
-own rounds only.
+prices its round in measured seconds (``MeasuredPrice``): ``t(n)``, a target forward of ``n``
+rows, from the engine's timed forwards (``engine.row_costs``; a row's cost depends on how many
+rows the forward already has, so no constant ``c`` prices it), and the proposer's time per draft
+``p`` and per round ``f`` (``engine.proposer_costs``). The request's batch neighbours are taken
+as in the last step: ``V_o`` rows committing ``C_o`` tokens (the step's, less the request's own
+last round). It asks for the ``k`` that makes the step commit the most tokens a second,
+``(C_o + 1 + alpha + ... + alpha ** k) / (t(V_o + 1 + k) + f + p k)`` (``f`` and ``p`` only
+when ``k > 0``): alone (``V_o = C_o = 0``) that is the ideal speedup of a round, its expected
+tokens over its cost; beside others, a draft is asked for when its expected token is worth
+the time it adds to every request of the step. Its realised price (for the pauses below) is
+the seconds the drafts add over what a committed token was worth in the last step. Where the
+forwards timed so far cannot price the rows (none of so few rows yet), the constant ``c`` and
+the proposer's measured time over a one-token forward price it as above. A request whose drafts
+steer its random generator uses ``c`` and the proposer's own ``cost_per_token`` (fixed for the
+run), so that its seeded text depends on its own rounds only.
 
 ``c`` defaults to ``config.DEFAULT_VERIFY_TOKEN_COST``, measured on the development CPU; it is
 a fixed number rather than one timed at start-up so that a seeded sampled request gives the
@@ -66,6 +77,7 @@ alpha = 0.3 gives 1 draft, alpha = 0.2 none.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridspec.config import MAX_VERIFY_TOKEN_COST
@@ -156,11 +168,14 @@ class SpeculationPolicy:
         by_step: bool,
         proposer_cost_per_token: float = 0.0,
         proposer_cost_per_round: float = 0.0,
+        measured: MeasuredPrice | None = None,
     ) -> int:
         """Drafts to ask for; ``by_step``: priced by the last engine step, else by the
         request's own last round (module docstring, "Whose round"). The proposer's costs are
         relative to a target forward's fixed part: per draft, and per round it drafts in.
-        Remembers the round's price in ``state`` (what ``state.update`` counts it against)."""
+        ``measured``: the measured seconds of forwards and of the proposer, which price a
+        ``by_step`` request where they can (module docstring, "Measured costs"). Remembers
+        the round's price in ``state`` (what ``state.update`` counts it against)."""
         if state.paused > 0 or max_drafts <= 0:
             return 0
         committed, verified = (
@@ -168,6 +183,10 @@ class SpeculationPolicy:
             if by_step
             else (state.last_committed, state.last_verified)
         )
+        if by_step and measured is not None:
+            k = self._by_rows(state, max_drafts, measured)
+            if k is not None:
+                return k
         c = self.verify_token_cost
         threshold = draft_threshold(c, committed, verified, proposer_cost_per_token)
         state.draft_price = threshold
@@ -180,6 +199,66 @@ class SpeculationPolicy:
             state.start_pause()  # the fixed part cannot pay: probe later, as prices change
             return 0
         return k
+
+    def _by_rows(
+        self, state: SpeculationState, max_drafts: int, measured: MeasuredPrice
+    ) -> int | None:
+        """The ``k <= max_drafts`` that makes the step commit the most tokens a second, priced
+        by measured seconds (module docstring, "Measured costs"); None where the forwards
+        measured so far cannot price one draft's row. Where only the proposer's time per round
+        stops every draft, the request pauses (it probes later, and the price is timed again)."""
+        others_rows = max(0, self._verified - state.last_verified)
+        others_tokens = max(0, self._committed - state.last_committed)
+        forward_s = measured.forward_s
+        base, last = forward_s(others_rows + 1), forward_s(self._verified)
+        if base is None or last is None or base <= 0 or last <= 0:
+            return None
+        seconds = [base]  # seconds[k]: the step's forward with k drafts of this request
+        for k in range(1, max_drafts + 1):
+            step_s = forward_s(others_rows + 1 + k)
+            if step_s is None:
+                break
+            seconds.append(step_s)
+        if len(seconds) == 1:  # not one draft priced: the constant ``c`` prices them
+            return None
+        best = _fastest(state.rate, others_tokens, seconds, measured, measured.per_round_s)
+        worth = last / self._committed  # seconds a committed token was worth last step
+        k = 1 if state.probing or best == 0 else best
+        state.draft_price = ((seconds[k] - base) / k + measured.per_draft_s) / worth
+        state.round_price = measured.per_round_s / worth
+        if state.probing:
+            return 1
+        if best == 0 and _fastest(state.rate, others_tokens, seconds, measured, 0.0) > 0:
+            state.start_pause()  # the fixed part cannot pay: probe later, as prices change
+        return best
+
+
+def _fastest(
+    alpha: float, others_tokens: int, seconds: list[float], measured: MeasuredPrice, f: float
+) -> int:
+    """The ``k`` (up to ``len(seconds) - 1``) with the most tokens a second, ``(others_tokens
+    + 1 + alpha + ... + alpha ** k) / (seconds[k] + f + p k)`` (``f`` and ``p`` from 1 draft).
+    Example: alpha 0.5, alone, forwards of 1 / 2 / 3 rows taking 1 / 1.05 / 1.21 s, free
+    drafts: 1 / 1.43 / 1.45 tokens a second: 2 drafts."""
+    best_k, best_rate, gain, power = 0, (others_tokens + 1) / seconds[0], 1.0, 1.0
+    for k in range(1, len(seconds)):
+        power *= alpha
+        gain += power
+        rate = (others_tokens + gain) / (seconds[k] + f + k * measured.per_draft_s)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredPrice:
+    """What a round costs in measured seconds: ``forward_s(n)``, a target forward of ``n``
+    rows (None where it cannot tell; ``engine.row_costs``), and the proposer's time per draft
+    and per round it drafts in (``engine.proposer_costs``)."""
+
+    forward_s: Callable[[int], float | None]
+    per_draft_s: float = 0.0
+    per_round_s: float = 0.0
 
 
 def measure_verify_token_cost(runtime: ModelRuntime, max_drafts: int) -> float:

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 import pytest
 
 from hybridspec import GenerationParams, Proposal, Proposer, ProposeRequest
+from hybridspec.engine import Engine
 from hybridspec.engine.proposer_costs import DECAY, MIN_CALLS, OUTLIER, ProposerCosts
+from hybridspec.engine.row_costs import RowCosts
 from hybridspec.engine.speculation import (
     MAX_PAUSE,
     MIN_PAUSE,
@@ -116,8 +118,25 @@ class Counting(Proposer):
         return out
 
 
+class FixedRows(RowCosts):
+    """A forward of ``n`` rows takes ``1 + 0.03 (n - 1)`` seconds, whatever was timed."""
+
+    def observe(self, num_rows: int, seconds: float) -> None:
+        pass
+
+    def seconds(self, num_rows: int) -> float | None:
+        return 1.0 + 0.03 * (num_rows - 1)
+
+
+def fixed_rows(engine: Engine) -> Engine:
+    """``engine`` with its forwards priced by ``FixedRows``: nothing here depends on timing."""
+    engine.forward_cost.rows = FixedRows()
+    return engine
+
+
 class FixedCosts(ProposerCosts):
-    """Prices every proposer as given: (per draft, per round) over a forward's fixed part."""
+    """Prices every proposer as given: (per draft, per round) over a forward's fixed part (in
+    seconds where the forward is priced at 1 s, as ``FixedRows`` prices one row)."""
 
     def __init__(self, per_draft: float, per_round: float) -> None:
         super().__init__()
@@ -131,7 +150,7 @@ class FixedCosts(ProposerCosts):
 def test_measured_costs_decide_whether_a_greedy_request_drafts(
     target: LoadedModel, per_round: float, drafts: bool
 ) -> None:
-    engine = make_engine(target, measure_proposer_costs=True)
+    engine = fixed_rows(make_engine(target, measure_proposer_costs=True))
     answer = plain(engine, PROMPTS[1], 30)
     proposer: Counting | None = None
 
@@ -165,7 +184,7 @@ def test_a_proposer_skipping_rounds_catches_up_losslessly(
     from tests.proposers.eagle_helpers import random_head, use_head
 
     free = EagleConfig(cost_per_token=0.0)
-    engine = make_engine(target, draft, measure_proposer_costs=True, eagle=free)
+    engine = fixed_rows(make_engine(target, draft, measure_proposer_costs=True, eagle=free))
     if name == "eagle":
         use_head(engine, random_head(target, 48))
 
