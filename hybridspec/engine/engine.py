@@ -293,19 +293,11 @@ class Engine:
             if not finished:
                 self.abort(request_id)
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Messages | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        params: GenerationParams | None = None,
-        **kwargs: Any,
-    ) -> GenerationResult:
-        """Run one request to completion; see ``stream`` for the arguments."""
-        for output in self.stream(
-            prompt, messages=messages, prompt_token_ids=prompt_token_ids, params=params, **kwargs
-        ):
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
+        """Run one request to completion and return its result; the keyword arguments are
+        ``stream``'s (``messages``, ``prompt_token_ids``, ``params``, or
+        ``GenerationParams.create``'s)."""
+        for output in self.stream(prompt, **kwargs):
             if output.result is not None:
                 if output.finish_reason is FinishReason.ERROR:
                     raise HybridSpecError(output.result.error or "generation failed")
