@@ -1,7 +1,8 @@
 """How requests enter the engine: checked and resolved where they enter (``add_request``,
 ``add_choices``: the proposer and K through ``ProposerCatalog``, the prompt, ``logit_bias`` and
-stop ids against the model), then admitted into KV-cache slots with the prefix cache's help
-(``admit``), each one's proposer started. ``Engine`` owns one ``Admission``.
+stop ids against the model), then seated in KV-cache slots with the prefix cache's help
+(``seat``, for the requests ``Scheduler.schedule`` admits), each one's proposer started.
+``Engine`` owns one ``Admission``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hybridspec.config import EngineConfig
-from hybridspec.engine.choices import check_choices, choice_seed, group_choices
+from hybridspec.engine.choices import check_choices, choice_seed, fork_ready, group_choices
 from hybridspec.engine.detokenizer import IncrementalDetokenizer
 from hybridspec.engine.finish import Finisher
 from hybridspec.engine.prefix_cache import PrefixCache
@@ -30,6 +31,7 @@ from hybridspec.engine.request import (
 from hybridspec.engine.scheduler import Scheduler
 from hybridspec.errors import check
 from hybridspec.model import ModelRuntime
+from hybridspec.types import Session
 from hybridspec.verifier import check_logit_bias
 from hybridspec.verifier.grammar import Grammars
 from hybridspec.verifier.uniforms import key_of
@@ -56,6 +58,7 @@ class Admission:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.runtime = runtime
         self.vocab_size, self.max_seq_len = runtime.vocab_size, runtime.max_seq_len
         self.max_num_seqs = config.target.max_num_seqs
         self.eos_token_ids = eos_token_ids
@@ -160,11 +163,14 @@ class Admission:
             constraint=None if params.grammar is None else self.grammars().state(params.grammar),
         )
 
-    def admit(self) -> list[RequestOutput]:
-        """Move waiting requests into free slots and start their proposers; the outputs of
-        those whose proposer failed to start (they end with an error)."""
+    def seat(self, admitted: list[Request]) -> tuple[list[RequestOutput], list[int]]:
+        """Give each of ``admitted`` (just moved into the running batch by ``Scheduler.admit``)
+        its slot, with the prefix cache's help, and start its proposer; then fork the choices
+        whose source has prefilled their prompt (``choices.fork_ready``). Returns the outputs
+        of those whose proposer failed to start (they end with an error), and each running
+        request's cached length (``Scheduler.schedule`` plans by them)."""
         outputs: list[RequestOutput] = []
-        for request in self.scheduler.admit(self.num_free_slots()):
+        for request in admitted:
             layers = request.proposer.feature_layers
             allocation = self.prefix_cache.allocate(
                 self._cache_lookup(request), layers, request.params.cache_scope
@@ -176,13 +182,17 @@ class Admission:
                 request.features.kept = []
             request.start_time = time.perf_counter()
             try:
-                self.proposers.start(request)  # with the request's session
+                params = request.params  # the proposer learns whose text it is (``Session``)
+                session = Session(params.session, params.cache_prompt, params.cache_scope)
+                request.proposer.start(request.seq_id, request.prompt_token_ids, session)
             except Exception as exc:  # a proposer's failure harms its own request only
                 logger.exception("proposer %r failed to start", request.proposer_name)
                 outputs.append(
                     self.finisher.finish(request, FinishReason.ERROR, f"proposer: {exc}")
                 )
-        return outputs
+        running = self.scheduler.running
+        fork_ready(running, self.runtime)  # choices share their prompt's prefill
+        return outputs, [self.runtime.seq_len(r.slot) for r in running]  # type: ignore[arg-type]
 
     def _cache_lookup(self, request: Request) -> list[int] | None:
         """The prompt to look up in the prefix cache, or None where the request must prefill

@@ -71,38 +71,8 @@ class RoundBatch:
         return [r for r, _ in (*self.drafts, *self.prefill)]
 
     @property
-    def proposers(self) -> list[Proposer]:
-        """Per sequence, the proposer its rows are fed for (``features``)."""
-        return [r.proposer for r in self.requests]
-
-    @property
     def num_verify_rows(self) -> int:
         return self.layout.num_rows if self.layout is not None else 0
-
-    def keep_feature_rows(self, hidden_states: torch.Tensor, rejected: Sequence[int]) -> None:
-        """Keep, until its next commit, each request's rows of the forward's ``hidden_states``
-        [num_tokens, len(forward.hidden_layers), hidden_size] that hold committed tokens: all it
-        fed but its last ``rejected[i]`` (rejected drafts, per sequence), in its proposer's
-        columns (``engine.features``)."""
-        cu, layers = self.cu, self.forward.hidden_layers
-        for i, request in enumerate(self.requests):
-            proposer = request.proposer
-            end = cu[i + 1] - rejected[i]
-            if not proposer.feature_layers or end <= cu[i]:
-                continue
-            rows = hidden_states[cu[i] : end]
-            if proposer.feature_layers != layers:
-                rows = rows[:, [layers.index(layer) for layer in proposer.feature_layers]]
-            request.features.pending.append(rows)
-
-    def score_prompts(self, logits: torch.Tensor) -> torch.Tensor:
-        """Hand each request of ``prompt_rows`` its rows of ``logits`` (the forward's, [num_logits,
-        vocab_size]) to score its prompt; return the verified rows."""
-        row = self.num_verify_rows
-        for prompt in self.prompt_rows:
-            prompt.request.scores.score_prompt(logits[row : row + prompt.num_rows], prompt.start)
-            row += prompt.num_rows
-        return logits[: self.num_verify_rows]
 
 
 def build_round(

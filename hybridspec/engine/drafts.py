@@ -1,6 +1,6 @@
 """How many drafts each decoding request asks for in a round (``DraftCounts.num_drafts``: its
-K, the room left, adaptive speculation), and what the round's commit tells adaptive
-speculation back (``record``). The proposer pool asks it per request while drafting."""
+K, the room left, adaptive speculation). The proposer pool asks it per request while drafting;
+``Engine.step`` hands adaptive speculation the round's yield at the round's end."""
 
 from __future__ import annotations
 
@@ -72,13 +72,6 @@ class DraftCounts:
         if one is None:
             return None
         return MeasuredPrice(rows.seconds, proposer.cost_per_token * one)
-
-    def record(self, num_committed: int, num_rows: int) -> None:
-        """A round committed ``num_committed`` tokens from ``num_rows`` verified rows (its
-        forward's time prices rows where it fed no prompt: ``engine.row_costs``)."""
-        self.forward_cost.observe_round(num_rows)
-        if self.speculation is not None:
-            self.speculation.record_step(num_committed, num_rows)
 
     def _forward_fixed_s(self, speculation: SpeculationPolicy) -> float | None:
         """Seconds of a target forward's fixed part, ``a`` of ``engine.speculation``: the

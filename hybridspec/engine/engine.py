@@ -1,16 +1,19 @@
 """The engine: continuous batching of requests, each with its own proposer and K.
 
-One step (docs/round.md follows its data in full):
+One step, each stage one call into one module (docs/round.md follows its data in full):
 
-1. admit waiting requests into free KV-cache slots (``admission``);
-2. plan: each running request either decodes or feeds a prefill chunk (``scheduler``);
-3. propose: every proposer drafts for all its decoding requests at once (``proposer_pool``,
+1. schedule (``scheduler``): admit waiting requests into free KV-cache slots, seated by
+   ``admission`` (the prefix cache, the proposers' start, choices' shared prefill), then plan:
+   each running request either decodes or feeds a prefill chunk;
+2. propose: every proposer drafts for all its decoding requests at once (``proposer_pool``,
    each request's draft count from ``drafts``);
-4. build the round's one batch (``batch.build_round``) and run one target forward over it:
+3. build the round's one batch (``batch.build_round``) and run one target forward over it:
    ``[uncached committed tokens, d_1 .. d_k]`` per decoding request, plus the prefill chunks;
-5. verify all decoding requests together (greedy or rejection sampling; ``batch.verify_round``);
-6. commit each request's accepted tokens and bonus or recovered token, check stop conditions on
-   them, roll the target cache back to the committed length and tell the proposer (``round``).
+4. verify all decoding requests together (greedy or rejection sampling; ``batch.verify_round``);
+5. commit each request's accepted tokens and bonus or recovered token, check stop conditions on
+   them, roll the target cache back to the committed length and tell the proposer (``round``);
+6. adaptive speculation learns the round's yield (``speculation``), and the requests that
+   ended give back their slot, proposer state and place (``finish``).
 
 A failure stays with the request it comes from (``step``): when the shared forward or
 verification raises, the round runs again one sequence at a time.
@@ -35,9 +38,9 @@ from hybridspec.config import EngineConfig
 from hybridspec.engine import setup
 from hybridspec.engine.admission import Admission
 from hybridspec.engine.batch import build_round, run_forward, verify_round
-from hybridspec.engine.choices import fork_ready, run_to_results
+from hybridspec.engine.choices import run_to_results
 from hybridspec.engine.drafts import DraftCounts
-from hybridspec.engine.finish import Finisher
+from hybridspec.engine.finish import Ending, Finisher
 from hybridspec.engine.prefix_cache import PrefixCache, kv_bytes_per_token
 from hybridspec.engine.prompts import Messages, check_prompt, encode, prompt_and_params
 from hybridspec.engine.proposer_pool import ProposerPool
@@ -137,9 +140,7 @@ class Engine:
             self.max_seq_len,
             config.measure_proposer_costs,
         )
-        self.rounds = RoundRunner(
-            self.runtime, self.forward_cost, self.draft_counts, self.finisher, self.eos_token_ids
-        )
+        self.rounds = RoundRunner(self.runtime, self.forward_cost, self.eos_token_ids)
 
     @property
     def speculation(self) -> SpeculationPolicy | None:
@@ -225,28 +226,24 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Advance every running request by one round; return what each one committed.
 
-        The round reads: admit, plan, propose, build, forward, verify, commit. A failure is
+        The round reads: schedule (admit, seat, plan), propose, build, forward, verify,
+        commit, finish; each stage is one call into one module. A failure is
         contained to its request: a proposer's (``ProposerPool.propose``), a commit's
         (``RoundRunner.commit``), and one in the shared forward or verification, after which
         every sequence of the round runs again alone (``RoundRunner.isolate``) and only those
         that fail alone fail.
         """
-        outputs = self.admission.admit()
-        fork_ready(self.scheduler.running, self.runtime)  # choices share their prompt's prefill
-        running = self.scheduler.running
-        if not running:
+        plan, outputs = self.scheduler.schedule(self.max_num_seqs, self.admission)
+        if not self.scheduler.running:
             return outputs
-        assert all(r.slot is not None for r in running)
-        plan = self.scheduler.plan([self.runtime.seq_len(r.slot) for r in running])  # type: ignore[arg-type]
         if self.thread_policy is not None:
             self.thread_policy.for_step(prefill=plan.feeds_prompt)
         started = time.perf_counter()
         proposed = self.proposers.propose(plan.decode, self.draft_counts.num_drafts)
-        for request, error in proposed.failed:
-            outputs.append(self.finisher.finish(request, FinishReason.ERROR, error))
+        ended = [Ending(r, FinishReason.ERROR, error) for r, error in proposed.failed]
         drafts, prefill = proposed.drafts, plan.prefill
         if not drafts and not prefill:
-            return outputs
+            return outputs + self.finisher.finish_round(ended)
         cached = {r.seq_id: self.runtime.seq_len(r.slot) for r, _ in (*drafts, *prefill)}  # type: ignore[arg-type]
         try:
             batch = build_round(drafts, prefill, cached, self.runtime.device)
@@ -255,10 +252,15 @@ class Engine:
         except Exception:
             logger.exception("a round of %d sequences failed; running each alone", len(cached))
             self.rounds.roll_back([r for r, _ in (*drafts, *prefill)], cached)
-            return outputs + self.rounds.isolate(drafts, prefill, cached)
-        if self.thread_policy is not None and not plan.feeds_prompt:  # decode rounds compare
-            self.thread_policy.observe(time.perf_counter() - started)
-        return outputs + self.rounds.commit(batch, output, verified)
+            committed = self.rounds.isolate(drafts, prefill, cached)
+        else:
+            if self.thread_policy is not None and not plan.feeds_prompt:  # decode rounds compare
+                self.thread_policy.observe(time.perf_counter() - started)
+            committed = self.rounds.commit(batch, output, verified)
+        self.forward_cost.observe_round(committed.num_rows)  # a decode round prices its rows
+        if self.speculation is not None:  # adaptive speculation learns the round's yield
+            self.speculation.record_step(committed.num_tokens, committed.num_rows)
+        return outputs + self.finisher.finish_round([*ended, *committed.items])
 
     # ------------------------------------------------------------- one request
 
@@ -292,19 +294,11 @@ class Engine:
             if not finished:
                 self.abort(request_id)
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Messages | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        params: GenerationParams | None = None,
-        **kwargs: Any,
-    ) -> GenerationResult:
-        """Run one request to completion; see ``stream`` for the arguments."""
-        for output in self.stream(
-            prompt, messages=messages, prompt_token_ids=prompt_token_ids, params=params, **kwargs
-        ):
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
+        """Run one request to completion and return its result; the keyword arguments are
+        ``stream``'s (``messages``, ``prompt_token_ids``, ``params``, or
+        ``GenerationParams.create``'s)."""
+        for output in self.stream(prompt, **kwargs):
             if output.result is not None:
                 if output.finish_reason is FinishReason.ERROR:
                     raise HybridSpecError(output.result.error or "generation failed")

@@ -3,10 +3,10 @@ the proposers that ask for them (``Proposer.feature_layers``) at no extra forwar
 
 A forward names the union of the layers that its sequences' proposers ask for
 (``ForwardBatch.hidden_layers``, from ``batch.forward_layers``) and returns their outputs for
-every fed token. The rows of a sequence's committed tokens are kept
-(``RoundBatch.keep_feature_rows``), in position order, until its next ``commit``, which hands
-them over in ``CommitInfo.hidden_states`` (columns: the proposer's own layers, in its order)
-with ``CommitInfo.hidden_position``, the position of the first row. A row of a rejected draft
+every fed token. The rows of a sequence's committed tokens are kept by the round's commit
+(``RoundRunner.commit``), in position order, until its next ``commit``, which hands them over
+in ``CommitInfo.hidden_states`` (columns: the proposer's own layers, in its order) with
+``CommitInfo.hidden_position``, the position of the first row. A row of a rejected draft
 is never kept. Over a sequence's life the commits cover positions ``0, 1, 2, ...`` without gap
 or overlap, up to the last committed token but one (the last is fed by the next forward).
 

@@ -157,13 +157,13 @@ class EngineLoop:
         prompts: Sequence[Sequence[int]],
         params: Sequence[GenerationParams],
         n: int,
-        checked: bool = False,
-        final_only: bool = False,
+        **options: bool,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Submit ``n`` choices of each prompt, then yield ``(index, output)`` as they come,
         ``index = prompt * n + choice``, until every one has finished; closing the iterator
-        early aborts those that have not. ``final_only``: as ``submit_choices``."""
-        request_ids, outputs = await self.submit_choices(prompts, params, n, checked, final_only)
+        early aborts those that have not. ``options``: ``submit_choices``'s ``checked`` and
+        ``final_only``."""
+        request_ids, outputs = await self.submit_choices(prompts, params, n, **options)
         index = {rid: i for i, rid in enumerate(rid for ids in request_ids for rid in ids)}
         running = set(index)
         try:

@@ -30,7 +30,7 @@ from hybridspec.proposers import (
     ProposerRegistry,
 )
 from hybridspec.proposers.draft_vocab import gguf_vocabulary_problem
-from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest, Session, TokenConstraint
+from hybridspec.types import EMPTY_PROPOSAL, Proposal, ProposeRequest, TokenConstraint
 from hybridspec.verifier import check_proposal
 
 logger = logging.getLogger(__name__)
@@ -191,12 +191,6 @@ class ProposerPool:
         self._build(name)
         for other in [n for n, read in self._reads.items() if name in read and n not in done]:
             self._rebuild(other, done)
-
-    def start(self, request: Request) -> None:
-        """Start the request's proposer on it, with whose text it is (``types.Session``)."""
-        params = request.params
-        session = Session(params.session, params.cache_prompt, params.cache_scope)
-        request.proposer.start(request.seq_id, request.prompt_token_ids, session)
 
     def available(self) -> list[str]:
         """The built proposers, and each composition ``a+b`` of one that composes with one

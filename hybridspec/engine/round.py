@@ -3,24 +3,24 @@ and the round run again one sequence at a time when its shared forward or verifi
 (``isolate``). ``Engine.step`` builds, forwards and verifies the round (``engine.batch``), then
 hands it here.
 
-A failure stays with the request it comes from: a commit's failure fails its own request; a
-sequence that fails alone in ``isolate`` ends with an error, the others commit as they would
-have.
+A request that ends in the round (a stop condition, a failure) is handed back as an ``Ending``
+in place of its output, and ends with the round's others (``Finisher.finish_round``). A failure
+stays with the request it comes from: a commit's failure fails its own request; a sequence that
+fails alone in ``isolate`` ends with an error, the others commit as they would have.
 
 Dimensions: ``num_seqs`` decoding requests in the round; ``k_i`` drafts of request i.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from hybridspec.engine.batch import RoundBatch, build_round, run_forward, verify_round
-from hybridspec.engine.drafts import DraftCounts
-from hybridspec.engine.finish import Finisher
+from hybridspec.engine.finish import Ending
 from hybridspec.engine.request import FinishReason, Request, RequestOutput
 from hybridspec.engine.step_budget import FittedForwardCost
 from hybridspec.model import ForwardOutput, ModelRuntime
@@ -33,6 +33,17 @@ logger = logging.getLogger(__name__)
 ROUND_FAILED = "engine: this request's round failed (details in the server log)"
 
 
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """What a round's commit hands back: per request, its output or its ``Ending`` (for
+    ``Finisher.finish_round``), in the round's order; and the round's yield, the tokens it
+    committed from the rows it verified (for adaptive speculation; 0: nothing verified)."""
+
+    items: list[RequestOutput | Ending]
+    num_tokens: int = 0
+    num_rows: int = 0
+
+
 class RoundRunner:
     """Commits rounds (module docstring); its collaborators are passed in."""
 
@@ -40,35 +51,30 @@ class RoundRunner:
         self,
         runtime: ModelRuntime,
         forward_cost: FittedForwardCost,
-        draft_counts: DraftCounts,
-        finisher: Finisher,
         eos_token_ids: frozenset[int],
     ) -> None:
-        """``draft_counts`` learns each round's committed tokens (adaptive speculation);
-        ``forward_cost`` times the forwards ``isolate`` runs."""
+        """``forward_cost`` times the forwards ``isolate`` runs."""
         self.runtime = runtime
         self.forward_cost = forward_cost
-        self.draft_counts = draft_counts
-        self.finisher = finisher
         self.eos_token_ids = eos_token_ids
 
     def commit(
         self, batch: RoundBatch, output: ForwardOutput, verified: VerifyOutput | None
-    ) -> list[RequestOutput]:
+    ) -> Committed:
         """Score prompts that asked, keep the features of committed tokens, then commit each
         decoding request's verified tokens; a failure fails that request only."""
-        logits = batch.score_prompts(output.logits)  # the verified rows
+        logits = _score_prompts(batch, output.logits)  # the verified rows
         accepted = verified.num_accepted.tolist() if verified is not None else []
         layout = batch.layout
         num_drafts = layout.num_drafts if layout is not None else ()
         if output.hidden_states is not None:
             rejected = [k - n for k, n in zip(num_drafts, accepted, strict=True)]
-            batch.keep_feature_rows(output.hidden_states, rejected + [0] * len(batch.prefill))
+            _keep_feature_rows(batch, output.hidden_states, rejected + [0] * len(batch.prefill))
         if verified is None or layout is None:
-            return []
+            return Committed([])
         if verified.controlled_logits is not None:  # what p was made from: logprobs read it too
             logits = verified.controlled_logits
-        outputs: list[RequestOutput] = []
+        items: list[RequestOutput | Ending] = []
         committed = 0
         for (request, proposal), k, row, tokens, num_accepted in zip(
             batch.drafts,
@@ -82,12 +88,11 @@ class RoundRunner:
             rows = logits[row : row + len(tokens)]  # the rows that produced ``tokens``
             try:
                 drafted_by = proposal.drafted_by or request.proposer_name
-                outputs.append(self._commit(request, tokens, num_accepted, k, rows, drafted_by))
+                items.append(self._commit(request, tokens, num_accepted, k, rows, drafted_by))
             except Exception:
                 logger.exception("committing request %s failed", request.request_id)
-                outputs.append(self.finisher.finish(request, FinishReason.ERROR, ROUND_FAILED))
-        self.draft_counts.record(committed, layout.num_rows)
-        return outputs
+                items.append(Ending(request, FinishReason.ERROR, ROUND_FAILED))
+        return Committed(items, committed, layout.num_rows)
 
     def roll_back(self, requests: Sequence[Request], cached: Mapping[int, int]) -> None:
         """Return the target cache of each of ``requests`` to its length before a failed round
@@ -102,10 +107,12 @@ class RoundRunner:
         drafts: list[tuple[Request, Proposal]],
         prefill: list[tuple[Request, int]],
         cached: Mapping[int, int],
-    ) -> list[RequestOutput]:
+    ) -> Committed:
         """Run a failed round again one sequence at a time, with the same drafts: those that
-        succeed commit as they would have; those that fail alone end with an error."""
-        outputs: list[RequestOutput] = []
+        succeed commit as they would have; those that fail alone end with an error. Its yield
+        is the last commit's that verified rows, as if each had been a round of its own."""
+        items: list[RequestOutput | Ending] = []
+        num_tokens = num_rows = 0
         alone: list[tuple[list[tuple[Request, Proposal]], list[tuple[Request, int]]]] = [
             *(([entry], []) for entry in drafts),
             *(([], [entry]) for entry in prefill),
@@ -119,10 +126,13 @@ class RoundRunner:
             except Exception:
                 logger.exception("request %s failed alone", request.request_id)
                 self.roll_back([request], cached)
-                outputs.append(self.finisher.finish(request, FinishReason.ERROR, ROUND_FAILED))
+                items.append(Ending(request, FinishReason.ERROR, ROUND_FAILED))
                 continue
-            outputs += self.commit(batch, output, verified)
-        return outputs
+            committed = self.commit(batch, output, verified)
+            items += committed.items
+            if committed.num_tokens > 0 and committed.num_rows > 0:
+                num_tokens, num_rows = committed.num_tokens, committed.num_rows
+        return Committed(items, num_tokens, num_rows)
 
     def _commit(
         self,
@@ -132,7 +142,7 @@ class RoundRunner:
         num_drafts: int,
         logits: torch.Tensor,
         drafted_by: str,
-    ) -> RequestOutput:
+    ) -> RequestOutput | Ending:
         """Append verified tokens, stopping at the first stop condition; roll caches back.
         ``logits`` [len(tokens), vocab_size]: the target's rows that produced ``tokens``;
         ``drafted_by``: the proposer whose drafts they are (``RequestOutput.drafted_by``)."""
@@ -146,10 +156,7 @@ class RoundRunner:
         # The accepted drafts lead the round's tokens: the first ``num_drafted`` appended.
         num_drafted = min(num_accepted, len(new_token_ids))
         if reason is not None:
-            output = self.finisher.finish(
-                request, reason, new_token_ids=new_token_ids, logprobs=logprobs
-            )
-            return dataclasses.replace(output, num_drafted=num_drafted, drafted_by=drafted_by)
+            return Ending(request, reason, None, new_token_ids, logprobs, num_drafted, drafted_by)
         if request.constraint is not None:
             request.constraint.commit(new_token_ids)
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
@@ -160,9 +167,7 @@ class RoundRunner:
             )
         except Exception as exc:
             logger.exception("proposer %r failed to commit", request.proposer_name)
-            return self.finisher.finish(
-                request, FinishReason.ERROR, f"proposer: {exc}", new_token_ids, logprobs
-            )
+            return Ending(request, FinishReason.ERROR, f"proposer: {exc}", new_token_ids, logprobs)
         return RequestOutput(
             request.request_id,
             new_token_ids,
@@ -173,3 +178,33 @@ class RoundRunner:
             num_drafted=num_drafted,
             drafted_by=drafted_by,
         )
+
+
+def _score_prompts(batch: RoundBatch, logits: torch.Tensor) -> torch.Tensor:
+    """Hand each request of the batch's ``prompt_rows`` its rows of ``logits`` (the forward's,
+    [num_logits, vocab_size]) to score its prompt; return the verified rows."""
+    num_verify_rows = batch.layout.num_rows if batch.layout is not None else 0
+    row = num_verify_rows
+    for prompt in batch.prompt_rows:
+        prompt.request.scores.score_prompt(logits[row : row + prompt.num_rows], prompt.start)
+        row += prompt.num_rows
+    return logits[:num_verify_rows]
+
+
+def _keep_feature_rows(
+    batch: RoundBatch, hidden_states: torch.Tensor, rejected: Sequence[int]
+) -> None:
+    """Keep, until its next commit, each request's rows of the forward's ``hidden_states``
+    [num_tokens, len(forward.hidden_layers), hidden_size] that hold committed tokens: all it
+    fed but its last ``rejected[i]`` (rejected drafts, per sequence), in its proposer's columns
+    (``engine.features``)."""
+    cu, layers = batch.cu, batch.forward.hidden_layers
+    for i, (request, _) in enumerate((*batch.drafts, *batch.prefill)):
+        proposer = request.proposer
+        end = cu[i + 1] - rejected[i]
+        if not proposer.feature_layers or end <= cu[i]:
+            continue
+        rows = hidden_states[cu[i] : end]
+        if proposer.feature_layers != layers:
+            rows = rows[:, [layers.index(layer) for layer in proposer.feature_layers]]
+        request.features.pending.append(rows)

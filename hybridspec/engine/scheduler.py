@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from hybridspec.engine.request import Request
+from hybridspec.engine.request import Request, RequestOutput
 from hybridspec.engine.step_budget import StepBudget, StepChunks
 from hybridspec.engine.turns import Turns, entry_size
 from hybridspec.errors import CapacityError
@@ -37,6 +38,16 @@ class StepPlan:
     # prompt tokens fed in the step (a chunk, or a decoding request's rest of its prompt): the
     # step is not a decode round to time (``ThreadController`` compares decode rounds only)
     feeds_prompt: bool = False
+
+
+class Seats(Protocol):
+    """Where admitted requests take their seats (``Admission.seat``)."""
+
+    def seat(self, admitted: list[Request]) -> tuple[list[RequestOutput], list[int]]:
+        """Give each admitted request a KV-cache slot and start its proposer. Returns the
+        outputs of those that could not start (they have ended and left the running batch),
+        and the cached length of every running request, in the running batch's order."""
+        ...
 
 
 class Scheduler:
@@ -103,6 +114,14 @@ class Scheduler:
             num_free_slots -= size
             self.turns.admitted(head.params.tenant)
         return admitted
+
+    def schedule(self, num_slots: int, seats: Seats) -> tuple[StepPlan, list[RequestOutput]]:
+        """One step's schedule, in one call: admit waiting requests into the free ones of the
+        ``num_slots`` slots (``admit``), have ``seats`` seat them, then plan every running
+        request by its cached length (``plan``). Returns the plan and the outputs of the
+        admitted requests that could not start."""
+        outputs, cached_lengths = seats.seat(self.admit(num_slots - len(self.running)))
+        return self.plan(cached_lengths), outputs
 
     def plan(self, cached_lengths: list[int]) -> StepPlan:
         """Split the running requests, given each one's cached length in the target's cache: a

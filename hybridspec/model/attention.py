@@ -49,6 +49,20 @@ class Scoring:
 PLAIN = Scoring()
 
 
+@dataclass(frozen=True, slots=True)
+class Spans:
+    """A forward's sequences as attention sees them, over ``cache``: per sequence its slot,
+    the position of its first new token and its number of new tokens (``[B]`` each); ``rep``
+    query heads share each key/value head; ``scoring`` scores the keys."""
+
+    cache: KVCache
+    slots: list[int]
+    starts: list[int]
+    num_new: list[int]
+    rep: int
+    scoring: Scoring = PLAIN
+
+
 def visible_keys(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int) -> torch.Tensor:
     """Which keys each query sees, ``key_pos [L]`` against ``query_pos [..., 1]``: the earlier
     ones, and within a ``window`` > 0 only the last ``window`` of them."""
@@ -153,19 +167,14 @@ class SdpaAttention:
     calls, over token slices 0:1, 1:201 and 201:204.
     """
 
-    def __init__(
-        self,
-        cache: KVCache,
-        slots: list[int],
-        starts: list[int],
-        num_new: list[int],
-        rep: int,
-        scoring: Scoring = PLAIN,
-    ) -> None:
-        offsets = [0, *itertools.accumulate(num_new)]
+    def __init__(self, spans: Spans) -> None:
+        offsets = [0, *itertools.accumulate(spans.num_new)]
         self.parts = [
-            (slice(offsets[i], offsets[i + 1]), OneSequenceAttention(cache, *seq, rep, scoring))
-            for i, seq in enumerate(zip(slots, starts, num_new, strict=True))
+            (
+                slice(offsets[i], offsets[i + 1]),
+                OneSequenceAttention(spans.cache, *seq, spans.rep, spans.scoring),
+            )
+            for i, seq in enumerate(zip(spans.slots, spans.starts, spans.num_new, strict=True))
         ]
 
     def __call__(
@@ -204,16 +213,9 @@ class KernelAttention:
     LONG_ITEM_TOKENS = 16
     LONG_SPAN_TOKENS = 16
 
-    def __init__(
-        self,
-        cache: KVCache,
-        slots: list[int],
-        starts: list[int],
-        num_new: list[int],
-        rep: int,
-        scoring: Scoring = PLAIN,
-        kernel: Kernel | None = None,
-    ) -> None:
+    def __init__(self, spans: Spans, kernel: Kernel | None = None) -> None:
+        cache, slots, starts, num_new = spans.cache, spans.slots, spans.starts, spans.num_new
+        scoring = spans.scoring
         if not cache.transposed_keys:
             raise ValueError("cache: KernelAttention reads keys transposed (transposed_keys)")
         self.cache = cache

@@ -25,6 +25,7 @@ from hybridspec.model.runtime import (
     ForwardObservers,
     ForwardOutput,
     ObserverHandle,
+    SlotRuntime,
     read_batch,
 )
 
@@ -36,7 +37,7 @@ class _SlotState:
     cached: int = 0  # leading tokens of token_ids whose keys and values are in ``cache``
 
 
-class HFRuntime:
+class HFRuntime(SlotRuntime):
     """A ``ModelRuntime`` over a transformers ``PreTrainedModel`` with a per-slot cache."""
 
     def __init__(self, model: PreTrainedModel, max_num_seqs: int, max_seq_len: int) -> None:
@@ -60,34 +61,20 @@ class HFRuntime:
         return self._vocab_size
 
     @property
-    def max_seq_len(self) -> int:
-        return self._slots.max_seq_len
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._slots.max_num_seqs
-
-    @property
     def device(self) -> torch.device:
         return self.model.device
 
     def allocate(self) -> int:
-        slot = self._slots.allocate()
+        slot = super().allocate()
         self._states[slot] = _SlotState()
         return slot
 
     def free(self, slot: int) -> None:
-        self._slots.free(slot)
+        super().free(slot)
         self._states[slot] = _SlotState()
 
-    def num_free_slots(self) -> int:
-        return self._slots.num_free_slots()
-
-    def seq_len(self, slot: int) -> int:
-        return self._slots.seq_len(slot)
-
     def truncate(self, slot: int, length: int) -> None:
-        self._slots.truncate(slot, length)
+        super().truncate(slot, length)
         state = self._states[slot]
         del state.token_ids[length:]
         if state.cache is None or state.cached <= length:

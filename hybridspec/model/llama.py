@@ -43,6 +43,7 @@ from hybridspec.model.attention import (
     KernelAttention,
     Scoring,
     SdpaAttention,
+    Spans,
 )
 from hybridspec.model.decoder import (
     DecoderLayer,
@@ -69,6 +70,7 @@ from hybridspec.model.runtime import (
     ForwardOutput,
     HostBatch,
     ObserverHandle,
+    SlotRuntime,
     read_batch,
 )
 
@@ -120,7 +122,7 @@ class LmHead:
         return logits
 
 
-class LlamaRuntime:
+class LlamaRuntime(SlotRuntime):
     """The native Llama forward behind the ``ModelRuntime`` protocol.
 
     ``prepack`` (default: on CPU) keeps the matmul weights in oneDNN's layout (``PackedLinear``);
@@ -199,31 +201,8 @@ class LlamaRuntime:
         return self.weights.dims.vocab_size
 
     @property
-    def max_seq_len(self) -> int:
-        return self._slots.max_seq_len
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._slots.max_num_seqs
-
-    @property
     def device(self) -> torch.device:
         return self.weights.device
-
-    def allocate(self) -> int:
-        return self._slots.allocate()
-
-    def free(self, slot: int) -> None:
-        self._slots.free(slot)
-
-    def num_free_slots(self) -> int:
-        return self._slots.num_free_slots()
-
-    def seq_len(self, slot: int) -> int:
-        return self._slots.seq_len(slot)
-
-    def truncate(self, slot: int, length: int) -> None:
-        self._slots.truncate(slot, length)
 
     def copy_prefix(self, source: int, dest: int, length: int) -> None:
         self._cache.copy_prefix(source, dest, length)
@@ -265,15 +244,11 @@ class LlamaRuntime:
 
     def _kernel_attention(self, host: HostBatch, starts: list[int]) -> KernelAttention:
         """The row-invariant attention for this batch: all the block kernel's layers read."""
-        return KernelAttention(
-            self._cache,
-            host.slots,
-            starts,
-            host.num_new_tokens,
-            self._rep,
-            self._scoring,
-            kernel=self._attention_kernel,
-        )
+        return KernelAttention(self._spans(host, starts), self._attention_kernel)
+
+    def _spans(self, host: HostBatch, starts: list[int]) -> Spans:
+        """This batch's sequences as attention sees them."""
+        return Spans(self._cache, host.slots, starts, host.num_new_tokens, self._rep, self._scoring)
 
     def _torch_pass(self, host: HostBatch, starts: list[int]) -> TorchPass:
         """The attention for this batch and each rope table's rows of its positions."""
@@ -281,7 +256,7 @@ class LlamaRuntime:
         attention: Attention = (
             self._kernel_attention(host, starts)
             if self.invariant_attention
-            else SdpaAttention(self._cache, slots, starts, num_new, self._rep, self._scoring)
+            else SdpaAttention(self._spans(host, starts))
         )
         if len(slots) == 1:  # [2, T, 1, hd] views
             ropes = tuple(rope[:, starts[0] : starts[0] + num_new[0]] for rope in self._ropes)

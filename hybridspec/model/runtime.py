@@ -24,9 +24,12 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from hybridspec.model.kv_cache import SlotTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +218,37 @@ class ModelRuntime(Protocol):
     def add_forward_observer(self, observer: ForwardObserver) -> ObserverHandle:
         """Call ``observer(batch, seconds)`` after every forward until the handle is removed."""
         ...
+
+
+class SlotRuntime:
+    """The slot bookkeeping of a ``ModelRuntime`` whose KV-cache slots a ``SlotTable`` holds
+    (``_slots``, set by the runtime): its bounds, slots and cached lengths, one place for
+    every runtime."""
+
+    _slots: SlotTable
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._slots.max_seq_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._slots.max_num_seqs
+
+    def allocate(self) -> int:
+        return self._slots.allocate()
+
+    def free(self, slot: int) -> None:
+        self._slots.free(slot)
+
+    def num_free_slots(self) -> int:
+        return self._slots.num_free_slots()
+
+    def seq_len(self, slot: int) -> int:
+        return self._slots.seq_len(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        self._slots.truncate(slot, length)
 
 
 @dataclass(frozen=True, slots=True)
