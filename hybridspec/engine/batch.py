@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridspec.engine.request import Request
-from hybridspec.engine.step_budget import FittedForwardCost, attention_scores
+from hybridspec.engine.row_costs import TimedForwardCost
+from hybridspec.engine.step_budget import attention_scores
 from hybridspec.model import ForwardBatch, ForwardOutput, ModelRuntime, synchronize
 from hybridspec.proposers import Proposer
 from hybridspec.types import Proposal
@@ -154,14 +155,16 @@ def forward_layers(proposers: Iterable[Proposer]) -> tuple[int, ...]:
 
 
 def run_forward(
-    runtime: ModelRuntime, batch: RoundBatch, forward_cost: FittedForwardCost
+    runtime: ModelRuntime, batch: RoundBatch, forward_cost: TimedForwardCost
 ) -> ForwardOutput:
-    """The round's target forward; its time goes to the cost model that sizes prefill chunks."""
+    """The round's target forward; its time goes to the cost model that sizes prefill chunks
+    and, for a round that fed no prompt, prices verified rows (``row_costs``)."""
     start = time.perf_counter()
     output = runtime.forward(batch.forward)
     synchronize(output.logits.device)
     seconds = time.perf_counter() - start
-    forward_cost.observe(len(batch.forward.token_ids), batch.num_scores, seconds)
+    num_rows = len(batch.forward.token_ids)
+    forward_cost.observe_forward(num_rows, batch.num_scores, batch.num_verify_rows, seconds)
     return output
 
 

@@ -257,7 +257,6 @@ class Engine:
             if self.thread_policy is not None and not plan.feeds_prompt:  # decode rounds compare
                 self.thread_policy.observe(time.perf_counter() - started)
             committed = self.rounds.commit(batch, output, verified)
-        self.forward_cost.observe_round(committed.num_rows)  # a decode round prices its rows
         if self.speculation is not None:  # adaptive speculation learns the round's yield
             self.speculation.record_step(committed.num_tokens, committed.num_rows)
         return outputs + self.finisher.finish_round([*ended, *committed.items])

@@ -22,7 +22,7 @@ import torch
 from hybridspec.engine.batch import RoundBatch, build_round, run_forward, verify_round
 from hybridspec.engine.finish import Ending
 from hybridspec.engine.request import FinishReason, Request, RequestOutput
-from hybridspec.engine.step_budget import FittedForwardCost
+from hybridspec.engine.row_costs import TimedForwardCost
 from hybridspec.model import ForwardOutput, ModelRuntime
 from hybridspec.types import CommitInfo, Proposal
 from hybridspec.verifier import VerifyOutput
@@ -50,7 +50,7 @@ class RoundRunner:
     def __init__(
         self,
         runtime: ModelRuntime,
-        forward_cost: FittedForwardCost,
+        forward_cost: TimedForwardCost,
         eos_token_ids: frozenset[int],
     ) -> None:
         """``forward_cost`` times the forwards ``isolate`` runs."""

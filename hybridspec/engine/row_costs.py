@@ -18,7 +18,7 @@ step descheduled by a busy neighbour, or one that compiled a kernel, is no row's
 
 ``TimedForwardCost`` is the engine's forward cost model (``step_budget.FittedForwardCost``, which
 sizes prefill chunks, learning from every timed forward, ``batch.run_forward``) that also keeps a
-``RowCosts`` of the forwards that fed no prompt rows (``observe_round``): a prompt's chunk of
+``RowCosts`` of the forwards that fed no prompt rows (``observe_forward``): a prompt's chunk of
 ``n`` rows costs nothing like a round of ``n`` verified rows (a first chunk runs cold, a deep one
 attends over a long context), and joined by a straight line to one-row rounds it would price
 every draft's row as a prompt's, so that no draft is ever asked for and no round of few rows is
@@ -102,16 +102,12 @@ class TimedForwardCost(FittedForwardCost):
     (``rows``) for adaptive speculation (module docstring)."""
 
     rows: RowCosts = field(default_factory=RowCosts)
-    last: tuple[int, float] | None = None  # the last forward's rows and seconds
 
-    def observe(self, num_rows: int, num_scores: int, seconds: float) -> None:
-        # (a slotted dataclass's class is rebuilt: zero-argument ``super()`` cannot find it)
-        FittedForwardCost.observe(self, num_rows, num_scores, seconds)
-        self.last = (num_rows, seconds)
-
-    def observe_round(self, num_verified: int) -> None:
-        """The last forward verified ``num_verified`` rows of decoding requests: where those
-        were all its rows (it fed no prompt), ``rows`` learns its time."""
-        if self.last is not None and self.last[0] == num_verified:
-            self.rows.observe(*self.last)
-        self.last = None
+    def observe_forward(
+        self, num_rows: int, num_scores: int, num_verified: int, seconds: float
+    ) -> None:
+        """A forward of ``num_rows`` rows, ``num_verified`` of them decoding requests' verified
+        rows, took ``seconds``: the fit learns it, and ``rows`` too where it fed no prompt."""
+        self.observe(num_rows, num_scores, seconds)
+        if num_verified == num_rows:
+            self.rows.observe(num_rows, seconds)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from hybridspec.model.gguf_rows import MappedRows
     from hybridspec.model.llama_weights import LlamaWeights, dense
     from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
     from hybridspec.model.qgemm import BlockLinear, Kernel, block_kernel
@@ -38,6 +39,7 @@ __all__ = [
     "Kernel",
     "LlamaWeights",
     "LoadedModel",
+    "MappedRows",
     "ModelRuntime",
     "ObserverHandle",
     "PackedWeight",
@@ -64,6 +66,7 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     globals(),
     {
+        "hybridspec.model.gguf_rows": ("MappedRows",),
         "hybridspec.model.llama_weights": ("LlamaWeights", "dense"),
         "hybridspec.model.loader": ("LoadedModel", "embedded_model_path", "load_model"),
         "hybridspec.model.qgemm": ("BlockLinear", "Kernel", "block_kernel"),

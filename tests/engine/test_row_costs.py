@@ -130,10 +130,7 @@ def test_rows_not_yet_measured_fall_back_to_the_constant_cost() -> None:
 
 def test_only_forwards_that_fed_no_prompt_price_rows() -> None:
     cost = TimedForwardCost()
-    cost.observe(27, 400, 5.0)  # a prompt's chunk beside one decoding request's row
-    cost.observe_round(1)
+    cost.observe_forward(27, 400, 1, 5.0)  # a prompt's chunk beside one decoding request's row
     assert cost.rows.seconds(27) is None and cost.rows.seconds(1) is None
-    cost.observe(3, 30, 1.2)  # a round of 3 verified rows, nothing else
-    cost.observe_round(3)
-    cost.observe_round(3)  # (each forward counts once)
+    cost.observe_forward(3, 30, 3, 1.2)  # a round of 3 verified rows, nothing else
     assert cost.rows.seconds(3) == 1.2 and cost.rows._counts == {3: 1}

@@ -38,13 +38,13 @@ from hybridspec.errors import InvalidRequestError
 from hybridspec.model import (
     LlamaWeights,
     LoadedModel,
+    MappedRows,
     PackedWeight,
     QuantizedWeight,
     block_kernel,
     dense,
     synchronize,
 )
-from hybridspec.model.gguf_rows import MappedRows
 from hybridspec.proposers.base import ProposerContext
 from hybridspec.proposers.eagle.cache import HeadCache, forward_cached
 from hybridspec.proposers.eagle.config import (
