@@ -3,8 +3,9 @@
 The semantics (window, occurrences, backoff, tie-break, chaining) are defined in
 ``hybridspec.proposers.ngram`` and, executably, in ``ngram_reference``; this module only makes
 them fast. Every kernel works on one ``NgramTables``, a pool of per-sequence state indexed by an
-internal slot. The kernels stay in one module (about 410 lines) because numba compiles and
-caches each with the helpers it calls, and they share the table layout described below.
+internal slot, whose arrays ``ngram_tables`` allocates. The kernels stay in one module (about
+370 lines) because numba compiles and caches each with the helpers it calls, and they share the
+table layout described below.
 
 Glossary of dimensions:
 
