@@ -4,8 +4,9 @@
 >>> engine = Engine()  # the embedded SmolLM2-135M-Instruct
 >>> engine.generate("Say hi", proposer="ngram", max_new_tokens=16).text  # doctest: +SKIP
 
-Importing the package loads nothing heavy: each public name is imported on first use (torch,
-transformers and numba come with ``Engine``, not with ``import hybridspec``).
+Importing the package loads nothing heavy: each public name is imported on first use (torch
+and transformers come with ``Engine``, not with ``import hybridspec``; numba with the first
+request that drafts with n-grams, or the numba attention).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,38 @@ def test_generate_as_the_program_streams_its_text_and_stats_before_it_exits() ->
     assert out.stdout.endswith("\n")
     assert out.stderr.strip().splitlines()[-1].startswith("[")
     assert "target forwards" in out.stderr
+
+
+NUMBA_FREE_RUN = """
+import sys
+from pathlib import Path
+
+from hybridspec import Engine, EngineConfig
+from hybridspec.cli import main
+from hybridspec.config import ModelConfig
+from tests.conftest import save_tiny_llama
+
+model = str(save_tiny_llama(Path(sys.argv[1])))
+argv = ["generate", "abc abc", "--target", model, "--proposer", "none", "--max-new-tokens", "4"]
+assert main([*argv, "--raw", "--threads", "2"]) == 0
+after_cli = "numba" in sys.modules
+engine = Engine(EngineConfig(target=ModelConfig(model), num_threads=2))
+none = engine.generate(prompt_token_ids=[5, 9, 5, 9, 5, 9], proposer="none", max_new_tokens=12)
+after_none = "numba" in sys.modules
+ngram = engine.generate(prompt_token_ids=[5, 9, 5, 9, 5, 9], proposer="ngram", max_new_tokens=12)
+print(after_cli, after_none, "numba" in sys.modules, ngram.token_ids == none.token_ids)
+"""
+
+
+def test_a_run_without_n_grams_imports_no_numba(tmp_path: Path) -> None:
+    """``generate --proposer none`` imports no numba (its libraries: ~100 MB resident) nor warms
+    an n-gram kernel; an ``ngram`` request in the same engine afterwards imports and runs them."""
+    out = subprocess.run(
+        [sys.executable, "-c", NUMBA_FREE_RUN, str(tmp_path / "tiny")],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert out.stdout.split() == ["False", "False", "True", "True"]

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybridspec.model.attention_kernels import ITEM_COLUMNS, attend
+from hybridspec.model.attention_items import ITEM_COLUMNS
 from hybridspec.model.kv_cache import KVCache, numpy_view
 from hybridspec.model.qgemm import Kernel
+from hybridspec.model.threads import numba_follows
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +281,7 @@ class KernelAttention:
                 window,
             ).view(num_tokens, num_heads * hd)
         out = np.empty((num_tokens, num_heads, hd), dtype=np.float32)
-        attend(
+        numba_attend()(
             numpy_view(q),
             self.cache.kernel_keys[layer],
             self.cache.kernel_values[layer],
@@ -290,6 +292,15 @@ class KernelAttention:
             out,
         )
         return torch.from_numpy(out).view(num_tokens, num_heads * hd)
+
+
+def numba_attend() -> Callable[..., None]:
+    """``attention_kernels.attend`` (imported, numba with it, on the first call: only where the
+    runtime has no C attention), with numba's threads set to the calling thread's count."""
+    from hybridspec.model.attention_kernels import attend
+
+    numba_follows()
+    return attend
 
 
 Attention = SdpaAttention | KernelAttention

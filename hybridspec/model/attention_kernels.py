@@ -50,6 +50,15 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from hybridspec.model.attention_items import (
+    ITEM_COLUMNS,
+    ITEM_HEAD,
+    ITEM_NUM_TOKENS,
+    ITEM_POSITION,
+    ITEM_SLOT,
+    ITEM_TOKEN,
+)
+
 __all__ = [
     "ITEM_COLUMNS",
     "LANES",
@@ -61,10 +70,6 @@ __all__ = [
     "widen_row",
 ]
 
-# Columns of the int32 ``items`` array: cache slot, key/value head, index of the item's first
-# query token in ``q``, position of that token in its sequence, number of consecutive tokens.
-ITEM_COLUMNS = 5
-ITEM_SLOT, ITEM_HEAD, ITEM_TOKEN, ITEM_POSITION, ITEM_NUM_TOKENS = range(ITEM_COLUMNS)
 LANES = 16  # partial sums of the softmax denominator
 
 _F32 = np.float32

@@ -58,17 +58,11 @@ import numpy.typing as npt
 from hybridspec.config import MAX_SPECULATIVE_TOKENS
 from hybridspec.errors import InvalidRequestError, check
 from hybridspec.proposers.base import Proposer, ProposerContext
-from hybridspec.proposers.ngram_kernels import (
-    allocate_tables,
-    append_tokens,
-    grow_tables,
-    propose_batch,
-    seed_slot,
-    warmup,
-)
+from hybridspec.proposers.lazy_kernels import compiled_ngram
+from hybridspec.proposers.ngram_tables import allocate_tables, grow_tables
 from hybridspec.types import NO_SESSION, CommitInfo, Proposal, ProposeRequest, Session
 
-__all__ = ["NgramProposer", "warmup"]
+__all__ = ["NgramProposer"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +107,6 @@ class NgramProposer(Proposer):
             )
         self.config = config
         self._vocab_size = int(context.vocab_size)
-        warmup()
         self._tables = allocate_tables(
             INITIAL_NUM_SLOTS,
             num_orders=config.max_order - config.min_order + 1,
@@ -136,7 +129,7 @@ class NgramProposer(Proposer):
         if not self._free_slots:
             self._grow()
         slot = self._free_slots.pop()
-        seed_slot(self._tables, self.config.min_order, slot, prompt)
+        compiled_ngram().seed_slot(self._tables, self.config.min_order, slot, prompt)
         self._slot_of_seq[seq_id] = slot
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
@@ -166,7 +159,7 @@ class NgramProposer(Proposer):
         prefixes = np.zeros((len(requests), max(1, int(prefix_lengths.max()))), np.int64)
         for i, request in enumerate(requests):
             prefixes[i, : len(request.draft_prefix)] = request.draft_prefix
-        propose_batch(
+        compiled_ngram().propose_batch(
             self._tables,
             self.config.min_order,
             self.config.continuation == "copy",
@@ -193,7 +186,7 @@ class NgramProposer(Proposer):
             raise _invalid(
                 "num_accepted", f"expected an integer in [0, {len(tokens)}], got {num_accepted!r}"
             )
-        append_tokens(self._tables, self.config.min_order, slot, tokens)
+        compiled_ngram().append_tokens(self._tables, self.config.min_order, slot, tokens)
 
     def finish(self, seq_id: int) -> None:
         """Release the sequence's slot. Unknown ids are ignored: the engine's clean-up paths

@@ -43,9 +43,8 @@ import numpy as np
 from hybridspec.config import MAX_SPECULATIVE_TOKENS
 from hybridspec.errors import check
 from hybridspec.proposers.base import Proposer, ProposerContext
-from hybridspec.proposers.ngram_kernels import allocate_tables, append_tokens, seed_slot
-from hybridspec.proposers.ngram_kernels import warmup as ngram_warmup
-from hybridspec.proposers.suffix_kernels import propose_longest, warmup
+from hybridspec.proposers.lazy_kernels import compiled_ngram, compiled_suffix
+from hybridspec.proposers.ngram_tables import allocate_tables
 from hybridspec.types import NO_SESSION, CommitInfo, Proposal, ProposeRequest, Session
 from hybridspec.verifier.estimate import AcceptanceEstimate, drafts_worth_asking
 
@@ -73,8 +72,6 @@ class SuffixProposer(Proposer):
         ngram, config = context.ngram, context.suffix
         self.config = config
         self._vocab_size = int(context.vocab_size)
-        ngram_warmup()
-        warmup()
         self._own_min_order = ngram.min_order
         self._max_order = ngram.max_order
         self._own = allocate_tables(
@@ -87,9 +84,8 @@ class SuffixProposer(Proposer):
         num_pools = {"per-server": 1, "per-session": MAX_SESSIONS, "off": 0}[config.isolation]
         window = max(self._max_order + 1, config.max_tokens // max(1, num_pools))
         shared_orders = max(1, self._max_order - SHARED_MIN_ORDER + 1)
+        # each pool as seeded with no tokens; the kernels come with the first ``start``
         self._shared = allocate_tables(max(1, num_pools), shared_orders, _capacity(window), window)
-        for pool in range(num_pools):
-            seed_slot(self._shared, SHARED_MIN_ORDER, pool, np.empty(0, np.int64))
         self._pools: OrderedDict[_Key, int] = OrderedDict()  # (scope, session) -> pool, LRU first
         self._num_pools = num_pools
         # seq -> own slot, pool, pool key, tokens (prompt and output)
@@ -116,7 +112,9 @@ class SuffixProposer(Proposer):
                 pool = len(self._pools)
             else:  # the least recent session's pool starts over for this one
                 _, pool = self._pools.popitem(last=False)
-                seed_slot(self._shared, SHARED_MIN_ORDER, pool, np.empty(0, np.int64))
+                compiled_ngram().seed_slot(
+                    self._shared, SHARED_MIN_ORDER, pool, np.empty(0, np.int64)
+                )
         self._pools[key] = pool
         self._pools.move_to_end(key)
         return pool
@@ -128,7 +126,7 @@ class SuffixProposer(Proposer):
         prompt = self._tokens(prompt_token_ids)
         check(bool(self._free), "seq_id", "more sequences than the engine's max_num_seqs")
         slot = self._free.pop()
-        seed_slot(self._own, self._own_min_order, slot, prompt)
+        compiled_ngram().seed_slot(self._own, self._own_min_order, slot, prompt)
         key = self._key_of(session)
         self._seqs[seq_id] = (slot, self._pool_of(key), key, [int(t) for t in prompt])
 
@@ -153,7 +151,7 @@ class SuffixProposer(Proposer):
             prefixes[i, : len(request.draft_prefix)] = request.draft_prefix
         out = np.empty((num, max(1, int(num_drafts.max()))), np.int64)
         out_num, orders, sources = (np.empty(num, np.int64) for _ in range(3))
-        propose_longest(
+        compiled_suffix().propose_longest(
             self._own, self._own_min_order, own_slots, self._shared, SHARED_MIN_ORDER, pools,
             num_drafts, prefixes, prefix_lengths, out, out_num, orders, sources,
         )  # fmt: skip
@@ -178,7 +176,7 @@ class SuffixProposer(Proposer):
         """Learn the appended tokens, and how many of the last proposal's drafts were kept."""
         slot, _, _, tokens = self._seq(info.seq_id)
         new = self._tokens(info.token_ids)
-        append_tokens(self._own, self._own_min_order, slot, new)
+        compiled_ngram().append_tokens(self._own, self._own_min_order, slot, new)
         tokens.extend(int(t) for t in new)
         last = self._last.pop(info.seq_id, None)
         if last is not None and last[2] > 0:
@@ -194,7 +192,9 @@ class SuffixProposer(Proposer):
         slot, pool, key, tokens = state
         self._free.append(slot)
         if key is not None and self._pools.get(key) == pool:  # else its session was evicted
-            append_tokens(self._shared, SHARED_MIN_ORDER, pool, np.asarray(tokens, np.int64))
+            compiled_ngram().append_tokens(
+                self._shared, SHARED_MIN_ORDER, pool, np.asarray(tokens, np.int64)
+            )
 
     def _slots(self, seq_id: int) -> tuple[int, int]:
         """The sequence's own slot, and its pool while its session still holds it."""

@@ -21,13 +21,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hybridspec.proposers.ngram_kernels import (
-    NgramTables,
-    _best_next_token,
-    _gather,
-    _load_context,
-    allocate_tables,
-)
+from hybridspec.proposers.ngram_kernels import _best_next_token, _gather, _load_context
+from hybridspec.proposers.ngram_tables import NgramTables, allocate_tables
 
 OWN = 0  # ``out_sources``: the drafts were copied from the sequence's own text
 SHARED = 1  # ... from its shared pool
