@@ -6,7 +6,7 @@ and K, logprobs, grammar, prompt cache, session), checked where it is made, with
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from hybridspec.config import check_num_speculative_tokens
 from hybridspec.engine.resolution import ResolvedProposer
@@ -21,6 +21,7 @@ from hybridspec.types import (
 
 DEFAULT_MAX_NEW_TOKENS = 256
 _SAMPLING = SamplingParams()  # the sampling defaults, which ``GenerationParams.create`` shows
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))  # its flat arguments' part
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +169,9 @@ class GenerationParams:
         """Build parameters from flat keyword arguments; ``stop`` may be one string or several,
         ``logit_bias`` a mapping of token ids to biases (``SamplingParams`` has the bounds and
         the defaults, which these arguments show)."""
+        given = {name: value for name, value in locals().items() if name != "cls"}
+        sampling = {name: given.pop(name) for name in _SAMPLING_FIELDS}
+        sampling["logit_bias"] = logit_bias or {}  # stored as sorted pairs
         if stop is None:
             stops: tuple[str, ...] = ()
         elif isinstance(stop, str):
@@ -175,30 +179,5 @@ class GenerationParams:
         else:
             check(isinstance(stop, (list, tuple)), "stop", f"expected strings, got {stop!r}")
             stops = tuple(stop)
-        return cls(
-            max_new_tokens=max_new_tokens,
-            sampling=SamplingParams(
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed,
-                presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty,
-                repetition_penalty=repetition_penalty,
-                logit_bias=logit_bias or {},  # type: ignore[arg-type]  # stored as sorted pairs
-                min_p=min_p,
-                min_tokens=min_tokens,
-            ),
-            proposer=proposer,
-            num_speculative_tokens=num_speculative_tokens,
-            stop=stops,
-            ignore_eos=ignore_eos,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            stop_token_ids=tuple(stop_token_ids),
-            grammar=grammar,
-            cache_prompt=cache_prompt,
-            session=session,
-            tenant=tenant,
-            cache_scope=cache_scope,
-        )
+        given.update(stop=stops, stop_token_ids=tuple(stop_token_ids))
+        return cls(sampling=SamplingParams(**sampling), **given)
