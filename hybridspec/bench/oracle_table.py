@@ -186,6 +186,11 @@ def run_oracle_table(
     first, results = measure("none", 0, True)
     for prompt, result in zip(prompts, results, strict=True):
         references.add(prompt, result.token_ids)
+    if max(len(result.token_ids) for result in results) < 2 or first.tokens_per_s <= 0:
+        raise HybridSpecError(
+            "the target ends every prompt within one token: no continuation to draft "
+            "(longer or other prompts: --prompt-tokens, --prompts)"
+        )
     rows = range(1, max(plan.ks) + 2)
     timings = median_forward_seconds(engine.runtime, tuple(rows))
     if timings is None or timings[0] <= 0:

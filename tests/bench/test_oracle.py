@@ -17,7 +17,7 @@ from hybridspec.bench.oracle_table import (
     ideal_speedup,
     run_oracle_table,
 )
-from hybridspec.errors import InvalidRequestError
+from hybridspec.errors import HybridSpecError, InvalidRequestError
 from hybridspec.proposers import ProposerContext, default_registry
 from hybridspec.types import ProposeRequest, SamplingParams
 from tests.engine.tiny import PROMPTS, make_engine, tiny_loaded
@@ -112,3 +112,10 @@ def test_table_on_a_tiny_model() -> None:
     assert "best K=" in text and "adaptive / best fixed K" in text
     assert "cost of one more verified row: measured" in text and "before any: 0.030" in text
     assert engine.forward_cost.rows.seconds(5) is not None  # the table's timings price rows
+
+
+def test_prompts_the_target_ends_at_once_are_refused_by_name() -> None:
+    engine = make_engine(tiny_loaded(0), max_num_seqs=1)
+    plan = OraclePlan(alphas=(0.5,), ks=(1,), max_new_tokens=1)  # one token: nothing to draft
+    with pytest.raises(HybridSpecError, match="no continuation to draft"):
+        run_oracle_table(engine, PROMPTS[:1], plan)
