@@ -63,6 +63,7 @@ def engine(target: LoadedModel) -> Engine:
     config = EngineConfig(
         target=ModelConfig(dtype="float32", max_seq_len=1024, max_num_seqs=4),
         draft=DraftConfig(cost_per_token=0.0),  # a draft of 10 of its 30 layers: drafts anyway
+        measure_proposer_costs=False,  # drafts that never depend on timing
     )
     return Engine(config, target=target, draft=draft)
 

@@ -130,6 +130,7 @@ def build_engine(target: LoadedModel, draft: LoadedModel) -> Engine:
     config = EngineConfig(
         target=ModelConfig(dtype="float32", max_seq_len=64, max_num_seqs=16),
         draft=DraftConfig(cost_per_token=0.0),  # the tiny draft costs what the target does
+        measure_proposer_costs=False,  # drafts that never depend on timing
     )
     return Engine(config, target=target, draft=draft)
 

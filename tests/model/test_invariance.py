@@ -212,7 +212,10 @@ def test_greedy_ngram_text_and_logprobs_equal_plain_decoding_in_bfloat16() -> No
     runtime = bf16_runtime(max_num_seqs=2)
     target = LoadedModel(runtime.weights, None, tiny_bf16_config(), torch.bfloat16, (), "tiny")  # type: ignore[arg-type]
     engine = Engine(
-        EngineConfig(target=ModelConfig(dtype="bfloat16", max_seq_len=256, max_num_seqs=2)),
+        EngineConfig(
+            target=ModelConfig(dtype="bfloat16", max_seq_len=256, max_num_seqs=2),
+            measure_proposer_costs=False,  # drafts that never depend on timing
+        ),
         target=target,
     )
     # a repetitive prompt, so that the n-gram proposer finds drafts and some are accepted

@@ -43,7 +43,12 @@ def tiny_model(tiny_model_dir: Path) -> LoadedModel:
 
 def tiny_engine_config(tiny_model_dir: Path, **overrides: object) -> EngineConfig:
     target = ModelConfig(str(tiny_model_dir), dtype="float32", max_num_seqs=4)
-    options: dict[str, object] = {"target": target, "default_num_speculative_tokens": 4}
+    # drafts that never depend on timing (measured costs: tests/engine/test_proposer_costs.py)
+    options: dict[str, object] = {
+        "target": target,
+        "default_num_speculative_tokens": 4,
+        "measure_proposer_costs": False,
+    }
     options.update(overrides)
     return EngineConfig(**options)  # type: ignore[arg-type]
 
