@@ -4,6 +4,7 @@ start-up's garbage-collector policy; run as the program, it ends with its output
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,44 @@ def test_a_run_without_n_grams_imports_no_numba(tmp_path: Path) -> None:
         check=True,
     )
     assert out.stdout.split() == ["False", "False", "True", "True"]
+
+
+TRANSFORMERS_FREE_RUN = """
+import sys
+
+from hybridspec.cli import main
+from hybridspec.model.loader import embedded_model_path
+
+argv = ["generate", "Hello", "--target", str(embedded_model_path()), "--proposer", "none"]
+argv += ["--max-new-tokens", "2", "--threads", "2"]
+assert main([*argv, "--raw"]) == 0  # a first load: the cache folder is fresh
+first = "transformers" in sys.modules
+assert main(argv) == 0  # a later load, the prompt rendered by the chat template
+print(first, "transformers" in sys.modules)
+"""
+
+
+def test_a_gguf_run_imports_no_transformers(tmp_path: Path) -> None:
+    """``generate --proposer none`` on a GGUF file imports no transformers (about half a second
+    and some 40 MB): its tokenizer, config and chat template are built without it, on a first
+    load (nothing cached) and on a later one."""
+    from hybridspec.model import qgemm
+    from hybridspec.model.gguf_tokenizer import default_cache_dir
+
+    qgemm.kernel()  # compiled once into the usual cache, shared with the fresh one below
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    kernels = default_cache_dir() / "kernels"
+    if kernels.is_dir():
+        (cache / "kernels").symlink_to(kernels)
+    out = subprocess.run(
+        [sys.executable, "-c", TRANSFORMERS_FREE_RUN],
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "HYBRIDSPEC_CACHE_DIR": str(cache)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert out.stdout.split()[-2:] == ["False", "False"], out.stderr
+    assert list((cache / "tokenizers").iterdir())  # the tokenizer was built, then read back

@@ -10,7 +10,9 @@ metadata a second time with ``gguf.GGUFReader`` only to learn the model type (se
 - ``config_for``: the config is built once per set of metadata fields (and transformers version)
   and its ``to_dict()`` saved in ``<cache>/configs`` (a few KB); later loads get a
   ``StoredConfig``, the same attributes without the import, and build the real config only when
-  something asks for it (``StoredConfig.build``).
+  something asks for it (``StoredConfig.build``). A ``llama`` config's ``to_dict()`` is its
+  class's defaults (``LLAMA_DEFAULTS``) overridden by the fields, so a first load builds that
+  one without transformers too (a test checks it against transformers' own).
 - ``tokenizer_class``: the class ``AutoTokenizer`` picks for a GGUF file whose folder holds no
   ``tokenizer_config.json`` (``TOKENIZER_MAPPING`` by model type, else ``TokenizersBackend``),
   chosen from the architecture read by ``gguf_file.GGUFFile``; None where that choice depends
@@ -37,6 +39,44 @@ logger = logging.getLogger(__name__)
 
 # the model types whose tokenizer class is AutoTokenizer's by type alone (module docstring)
 _PLAIN_TOKENIZER_TYPES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+
+# ``LlamaConfig().to_dict()`` less its version (``transformers_version``, filled in from the
+# installed package's metadata): what ``config_for`` overrides with a file's fields
+LLAMA_DEFAULTS: dict[str, Any] = {
+    "architectures": None,
+    "output_hidden_states": False,
+    "return_dict": True,
+    "dtype": None,
+    "chunk_size_feed_forward": 0,
+    "is_encoder_decoder": False,
+    "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+    "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+    "problem_type": None,
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-06,
+    "use_cache": True,
+    "pad_token_id": None,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pretraining_tp": 1,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+    "head_dim": 128,
+    "_name_or_path": "",
+    "model_type": "llama",
+    "output_attentions": False,
+}
 
 
 class StoredConfig(SimpleNamespace):
@@ -75,6 +115,16 @@ def config_for(
         pass
     except (OSError, ValueError, TypeError) as exc:
         logger.warning("ignoring unreadable config cache %s: %s", entry, exc)
+    if model_type == "llama":
+        try:
+            text = json.dumps(
+                {"transformers_version": version, **LLAMA_DEFAULTS, **fields}, sort_keys=True
+            )
+        except (TypeError, ValueError):  # a field JSON cannot hold: transformers' config below
+            pass
+        else:
+            _write_atomically(entry, text)
+            return StoredConfig(**json.loads(text))
     from transformers import AutoConfig
 
     config: PretrainedConfig = AutoConfig.for_model(model_type, **fields)

@@ -1,4 +1,9 @@
-"""A GGUF file's tokenizer, converted by transformers once and cached on disk.
+"""A GGUF file's tokenizer, built once and cached on disk.
+
+A byte-level BPE vocabulary (tokenizer model "gpt2": Llama 3, SmolLM2, Qwen) is built with the
+``tokenizers`` library alone (``bpe_tokenizer.build_bpe``) and saved as ``tokenizer.json`` and
+its special tokens; later loads read it back (``tokenizer.GGUFTokenizer.load``). Neither imports
+transformers. Other kinds (SentencePiece "llama", ...) keep transformers' conversion:
 
 ``load_gguf_tokenizer``: the cache entry (``default_cache_dir()/tokenizers``) where one is
 saved, read back through the class its config names (``gguf_meta.saved_tokenizer_class``);
@@ -16,11 +21,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from hybridspec.errors import ModelLoadError
+from hybridspec.model.bpe_tokenizer import build_bpe, is_byte_level
 from hybridspec.model.gguf_file import GGUFFile
 from hybridspec.model.gguf_meta import saved_tokenizer_class, tokenizer_class
+from hybridspec.model.tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -28,6 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ENTRY_FORMAT = 2  # a cached tokenizer's layout: 2 records its added tokens in its config
+_BPE_FORMAT = 1  # a cached ``GGUFTokenizer``'s layout (``GGUFTokenizer.save``)
 
 
 def default_cache_dir() -> Path:
@@ -41,28 +49,49 @@ def default_cache_dir() -> Path:
 def load_gguf_tokenizer(
     path: str | os.PathLike[str], cache_dir: Path | None = None
 ) -> PreTrainedTokenizerBase:
-    """The file's tokenizer, converted by transformers once and then loaded from ``cache_dir``.
+    """The file's tokenizer, built once and then loaded from ``cache_dir`` (module docstring).
+    A ``GGUFTokenizer`` is typed as transformers' class: it has the methods callers use.
 
-    The cache entry is keyed by the file's name, size and modification time, by the
-    transformers version (its converter's output may change between versions) and by the
-    entry's own format (``_ENTRY_FORMAT``).
+    The cache entry is keyed by the file's name, size and modification time and by the entry's
+    format; a transformers conversion's also by the transformers version (its converter's
+    output may change between versions).
     """
+    path = Path(path).resolve()
+    reader = GGUFFile(path)  # ModelLoadError for an unreadable file
+    if is_byte_level(reader):
+        entry = _entry(path, cache_dir, f"bpe{_BPE_FORMAT}")
+        if entry.is_dir():
+            try:
+                return cast("PreTrainedTokenizerBase", GGUFTokenizer.load(entry))
+            except (OSError, ValueError) as exc:
+                logger.warning("ignoring unreadable tokenizer cache %s: %s", entry, exc)
+        try:
+            tokenizer = GGUFTokenizer(*build_bpe(reader))
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ModelLoadError(
+                f"cannot build a tokenizer from GGUF file {str(path)!r}: {exc}"
+            ) from exc
+        _save_atomically(tokenizer, entry)
+        return cast("PreTrainedTokenizerBase", tokenizer)
     import transformers
 
-    path = Path(path).resolve()
-    stat = path.stat()
-    key = f"{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    key += f"|{_ENTRY_FORMAT}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    entry = (cache_dir or default_cache_dir()) / "tokenizers" / f"{path.stem}-{digest}"
+    entry = _entry(path, cache_dir, f"{transformers.__version__}|{_ENTRY_FORMAT}")
     if entry.is_dir():
         try:
             return saved_tokenizer_class(entry).from_pretrained(entry)
         except (OSError, ValueError) as exc:
             logger.warning("ignoring unreadable tokenizer cache %s: %s", entry, exc)
-    tokenizer = convert_gguf_tokenizer(path)
-    _save_atomically(tokenizer, entry)
-    return tokenizer
+    converted = convert_gguf_tokenizer(path)
+    _save_atomically(converted, entry)
+    return converted
+
+
+def _entry(path: Path, cache_dir: Path | None, kind: str) -> Path:
+    """The cache folder of the file's tokenizer of this kind (and format)."""
+    stat = path.stat()
+    key = f"{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{kind}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return (cache_dir or default_cache_dir()) / "tokenizers" / f"{path.stem}-{digest}"
 
 
 def convert_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
@@ -84,14 +113,17 @@ def convert_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerB
         ) from exc
 
 
-def _save_atomically(tokenizer: PreTrainedTokenizerBase, entry: Path) -> None:
+def _save_atomically(tokenizer: GGUFTokenizer | PreTrainedTokenizerBase, entry: Path) -> None:
     """Save into a fresh sibling folder, then rename it into place, so that a concurrent reader
     never sees a half-written entry. A cache that cannot be written is only logged."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}-"))
-        tokenizer.save_pretrained(staging)
-        _record_added_tokens(staging)
+        if isinstance(tokenizer, GGUFTokenizer):
+            tokenizer.save(staging)
+        else:
+            tokenizer.save_pretrained(staging)
+            _record_added_tokens(staging)
         try:
             staging.rename(entry)
         except OSError:  # another process got there first; its entry is as good as ours

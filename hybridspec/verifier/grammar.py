@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridspec.errors import GrammarError, InvalidRequestError
+from hybridspec.model.tokenizer import as_transformers
 from hybridspec.types import GrammarSpec
 from hybridspec.verifier.grammar_bounds import check_bounds
 
@@ -94,8 +95,8 @@ class Grammars:
     ) -> None:
         import xgrammar as xgr  # on first use: it imports transformers (hybridspec.lazy)
 
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(  # it inspects transformers' classes
+            as_transformers(tokenizer), vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size

@@ -22,6 +22,7 @@ from hybridspec.model.gguf import convert_gguf_tokenizer, load_gguf_tokenizer, r
 from hybridspec.model.gguf_meta import StoredConfig
 from hybridspec.model.llama_weights import LlamaDims, native_support_problem
 from hybridspec.model.rope import local_rope_inv_freq, rope_inv_freq
+from hybridspec.model.tokenizer import GGUFTokenizer
 from tests.model.tiny_families import FAMILY_NAMES, GGUF_READY, tiny_family, write_family_gguf
 
 # names the native forward reads with getattr (model.families, model.llama_weights)
@@ -69,6 +70,15 @@ def test_tokenizer_is_autotokenizers_own(family: str, tmp_path: Path) -> None:
     text = " Hi there, the tree"
     assert ours.encode(text) == reference.encode(text)
     cached = load_gguf_tokenizer(path)  # converted, saved, read back by its class
+    if isinstance(cached, GGUFTokenizer):  # byte-level files: built without transformers
+        again = load_gguf_tokenizer(path)  # read back from the cache
+        assert isinstance(again, GGUFTokenizer)
+        for tok in (cached, again):
+            assert tok.backend.to_str() == reference.backend_tokenizer.to_str()
+            assert tok.encode(text) == reference.encode(text)
+            assert tok.chat_template == reference.chat_template
+            assert tok.eos_token_id == reference.eos_token_id
+        return
     assert type(cached) is type(reference) and cached.encode(text) == reference.encode(text)
     again = load_gguf_tokenizer(path)
     assert type(again) is type(reference) and again.encode(text) == reference.encode(text)
@@ -83,7 +93,7 @@ def test_tokenizer_is_autotokenizers_own(family: str, tmp_path: Path) -> None:
 def test_a_cached_tokenizer_is_read_without_parsing_its_json_in_python(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = _family_file("phi3", tmp_path / "files")  # TokenizersBackend, as a Llama 3 file
+    path = _family_file("phi3", tmp_path / "files")  # byte-level: a GGUFTokenizer
     fresh = load_gguf_tokenizer(path, cache_dir=tmp_path)  # converted and saved
     parse = json.load
 
@@ -93,7 +103,7 @@ def test_a_cached_tokenizer_is_read_without_parsing_its_json_in_python(
 
     monkeypatch.setattr(json, "load", no_tokenizer_json)
     cached = load_gguf_tokenizer(path, cache_dir=tmp_path)
-    assert cached.added_tokens_decoder.keys() == fresh.added_tokens_decoder.keys()
+    assert cached.get_vocab() == fresh.get_vocab()
     assert cached.encode(" Hi there") == fresh.encode(" Hi there")
 
 
@@ -116,7 +126,9 @@ def test_a_stored_config_reads_as_the_real_one(family: str, tmp_path: Path) -> N
     path = _family_file(family, tmp_path / "files")
     real = read_gguf(path).config
     first = read_gguf(path, stored_config=True).config  # built, its fields saved
-    assert not isinstance(first, StoredConfig)
+    assert isinstance(first, StoredConfig) == (real.model_type == "llama")  # no transformers
+    if isinstance(first, StoredConfig):  # what transformers' config would have saved
+        assert first.to_dict() == json.loads(json.dumps(real.to_dict()))
     stored = read_gguf(path, stored_config=True).config
     assert isinstance(stored, StoredConfig)
     _same(stored, real)

@@ -252,3 +252,26 @@ def test_a_huge_temperature_keeps_the_mask() -> None:
     raw_state((1,)).mask_(logits, [])  # after "b": only c
     probs = logits_to_probs(logits, SamplingParams(temperature=1e300))
     assert probs[0].tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_a_gguf_tokenizer_masks_as_transformers_conversion() -> None:
+    """A GGUF file's own tokenizer (``model.tokenizer.GGUFTokenizer``, built without
+    transformers) compiles grammars that force and mask as its transformers conversion's."""
+    from hybridspec.model.gguf_tokenizer import convert_gguf_tokenizer, load_gguf_tokenizer
+    from hybridspec.model.loader import embedded_model_path
+    from hybridspec.model.tokenizer import GGUFTokenizer
+
+    path = embedded_model_path()
+    ours, reference = load_gguf_tokenizer(path), convert_gguf_tokenizer(path)
+    assert isinstance(ours, GGUFTokenizer)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    states = [Grammars(t, len(t), [2]).state(spec) for t in (ours, reference)]
+    prefix = reference.encode('{"kind": "co', add_special_tokens=False)
+    assert states[0].forced(prefix, 64) == states[1].forced(prefix, 64)
+    masked = []
+    for state in states:
+        logits = torch.zeros(1, len(reference))
+        state.mask_(logits, [])
+        masked.append(logits)
+    assert torch.equal(masked[0], masked[1])
+    assert bool(torch.isinf(masked[0]).any())
