@@ -86,8 +86,9 @@ class SpecialTokens:
 
 
 def is_byte_level(reader: GGUFFile) -> bool:
-    """True for the files ``build_bpe`` builds: tokenizer model "gpt2" with a vocabulary."""
-    return reader.get("tokenizer.ggml.model") == "gpt2" and reader.get("tokenizer.ggml.tokens")
+    """True for the files ``build_bpe`` builds: tokenizer model "gpt2" (the vocabulary itself
+    is not decoded here: a later load reads only the cached ``tokenizer.json``)."""
+    return bool(reader.get("tokenizer.ggml.model") == "gpt2")
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -115,7 +116,9 @@ def build_bpe(reader: GGUFFile) -> tuple[Any, SpecialTokens]:
 
     if not is_byte_level(reader):
         raise ValueError("not a byte-level BPE (tokenizer model 'gpt2') vocabulary")
-    tokens: list[str] = list(reader.get("tokenizer.ggml.tokens"))
+    tokens: list[str] = list(reader.get("tokenizer.ggml.tokens") or ())
+    if not tokens:
+        raise ValueError("metadata 'tokenizer.ggml.tokens' is missing or empty")
     types: list[int] = list(reader.get("tokenizer.ggml.token_type") or ())
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())

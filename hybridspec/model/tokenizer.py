@@ -112,6 +112,16 @@ class GGUFTokenizer:
         return self._id(self.special.unk_token)
 
     @property
+    def all_special_tokens(self) -> list[str]:
+        """The named special tokens, once each (transformers' ``all_special_tokens``)."""
+        return list(dict.fromkeys(self._special_tokens_map().values()))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Their ids (``build_bpe`` adds each named token to the vocabulary: never None)."""
+        return [int(self.backend.token_to_id(t)) for t in self.all_special_tokens]
+
+    @property
     def vocab_size(self) -> int:
         """The base vocabulary's size, without added tokens (transformers' ``vocab_size``)."""
         return int(self.backend.get_vocab_size(with_added_tokens=False))
@@ -145,8 +155,7 @@ class GGUFTokenizer:
         ``all_special_ids``)."""
         if isinstance(ids, int):
             return self.backend.id_to_token(ids)
-        named = self._special_tokens_map().values()
-        skip = {self.backend.token_to_id(t) for t in named} if skip_special_tokens else set()
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
         return [self.backend.id_to_token(int(i)) for i in ids if int(i) not in skip]
 
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | list[int | None] | None:

@@ -64,6 +64,8 @@ def test_the_backend_is_transformers_own(pairs: list[tuple[GGUFTokenizer, Any]])
             assert getattr(ours, f"{name}_token") == getattr(reference, f"{name}_token"), name
             assert getattr(ours, f"{name}_token_id") == getattr(reference, f"{name}_token_id")
         assert ours.chat_template == reference.chat_template
+        assert ours.all_special_tokens == reference.all_special_tokens
+        assert ours.all_special_ids == reference.all_special_ids
         assert ours.get_vocab() == reference.get_vocab()
         assert len(ours) == len(reference) and ours.vocab_size == reference.vocab_size
 
@@ -237,3 +239,19 @@ def test_chat_renders_that_only_transformers_makes(tmp_path: Path) -> None:
 
     with pytest.raises(jinja2.exceptions.SecurityError):
         ours.apply_chat_template(messages, chat_template=bad, tokenize=False)
+
+
+def test_a_file_without_its_vocabulary_is_a_load_error(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    from hybridspec.errors import ModelLoadError
+
+    path = tmp_path / "empty.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"empty\.gguf.*tokenizer\.ggml\.tokens"):
+        load_gguf_tokenizer(path, cache_dir=tmp_path / "c")

@@ -345,6 +345,7 @@ def test_cached_tokenizer_round_trips_like_a_fresh_conversion(
         raise AssertionError("the cached tokenizer should have been used")
 
     monkeypatch.setattr(gguf_tokenizer, "convert_gguf_tokenizer", no_conversion)
+    monkeypatch.setattr(gguf_tokenizer, "build_bpe", no_conversion)
     cached = load_gguf_tokenizer(path, cache_dir=tmp_path)
     assert len(list((tmp_path / "tokenizers").iterdir())) == 1
     texts = [
