@@ -119,7 +119,8 @@ class GGUFTokenizer:
     @property
     def all_special_ids(self) -> list[int]:
         """Their ids (``build_bpe`` adds each named token to the vocabulary: never None)."""
-        return [int(self.backend.token_to_id(t)) for t in self.all_special_tokens]
+        ids = [self.backend.token_to_id(t) for t in self.all_special_tokens]
+        return [i for i in ids if i is not None]
 
     @property
     def vocab_size(self) -> int:
