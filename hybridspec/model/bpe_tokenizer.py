@@ -111,7 +111,7 @@ def bytes_to_unicode() -> dict[int, str]:
 def build_bpe(reader: GGUFFile) -> tuple[Any, SpecialTokens]:
     """The file's ``tokenizers.Tokenizer`` and its special tokens (module docstring); raises
     ValueError for a file that is not of the byte-level kind."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
     if not is_byte_level(reader):
@@ -139,21 +139,7 @@ def build_bpe(reader: GGUFFile) -> tuple[Any, SpecialTokens]:
     )
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    if _GPT2_DEFAULT not in vocab:
-        tokenizer.add_tokens([AddedToken(_GPT2_DEFAULT, special=True)])
-    control = [
-        AddedToken(t, normalized=False, special=True)
-        for t, kind in zip(tokens, types, strict=False)
-        if kind == _CONTROL and set(t) <= alphabet
-    ]
-    tokenizer.add_special_tokens(control)
-    current = tokenizer.get_vocab(with_added_tokens=True)
-    user = [
-        AddedToken(t, normalized=False, special=False)
-        for t, kind in zip(tokens, types, strict=False)
-        if kind == _USER_DEFINED and t in current
-    ]
-    tokenizer.add_tokens(user)
+    _add_file_tokens(tokenizer, tokens, types, alphabet)
     split = _SPLITS.get(str(reader.get("tokenizer.ggml.pre")))
     if split is not None:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -168,14 +154,7 @@ def build_bpe(reader: GGUFFile) -> tuple[Any, SpecialTokens]:
     tokenizer.add_tokens(
         [AddedToken(t, special=True) for t in dict.fromkeys(named) if t and t not in current]
     )
-    bos = special.bos_token if special.add_bos_token else None
-    eos = special.eos_token if special.add_eos_token else None
-    single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if bos else ''} $B:1{' ' + eos + ':1' if eos else ''}"
-    ids = [(t, tokenizer.token_to_id(t)) for t in (bos, eos) if t]
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=ids
-    )
+    tokenizer.post_processor = _post_processor(tokenizer, special)
     return tokenizer, special
 
 
@@ -194,3 +173,40 @@ def _special_tokens(reader: GGUFFile, tokens: list[str]) -> SpecialTokens:
         add_eos_token=bool(reader.get("tokenizer.ggml.add_eos_token", False)),
         chat_template=str(template) if template is not None else None,
     )
+
+
+def _add_file_tokens(
+    tokenizer: Any, tokens: list[str], types: list[int], alphabet: set[str]
+) -> None:
+    """GPT2Tokenizer's default token where the vocabulary lacks it, then the file's control
+    tokens as special (those spelled outside the byte alphabet are llama.cpp's mislabels:
+    skipped) and its user-defined ones as plain added tokens, as transformers adds them."""
+    from tokenizers import AddedToken
+
+    if tokenizer.token_to_id(_GPT2_DEFAULT) is None:
+        tokenizer.add_tokens([AddedToken(_GPT2_DEFAULT, special=True)])
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind == _CONTROL and set(t) <= alphabet
+    ]
+    tokenizer.add_special_tokens(control)
+    current = tokenizer.get_vocab(with_added_tokens=True)
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind == _USER_DEFINED and t in current
+    ]
+    tokenizer.add_tokens(user)
+
+
+def _post_processor(tokenizer: Any, special: SpecialTokens) -> Any:
+    """``TokenizersBackend.update_post_processor``'s template: BOS/EOS where the file adds them."""
+    from tokenizers import processors
+
+    bos = special.bos_token if special.add_bos_token else None
+    eos = special.eos_token if special.add_eos_token else None
+    single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if bos else ''} $B:1{' ' + eos + ':1' if eos else ''}"
+    ids = [(t, tokenizer.token_to_id(t)) for t in (bos, eos) if t]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=ids)
