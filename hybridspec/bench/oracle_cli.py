@@ -42,7 +42,8 @@ def add_oracle_command(bench_commands: Any) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="sweeps of the table's runs, each run between two none runs; medians (default 1)",
+        help="sweeps of the table's runs, each run between two none runs, sweep r with the "
+        "oracle's seed + r; medians (default 1)",
     )
     add(
         "--verify-token-cost",

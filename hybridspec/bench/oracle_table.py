@@ -16,8 +16,12 @@ One run, one engine over the target, greedy requests only:
    the load over a table's minutes, and a ratio to the neighbouring ``none`` runs cancels the
    drift that one ``none`` rate for the whole table would count as speedup. ``repeats`` sweeps
    the cells that many times (every other sweep in reverse order, so that no cell always runs
-   first); a cell's speedup and rate are the medians over its sweeps. Every run's text must
-   equal the first ``none``'s, token for token.
+   first), sweep ``r`` with the oracle's seed ``seed + r``: every K of a sweep meets the same
+   luck, and the sweeps meet different luck, so that the best fixed K is not picked in
+   hindsight of one draw of right and wrong drafts (with one short prompt, a fixed K that
+   happens to suit its draw beats any K chosen as the draws come). A cell's speedup and rate
+   are the medians over its sweeps. Every run's text must equal the first ``none``'s, token
+   for token.
 4. With a draft model: its cost per token relative to the target's forward
    (``Proposer.cost_per_token``, what adaptive speculation charges it).
 
@@ -255,14 +259,12 @@ def run_oracle_table(
     table.repeats = plan.repeats
     if engine.speculation is not None:
         table.policy_cost = engine.speculation.verify_token_cost
-    for alpha in plan.alphas:
-        factory = oracle_factory(references, alpha, plan.seed)
-        engine.register_proposer(_oracle_name(alpha), factory, replace=True)
     if plan.with_draft:
         table.draft_cost_per_token = engine.resolve_proposer("draft").cost_per_token
     cells = _cells(plan)
     sweeps: list[list[tuple[Run, float]]] = [[] for _ in cells]
     for repeat in range(plan.repeats):
+        _register_oracles(engine, references, plan.alphas, plan.seed + repeat)
         order = range(len(cells)) if repeat % 2 == 0 else reversed(range(len(cells)))
         for i in order:
             cell = cells[i]
@@ -270,6 +272,14 @@ def run_oracle_table(
             table.none_runs.append(measure("none", 0, True).tokens_per_s)
             around = (table.none_runs[-2] + table.none_runs[-1]) / 2
             sweeps[i].append((run, run.tokens_per_s / around if around > 0 else 0.0))
+    _assemble(table, cells, sweeps)
+    return table
+
+
+def _assemble(
+    table: OracleTable, cells: Sequence[_Cell], sweeps: Sequence[Sequence[tuple[Run, float]]]
+) -> None:
+    """Each cell's sweeps, (run, speedup) pairs, as one run of ``table``; the none median."""
     for cell, runs in zip(cells, sweeps, strict=True):
         run = _median_run([r for r, _ in runs], [s for _, s in runs])
         if cell.alpha is None:
@@ -277,7 +287,16 @@ def run_oracle_table(
         else:
             table.runs.setdefault(cell.alpha, []).append(run)
     table.none_tokens_per_s = statistics.median(table.none_runs)
-    return table
+
+
+def _register_oracles(
+    engine: Engine, references: OracleReferences, alphas: Sequence[float], seed: int
+) -> None:
+    """Oracle drafts at each alpha on ``engine``, all drawing right and wrong by ``seed``
+    (one sweep's luck, the same for every K of it: module docstring, 3.)."""
+    for alpha in alphas:
+        factory = oracle_factory(references, alpha, seed)
+        engine.register_proposer(_oracle_name(alpha), factory, replace=True)
 
 
 def _time_rows(engine: Engine, max_rows: int) -> dict[int, float]:

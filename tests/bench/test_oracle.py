@@ -129,6 +129,8 @@ def test_repeated_sweeps_take_medians() -> None:
     nones = sorted(table.none_runs)  # 10 runs: the median is the mean of the middle two
     assert table.none_tokens_per_s == pytest.approx((nones[4] + nones[5]) / 2)
     assert all(r.identical and r.speedup > 0 for r in table.runs[0.7])
+    oracle = engine.resolve_proposer("oracle-a70")  # the last sweep drew with seed 0 + 2
+    assert isinstance(oracle, OracleProposer) and oracle._seed == 2
     with pytest.raises(ValueError, match="repeats"):
         run_oracle_table(engine, PROMPTS[:1], OraclePlan(repeats=0))
 
