@@ -112,7 +112,7 @@ class SpeculationState(AcceptanceEstimate):
     paused: int = 0  # rounds left without drafts
     pause: int = MIN_PAUSE  # the next pause's length
     probing: bool = False  # the next drafting round is a probe after a pause
-    pays_from: float = math.inf  # the least evidence of acceptance at which a draft pays
+    pays_from: float = math.inf  # acceptance from which one draft pays (inf: the constant path)
 
     def update(self, num_drafts: int, num_accepted: int, num_committed: int) -> None:
         """Learn from a round that proposed, accepted and committed so many tokens."""
@@ -137,8 +137,8 @@ class SpeculationState(AcceptanceEstimate):
 
     def _unpaid(self) -> bool:
         """Whether the request's own evidence, without the prior, puts its acceptance below
-        ``pays_from`` (module docstring, "Measured costs": a net loss that is only luck does not
-        pause)."""
+        ``pays_from`` (module docstring, "Drafts that do not pay": a net loss that is only luck
+        does not pause)."""
         seen = self.accepted + self.rejected
         return seen <= 0 or self.accepted / seen < self.pays_from
 
