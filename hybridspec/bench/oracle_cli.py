@@ -39,6 +39,13 @@ def add_oracle_command(bench_commands: Any) -> None:
     add("--threads", type=int, default=None, help="the forward's CPU threads (default: all)")
     add("--seed", type=int, default=0, help="seed of the oracle's right and wrong drafts")
     add(
+        "--repeats",
+        type=int,
+        default=1,
+        help="sweeps of the table's runs, each run between two none runs, sweep r with the "
+        "oracle's seed + r; medians (default 1)",
+    )
+    add(
         "--verify-token-cost",
         type=_cost,
         default=None,
@@ -63,7 +70,11 @@ def run_oracle(args: argparse.Namespace) -> int:
         args.max_new_tokens,
         args.seed,
         args.draft is not None,
+        args.repeats,
     )
+    if args.repeats < 1:
+        print(f"error: --repeats: expected at least 1, got {args.repeats}", file=sys.stderr)
+        return 2
     max_seq_len = args.prompt_tokens + args.max_new_tokens + max(plan.ks) + 1
     target = load_model(ModelConfig(args.target, max_seq_len=max_seq_len, max_num_seqs=1))
     workload = load_workload(args.workload)
@@ -120,12 +131,24 @@ def _priced(table: OracleTable) -> str:
     )
 
 
-def _row(alpha: float, label: str, run: Run, none: float, ideal: float) -> str:
-    speedup = run.tokens_per_s / none if none > 0 else 0.0
+def _row(alpha: float, label: str, run: Run, ideal: float) -> str:
     return (
-        f"{alpha:>5.2f}  {label:<12} {run.tokens_per_s:>7.2f} {speedup:>7.2f}x {ideal:>6.2f}x "
-        f"{speedup / ideal:>6.2f} {run.tokens_per_round:>9.2f} {run.acceptance:>7.2f}  "
-        f"{'yes' if run.identical else 'NO'}"
+        f"{alpha:>5.2f}  {label:<12} {run.tokens_per_s:>7.2f} {run.speedup:>7.2f}x {ideal:>6.2f}x "
+        f"{run.speedup / ideal:>6.2f} {run.tokens_per_round:>9.2f} {run.drafts_per_round:>6.2f} "
+        f"{run.acceptance:>7.2f}  {'yes' if run.identical else 'NO'}"
+    )
+
+
+def _none_line(table: OracleTable, target: str) -> str:
+    """The none runs' median and spread: the drift the neighbouring ratios take out."""
+    runs = table.none_runs
+    low, high = min(runs), max(runs)
+    spread = (high - low) / table.none_tokens_per_s if table.none_tokens_per_s > 0 else 0.0
+    return (
+        f"oracle drafts on {target}: none decodes {table.none_tokens_per_s:.2f} tok/s (median "
+        f"of {len(runs)} runs, {low:.2f} .. {high:.2f}: spread {spread:.0%}); each speedup is "
+        f"a run's rate over the mean of the none runs just before and after it, the median of "
+        f"{table.repeats} sweep{'s' if table.repeats != 1 else ''}"
     )
 
 
@@ -134,29 +157,31 @@ def format_oracle_table(table: OracleTable, ks: tuple[int, ...], target: str) ->
     sweep; then the draft model's figures."""
     from hybridspec.bench.oracle_table import best_ideal, ideal_speedup
 
-    none, cost = table.none_tokens_per_s, table.verify_cost
+    cost = table.verify_cost
     lines = [
-        f"oracle drafts on {target}: none decodes {none:.2f} tok/s",
+        _none_line(table, target),
         "verify cost t(n)/t(1): " + ", ".join(f"n={n} {c:.2f}" for n, c in cost.items()),
         _priced(table),
-        "alpha  K              tok/s  speedup  ideal  ratio tok/round  accept  same text",
+        "alpha  K              tok/s  speedup  ideal  ratio tok/round drafts  accept  same text",
     ]
     for alpha, runs in table.runs.items():
         adaptive, fixed = runs[0], runs[1:]
-        best = max(fixed, key=lambda r: r.tokens_per_s)
+        best = max(fixed, key=lambda r: r.speedup)
         assert best.k is not None
-        _, top = best_ideal(alpha, ks, cost)
-        lines.append(_row(alpha, "adaptive", adaptive, none, top))
-        ideal = ideal_speedup(alpha, best.k, cost)
-        lines.append(_row(alpha, f"best K={best.k}", best, none, ideal))
-        share = adaptive.tokens_per_s / best.tokens_per_s if best.tokens_per_s > 0 else 0.0
-        sweep = ", ".join(f"K={r.k} {r.tokens_per_s / none:.2f}x" for r in fixed)
-        lines.append(f"       adaptive / best fixed K: {share:.2f}; sweep: {sweep}")
+        top_k, top = best_ideal(alpha, ks, cost)
+        lines.append(_row(alpha, "adaptive", adaptive, top))
+        lines.append(_row(alpha, f"best K={best.k}", best, ideal_speedup(alpha, best.k, cost)))
+        share = adaptive.speedup / best.speedup if best.speedup > 0 else 0.0
+        sweep = ", ".join(f"K={r.k} {r.speedup:.2f}x" for r in fixed)
+        lines.append(
+            f"       adaptive / best fixed K: {share:.2f} (the ideal's best K={top_k}); "
+            f"sweep: {sweep}"
+        )
     if table.draft_cost_per_token is not None and table.draft_run is not None:
         c, run = table.draft_cost_per_token, table.draft_run
         lines.append(
             f"draft: {c:.3f} of a target forward per drafted token; measured (adaptive): "
-            f"{run.tokens_per_s:.2f} tok/s, {run.tokens_per_s / none:.2f}x none, acceptance "
+            f"{run.tokens_per_s:.2f} tok/s, {run.speedup:.2f}x none, acceptance "
             f"{run.acceptance:.2f}, same text {'yes' if run.identical else 'NO'}"
         )
         for alpha in table.runs:

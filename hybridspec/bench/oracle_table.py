@@ -9,11 +9,21 @@ One run, one engine over the target, greedy requests only:
    measured row costs (``engine.row_costs``) learn these timings too, as an engine that has
    served for a while has timed forwards of every row count, so that the first adaptive run
    is priced as well as the later ones (each run's forwards keep teaching it).
-3. Per alpha: oracle drafts with adaptive K (up to the largest K of the sweep), then with each
-   fixed K (adaptive speculation off); ``none`` again at the end, its rate averaged with the
-   first one's. Every run's text must equal ``none``'s, token for token.
-4. With a draft model: ``draft`` with adaptive K, and its cost per token relative to the
-   target's forward (``Proposer.cost_per_token``, what adaptive speculation charges it).
+3. The cells: per alpha, oracle drafts with adaptive K (up to the largest K of the sweep), then
+   with each fixed K (adaptive speculation off); with a draft model, ``draft`` with adaptive K.
+   Every cell's run is followed by a ``none`` run, so that each cell sits between two ``none``
+   runs, and its speedup is its rate over their mean: on a shared machine the rate drifts with
+   the load over a table's minutes, and a ratio to the neighbouring ``none`` runs cancels the
+   drift that one ``none`` rate for the whole table would count as speedup. ``repeats`` sweeps
+   the cells that many times (every other sweep in reverse order, so that no cell always runs
+   first), sweep ``r`` with the oracle's seed ``seed + r``: every K of a sweep meets the same
+   luck, and the sweeps meet different luck, so that the best fixed K is not picked in
+   hindsight of one draw of right and wrong drafts (with one short prompt, a fixed K that
+   happens to suit its draw beats any K chosen as the draws come). A cell's speedup and rate
+   are the medians over its sweeps. Every run's text must equal the first ``none``'s, token
+   for token.
+4. With a draft model: its cost per token relative to the target's forward
+   (``Proposer.cost_per_token``, what adaptive speculation charges it).
 
 Rates are decode rates: tokens after the first over the time after the first (the prompt's
 prefill is not what speculation speeds up). The ideal at K drafts per round is the expected
@@ -25,6 +35,7 @@ cost in plain decodes, ``t(K + 1) / t(1)`` (plus ``K c`` for a draft model of re
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -50,14 +61,18 @@ class Run:
     tokens_per_round: float  # generated tokens per verification forward
     acceptance: float  # accepted drafts over proposed ones
     identical: bool  # every prompt's text equals none's
+    drafts_per_round: float = 0.0  # drafts asked for per verification forward
+    speedup: float = 0.0  # the rate over its neighbouring none runs' (median over sweeps)
 
 
 @dataclass(slots=True)
 class OracleTable:
     """A run's figures (``format_oracle_table`` prints them)."""
 
-    none_tokens_per_s: float
+    none_tokens_per_s: float  # the median of every none run's rate
     verify_cost: dict[int, float]  # rows n -> t(n) / t(1)
+    none_runs: list[float] = field(default_factory=list)  # each none run's rate, in order
+    repeats: int = 1  # sweeps of the cells
     runs: dict[float, list[Run]] = field(default_factory=dict)  # alpha -> adaptive, fixed Ks
     draft_cost_per_token: float | None = None  # the draft's forward over the target's
     draft_run: Run | None = None
@@ -67,6 +82,8 @@ class OracleTable:
         return {
             "none_tokens_per_s": self.none_tokens_per_s,
             "verify_cost": self.verify_cost,
+            "none_runs": self.none_runs,
+            "repeats": self.repeats,
             "runs": {str(a): [asdict(r) for r in runs] for a, runs in self.runs.items()},
             "draft_cost_per_token": self.draft_cost_per_token,
             "draft_run": None if self.draft_run is None else asdict(self.draft_run),
@@ -146,6 +163,7 @@ def _run(
         generated / forwards if forwards else 0.0,
         accepted / proposed if proposed else 0.0,
         identical,
+        proposed / forwards if forwards else 0.0,
     )
     if not identical:
         logger.error("%s (K=%s): greedy text differs from none's", proposer, run.k or "adaptive")
@@ -159,6 +177,47 @@ class OraclePlan:
     max_new_tokens: int = 64
     seed: int = 0
     with_draft: bool = False
+    repeats: int = 1  # sweeps of the cells (module docstring, 3.)
+
+
+@dataclass(frozen=True, slots=True)
+class _Cell:
+    alpha: float | None  # None: the draft model's cell
+    proposer: str
+    k: int
+    fixed: bool
+
+
+def _cells(plan: OraclePlan) -> list[_Cell]:
+    """Per alpha adaptive K then each fixed K; then the draft model's adaptive K."""
+    top = max(plan.ks)
+    cells = []
+    for alpha in plan.alphas:
+        name = _oracle_name(alpha)
+        cells.append(_Cell(alpha, name, top, False))
+        cells += [_Cell(alpha, name, k, True) for k in plan.ks]
+    if plan.with_draft:
+        cells.append(_Cell(None, "draft", top, False))
+    return cells
+
+
+def _oracle_name(alpha: float) -> str:
+    return f"oracle-a{round(alpha * 100):02d}"
+
+
+def _median_run(runs: Sequence[Run], speedups: Sequence[float]) -> Run:
+    """One cell's sweeps as one run: median rate and speedup, mean round figures."""
+    first = runs[0]
+    return Run(
+        first.method,
+        first.k,
+        statistics.median(r.tokens_per_s for r in runs),
+        statistics.fmean(r.tokens_per_round for r in runs),
+        statistics.fmean(r.acceptance for r in runs),
+        all(r.identical for r in runs),
+        statistics.fmean(r.drafts_per_round for r in runs),
+        statistics.median(speedups),
+    )
 
 
 def run_oracle_table(
@@ -169,48 +228,84 @@ def run_oracle_table(
 ) -> OracleTable:
     """Every run of the module docstring on ``engine`` (its own: it is reset between runs and
     oracle proposers are registered on it); ``progress`` hears of each run as it ends."""
+    if plan.repeats < 1:
+        raise ValueError(f"repeats: expected at least 1, got {plan.repeats}")
     engine.generate(prompt_token_ids=prompts[0], max_new_tokens=4, proposer="none")  # warm-up
     engine.reset()
     references = OracleReferences()
 
-    def measure(name: str, k: int, fixed: bool) -> tuple[Run, list[GenerationResult]]:
+    def measure(name: str, k: int, fixed: bool) -> Run:
         known = references if references.continuations else None
         run, results = _run(engine, prompts, name, k, plan.max_new_tokens, known, fixed)
+        if not references.continuations:
+            for prompt, result in zip(prompts, results, strict=True):
+                references.add(prompt, result.token_ids)
         if progress is not None:
             progress(
                 f"{name} K={k if fixed else 'adaptive'}: {run.tokens_per_s:.2f} tok/s, "
                 f"{run.tokens_per_round:.2f} tokens per round"
             )
-        return run, results
+        if name == "none" and not run.identical:
+            raise HybridSpecError("none's greedy text changed between its runs")
+        return run
 
-    first, results = measure("none", 0, True)
-    for prompt, result in zip(prompts, results, strict=True):
-        references.add(prompt, result.token_ids)
-    if max(len(result.token_ids) for result in results) < 2 or first.tokens_per_s <= 0:
+    first = measure("none", 0, True)
+    if max(len(t) for t in references.continuations.values()) < 2 or first.tokens_per_s <= 0:
         raise HybridSpecError(
             "the target ends every prompt within one token: no continuation to draft "
             "(longer or other prompts: --prompt-tokens, --prompts)"
         )
-    rows = range(1, max(plan.ks) + 2)
+    table = OracleTable(0.0, _time_rows(engine, max(plan.ks) + 1), [first.tokens_per_s])
+    table.repeats = plan.repeats
+    if engine.speculation is not None:
+        table.policy_cost = engine.speculation.verify_token_cost
+    if plan.with_draft:
+        table.draft_cost_per_token = engine.resolve_proposer("draft").cost_per_token
+    cells = _cells(plan)
+    sweeps: list[list[tuple[Run, float]]] = [[] for _ in cells]
+    for repeat in range(plan.repeats):
+        _register_oracles(engine, references, plan.alphas, plan.seed + repeat)
+        order = range(len(cells)) if repeat % 2 == 0 else reversed(range(len(cells)))
+        for i in order:
+            cell = cells[i]
+            run = measure(cell.proposer, cell.k, cell.fixed)
+            table.none_runs.append(measure("none", 0, True).tokens_per_s)
+            around = (table.none_runs[-2] + table.none_runs[-1]) / 2
+            sweeps[i].append((run, run.tokens_per_s / around if around > 0 else 0.0))
+    _assemble(table, cells, sweeps)
+    return table
+
+
+def _assemble(
+    table: OracleTable, cells: Sequence[_Cell], sweeps: Sequence[Sequence[tuple[Run, float]]]
+) -> None:
+    """Each cell's sweeps, (run, speedup) pairs, as one run of ``table``; the none median."""
+    for cell, runs in zip(cells, sweeps, strict=True):
+        run = _median_run([r for r, _ in runs], [s for _, s in runs])
+        if cell.alpha is None:
+            table.draft_run = run
+        else:
+            table.runs.setdefault(cell.alpha, []).append(run)
+    table.none_tokens_per_s = statistics.median(table.none_runs)
+
+
+def _register_oracles(
+    engine: Engine, references: OracleReferences, alphas: Sequence[float], seed: int
+) -> None:
+    """Oracle drafts at each alpha on ``engine``, all drawing right and wrong by ``seed``
+    (one sweep's luck, the same for every K of it: module docstring, 3.)."""
+    for alpha in alphas:
+        factory = oracle_factory(references, alpha, seed)
+        engine.register_proposer(_oracle_name(alpha), factory, replace=True)
+
+
+def _time_rows(engine: Engine, max_rows: int) -> dict[int, float]:
+    """``t(n) / t(1)`` for ``n = 1 .. max_rows``, timed on the engine's runtime; the engine's
+    row costs learn the seconds (module docstring, 2.)."""
+    rows = range(1, max_rows + 1)
     timings = median_forward_seconds(engine.runtime, tuple(rows))
     if timings is None or timings[0] <= 0:
         raise HybridSpecError("no free cache slot to time the forward's cost per row")
-    table = OracleTable(0.0, {n: t / timings[0] for n, t in zip(rows, timings, strict=True)})
     for n, seconds in zip(rows, timings, strict=True):  # what a long-running engine has learned
         engine.forward_cost.rows.observe(n, seconds)
-    if engine.speculation is not None:
-        table.policy_cost = engine.speculation.verify_token_cost
-    for alpha in plan.alphas:
-        name = f"oracle-a{round(alpha * 100):02d}"
-        engine.register_proposer(name, oracle_factory(references, alpha, plan.seed), replace=True)
-        runs = [measure(name, max(plan.ks), False)[0]]
-        runs += [measure(name, k, True)[0] for k in plan.ks]
-        table.runs[alpha] = runs
-    if plan.with_draft:
-        table.draft_cost_per_token = engine.resolve_proposer("draft").cost_per_token
-        table.draft_run = measure("draft", max(plan.ks), False)[0]
-    last, _ = measure("none", 0, True)
-    table.none_tokens_per_s = (first.tokens_per_s + last.tokens_per_s) / 2
-    if not last.identical:
-        raise HybridSpecError("none's greedy text changed between its two runs")
-    return table
+    return {n: t / timings[0] for n, t in zip(rows, timings, strict=True)}

@@ -39,11 +39,17 @@ Drafts that do not pay, paused: the model of acceptance cannot tell a proposer w
 are never kept from one kept now and then (the prior keeps ``alpha`` at 1/7 or more), so each
 request also counts what its drafting rounds actually earned: the drafts kept, less each
 round's price in tokens as it was asked for, decayed by ``NET_DECAY`` a drafting round. When
-that is below zero after ``MIN_ROUNDS`` drafting rounds, the request asks for no drafts for a
-pause of ``pause`` rounds, then probes with one draft: a probe that is kept resumes
+that is below zero after ``MIN_ROUNDS`` drafting rounds, and (where measured seconds price
+the round, below) the request's own evidence without the prior, its accepted drafts over its
+accepted and rejected ones, is below the acceptance at which one draft pays
+(``SpeculationState.pays_from``), the request asks for no drafts for a pause of ``pause``
+rounds, then probes with one draft: a probe that is kept resumes
 speculation (the estimate, which decayed toward the prior meanwhile, is learned again); one
 that is not doubles the pause, up to the length at which probing costs at most
 ``PROBE_BUDGET`` tokens a round (cheap n-gram probes: a few rounds; the eagle head's: dozens).
+The evidence's test keeps luck from pausing a request whose drafts pay: at alpha 0.5, three
+rounds in a row that keep nothing are common, and a pause then its probes cost more than they
+save; drafts that are never kept have no accepted evidence, and pause as before.
 
 Measured costs: where a request's text does not depend on its drafts (``by_step``), the engine
 prices its round in measured seconds (``MeasuredPrice``): ``t(n)``, a target forward of ``n``
@@ -106,6 +112,7 @@ class SpeculationState(AcceptanceEstimate):
     paused: int = 0  # rounds left without drafts
     pause: int = MIN_PAUSE  # the next pause's length
     probing: bool = False  # the next drafting round is a probe after a pause
+    pays_from: float = math.inf  # acceptance from which one draft pays (inf: the constant path)
 
     def update(self, num_drafts: int, num_accepted: int, num_committed: int) -> None:
         """Learn from a round that proposed, accepted and committed so many tokens."""
@@ -125,8 +132,15 @@ class SpeculationState(AcceptanceEstimate):
         probe, self.probing = self.probing, False
         if probe and tokens >= 0:
             self.pause = MIN_PAUSE
-        elif (probe or self.rounds >= MIN_ROUNDS) and self.net < 0:
+        elif (probe or self.rounds >= MIN_ROUNDS) and self.net < 0 and self._unpaid():
             self.start_pause()
+
+    def _unpaid(self) -> bool:
+        """Whether the request's own evidence, without the prior, puts its acceptance below
+        ``pays_from`` (module docstring, "Drafts that do not pay": a net loss that is only luck
+        does not pause)."""
+        seen = self.accepted + self.rejected
+        return seen <= 0 or self.accepted / seen < self.pays_from
 
     def start_pause(self) -> None:
         """Ask for no drafts for the next ``pause`` rounds, then probe (module docstring)."""
@@ -189,7 +203,7 @@ class SpeculationPolicy:
                 return k
         c = self.verify_token_cost
         threshold = draft_threshold(c, committed, verified, proposer_cost_per_token)
-        state.draft_price = threshold
+        state.draft_price, state.pays_from = threshold, math.inf
         state.round_price = proposer_cost_per_round * committed / (1.0 + c * verified)
         if state.probing:
             return 1
@@ -226,6 +240,8 @@ class SpeculationPolicy:
         k = 1 if state.probing or best == 0 else best
         state.draft_price = ((seconds[k] - base) / k + measured.per_draft_s) / worth
         state.round_price = measured.per_round_s / worth
+        first_s = seconds[1] + measured.per_round_s + measured.per_draft_s
+        state.pays_from = (others_tokens + 1) * (first_s / base - 1.0)
         if state.probing:
             return 1
         if best == 0 and _fastest(state.rate, others_tokens, seconds, measured, 0.0) > 0:

@@ -108,10 +108,31 @@ def test_table_on_a_tiny_model() -> None:
         assert [r.k for r in runs] == [None, 1, 2, 4] and all(r.identical for r in runs)
     high = table.runs[0.9][3]  # K=4 at alpha 0.9 commits more per round than K=1 at 0.5
     assert high.tokens_per_round > table.runs[0.5][1].tokens_per_round
+    assert high.drafts_per_round == pytest.approx(4.0, abs=1.0)  # K=4, less at the budget's end
+    # one sweep: every cell's run sits between two none runs, its speedup over their mean
+    cells = [run for runs in table.runs.values() for run in runs]
+    assert len(table.none_runs) == len(cells) + 1 and table.repeats == 1
+    for i, run in enumerate(cells):
+        around = (table.none_runs[i] + table.none_runs[i + 1]) / 2
+        assert run.speedup == pytest.approx(run.tokens_per_s / around)
     text = format_oracle_table(table, plan.ks, "tiny")
-    assert "best K=" in text and "adaptive / best fixed K" in text
+    assert "best K=" in text and "adaptive / best fixed K" in text and "spread" in text
     assert "cost of one more verified row: measured" in text and "before any: 0.030" in text
     assert engine.forward_cost.rows.seconds(5) is not None  # the table's timings price rows
+
+
+def test_repeated_sweeps_take_medians() -> None:
+    engine = make_engine(tiny_loaded(0), max_num_seqs=1)
+    plan = OraclePlan(alphas=(0.7,), ks=(1, 2), max_new_tokens=12, repeats=3)
+    table = run_oracle_table(engine, PROMPTS[:1], plan)
+    assert len(table.none_runs) == 1 + 3 * 3 and table.repeats == 3
+    nones = sorted(table.none_runs)  # 10 runs: the median is the mean of the middle two
+    assert table.none_tokens_per_s == pytest.approx((nones[4] + nones[5]) / 2)
+    assert all(r.identical and r.speedup > 0 for r in table.runs[0.7])
+    oracle = engine.resolve_proposer("oracle-a70")  # the last sweep drew with seed 0 + 2
+    assert isinstance(oracle, OracleProposer) and oracle._seed == 2
+    with pytest.raises(ValueError, match="repeats"):
+        run_oracle_table(engine, PROMPTS[:1], OraclePlan(repeats=0))
 
 
 def test_prompts_the_target_ends_at_once_are_refused_by_name() -> None:
