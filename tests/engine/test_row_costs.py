@@ -42,7 +42,28 @@ def test_noise_never_makes_a_row_free_or_negative() -> None:
     rows = measured({1: 1.0, 2: 0.9, 3: 1.2, 4: 1.1})
     priced = [rows.seconds(n) or 0.0 for n in range(1, 7)]
     assert priced == sorted(priced) and min(priced) > 0  # non-decreasing in the rows
-    assert priced[1] == 1.0  # 2 rows: at least 1 row's time
+    assert priced[0] == priced[1] == pytest.approx(0.95)  # the pair out of order: pooled
+
+
+def test_one_slow_count_does_not_make_the_rows_above_it_free() -> None:
+    rows = RowCosts()
+    for _ in range(WINDOW):
+        for n in (*range(1, 9), *range(10, 41)):
+            rows.observe(n, 1.0 + 0.1 * n)
+    rows.observe(9, 50.0)  # the one forward of 9 rows, slow (a kernel compiled, or descheduled)
+    low, high = rows.seconds(20), rows.seconds(30)
+    assert low is not None and high is not None
+    assert high - low == pytest.approx(1.0)  # ten more rows still cost ten rows' time
+    assert rows.seconds(8) == pytest.approx(1.8)
+
+
+def test_a_new_row_count_is_its_lesser_first_two_forwards() -> None:
+    rows = measured({1: 1.0, 9: 40.0})  # the first forward at 9 rows compiled a kernel
+    assert rows.seconds(9) == 40.0
+    rows.observe(9, 1.6)
+    assert rows.seconds(9) == 1.6
+    rows.observe(9, 1.8)
+    assert rows.seconds(9) == pytest.approx(1.6 + 0.2 / 3)
 
 
 def test_a_row_count_follows_its_recent_forwards_and_clips_outliers() -> None:
