@@ -127,6 +127,20 @@ def test_beside_a_batch_whose_rows_are_no_longer_free_a_request_asks_for_fewer()
     assert asked(batch, rows, 0.4) == 0
 
 
+def test_rows_that_no_draft_pays_pause_and_probe() -> None:
+    rows = measured({1: 1.0, 8: 1.1, 9: 2.0, 64: 60.0})  # (a stale price, say)
+    policy = SpeculationPolicy(0.03)
+    policy.record_step(8, 8)  # 8 requests without drafts
+    state = SpeculationState()
+    price = MeasuredPrice(rows.seconds)
+    assert policy.num_drafts(state, 8, by_step=True, measured=price) == 0
+    assert state.paused > 0 and state.probing  # paused, then a probe of one draft
+    for _ in range(state.paused):
+        assert policy.num_drafts(state, 8, by_step=True, measured=price) == 0
+        state.update(0, 0, 1)
+    assert policy.num_drafts(state, 8, by_step=True, measured=price) == 1
+
+
 def test_a_proposer_time_per_round_that_no_draft_pays_pauses_and_probes() -> None:
     policy, rows = SpeculationPolicy(0.03), measured(SHAPE_3B)
     state = SpeculationState(accepted=900.0, rejected=100.0)
