@@ -220,8 +220,9 @@ class ProposerPool:
     ) -> Proposed:
         """Ask each proposer, once, for the drafts of all its requests in ``decode``.
 
-        ``num_drafts(request, proposer)`` is how many drafts the request asks for this round.
-        Each call that asked for drafts is timed into ``costs``.
+        ``num_drafts(request, proposer)`` is how many drafts the request asks for this round;
+        a proposer none of whose requests asks for one is not called (its requests decode
+        plainly). Each call that asked for drafts is timed into ``costs``.
         """
         groups: dict[int, list[Request]] = {}  # by the proposer's identity
         for request in decode:
@@ -244,6 +245,8 @@ class ProposerPool:
                 )
                 for r in requests
             ]
+            if not any(ask.max_num_drafts for ask in asks):  # (``Proposer``: the call skipped)
+                continue
             try:
                 start = time.perf_counter()
                 got = proposer.propose(asks)

@@ -9,12 +9,17 @@ nearly free beside one. So no constant per row prices them. ``RowCosts`` keeps t
 seconds of the engine's forwards by their row count (``observe``: its rounds, below)
 and prices a forward of ``n`` rows from them (``seconds``): the mean at ``n`` itself, a straight
 line between the nearest measured counts on either side, and past the largest the slope of its
-last stretch (never below 0). The means are taken as non-decreasing in ``n`` (each at least the
-one before it), so that noise never makes a row free.
+last stretch (never below 0). The means are made non-decreasing in ``n`` by pooling neighbours
+that are out of order into their average, weighted by how many forwards each holds (isotonic
+regression): a row is never free, and one slow count does not lift every count above it (with
+each count made at least the one before it, one forward that compiled a kernel at 9 rows priced
+every row from 9 to 60 alike, so that 8 requests' drafts looked free).
 
 Each count's mean is a moving average over about its last ``WINDOW`` forwards, so that it
-follows the machine's load, and a forward counts at most ``OUTLIER`` times its count's mean (a
-step descheduled by a busy neighbour, or one that compiled a kernel, is no row's price).
+follows the machine's load; its first two forwards give the lesser of the two (the first at a
+new row count often pays one-time costs: kernel selection, first-touched pages), and after
+that a forward counts at most ``OUTLIER`` times its count's mean (a step descheduled by a busy
+neighbour is no row's price).
 
 ``TimedForwardCost`` is the engine's forward cost model (``step_budget.FittedForwardCost``, which
 sizes prefill chunks, learning from every timed forward, ``batch.run_forward``) that also keeps a
@@ -60,6 +65,8 @@ class RowCosts:
         if count == 0:
             bisect.insort(self._rows, num_rows)
             self._means[num_rows] = seconds
+        elif count == 1:
+            self._means[num_rows] = min(self._means[num_rows], seconds)
         else:
             mean = self._means[num_rows]
             if count >= MIN_FORWARDS:
@@ -82,11 +89,14 @@ class RowCosts:
         return float(curve[rows[-1]] + slope * (num_rows - rows[-1]))
 
     def _monotone(self) -> np.ndarray:
-        """The means, each at least the one of fewer rows, joined by straight lines: seconds
-        of ``0 .. largest`` rows (below the smallest count: its mean, never read)."""
+        """The means made non-decreasing (``isotonic``, weighted by forwards held), joined by
+        straight lines: seconds of ``0 .. largest`` rows (below the smallest count: its mean,
+        never read)."""
         if self._curve is None:
-            means = np.maximum.accumulate([self._means[n] for n in self._rows])
-            self._curve = np.interp(np.arange(self._rows[-1] + 1), self._rows, means)
+            means = [self._means[n] for n in self._rows]
+            weights = [min(self._counts[n], WINDOW) for n in self._rows]
+            fitted = isotonic(means, weights)
+            self._curve = np.interp(np.arange(self._rows[-1] + 1), self._rows, fitted)
         return self._curve
 
     def clear(self) -> None:
@@ -94,6 +104,22 @@ class RowCosts:
         self._counts.clear()
         self._rows.clear()
         self._curve = None
+
+
+def isotonic(values: list[float], weights: list[int]) -> list[float]:
+    """The non-decreasing sequence nearest ``values`` in weighted least squares (pool adjacent
+    violators: a run out of order becomes its weighted mean). Example: values 1, 5, 2, 3 with
+    weights 1, 1, 2, 1 give 1, 3, 3, 3."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for value, weight in zip(values, weights, strict=True):
+        blocks.append([value, float(weight), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, total, length = blocks.pop()
+            before = blocks[-1]
+            joined = before[1] + total
+            before[0] = (before[0] * before[1] + mean * total) / joined
+            before[1], before[2] = joined, before[2] + length
+    return [mean for mean, _, length in blocks for _ in range(int(length))]
 
 
 @dataclass(slots=True)

@@ -62,7 +62,9 @@ last round). It asks for the ``k`` that makes the step commit the most tokens a 
 when ``k > 0``): alone (``V_o = C_o = 0``) that is the ideal speedup of a round, its expected
 tokens over its cost; beside others, a draft is asked for when its expected token is worth
 the time it adds to every request of the step. Its realised price (for the pauses below) is
-the seconds the drafts add over what a committed token was worth in the last step. Where the
+the seconds the drafts add over what a committed token was worth in the last step. Where no
+draft pays, the request pauses and probes as below: one that never drafts would never time its
+rows again nor learn its acceptance, so one stale price would hold it at no drafts. Where the
 forwards timed so far cannot price the rows (none of so few rows yet), the constant ``c`` and
 the proposer's measured time over a one-token forward price it as above. A request whose drafts
 steer its random generator uses ``c`` and the proposer's own ``cost_per_token`` (fixed for the
@@ -219,8 +221,8 @@ class SpeculationPolicy:
     ) -> int | None:
         """The ``k <= max_drafts`` that makes the step commit the most tokens a second, priced
         by measured seconds (module docstring, "Measured costs"); None where the forwards
-        measured so far cannot price one draft's row. Where only the proposer's time per round
-        stops every draft, the request pauses (it probes later, and the price is timed again)."""
+        measured so far cannot price one draft's row. Where no draft pays, the request pauses
+        (it probes later: its rows are timed and its acceptance learned again)."""
         others_rows = max(0, self._verified - state.last_verified)
         others_tokens = max(0, self._committed - state.last_committed)
         forward_s = measured.forward_s
@@ -244,8 +246,8 @@ class SpeculationPolicy:
         state.pays_from = (others_tokens + 1) * (first_s / base - 1.0)
         if state.probing:
             return 1
-        if best == 0 and _fastest(state.rate, others_tokens, seconds, measured, 0.0) > 0:
-            state.start_pause()  # the fixed part cannot pay: probe later, as prices change
+        if best == 0:  # no draft pays: probe later, as prices and acceptance change (a request
+            state.start_pause()  # that never drafts never times its rows nor learns its rate)
         return best
 
 

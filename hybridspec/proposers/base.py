@@ -7,7 +7,8 @@ all in one forward. Its lifecycle per sequence:
    it is (``types.Session``);
 2. each round, ``propose(requests)`` for every sequence of the batch that uses this proposer,
    returning one ``Proposal`` of at most ``request.max_num_drafts`` drafts per request, in
-   order;
+   order (a round in which none of them asks for a draft skips the call: a round without
+   drafts costs what plain decoding does);
 3. after verification, ``commit(info)`` with a ``CommitInfo``: exactly the tokens that were
    appended to the sequence (accepted drafts then the bonus or recovered token) and how many
    drafts were accepted, so that the proposer can roll its own state back past what was

@@ -84,8 +84,11 @@ class NgramProposer(Proposer):
 
     Its options are the configuration's ``ngram`` section (``context.ngram``).
     Each started sequence holds one slot of a pool of preallocated tables; ``propose`` serves a
-    whole batch with one compiled call. It continues a ``ProposeRequest.draft_prefix``: the
-    prefix ends the context it matches, and what it copies or predicts follows it.
+    whole batch with one compiled call. ``commit`` checks the tokens and keeps them; the tables
+    learn them when the sequence is next proposed for (one compiled call for every round since,
+    so that rounds without drafts, in which the engine does not call ``propose``, cost none).
+    It continues a ``ProposeRequest.draft_prefix``: the prefix ends the context it matches, and
+    what it copies or predicts follows it.
     """
 
     continues_prefix = True
@@ -114,6 +117,7 @@ class NgramProposer(Proposer):
             window=config.window,
         )
         self._slot_of_seq: dict[int, int] = {}
+        self._unlearned: dict[int, list[npt.NDArray[np.int64]]] = {}  # by slot: committed tokens
         self._free_slots = list(range(INITIAL_NUM_SLOTS - 1, -1, -1))  # pop() takes slot 0 first
 
     def start(
@@ -144,6 +148,7 @@ class NgramProposer(Proposer):
                     "max_num_drafts",
                     f"expected an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}",
                 )
+            self._learn(slot)
             seen = int(self._tables.num_tokens[slot])
             if len(request.token_ids) != seen:
                 raise _invalid(
@@ -186,13 +191,22 @@ class NgramProposer(Proposer):
             raise _invalid(
                 "num_accepted", f"expected an integer in [0, {len(tokens)}], got {num_accepted!r}"
             )
-        compiled_ngram().append_tokens(self._tables, self.config.min_order, slot, tokens)
+        if tokens.size:
+            self._unlearned.setdefault(slot, []).append(tokens)
+
+    def _learn(self, slot: int) -> None:
+        """Append the tokens committed to ``slot`` since it was last proposed for."""
+        pending = self._unlearned.pop(slot, None)
+        if pending:
+            tokens = pending[0] if len(pending) == 1 else np.concatenate(pending)
+            compiled_ngram().append_tokens(self._tables, self.config.min_order, slot, tokens)
 
     def finish(self, seq_id: int) -> None:
         """Release the sequence's slot. Unknown ids are ignored: the engine's clean-up paths
         call ``finish`` for every failed request, including one whose ``start`` failed."""
         slot = self._slot_of_seq.pop(seq_id, None)
         if slot is not None:
+            self._unlearned.pop(slot, None)
             self._free_slots.append(slot)
 
     @property

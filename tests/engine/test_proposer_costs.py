@@ -23,6 +23,7 @@ from hybridspec.engine.speculation import (
 )
 from hybridspec.model import LoadedModel
 from hybridspec.proposers import NoProposer, ProposerContext
+from hybridspec.types import CommitInfo
 from tests.engine.tiny import PROMPTS, make_engine, plain
 
 
@@ -102,15 +103,20 @@ def test_a_kept_probe_resumes_speculation() -> None:
 
 class Counting(Proposer):
     """Proposes the target's own greedy continuation where it can (copies from the tiny
-    model's plain run), recording what each round asked for."""
+    model's plain run), recording what each round asked for at its commit (0 where no request
+    asked: the engine then does not call ``propose``)."""
 
     def __init__(self, context: ProposerContext, answer: Sequence[int]) -> None:
         super().__init__(context)
         self.answer = list(answer)
         self.asked: list[int] = []
+        self._asking: dict[int, int] = {}  # by seq_id: this round's ask
+
+    def commit(self, info: CommitInfo) -> None:
+        self.asked.append(self._asking.pop(info.seq_id, 0))
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        self.asked += [r.max_num_drafts for r in requests]
+        self._asking = {r.seq_id: r.max_num_drafts for r in requests}
         out = []
         for r in requests:
             at = len(r.token_ids) - r.num_prompt_tokens

@@ -147,3 +147,37 @@ def test_a_proposer_starts_with_the_requests_session(target: LoadedModel) -> Non
     proposer = engine.resolve_proposer("sessions")
     assert isinstance(proposer, Sessions)
     assert proposer.sessions == [NO_SESSION, Session("alice", False, "tenant A")]
+
+
+class Counting(Proposer):
+    """Counts its ``propose`` calls and the drafts asked in them."""
+
+    def __init__(self, context: ProposerContext) -> None:
+        super().__init__(context)
+        self.asked: list[int] = []
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        self.asked += [r.max_num_drafts for r in requests]
+        return [Proposal([1] * min(1, r.max_num_drafts)) for r in requests]
+
+
+def test_a_round_in_which_no_request_asks_for_drafts_does_not_call_the_proposer(
+    target: LoadedModel,
+) -> None:
+    engine = make_engine(target)
+    engine.register_proposer("counting", Counting)
+    proposer = engine.resolve_proposer("counting")
+    assert isinstance(proposer, Counting)
+    params = GenerationParams(max_new_tokens=6, proposer="counting", num_speculative_tokens=2)
+    for prompt in PROMPTS[:2]:
+        engine.add_request(prompt, params)
+    engine.draft_counts.speculation = None  # every request asks for its K ...
+    engine.step()
+    assert proposer.asked and all(k > 0 for k in proposer.asked)
+    proposer.asked.clear()
+    asks = engine.draft_counts.num_drafts
+    engine.draft_counts.num_drafts = lambda request, proposer: 0  # type: ignore[method-assign]
+    while engine.has_unfinished():  # ... then none does: the proposer is never called
+        engine.step()
+    engine.draft_counts.num_drafts = asks  # type: ignore[method-assign]
+    assert proposer.asked == []

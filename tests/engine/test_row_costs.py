@@ -43,7 +43,28 @@ def test_noise_never_makes_a_row_free_or_negative() -> None:
     rows = measured({1: 1.0, 2: 0.9, 3: 1.2, 4: 1.1})
     priced = [rows.seconds(n) or 0.0 for n in range(1, 7)]
     assert priced == sorted(priced) and min(priced) > 0  # non-decreasing in the rows
-    assert priced[1] == 1.0  # 2 rows: at least 1 row's time
+    assert priced[0] == priced[1] == pytest.approx(0.95)  # the pair out of order: pooled
+
+
+def test_one_slow_count_does_not_make_the_rows_above_it_free() -> None:
+    rows = RowCosts()
+    for _ in range(WINDOW):
+        for n in (*range(1, 9), *range(10, 41)):
+            rows.observe(n, 1.0 + 0.1 * n)
+    rows.observe(9, 50.0)  # the one forward of 9 rows, slow (a kernel compiled, or descheduled)
+    low, high = rows.seconds(20), rows.seconds(30)
+    assert low is not None and high is not None
+    assert high - low == pytest.approx(1.0)  # ten more rows still cost ten rows' time
+    assert rows.seconds(8) == pytest.approx(1.8)
+
+
+def test_a_new_row_count_is_its_lesser_first_two_forwards() -> None:
+    rows = measured({1: 1.0, 9: 40.0})  # the first forward at 9 rows compiled a kernel
+    assert rows.seconds(9) == 40.0
+    rows.observe(9, 1.6)
+    assert rows.seconds(9) == 1.6
+    rows.observe(9, 1.8)
+    assert rows.seconds(9) == pytest.approx(1.6 + 0.2 / 3)
 
 
 def test_a_row_count_follows_its_recent_forwards_and_clips_outliers() -> None:
@@ -105,6 +126,20 @@ def test_beside_a_batch_whose_rows_are_no_longer_free_a_request_asks_for_fewer()
     assert asked(alone, rows, 0.6) > 0
     assert asked(batch, rows, 0.6) < asked(alone, rows, 0.6)
     assert asked(batch, rows, 0.4) == 0
+
+
+def test_rows_that_no_draft_pays_pause_and_probe() -> None:
+    rows = measured({1: 1.0, 8: 1.1, 9: 2.0, 64: 60.0})  # (a stale price, say)
+    policy = SpeculationPolicy(0.03)
+    policy.record_step(8, 8)  # 8 requests without drafts
+    state = SpeculationState()
+    price = MeasuredPrice(rows.seconds)
+    assert policy.num_drafts(state, 8, by_step=True, measured=price) == 0
+    assert state.paused > 0 and state.probing  # paused, then a probe of one draft
+    for _ in range(state.paused):
+        assert policy.num_drafts(state, 8, by_step=True, measured=price) == 0
+        state.update(0, 0, 1)
+    assert policy.num_drafts(state, 8, by_step=True, measured=price) == 1
 
 
 def test_a_proposer_time_per_round_that_no_draft_pays_pauses_and_probes() -> None:

@@ -22,6 +22,7 @@ from hybridspec.engine.speculation import (
     drafts_worth_asking,
     measure_verify_token_cost,
 )
+from hybridspec.types import CommitInfo
 from tests.engine.tiny import PROMPTS, VOCAB, make_engine, plain
 
 
@@ -110,12 +111,17 @@ def test_measured_cost_is_bounded_and_leaves_the_cache_as_it_was(target) -> None
 
 class Wrong(Proposer):
     """Always proposes what the target never picks (``VOCAB - 1`` is EOS, kept out of greedy
-    output), recording how many drafts each round asked for."""
+    output), recording how many drafts each round asked for at its commit (0 where no request
+    asked: the engine then does not call ``propose``)."""
 
     asked: ClassVar[list[int]] = []
+    asking: ClassVar[dict[int, int]] = {}  # by seq_id: this round's ask
+
+    def commit(self, info: CommitInfo) -> None:
+        Wrong.asked.append(Wrong.asking.pop(info.seq_id, 0))
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        Wrong.asked.extend(r.max_num_drafts for r in requests)
+        Wrong.asking = {r.seq_id: r.max_num_drafts for r in requests}
         return [Proposal(token_ids=(VOCAB - 1,) * r.max_num_drafts) for r in requests]
 
 
@@ -123,7 +129,7 @@ class Wrong(Proposer):
 def test_rejected_drafts_shrink_what_a_request_asks_for(target, adaptive: bool) -> None:
     engine = make_engine(target, adaptive_speculation=adaptive)
     engine.register_proposer("wrong", Wrong)
-    Wrong.asked = []
+    Wrong.asked, Wrong.asking = [], {}
     result = engine.generate(
         prompt_token_ids=PROMPTS[0], proposer="wrong", num_speculative_tokens=8, max_new_tokens=30
     )

@@ -235,3 +235,23 @@ def test_bad_construction_raises_invalid_request(context, param):
     with pytest.raises(InvalidRequestError) as info:
         NgramProposer(context)
     assert info.value.param == param
+
+
+def test_commits_between_proposals_are_learned_at_the_next_one():
+    config = NgramConfig(min_order=1, max_order=3, window=16)
+    rng = np.random.default_rng(7)
+    history = rng.integers(0, 5, 10).tolist()
+    every, skipping = make_proposer(config), make_proposer(config)
+    every.start(0, history)
+    skipping.start(0, history)
+    for round_ in range(14):
+        committed = rng.integers(0, 5, int(rng.integers(1, 4))).tolist()
+        for proposer in (every, skipping):
+            commit(proposer, 0, committed, num_accepted=0)
+        history += committed
+        expected = propose_one(every, 0, history, 4)
+        assert expected == reference_proposal(history, 4, config)
+        if round_ % 4 == 3:  # the engine calls propose only in rounds that ask for drafts
+            assert propose_one(skipping, 0, history, 4) == expected
+    assert int(skipping._tables.num_tokens[0]) < int(every._tables.num_tokens[0])  # not yet
+    assert propose_one(skipping, 0, history, 4) == propose_one(every, 0, history, 4)

@@ -137,6 +137,8 @@ def find_head(configured: str | None, embed_rows: torch.Tensor) -> Path:
 class _EagleSeq(SeqState):
     num_real: int = 0  # real pairs in the head's cache
     features: list[torch.Tensor] = field(default_factory=list)  # [rows, D] not yet fed
+    num_features: int = 0  # rows in ``features`` (kept, not summed: rounds without drafts
+    # append one entry each, and a sum over them every round would grow with the pause)
 
 
 class EagleProposer(SequenceProposer[_EagleSeq]):
@@ -196,7 +198,7 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         best = float("inf")
         try:
             for _ in range(TIMING_REPEATS):
-                seq.features, seq.num_real = [feature], 0
+                seq.features, seq.num_features, seq.num_real = [feature], feature.shape[0], 0
                 self.cache.truncate(seq.slot, 0)
                 synchronize(embed.device)
                 start = time.perf_counter()
@@ -220,9 +222,9 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         seqs = self._tracked(requests)
         wanted = []
         for request, seq in zip(requests, seqs, strict=True):
-            known = seq.num_real + sum(f.shape[0] for f in seq.features)
+            known = seq.num_real + seq.num_features
             # The first round (before any verify forward) has no features yet: no drafts.
-            ready = bool(seq.features) and known == seq.committed_len - 1
+            ready = seq.num_features > 0 and known == seq.committed_len - 1
             wanted.append(request.max_num_drafts if ready else 0)
         return self._draft(requests, seqs, wanted)
 
@@ -243,7 +245,7 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
             tokens.append(torch.as_tensor(ids[seq.num_real + 1 : seq.committed_len]))
             rows.append(new.shape[0])
             seq.num_real += new.shape[0]
-            seq.features = []
+            seq.features, seq.num_features = [], 0
         device = self.head.parts.embed.device
         feature_in = torch.cat(features)
         token_in = torch.cat(tokens).to(device)
@@ -326,7 +328,7 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         seq = self._seq(info.seq_id)
         self.cache.truncate(seq.slot, seq.num_real)  # drop the drafts' entries
         if info.hidden_states is not None and info.hidden_states.shape[0] > 0:
-            expected = seq.num_real + sum(f.shape[0] for f in seq.features)
+            expected = seq.num_real + seq.num_features
             if info.hidden_position != expected:
                 raise InvalidRequestError(
                     f"seq_id: {info.seq_id}: features from position {info.hidden_position}, "
@@ -335,4 +337,5 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
                 )
             with torch.inference_mode():  # a head of several layers fuses them here
                 seq.features.append(self.head.target_features(info.hidden_states))
+            seq.num_features += info.hidden_states.shape[0]
         seq.committed_len += len(info.token_ids)
