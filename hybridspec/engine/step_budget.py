@@ -57,8 +57,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 MIN_PREFILL_CHUNK = 8  # tokens the first prefilling request gets in a step, whatever it costs
 SHORT_PROMPT = 32  # a rest of at most this many prompt tokens, shallow, is fed whole (``starts``)
 START_DEPTH = 1024  # a rest after more cached tokens than this is granted like any chunk
@@ -105,8 +103,10 @@ class FittedForwardCost:
     second is no measure of the next, nor of the ~200 after it). A forward past what is priced
     (``EXTRAPOLATION``) is learned as timed: its size is new, not its time suspect."""
 
-    _gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))  # sum w x x^T
-    _moment: np.ndarray = field(default_factory=lambda: np.zeros(3))  # sum w x y
+    # sum w x x^T and sum w x y, for x = (1, rows, scores / SCORES_UNIT), as plain floats: a
+    # 3 x 3 system refitted twice a step costs microseconds so, tens of them through numpy
+    _gram: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    _moment: list[float] = field(default_factory=lambda: [0.0] * 3)
     _count: int = 0
     _most_rows: int = 0  # the largest forward timed
     _coefficients: tuple[float, float, float] | None = None  # a, b, c per SCORES_UNIT
@@ -125,9 +125,13 @@ class FittedForwardCost:
             ratio = math.log(seconds / self._shape(num_rows, num_scores))
             self._log_load += LOAD_WEIGHT * (min(max(ratio, -limit), limit) - self._log_load)
             seconds = min(max(seconds, estimate / OUTLIER), OUTLIER * estimate)
-        x = np.array([1.0, num_rows, num_scores / SCORES_UNIT])
-        self._gram = DECAY * self._gram + np.outer(x, x)
-        self._moment = DECAY * self._moment + x * seconds * math.exp(-self._log_load)
+        x = (1.0, float(num_rows), num_scores / SCORES_UNIT)
+        y = seconds * math.exp(-self._log_load)
+        for i in range(3):
+            row = self._gram[i]
+            for j in range(3):
+                row[j] = DECAY * row[j] + x[i] * x[j]
+            self._moment[i] = DECAY * self._moment[i] + x[i] * y
         self._count += 1
         self._most_rows = max(self._most_rows, num_rows)
         self._coefficients = None
@@ -150,12 +154,37 @@ class FittedForwardCost:
         """Solve the weighted normal equations with the prior's rows added (unweighted: about
         one forward's worth against the ~200 that the decay keeps)."""
         rows = 512.0  # the prior rows are stated for a forward of this many tokens, in seconds
-        doubling = np.array([0.0, rows, -rows * PRIOR_DOUBLING_CONTEXT / SCORES_UNIT])
-        fixed = 0.1 * np.array([1.0, -PRIOR_FIXED_ROWS, 0.0])
-        gram = self._gram + np.outer(doubling, doubling) + np.outer(fixed, fixed)
-        gram += 1e-12 * np.eye(3)  # nonsingular even with a single shape observed
-        a, b, c = np.linalg.solve(gram, self._moment)
-        return max(0.0, float(a)), max(0.0, float(b)), max(0.0, float(c))
+        doubling = (0.0, rows, -rows * PRIOR_DOUBLING_CONTEXT / SCORES_UNIT)
+        fixed = (0.1, -0.1 * PRIOR_FIXED_ROWS, 0.0)
+        gram = [
+            [
+                self._gram[i][j]
+                + doubling[i] * doubling[j]
+                + fixed[i] * fixed[j]
+                + (1e-12 if i == j else 0.0)  # nonsingular even with a single shape observed
+                for j in range(3)
+            ]
+            for i in range(3)
+        ]
+        a, b, c = solve3(gram, self._moment)
+        return max(0.0, a), max(0.0, b), max(0.0, c)
+
+
+def solve3(matrix: list[list[float]], rhs: list[float]) -> tuple[float, float, float]:
+    """``x`` with ``matrix x = rhs`` for a nonsingular 3 x 3 ``matrix``: Gaussian elimination
+    with partial pivoting (what ``numpy.linalg.solve`` does, without its per-call cost)."""
+    rows = [[*matrix[i], rhs[i]] for i in range(3)]
+    for k in range(3):
+        pivot = max(range(k, 3), key=lambda i: abs(rows[i][k]))
+        rows[k], rows[pivot] = rows[pivot], rows[k]
+        for i in range(k + 1, 3):
+            factor = rows[i][k] / rows[k][k]
+            for j in range(k, 4):
+                rows[i][j] -= factor * rows[k][j]
+    x = [0.0, 0.0, 0.0]
+    for k in (2, 1, 0):
+        x[k] = (rows[k][3] - sum(rows[k][j] * x[j] for j in range(k + 1, 3))) / rows[k][k]
+    return x[0], x[1], x[2]
 
 
 @dataclass(slots=True)
