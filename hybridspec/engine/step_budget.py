@@ -191,7 +191,8 @@ def solve3(matrix: list[list[float]], rhs: list[float]) -> tuple[float, float, f
 class StepBudget:
     """How long a step shared with decoding requests may take (module docstring). Its state:
     when a step was last priced with decoding requests (``LINGER_S``), and the prompt tokens
-    the last bounded step granted (``GROWTH``; None after a step that was not bounded)."""
+    the last bounded step granted and when (``GROWTH``; None after a step that was not
+    bounded; not held against a step more than ``linger_s`` later)."""
 
     cost: ForwardCost
     ratio: float  # times the decoding requests' own forward
@@ -203,6 +204,7 @@ class StepBudget:
     clock: Callable[[], float] = time.monotonic
     _last_decoding: float = -math.inf
     last_granted: int | None = None
+    _granted_at: float = -math.inf  # when the last bounded step was sized
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ratio) and self.ratio >= 1):
@@ -235,9 +237,9 @@ class StepBudget:
         expected to feed) and each starting one's (a rest that ``starts``: its rows and first
         drafts), granting at most ``max_tokens`` in all besides the starting rests
         (``prefill_chunk_size``: a shared step never prefills much more than one alone), nor
-        more than ``GROWTH`` times what the last bounded step granted, plus ``min_chunk``; None
-        when nothing decodes or starts (nor did within ``linger_s``) or the cost model cannot
-        tell yet.
+        more than ``GROWTH`` times what the last bounded step (within ``linger_s``) granted, plus
+        ``min_chunk``; None when nothing decodes or starts (nor did within ``linger_s``) or the
+        cost model cannot tell yet.
 
         Only the decoding requests set the bound: a starting rest is priced within it, never
         raises it, since what a prompt costs is no measure of how long the streams beside it
@@ -257,9 +259,10 @@ class StepBudget:
         share = min(FAIR_SHARE, self.ratio) * decode_s if decode_s > self.max_seconds else 0.0
         ceiling = max(self.max_seconds, share)
         bound = max(min(self.ratio * decode_s, ceiling), self.min_seconds)
-        if self.last_granted is not None:  # near what the last bounded step fed (GROWTH)
+        recent = now - self._granted_at <= self.linger_s  # else no prompt was fed for a while
+        if self.last_granted is not None and recent:  # near what the last one fed (GROWTH)
             max_tokens = min(max_tokens, int(GROWTH * self.last_granted) + self.min_chunk)
-        self.last_granted = 0
+        self.last_granted, self._granted_at = 0, now
         num_rows = sum(rows for _, rows in spans)
         num_scores = sum(attention_scores(cached, rows) for cached, rows in spans)
         return StepChunks(self, bound, max_tokens, num_rows, num_scores, progressed=bool(starting))

@@ -219,7 +219,8 @@ def test_a_shared_steps_prompt_tokens_grow_at_most_by_growth_from_the_last() -> 
     """A cost model that turns cheap all at once (its rows now priced at a tenth) lets the
     next shared step feed at most ``GROWTH`` times the last one's prompt tokens plus the floor,
     and each one after that as much again; after a step with nothing decoding (past
-    ``linger_s``: no bound) the first shared step takes what fits."""
+    ``linger_s``: no bound), or ``linger_s`` after the last shared step, the first shared step
+    takes what fits."""
     now = [0.0]
     cost = LinearCost(0.010, 0.001, 0.001 / 2000)
     budget = StepBudget(cost, 4.0, 0.15, linger_s=1.0, clock=lambda: now[0])
@@ -242,6 +243,11 @@ def test_a_shared_steps_prompt_tokens_grow_at_most_by_growth_from_the_last() -> 
     fresh = StepBudget(cost, 4.0, 0.15).start([(100, 1)], 512)
     assert fresh is not None
     assert scheduler.plan([depth, 100]).prefill == [(long_prompt, fresh.grant(depth, 8000))]
+    last = budget.last_granted
+    assert last is not None
+    cost.per_score /= 10
+    now[0] = 3.5  # no prompt fed for 1.5 s: the stream decoded alone
+    assert scheduler.plan([depth + last, 100]).prefill[0][1] > int(GROWTH * last) + 8
 
 
 def test_fitted_cost_follows_the_load_and_keeps_its_shape() -> None:
