@@ -204,7 +204,8 @@ class StepBudget:
     clock: Callable[[], float] = time.monotonic
     _last_decoding: float = -math.inf
     last_granted: int | None = None
-    _granted_at: float = -math.inf  # when the last bounded step was sized
+    _granted_at: float = -math.inf  # when the last bounded step that granted was sized
+    _sized_at: float = -math.inf  # when the step now sized was
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ratio) and self.ratio >= 1):
@@ -262,10 +263,16 @@ class StepBudget:
         recent = now - self._granted_at <= self.linger_s  # else no prompt was fed for a while
         if self.last_granted is not None and recent:  # near what the last one fed (GROWTH)
             max_tokens = min(max_tokens, int(GROWTH * self.last_granted) + self.min_chunk)
-        self.last_granted, self._granted_at = 0, now
+        self._sized_at = now
         num_rows = sum(rows for _, rows in spans)
         num_scores = sum(attention_scores(cached, rows) for cached, rows in spans)
         return StepChunks(self, bound, max_tokens, num_rows, num_scores, progressed=bool(starting))
+
+    def granted(self, tokens: int) -> None:
+        """The step now sized has granted ``tokens`` prompt tokens so far (``StepChunks``): what
+        the next one's ``GROWTH`` counts from. A step that fed only starting rests grants none
+        and leaves it as it was."""
+        self.last_granted, self._granted_at = tokens, self._sized_at
 
     def _seconds(self, spans: list[tuple[int, int]]) -> float | None:
         """The cost model's estimate of a forward over ``spans`` (cached tokens, rows)."""
@@ -308,7 +315,8 @@ class StepChunks:
         self.num_rows += low
         self.num_scores += attention_scores(cached, low)
         self.granted += low
-        self.budget.last_granted = self.granted
+        if low > 0:
+            self.budget.granted(self.granted)
         return low
 
     def _fits(self, cached: int, num_rows: int) -> bool:

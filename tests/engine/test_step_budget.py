@@ -250,6 +250,21 @@ def test_a_shared_steps_prompt_tokens_grow_at_most_by_growth_from_the_last() -> 
     assert scheduler.plan([depth + last, 100]).prefill[0][1] > int(GROWTH * last) + 8
 
 
+def test_a_step_that_only_starts_a_short_prompt_sets_no_growth_cap() -> None:
+    """A stream's next request (a short prompt, fed whole) starts beside the stream: no prompt
+    chunk is granted, so a long prompt arriving in the next step still takes what fits."""
+    budget = StepBudget(COST, 4.0, 0.15)
+    scheduler = Scheduler(8, 512, budget)
+    stream, short = running(scheduler, 101, 21)
+    assert scheduler.plan([100, 0]).decode == [stream, short]
+    assert budget.last_granted is None
+    long_prompt = make_request(7, 8000)
+    scheduler.add(long_prompt, num_free_slots=1)
+    scheduler.admit(1)
+    [(request, tokens)] = scheduler.plan([101, 21, 0]).prefill
+    assert request is long_prompt and tokens > int(GROWTH * 0) + budget.min_chunk
+
+
 def test_fitted_cost_follows_the_load_and_keeps_its_shape() -> None:
     """A linear machine timed over varied shapes, then twice as slow for 12 forwards all of
     one shape (steps sized to one bound): the prompt chunks it did not time lately are priced
