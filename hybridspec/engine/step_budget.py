@@ -32,12 +32,19 @@ sends its next request as its answer ends, so the step running when it arrives i
 Otherwise a step with no decoding request is not bounded in time: prompts then feed
 ``prefill_chunk_size`` tokens per step, at full speed (``Scheduler.plan``).
 
-``FittedForwardCost`` is the cost model the engine uses: ``seconds = a + b rows + c scores``,
-fitted to the measured time of every forward the engine runs (``batch.run_forward``), recent
-forwards weighing more, so that it follows the machine's load. It prices no forward of more than
-``EXTRAPOLATION`` times the most rows it has timed: a fit to small forwards (the warm-up's,
-decoding's) may price a large one far off, so a prompt's chunks beside decoding requests grow
-at most that fast from step to step, each step's time teaching the fit the next size.
+``FittedForwardCost`` is the cost model the engine uses: ``seconds = load (a + b rows + c
+scores)``, fitted to the measured time of every forward the engine runs (``batch.run_forward``).
+The shape ``a, b, c`` comes from about the last ``1 / (1 - DECAY)`` forwards, so that it keeps
+the varied shapes that tell its three parts apart (a prompt alone's full chunks, decoding's
+single rows) when every recent step was sized to the same bound and so took about the same
+time; ``load`` follows the last few forwards (their time over the shape's estimate), so that
+the estimate moves with the machine's load and with a context that deepens from step to step.
+It prices no forward of more than ``EXTRAPOLATION`` times the most rows it has timed: a fit to
+small forwards (the warm-up's, decoding's) may price a large one far off, so a prompt's chunks
+beside decoding requests grow at most that fast from step to step, each step's time teaching
+the fit the next size. Nor may a shared step feed more than ``GROWTH`` times the prompt tokens
+of the shared step before it (plus ``min_chunk``): an estimate is trusted only near what was
+just timed, so one loose fit never prices twice the rows as cheap at once.
 
 Dimensions: ``rows`` tokens fed in a forward; ``scores`` their query-key pairs of attention.
 """
@@ -50,13 +57,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 MIN_PREFILL_CHUNK = 8  # tokens the first prefilling request gets in a step, whatever it costs
 SHORT_PROMPT = 32  # a rest of at most this many prompt tokens, shallow, is fed whole (``starts``)
 START_DEPTH = 1024  # a rest after more cached tokens than this is granted like any chunk
 MIN_OBSERVATIONS = 8  # forwards timed before the fitted model prices anything
-DECAY = 0.97  # weight of a timed forward after each later one: about the last 30 count
+DECAY = 0.995  # the shape's weight of a timed forward after each later one: about 200 count
+LOAD_WEIGHT = 0.4  # the newest forward's part in ``load``: about the last 3 count
+LOAD_CHANGE = 2.0  # one forward moves ``load`` by at most this factor's LOAD_WEIGHT power
+OUTLIER = 3.0  # the shape learns a priced forward's time within this factor of its estimate
 SCORES_UNIT = 1000.0  # the fit's unit of query-key pairs, so its three columns are alike
 # The prior where the timings do not tell (all forwards shallow): a row's attention over this
 # many cached tokens costs as much as the row's matmuls. Timed on SmolLM2-135M on CPU; the
@@ -65,6 +73,7 @@ PRIOR_DOUBLING_CONTEXT = 2048
 PRIOR_FIXED_ROWS = 8  # and a forward's fixed cost is that of this many rows (weakly held)
 EXTRAPOLATION = 2  # the most rows priced, in multiples of the most timed
 FAIR_SHARE = 2  # a shared step may always take this many times its decoding requests' forward
+GROWTH = 1.5  # a shared step's prompt tokens, at most this times the last shared step's
 # Seconds after a step priced with decoding requests during which steps stay bounded: the next
 # request of a stream (on loopback: milliseconds; over a network: a round trip) finds a short step
 LINGER_S = 1.0
@@ -85,24 +94,44 @@ class ForwardCost(Protocol):
 
 @dataclass(slots=True)
 class FittedForwardCost:
-    """``a + b rows + c scores`` by least squares over the timed forwards, each weighted
-    ``DECAY ** age``, with two pseudo-observations as a prior (module constants) that keep the
-    fit defined where the forwards do not vary enough. Coefficients below zero are clamped."""
+    """``load (a + b rows + c scores)``: the shape ``a, b, c`` by least squares over the timed
+    forwards, each weighted ``DECAY ** age``, with two pseudo-observations as a prior (module
+    constants) that keep the fit defined where the forwards do not vary enough (coefficients
+    below zero are clamped); ``load`` a moving geometric mean of each forward's time over the
+    shape's estimate of it, each ratio within ``1 / LOAD_CHANGE .. LOAD_CHANGE``, and the shape
+    a priced forward's time within ``OUTLIER`` times its estimate (one forward descheduled for a
+    second is no measure of the next, nor of the ~200 after it). A forward past what is priced
+    (``EXTRAPOLATION``) is learned as timed: its size is new, not its time suspect."""
 
-    _gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))  # sum w x x^T
-    _moment: np.ndarray = field(default_factory=lambda: np.zeros(3))  # sum w x y
+    # sum w x x^T and sum w x y, for x = (1, rows, scores / SCORES_UNIT), as plain floats: a
+    # 3 x 3 system refitted twice a step costs microseconds so, tens of them through numpy
+    _gram: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    _moment: list[float] = field(default_factory=lambda: [0.0] * 3)
     _count: int = 0
     _most_rows: int = 0  # the largest forward timed
     _coefficients: tuple[float, float, float] | None = None  # a, b, c per SCORES_UNIT
+    _log_load: float = 0.0  # log of ``load``
 
     def observe(self, num_rows: int, num_scores: int, seconds: float) -> None:
         """Learn from a forward over ``num_rows`` tokens and ``num_scores`` pairs that took
-        ``seconds``."""
+        ``seconds``: ``load`` from its time over the shape's estimate (once it is priced), then
+        the shape from its time over ``load`` (so that a load that lasts moves ``load``, and not
+        the split of the shape's parts: steps sized to one bound all have one time)."""
         if num_rows <= 0 or not (math.isfinite(seconds) and seconds > 0):
             return
-        x = np.array([1.0, num_rows, num_scores / SCORES_UNIT])
-        self._gram = DECAY * self._gram + np.outer(x, x)
-        self._moment = DECAY * self._moment + x * seconds
+        estimate = self.seconds(num_rows, num_scores)
+        if estimate is not None and estimate > 0:  # a shape priced: the load learns, clipped
+            limit = math.log(LOAD_CHANGE)
+            ratio = math.log(seconds / self._shape(num_rows, num_scores))
+            self._log_load += LOAD_WEIGHT * (min(max(ratio, -limit), limit) - self._log_load)
+            seconds = min(max(seconds, estimate / OUTLIER), OUTLIER * estimate)
+        x = (1.0, float(num_rows), num_scores / SCORES_UNIT)
+        y = seconds * math.exp(-self._log_load)
+        for i in range(3):
+            row = self._gram[i]
+            for j in range(3):
+                row[j] = DECAY * row[j] + x[i] * x[j]
+            self._moment[i] = DECAY * self._moment[i] + x[i] * y
         self._count += 1
         self._most_rows = max(self._most_rows, num_rows)
         self._coefficients = None
@@ -112,6 +141,10 @@ class FittedForwardCost:
         largest."""
         if self._count < MIN_OBSERVATIONS or num_rows > EXTRAPOLATION * self._most_rows:
             return None
+        return math.exp(self._log_load) * self._shape(num_rows, num_scores)
+
+    def _shape(self, num_rows: int, num_scores: int) -> float:
+        """``a + b rows + c scores`` (the fit made when first needed after an observation)."""
         if self._coefficients is None:
             self._coefficients = self._fit()
         a, b, c = self._coefficients
@@ -119,20 +152,47 @@ class FittedForwardCost:
 
     def _fit(self) -> tuple[float, float, float]:
         """Solve the weighted normal equations with the prior's rows added (unweighted: about
-        one forward's worth against the ~30 that the decay keeps)."""
+        one forward's worth against the ~200 that the decay keeps)."""
         rows = 512.0  # the prior rows are stated for a forward of this many tokens, in seconds
-        doubling = np.array([0.0, rows, -rows * PRIOR_DOUBLING_CONTEXT / SCORES_UNIT])
-        fixed = 0.1 * np.array([1.0, -PRIOR_FIXED_ROWS, 0.0])
-        gram = self._gram + np.outer(doubling, doubling) + np.outer(fixed, fixed)
-        gram += 1e-12 * np.eye(3)  # nonsingular even with a single shape observed
-        a, b, c = np.linalg.solve(gram, self._moment)
-        return max(0.0, float(a)), max(0.0, float(b)), max(0.0, float(c))
+        doubling = (0.0, rows, -rows * PRIOR_DOUBLING_CONTEXT / SCORES_UNIT)
+        fixed = (0.1, -0.1 * PRIOR_FIXED_ROWS, 0.0)
+        gram = [
+            [
+                self._gram[i][j]
+                + doubling[i] * doubling[j]
+                + fixed[i] * fixed[j]
+                + (1e-12 if i == j else 0.0)  # nonsingular even with a single shape observed
+                for j in range(3)
+            ]
+            for i in range(3)
+        ]
+        a, b, c = solve3(gram, self._moment)
+        return max(0.0, a), max(0.0, b), max(0.0, c)
+
+
+def solve3(matrix: list[list[float]], rhs: list[float]) -> tuple[float, float, float]:
+    """``x`` with ``matrix x = rhs`` for a nonsingular 3 x 3 ``matrix``: Gaussian elimination
+    with partial pivoting (what ``numpy.linalg.solve`` does, without its per-call cost)."""
+    rows = [[*matrix[i], rhs[i]] for i in range(3)]
+    for k in range(3):
+        pivot = max(range(k, 3), key=lambda i: abs(rows[i][k]))
+        rows[k], rows[pivot] = rows[pivot], rows[k]
+        for i in range(k + 1, 3):
+            factor = rows[i][k] / rows[k][k]
+            for j in range(k, 4):
+                rows[i][j] -= factor * rows[k][j]
+    x = [0.0, 0.0, 0.0]
+    for k in (2, 1, 0):
+        x[k] = (rows[k][3] - sum(rows[k][j] * x[j] for j in range(k + 1, 3))) / rows[k][k]
+    return x[0], x[1], x[2]
 
 
 @dataclass(slots=True)
 class StepBudget:
-    """How long a step shared with decoding requests may take (module docstring). Its one
-    state: when a step was last priced with decoding requests (``LINGER_S``)."""
+    """How long a step shared with decoding requests may take (module docstring). Its state:
+    when a step was last priced with decoding requests (``LINGER_S``), and the prompt tokens
+    the last bounded step granted and when (``GROWTH``; None after a step that was not
+    bounded; not held against a step more than ``linger_s`` later)."""
 
     cost: ForwardCost
     ratio: float  # times the decoding requests' own forward
@@ -143,6 +203,9 @@ class StepBudget:
     linger_s: float = LINGER_S
     clock: Callable[[], float] = time.monotonic
     _last_decoding: float = -math.inf
+    last_granted: int | None = None
+    _granted_at: float = -math.inf  # when the last bounded step that granted was sized
+    _sized_at: float = -math.inf  # when the step now sized was
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ratio) and self.ratio >= 1):
@@ -174,9 +237,10 @@ class StepBudget:
         """The step's chunk sizer, given each decoding request's (cached tokens, rows it is
         expected to feed) and each starting one's (a rest that ``starts``: its rows and first
         drafts), granting at most ``max_tokens`` in all besides the starting rests
-        (``prefill_chunk_size``: a shared step never prefills much more than one alone); None
-        when nothing decodes or starts (nor did within ``linger_s``) or the cost model cannot
-        tell yet.
+        (``prefill_chunk_size``: a shared step never prefills much more than one alone), nor
+        more than ``GROWTH`` times what the last bounded step (within ``linger_s``) granted, plus
+        ``min_chunk``; None when nothing decodes or starts (nor did within ``linger_s``) or the
+        cost model cannot tell yet.
 
         Only the decoding requests set the bound: a starting rest is priced within it, never
         raises it, since what a prompt costs is no measure of how long the streams beside it
@@ -186,17 +250,29 @@ class StepBudget:
         if decoding or starting:
             self._last_decoding = now
         elif now - self._last_decoding > self.linger_s:
+            self.last_granted = None
             return None
         spans = decoding + starting
         decode_s = self._seconds(decoding) if decoding else 0.0
         if decode_s is None or self._seconds(spans) is None:
+            self.last_granted = None
             return None
         share = min(FAIR_SHARE, self.ratio) * decode_s if decode_s > self.max_seconds else 0.0
         ceiling = max(self.max_seconds, share)
         bound = max(min(self.ratio * decode_s, ceiling), self.min_seconds)
+        recent = now - self._granted_at <= self.linger_s  # else no prompt was fed for a while
+        if self.last_granted is not None and recent:  # near what the last one fed (GROWTH)
+            max_tokens = min(max_tokens, int(GROWTH * self.last_granted) + self.min_chunk)
+        self._sized_at = now
         num_rows = sum(rows for _, rows in spans)
         num_scores = sum(attention_scores(cached, rows) for cached, rows in spans)
         return StepChunks(self, bound, max_tokens, num_rows, num_scores, progressed=bool(starting))
+
+    def granted(self, tokens: int) -> None:
+        """The step now sized has granted ``tokens`` prompt tokens so far (``StepChunks``): what
+        the next one's ``GROWTH`` counts from. A step that fed only starting rests grants none
+        and leaves it as it was."""
+        self.last_granted, self._granted_at = tokens, self._sized_at
 
     def _seconds(self, spans: list[tuple[int, int]]) -> float | None:
         """The cost model's estimate of a forward over ``spans`` (cached tokens, rows)."""
@@ -239,6 +315,8 @@ class StepChunks:
         self.num_rows += low
         self.num_scores += attention_scores(cached, low)
         self.granted += low
+        if low > 0:
+            self.budget.granted(self.granted)
         return low
 
     def _fits(self, cached: int, num_rows: int) -> bool:

@@ -10,6 +10,9 @@ from hybridspec import Engine, GenerationParams
 from hybridspec.config import EngineConfig
 from hybridspec.engine.scheduler import Scheduler, StepPlan
 from hybridspec.engine.step_budget import (
+    GROWTH,
+    LOAD_CHANGE,
+    LOAD_WEIGHT,
     MIN_OBSERVATIONS,
     PRIOR_DOUBLING_CONTEXT,
     FittedForwardCost,
@@ -89,9 +92,9 @@ def test_bound_is_capped_unless_decoding_alone_takes_the_whole_cap() -> None:
     """Decoding spans of 60 or 120 rows (0.074, 0.134 s: more than half the cap) leave the
     prompt what fits in ``max_seconds``, so their next tokens come no later; spans of 200 rows
     (0.23 s, past the cap) still leave it as much time as they take (twice their forward)."""
-    scheduler = Scheduler(8, 512, StepBudget(COST, 4.0, 0.15, max_seconds=0.18))
-    decoding, long_prompt = running(scheduler, 101, 8000)
     for rows, bound in ((60, 0.18), (120, 0.18), (200, 2 * step_seconds([(100, 200)], []))):
+        scheduler = Scheduler(8, 512, StepBudget(COST, 4.0, 0.15, max_seconds=0.18))
+        decoding, long_prompt = running(scheduler, 101, 8000)
         decoding.speculation.last_verified = rows
         [(request, tokens)] = scheduler.plan([100, 0]).prefill
         assert request is long_prompt and tokens > 32
@@ -210,6 +213,101 @@ def test_steps_stay_bounded_for_a_while_after_the_last_decoding_request() -> Non
     assert step_seconds([], [(3000 + first, tokens + 1)]) > 0.15
     now[0] = 1.1
     assert scheduler.plan([3000 + first + tokens]).prefill == [(long_prompt, 512)]
+
+
+def test_a_shared_steps_prompt_tokens_grow_at_most_by_growth_from_the_last() -> None:
+    """A cost model that turns cheap all at once (its rows now priced at a tenth) lets the
+    next shared step feed at most ``GROWTH`` times the last one's prompt tokens plus the floor,
+    and each one after that as much again; after a step with nothing decoding (past
+    ``linger_s``: no bound), or ``linger_s`` after the last shared step, the first shared step
+    takes what fits."""
+    now = [0.0]
+    cost = LinearCost(0.010, 0.001, 0.001 / 2000)
+    budget = StepBudget(cost, 4.0, 0.15, linger_s=1.0, clock=lambda: now[0])
+    scheduler = Scheduler(8, 512, budget)
+    decoding, long_prompt = running(scheduler, 101, 8000)
+    first = scheduler.plan([100, 0]).prefill[0][1]
+    cost.per_row /= 10
+    second = scheduler.plan([100, first]).prefill[0][1]
+    assert second == int(GROWTH * first) + budget.min_chunk
+    third = scheduler.plan([100, first + second]).prefill[0][1]
+    assert third == int(GROWTH * second) + budget.min_chunk
+    scheduler.remove(decoding)
+    now[0] = 2.0
+    assert scheduler.plan([first + second + third]).prefill == [(long_prompt, 512)]
+    assert budget.last_granted is None
+    decoding = make_request(9, 101)
+    scheduler.add(decoding, num_free_slots=1)
+    scheduler.admit(1)
+    depth = first + second + third + 512
+    fresh = StepBudget(cost, 4.0, 0.15).start([(100, 1)], 512)
+    assert fresh is not None
+    assert scheduler.plan([depth, 100]).prefill == [(long_prompt, fresh.grant(depth, 8000))]
+    last = budget.last_granted
+    assert last is not None
+    cost.per_score /= 10
+    now[0] = 3.5  # no prompt fed for 1.5 s: the stream decoded alone
+    assert scheduler.plan([depth + last, 100]).prefill[0][1] > int(GROWTH * last) + 8
+
+
+def test_a_step_that_only_starts_a_short_prompt_sets_no_growth_cap() -> None:
+    """A stream's next request (a short prompt, fed whole) starts beside the stream: no prompt
+    chunk is granted, so a long prompt arriving in the next step still takes what fits."""
+    budget = StepBudget(COST, 4.0, 0.15)
+    scheduler = Scheduler(8, 512, budget)
+    stream, short = running(scheduler, 101, 21)
+    assert scheduler.plan([100, 0]).decode == [stream, short]
+    assert budget.last_granted is None
+    long_prompt = make_request(7, 8000)
+    scheduler.add(long_prompt, num_free_slots=1)
+    scheduler.admit(1)
+    [(request, tokens)] = scheduler.plan([101, 21, 0]).prefill
+    assert request is long_prompt and tokens > int(GROWTH * 0) + budget.min_chunk
+
+
+def test_fitted_cost_follows_the_load_and_keeps_its_shape() -> None:
+    """A linear machine timed over varied shapes, then twice as slow for 12 forwards all of
+    one shape (steps sized to one bound): the prompt chunks it did not time lately are priced
+    twice as high too (within 5%), and small forwards no more than 1.5x that. Refitting the
+    parts to those 12 instead (a fast decay) priced 512-row chunks at half their time and a
+    one-row forward at 4x: decoding looked dear and chunks cheap."""
+    cost = FittedForwardCost()
+    rng = random.Random(0)
+
+    def machine(rows: int, scores: int) -> float:
+        return 0.005 + 0.0008 * rows + 4e-7 * scores
+
+    for _ in range(60):
+        rows, depth = rng.choice([1, 4, 9, 64, 512]), rng.randrange(0, 8000)
+        scores = attention_scores(depth, rows)
+        cost.observe(rows, scores, machine(rows, scores))
+    for _ in range(12):
+        scores = attention_scores(6000, 30)
+        cost.observe(30, scores, 2 * machine(30, scores))
+    for rows, depth in [(512, 2000), (200, 500), (30, 7000), (60, 3000)]:
+        scores = attention_scores(depth, rows)
+        assert cost.seconds(rows, scores) == pytest.approx(2 * machine(rows, scores), rel=0.05)
+    for rows, depth in [(1, 0), (9, 100)]:
+        scores = attention_scores(depth, rows)
+        assert 2 <= (cost.seconds(rows, scores) or 0.0) / machine(rows, scores) <= 3
+
+
+def test_one_slow_forward_moves_the_load_by_a_bounded_factor() -> None:
+    """A forward descheduled for a second (100 x its time) raises the next estimate by at most
+    ``LOAD_CHANGE ** LOAD_WEIGHT``, and the next forwards at the usual time bring it back."""
+    cost = FittedForwardCost()
+    for i in range(40):
+        rows = 1 + i % 9
+        cost.observe(rows, attention_scores(100, rows), 0.010 + 0.001 * rows)
+    before = cost.seconds(5, attention_scores(100, 5))
+    assert before is not None
+    cost.observe(5, attention_scores(100, 5), 100 * before)
+    after = cost.seconds(5, attention_scores(100, 5))
+    assert after is not None
+    assert before < after <= before * LOAD_CHANGE**LOAD_WEIGHT * 1.05
+    for _ in range(10):
+        cost.observe(5, attention_scores(100, 5), before)
+    assert cost.seconds(5, attention_scores(100, 5)) == pytest.approx(before, rel=0.05)
 
 
 def test_decoding_requests_are_priced_by_their_last_round() -> None:
