@@ -61,12 +61,9 @@ def load_in_place(
     writer = (
         None if entry is None else packed_file.Writer.open(entry, codes_upper_bound(model, block))
     )
-    size, region = (
-        (codes_lower_bound(model, block), None)
-        if writer is None
-        else (writer.capacity, writer.region)
-    )
-    with huge_arena.prefaulted(size, region) as arena:
+    bound = codes_lower_bound(model, block)  # the arena never faults in more
+    size, region = (bound, None) if writer is None else (writer.capacity, writer.region)
+    with huge_arena.prefaulted(size, region, bound) as arena:
         tokenizer = load_gguf_tokenizer(path)
         trim_heap()
         arena.stop_faulting()  # the packing runs on every core

@@ -37,10 +37,18 @@ _ALIGN = 4096  # each taken tensor starts on a page
 class Arena:
     """One region of ``nbytes``, faulted in from its start on a thread of its own until
     ``stop_faulting``; ``take`` hands out tensors from its start onwards. ``region``: a
-    writable mapping (a ctypes array) to use, else a private anonymous one is made."""
+    writable mapping (a ctypes array) to use, else a private anonymous one is made; ``fault``:
+    the most bytes the thread faults in (a region sized by an upper bound is faulted only as
+    far as the codes surely reach, so that the peak holds no page they leave unused)."""
 
-    def __init__(self, nbytes: int, region: ctypes.Array[ctypes.c_char] | None = None) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        region: ctypes.Array[ctypes.c_char] | None = None,
+        fault: int | None = None,
+    ) -> None:
         self.nbytes = nbytes - nbytes % _ALIGN
+        self._fault = self.nbytes if fault is None else min(fault, self.nbytes)
         if region is None:
             anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
             self._region: mmap.mmap | ctypes.Array[ctypes.c_char] = mmap.mmap(
@@ -59,10 +67,10 @@ class Arena:
 
     def _fault_in(self) -> None:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
-        for offset in range(0, self.nbytes, _STEP):
+        for offset in range(0, self._fault, _STEP):
             if self._stop.is_set():
                 return
-            size = min(_STEP, self.nbytes - offset)
+            size = min(_STEP, self._fault - offset)
             if madvise(
                 ctypes.c_void_p(self._address + offset), ctypes.c_size_t(size), _MADV_POPULATE_WRITE
             ):
@@ -103,11 +111,14 @@ _active: Arena | None = None
 
 
 @contextlib.contextmanager
-def prefaulted(nbytes: int, region: ctypes.Array[ctypes.c_char] | None = None) -> Iterator[Arena]:
-    """An ``Arena`` of ``nbytes`` (in ``region`` where given) that ``take`` hands codes out of
-    inside the block; finished (its unused part given back) when the block ends."""
+def prefaulted(
+    nbytes: int, region: ctypes.Array[ctypes.c_char] | None = None, fault: int | None = None
+) -> Iterator[Arena]:
+    """An ``Arena`` of ``nbytes`` (in ``region``, faulted in up to ``fault`` bytes, where
+    given) that ``take`` hands codes out of inside the block; finished (its unused part given
+    back) when the block ends."""
     global _active
-    arena = Arena(nbytes, region)
+    arena = Arena(nbytes, region, fault)
     _active = arena
     try:
         yield arena

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -138,6 +139,19 @@ def _map(fd: int, size: int, writable: bool) -> ctypes.Array[ctypes.c_char]:
     return array
 
 
+def reserve(fd: int, size: int) -> None:
+    """Have the file system set aside ``size`` bytes for the file ``fd`` (``fallocate``), so
+    that a full disk is an ``OSError`` here, not a ``SIGBUS`` when the packing writes a page of
+    the mapping. Where the file system cannot, the file stays sparse (blocks are taken as
+    pages are written back)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if libc.fallocate(fd, 0, 0, size) != 0:
+        error = ctypes.get_errno()
+        if error not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise OSError(error, f"cannot set aside {size >> 20} MB: {os.strerror(error)}")
+
+
 class Writer:
     """A packed-weight file being written: ``region`` (from ``DATA`` on) is where the codes go
     (``huge_arena.prefaulted(capacity, writer.region)``); ``finish`` appends what lies
@@ -150,7 +164,8 @@ class Writer:
         fd, self.staging = tempfile.mkstemp(dir=entry.parent, prefix=f".{entry.name}-")
         self._fd = fd
         try:
-            os.ftruncate(fd, DATA + capacity)  # sparse: blocks are taken as pages are written
+            os.ftruncate(fd, DATA + capacity)
+            reserve(fd, DATA + capacity)
             self._mapping = _map(fd, DATA + capacity, writable=True)
         except OSError:
             self.abandon()

@@ -165,7 +165,7 @@ def test_turned_off_by_the_setting_or_the_environment(
     assert not (cache / "packed").exists()
 
 
-@pytest.mark.parametrize("why", ["not a folder", "full disk"])
+@pytest.mark.parametrize("why", ["not a folder", "full disk", "no room to set aside"])
 def test_a_cache_that_cannot_be_written_is_skipped_and_the_load_works(
     mixed_file: Path,  # noqa: F811
     cache: Path,
@@ -182,11 +182,14 @@ def test_a_cache_that_cannot_be_written_is_skipped_and_the_load_works(
         def full(*args: object) -> int:
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(packed_file.os, "pwrite", full)
+        if why == "full disk":
+            monkeypatch.setattr(packed_file.os, "pwrite", full)
+        else:
+            monkeypatch.setattr(packed_file, "reserve", full)
     with caplog.at_level(logging.WARNING):
         assert_same_weights(load(mixed_file, True), want)
     assert "cannot keep the packed weights" in caplog.text
-    if why == "full disk":
+    if why != "not a folder":
         assert "No space left" in caplog.text
         assert not list((cache / "packed").iterdir())  # the staging file removed
 
