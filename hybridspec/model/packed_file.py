@@ -32,6 +32,7 @@ import errno
 import hashlib
 import json
 import logging
+import mmap
 import os
 import struct
 import tempfile
@@ -74,7 +75,8 @@ _SOURCES = (  # the modules whose code decides the packed layout
 )
 _EMBED = "model.embed_tokens.weight"
 _LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaLayerWeights))
-_PROT_READ, _PROT_WRITE, _MAP_SHARED, _MAP_PRIVATE_ANON, _MAP_FIXED = 1, 2, 1, 0x22, 0x10
+_PRIVATE_ANON = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+_MAP_FIXED = 0x10  # Linux's and the BSDs' value; Python's mmap does not name it
 _MADV_HUGEPAGE = 14
 
 
@@ -121,12 +123,12 @@ def _map(fd: int, size: int, writable: bool) -> ctypes.Array[ctypes.c_char]:
     the page cache's 2 MB folios can be mapped whole), advised ``MADV_HUGEPAGE``; unmapped when
     the array and every tensor made from it are gone."""
     libc = _libc()
-    reserved = libc.mmap(None, size + DATA, 0, _MAP_PRIVATE_ANON, -1, 0)
+    reserved = libc.mmap(None, size + DATA, 0, _PRIVATE_ANON, -1, 0)  # PROT_NONE
     if reserved in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), "cannot reserve address space for the packed weights")
     start = -(-reserved // DATA) * DATA
-    prot = _PROT_READ | (_PROT_WRITE if writable else 0)
-    if libc.mmap(start, size, prot, _MAP_SHARED | _MAP_FIXED, fd, 0) != start:
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    if libc.mmap(start, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0) != start:
         libc.munmap(reserved, size + DATA)
         raise OSError(ctypes.get_errno(), "cannot map the packed weights")
     if start > reserved:  # the reservation's parts outside the mapping
@@ -144,9 +146,11 @@ def reserve(fd: int, size: int) -> None:
     that a full disk is an ``OSError`` here, not a ``SIGBUS`` when the packing writes a page of
     the mapping. Where the file system cannot, the file stays sparse (blocks are taken as
     pages are written back)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    if libc.fallocate(fd, 0, 0, size) != 0:
+    fallocate = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)
+    if fallocate is None:  # not Linux
+        return
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if fallocate(fd, 0, 0, size) != 0:
         error = ctypes.get_errno()
         if error not in (errno.EOPNOTSUPP, errno.ENOSYS):
             raise OSError(error, f"cannot set aside {size >> 20} MB: {os.strerror(error)}")
