@@ -109,9 +109,17 @@ class ModelConfig:
     max_seq_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 8  # KV-cache slots: the most sequences alive at once
     quantize: str = "auto"  # one of QUANTIZE: weight matrices kept or made group-quantized
+    # A GGUF file's packed weights kept in a file that later loads map (model.packed_file);
+    # HYBRIDSPEC_PACKED_CACHE=0 also turns it off.
+    packed_cache: bool = True
 
     def __post_init__(self) -> None:
         check(self.dtype in DTYPES, "dtype", f"expected one of {DTYPES}, got {self.dtype!r}")
+        check(
+            isinstance(self.packed_cache, bool),
+            "packed_cache",
+            f"expected a bool, got {self.packed_cache!r}",
+        )
         check(
             self.quantize in QUANTIZE,
             "quantize",

@@ -4,21 +4,23 @@
 background (``gguf_pack.read_ahead``) and part of the packed codes' huge pages faulted in on a
 spare core (``huge_arena``) while the tokenizer loads, then its quantized matrices
 packed straight from the mapped file into the block kernel's tiles, one at a time
-(``convert_in_place``, ``model.gguf_pack``). ``load_or_convert``: other settings (another
-device, ``quantize`` "none"/"int4"/"int8", no kernel) dequantize and fuse the file in numpy and
-keep the result in the weight cache (``model.weight_cache``).
+(``convert_in_place``, ``model.gguf_pack``) into the mapping of a packed-weight file that
+later loads map instead of packing (``model.packed_file``). ``load_or_convert``: other
+settings (another device, ``quantize`` "none"/"int4"/"int8", no kernel) dequantize and fuse
+the file in numpy and keep the result in the weight cache (``model.weight_cache``).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
 
 from hybridspec.errors import ModelLoadError
-from hybridspec.model import huge_arena, qgemm, weight_cache
+from hybridspec.model import huge_arena, packed_file, qgemm, weight_cache
 from hybridspec.model.gguf import GGUFModel, read_gguf
 from hybridspec.model.gguf_blocks import GGUF_TYPES, GGUFMatrix
 from hybridspec.model.gguf_file import check_memory
@@ -27,6 +29,7 @@ from hybridspec.model.gguf_pack import c_decodes, pack_matrix, read_ahead, trim_
 from hybridspec.model.gguf_rows import MappedRows
 from hybridspec.model.gguf_tokenizer import load_gguf_tokenizer
 from hybridspec.model.llama_weights import LlamaWeights
+from hybridspec.model.quant import ROWS
 from hybridspec.model.weight_cache import ConvertedGGUF
 
 if TYPE_CHECKING:
@@ -37,22 +40,43 @@ _LOAD_OVERHEAD = 256 << 20  # bytes a load holds beyond the weights: scratch, on
 
 
 def load_in_place(
-    path: Path, dtype: torch.dtype, block: qgemm.Kernel
+    path: Path, dtype: torch.dtype, block: qgemm.Kernel, cache: bool = True
 ) -> tuple[ConvertedGGUF, PreTrainedTokenizerBase]:
     """The file's weights packed in place and its tokenizer.
 
-    The tokenizer loads before the weights are packed, so that its first conversion's memory
-    (transformers reading the vocabulary) is freed (``trim_heap``) before the weights are
-    held; meanwhile the disk reads the file ahead of the packing (a first load waits on the
-    disk, not the CPU), and another core faults in the huge pages of part of the codes
+    ``cache`` (and ``packed_file.enabled``): a later load maps the packed weights the first
+    one kept (``packed_file``) and packs nothing; the first one packs its codes into that
+    file's mapping. The tokenizer loads before the weights are packed, so that its first
+    conversion's memory (transformers reading the vocabulary) is freed (``trim_heap``) before
+    the weights are held; meanwhile the disk reads the file ahead of the packing (a first load
+    waits on the disk, not the CPU), and another core faults in part of the codes' memory
     (``huge_arena``: at most what the codes take, so the peak is the same)."""
     model = checked_gguf(path)
+    entry = packed_file.entry_path(path, block) if packed_file.enabled(cache) else None
+    weights = None if entry is None else packed_file.load(entry, model, block)
+    if weights is not None:
+        tokenizer = load_gguf_tokenizer(path)
+        return ConvertedGGUF(weights, _config_source(model), model.eos_token_ids), tokenizer
     read_ahead(path, block)
-    with huge_arena.prefaulted(codes_lower_bound(model, block)) as arena:
+    writer = (
+        None if entry is None else packed_file.Writer.open(entry, codes_upper_bound(model, block))
+    )
+    bound = codes_lower_bound(model, block)  # the arena never faults in more
+    size, region = (bound, None) if writer is None else (writer.capacity, writer.region)
+    with huge_arena.prefaulted(size, region, bound) as arena:
         tokenizer = load_gguf_tokenizer(path)
         trim_heap()
         arena.stop_faulting()  # the packing runs on every core
-        return convert_in_place(path, dtype, block, model), tokenizer
+        try:
+            converted = convert_in_place(path, dtype, block, model)
+        except BaseException:
+            if writer is not None:
+                writer.abandon()
+            raise
+        used = arena.used
+    if writer is not None:
+        writer.finish(converted.weights, used)
+    return converted, tokenizer
 
 
 def codes_lower_bound(model: GGUFModel, block: qgemm.Kernel) -> int:
@@ -71,6 +95,25 @@ def codes_lower_bound(model: GGUFModel, block: qgemm.Kernel) -> int:
             bits = 4 if GGUF_TYPES[part.type_name][2] == 4 else 6
             total += part.shape[0] * part.shape[1] * bits // 8
     return total
+
+
+def codes_upper_bound(model: GGUFModel, block: qgemm.Kernel) -> int:
+    """Bytes that the packed codes of every matrix csrc/pack.c packs take at most: 6 bits a
+    weight, rows in whole tiles, each matrix page-aligned (``packed_file.Writer``'s region,
+    a sparse file: what is never written takes no disk)."""
+    total = 0
+    for matrix in model.state_dict.values():
+        if isinstance(matrix, GGUFMatrix) and c_decodes(matrix, block):
+            for part in matrix.parts:
+                rows = -(-part.shape[0] // ROWS) * ROWS
+                total += -(-rows * part.shape[1] * 6 // 8 // 4096) * 4096
+    return total
+
+
+def _config_source(model: GGUFModel) -> PretrainedConfig | Callable[[], PretrainedConfig]:
+    """The model's config, or what builds it where an earlier load saved its fields."""
+    config = model.config
+    return config.build if isinstance(config, StoredConfig) else config
 
 
 def checked_gguf(path: Path) -> GGUFModel:
@@ -102,8 +145,7 @@ def convert_in_place(
         )
     except ValueError as exc:  # tensors that disagree with the metadata
         raise ModelLoadError(f"GGUF file {str(path)!r}: {exc}") from exc
-    source = config.build if isinstance(config, StoredConfig) else config
-    return ConvertedGGUF(pack_quantized(weights), source, model.eos_token_ids)
+    return ConvertedGGUF(pack_quantized(weights), _config_source(model), model.eos_token_ids)
 
 
 def load_or_convert(

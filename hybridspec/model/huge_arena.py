@@ -13,6 +13,9 @@ packing then takes its codes from it (``take``), already resident.
 Sizing: the region is a lower bound of what the codes need (``gguf_load``), so it
 never holds pages the load would not have held anyway (the peak is unchanged); the codes that
 do not fit are allocated as before. ``finish`` gives back any part of it left unused.
+
+The region may also be given: a shared mapping of the packed-weight file a first load writes
+(``packed_file``), which the thread faults in alike (the page cache's pages, not anonymous ones).
 """
 
 from __future__ import annotations
@@ -32,17 +35,30 @@ _ALIGN = 4096  # each taken tensor starts on a page
 
 
 class Arena:
-    """One private anonymous region of ``nbytes``, faulted in from its start on a thread of
-    its own until ``stop_faulting``; ``take`` hands out tensors from its start onwards."""
+    """One region of ``nbytes``, faulted in from its start on a thread of its own until
+    ``stop_faulting``; ``take`` hands out tensors from its start onwards. ``region``: a
+    writable mapping (a ctypes array) to use, else a private anonymous one is made; ``fault``:
+    the most bytes the thread faults in (a region sized by an upper bound is faulted only as
+    far as the codes surely reach, so that the peak holds no page they leave unused)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        region: ctypes.Array[ctypes.c_char] | None = None,
+        fault: int | None = None,
+    ) -> None:
         self.nbytes = nbytes - nbytes % _ALIGN
-        self._region = mmap.mmap(
-            -1, max(self.nbytes, _ALIGN), mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        )
+        self._fault = self.nbytes if fault is None else min(fault, self.nbytes)
+        if region is None:
+            anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            self._region: mmap.mmap | ctypes.Array[ctypes.c_char] = mmap.mmap(
+                -1, max(self.nbytes, _ALIGN), anonymous
+            )
+        else:
+            self._region = region
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._region))
-        with contextlib.suppress(OSError, AttributeError):  # 4 KB pages where there are no others
-            self._region.madvise(_MADV_HUGEPAGE)
+        madvise = ctypes.CDLL(None, use_errno=True).madvise  # 4 KB pages where there are no others
+        madvise(ctypes.c_void_p(self._address), ctypes.c_size_t(self.nbytes), _MADV_HUGEPAGE)
         self._used = 0
         self.faulted = 0  # bytes from the start faulted in so far
         self._stop = threading.Event()
@@ -51,15 +67,20 @@ class Arena:
 
     def _fault_in(self) -> None:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
-        for offset in range(0, self.nbytes, _STEP):
+        for offset in range(0, self._fault, _STEP):
             if self._stop.is_set():
                 return
-            size = min(_STEP, self.nbytes - offset)
+            size = min(_STEP, self._fault - offset)
             if madvise(
                 ctypes.c_void_p(self._address + offset), ctypes.c_size_t(size), _MADV_POPULATE_WRITE
             ):
                 return  # a kernel before 5.14: the packing faults the pages itself
             self.faulted = offset + size
+
+    @property
+    def used(self) -> int:
+        """Bytes from the region's start handed out so far (each tensor page-aligned)."""
+        return self._used
 
     def stop_faulting(self) -> None:
         """Stop faulting pages in (the packing, on every core, is about to start) and wait
@@ -90,11 +111,14 @@ _active: Arena | None = None
 
 
 @contextlib.contextmanager
-def prefaulted(nbytes: int) -> Iterator[Arena]:
-    """An ``Arena`` of ``nbytes`` that ``take`` hands codes out of inside the block; finished
-    (its unused part given back) when the block ends."""
+def prefaulted(
+    nbytes: int, region: ctypes.Array[ctypes.c_char] | None = None, fault: int | None = None
+) -> Iterator[Arena]:
+    """An ``Arena`` of ``nbytes`` (in ``region``, faulted in up to ``fault`` bytes, where
+    given) that ``take`` hands codes out of inside the block; finished (its unused part given
+    back) when the block ends."""
     global _active
-    arena = Arena(nbytes)
+    arena = Arena(nbytes, region, fault)
     _active = arena
     try:
         yield arena

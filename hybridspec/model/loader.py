@@ -214,12 +214,12 @@ def load_model(config: ModelConfig) -> LoadedModel:
     quantize = resolve_quantize(config.quantize, config.dtype, device, is_gguf)
     dtype = torch.bfloat16 if quantize != "none" else resolve_dtype(config.dtype, device)
     if name is None:
-        return _load_gguf(embedded_model_path(), dtype, device, config.max_seq_len, quantize)
+        return _load_gguf(embedded_model_path(), dtype, device, config, quantize)
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {name!r} does not exist")
-        return _load_gguf(path, dtype, device, config.max_seq_len, quantize)
+        return _load_gguf(path, dtype, device, config, quantize)
     if path.is_dir():
         return _load_transformers(str(path), dtype, device, config.max_seq_len, quantize)
     if path.exists():
@@ -269,11 +269,12 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, max_seq_len: int | None, quantize: str
+    path: Path, dtype: torch.dtype, device: torch.device, config: ModelConfig, quantize: str
 ) -> LoadedModel:
     block = qgemm.kernel()
     if quantize == "gguf" and device.type == "cpu" and block is not None:
-        converted, tokenizer = load_in_place(path, dtype, block)  # faster than the weight cache
+        # faster than the weight cache; a later load maps the packed weights (packed_file)
+        converted, tokenizer = load_in_place(path, dtype, block, config.packed_cache)
     else:
         converted = load_or_convert(path, dtype, device, quantize)
         tokenizer = load_gguf_tokenizer(path)
@@ -288,7 +289,7 @@ def _load_gguf(
         dtype,
         tuple(sorted(eos)),
         f"gguf:{path}",
-        max_seq_len,
+        config.max_seq_len,
     )
 
 

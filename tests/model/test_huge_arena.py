@@ -68,6 +68,38 @@ def test_the_arena_is_faulted_in_on_its_own_thread() -> None:
     arena.finish()
 
 
+def mapped_bytes(address: int) -> int:
+    """Resident bytes of the mapping that holds ``address`` (smaps' Rss: a file mapping's
+    pages in the process, where mincore would count the page cache's)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            field = line.split()
+            if "-" in field[0] and not field[0].endswith(":"):
+                low, high = (int(x, 16) for x in field[0].split("-"))
+                inside = low <= address < high
+            elif inside and field[0] == "Rss:":
+                return int(field[1]) << 10
+    raise AssertionError("no mapping holds the address")
+
+
+def test_a_given_region_is_faulted_in_only_up_to_fault(tmp_path: Path) -> None:
+    with open(tmp_path / "region", "w+b") as handle:  # a shared file mapping, as packed_file's
+        handle.truncate(16 * MB)
+        mapping = mmap.mmap(handle.fileno(), 16 * MB)
+        region = (ctypes.c_char * (16 * MB)).from_buffer(mapping)
+        arena = huge_arena.Arena(16 * MB, region, fault=4 * MB)
+        arena._thread.join(timeout=60)
+        if arena.faulted == 0:
+            pytest.skip("no MADV_POPULATE_WRITE on this kernel")
+        address = ctypes.addressof(region)
+        assert arena.faulted == 4 * MB
+        assert 4 * MB <= mapped_bytes(address) < 8 * MB  # in the process: not the rest
+        taken = arena.take((8 * MB,), torch.uint8)
+        assert taken is not None and taken.data_ptr() == address
+        arena.finish()
+
+
 def test_finish_gives_back_the_part_never_taken() -> None:
     arena = huge_arena.Arena(16 * MB)
     arena._thread.join(timeout=60)
