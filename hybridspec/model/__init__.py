@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         fastest_forward_seconds,
         median_forward_seconds,
     )
+    from hybridspec.model.tokenizer import as_transformers
 
 __all__ = [
     "BlockLinear",
@@ -46,6 +47,7 @@ __all__ = [
     "QuantizedWeight",
     "ThreadController",
     "apply_rope",
+    "as_transformers",
     "block_kernel",
     "dense",
     "embedded_model_path",
@@ -72,6 +74,7 @@ __getattr__, __dir__ = lazy_exports(
         "hybridspec.model.qgemm": ("BlockLinear", "Kernel", "block_kernel"),
         "hybridspec.model.quant": ("PackedWeight", "QuantizedWeight", "held_bytes", "quantize"),
         "hybridspec.model.rope": ("apply_rope", "rope_cos_sin", "rope_inv_freq"),
+        "hybridspec.model.tokenizer": ("as_transformers",),
         "hybridspec.model.runtime": (
             "ForwardBatch",
             "ForwardOutput",

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridspec.errors import GrammarError, InvalidRequestError
-from hybridspec.model.tokenizer import as_transformers
+from hybridspec.model import as_transformers
 from hybridspec.types import GrammarSpec
 from hybridspec.verifier.grammar_bounds import check_bounds
 
