@@ -266,11 +266,15 @@ class ProposeRequest:
     engine without copying: read it, never modify it. ``max_num_drafts`` is how many drafts the
     engine asks for this round (the request's K, shrunk near the context limit and by adaptive
     speculation); a proposer may return fewer. ``generator`` is the request's random generator,
-    for proposers that sample their drafts. ``num_prompt_tokens`` and ``stop_token_ids`` are
-    what a proposer that returns q needs to put it under the request's sampling controls
-    (``history``, ``verifier.controls``). ``constraint`` is the request's grammar (structured
-    output) at its committed position, None for none: the drafts it forbids are cut where the
-    proposal enters the engine.
+    for proposers that sample their drafts. ``uniform_key`` is the key of the request's
+    position-keyed uniforms (``verifier.uniforms``; None outside the engine): a proposer that
+    picks its draft at position ``len(token_ids) + j`` by inverse CDF at that position's uniform
+    returns a deterministic draft that the verifier keeps exactly when the target's own sample
+    there is the same token (``eagle`` at temperature > 0). ``num_prompt_tokens`` and
+    ``stop_token_ids`` are what a proposer that returns q needs to put it under the request's
+    sampling controls (``history``, ``verifier.controls``). ``constraint`` is the request's
+    grammar (structured output) at its committed position, None for none: the drafts it forbids
+    are cut where the proposal enters the engine.
 
     ``draft_prefix``: drafts already chosen for this round before this proposer was asked (the
     grammar's forced tokens, ``proposers.grammar``), for a proposer that declares
@@ -287,6 +291,7 @@ class ProposeRequest:
     stop_token_ids: frozenset[int] = frozenset()
     constraint: TokenConstraint | None = None
     draft_prefix: tuple[int, ...] = ()
+    uniform_key: int | None = None
 
     def history(self) -> TokenHistory:
         """The committed context as the sampling controls count it."""

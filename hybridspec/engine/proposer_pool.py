@@ -242,6 +242,7 @@ class ProposerPool:
                     len(r.prompt_token_ids),
                     r.stop_ids(eos),
                     r.constraint,
+                    uniform_key=r.uniform_key,
                 )
                 for r in requests
             ]
