@@ -23,7 +23,10 @@ A deterministic proposer returns ``Proposal(token_ids)``; one that samples its d
 draft was drawn from, under the request's sampling controls and transforms
 (``verifier.apply_controls`` with ``ProposeRequest.history()`` and its earlier drafts, then
 ``verifier.logits_to_probs``), as the verifier puts the target's. Either keeps verification
-exactly lossless. The engine validates every
+exactly lossless. A proposer with a distribution of its own may also stay deterministic by
+drawing each draft at the request's position-keyed uniform (``ProposeRequest.uniform_key``), as
+``eagle`` does: its sampled requests' text then does not depend on the drafts, and they are
+priced by measured costs as greedy ones are (``engine.speculation``). The engine validates every
 proposal once, where it enters (``verifier.check_proposal``).
 
 A proposer is built from a ``ProposerContext``: what it may use from the engine (the target's

@@ -97,8 +97,6 @@ class _Choice:
 class HybridProposer(Proposer):
     """n-gram or model per request and round (module docstring)."""
 
-    samples_drafts = True
-
     def __init__(
         self, context: ProposerContext, ngram: Proposer, model: Proposer, model_name: str = "model"
     ) -> None:
@@ -110,6 +108,8 @@ class HybridProposer(Proposer):
         self.model = model
         self.model_name = model_name
         self.feature_layers = model.feature_layers
+        # deterministic with ``eagle`` (its keyed drafts), sampled with ``draft``
+        self.samples_drafts = model.samples_drafts or ngram.samples_drafts
         self.cost_per_token = model.cost_per_token
         self.verify_token_cost = context.verify_token_cost
         self._choices: dict[int, _Choice] = {}

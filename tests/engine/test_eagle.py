@@ -1,6 +1,7 @@
 """The ``eagle`` proposer through the engine: greedy text equals plain decoding (float32 and
 bfloat16, alone and in mixed batches), the head's cache after every commit equals a fresh
-prefill of the target's real features, and seeded sampled requests follow the target's law."""
+prefill of the target's real features, and seeded sampled requests follow the target's law
+and, with the head's keyed drafts, give ``none``'s text for every K."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from hybridspec.engine import Engine
 from hybridspec.model import ForwardBatch, LlamaWeights
 from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers.eagle import EagleProposer, HeadCache, forward_cached
+from hybridspec.proposers.eagle.proposer import _uniform
+from hybridspec.types import Proposal, ProposeRequest
+from hybridspec.verifier import VerifyInput, verify
+from hybridspec.verifier.uniforms import KeyedUniforms
 from tests.engine import test_controls as controls
 from tests.engine import test_losslessness as lossless
 from tests.engine.tiny import PROMPTS, make_engine, plain, run_joining, tiny_loaded
@@ -164,14 +169,14 @@ def exact_second_and_third(target: LoadedModel, sampling: SamplingParams) -> tor
 )
 def test_sampled_eagle_follows_the_target_distribution(sampling: SamplingParams) -> None:
     """Four tokens per request: the first round has no features yet, the second drafts x2 and
-    x3 from q (zero outside a draft vocabulary of 6 of the 8 tokens); their joint law must be
-    the target's."""
+    x3 from q (zero outside a draft vocabulary of 6 of the 8 tokens) at the positions' keyed
+    uniforms; their joint law must be the target's, with some drafts kept."""
     target, _ = lossless.tiny(0), None
     engine = lossless.build_engine(target, lossless.tiny(1))
     engine = Engine(dataclasses.replace(engine.config, eagle=FREE), target=target)
     proposer = use_head(engine, random_head(target, 6))
     counts = torch.zeros(lossless.VOCAB, lossless.VOCAB)
-    submitted = 0
+    submitted = accepted = 0
     while submitted < lossless.NUM_SAMPLES or engine.has_unfinished():
         while submitted < lossless.NUM_SAMPLES and engine.num_waiting < 16:
             params = GenerationParams(
@@ -188,7 +193,9 @@ def test_sampled_eagle_follows_the_target_distribution(sampling: SamplingParams)
                 assert output.result is not None
                 _, x2, x3, _ = output.result.token_ids
                 counts[x2, x3] += 1
+                accepted += output.result.stats.draft_tokens_accepted
     assert proposer.cost_per_token == 0.0
+    assert accepted > lossless.NUM_SAMPLES / 10
     stat, critical = lossless.chi_square(counts, exact_second_and_third(target, sampling))
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
 
@@ -236,87 +243,82 @@ def test_draft_probabilities_on_the_draft_vocabulary_equal_the_whole_vocabulary_
     vocab = proposer.head.draft_vocab
     logits = torch.full((4, target.vocab_size), float("-inf"))
     logits[:, vocab] = torch.randn(4, len(vocab), generator=torch.Generator().manual_seed(3))
-    sampling = [
-        SamplingParams(temperature=0.8),
-        SamplingParams(temperature=1.3, top_k=5),
-        SamplingParams(temperature=0.7, top_p=0.6),
-        SamplingParams(temperature=1.0, top_k=60, min_p=0.05, top_p=0.9),
-    ]
-    whole = logits_to_probs_by_row(logits, sampling)
-    torch.testing.assert_close(proposer._draft_probs(logits, sampling), whole)
+    whole = logits_to_probs_by_row(logits, SAMPLINGS)
+    torch.testing.assert_close(proposer._draft_probs(logits, SAMPLINGS), whole[:, vocab])
+    assert whole.sum(dim=-1).sub(1).abs().max() < 1e-5  # nothing outside the draft vocabulary
 
 
-# A seeded sampled request's text with the head's cost fixed (FREE): the drafts it asks for and
-# the order of its random draws decide the text. Pinned from be4da2d's behaviour, which the
-# layout merge kept: the texts of that merge's A/B differed only because the default measures
-# the head's cost at start-up (``EagleConfig.cost_per_token`` None), which steers how many
-# drafts a sampled request asks for and so how its generator is consumed. ``hybrid``'s text
-# was pinned again when requests whose drafts earn less than they cost began to pause
-# (``engine.speculation``): it asks for fewer drafts, so its generator is consumed otherwise.
-PINNED_SAMPLED = {
-    "eagle": [
-        0,
-        21,
-        0,
-        52,
-        58,
-        43,
-        21,
-        38,
-        43,
-        21,
-        40,
-        13,
-        32,
-        25,
-        45,
-        43,
-        27,
-        7,
-        63,
-        0,
-        40,
-        29,
-        40,
-        38,
-    ],
-    "hybrid": [
-        0,
-        40,
-        19,
-        45,
-        62,
-        0,
-        25,
-        56,
-        12,
-        7,
-        28,
-        7,
-        48,
-        30,
-        62,
-        56,
-        31,
-        58,
-        47,
-        52,
-        43,
-        34,
-        59,
-        48,
-    ],
-}
+SAMPLINGS = [
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=0.7, top_p=0.6),
+    SamplingParams(temperature=1.0, top_k=60, min_p=0.05, top_p=0.9),
+]
 
 
-@pytest.mark.parametrize("proposer", sorted(PINNED_SAMPLED))
-def test_seeded_sampled_text_is_pinned(engine: Engine, proposer: str) -> None:
-    params = GenerationParams(
-        max_new_tokens=24,
-        sampling=SamplingParams(temperature=0.8, seed=7),
-        proposer=proposer,
-        ignore_eos=True,
-    )
-    result = engine.generate(prompt_token_ids=PROMPTS[0], params=params)
-    assert result.stats.draft_tokens_accepted > 0  # the drafts took part
-    assert list(result.token_ids) == PINNED_SAMPLED[proposer]
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "top-k", "top-p", "all"])
+def test_a_head_whose_q_is_p_has_every_keyed_draft_kept(
+    target: LoadedModel, sampling: SamplingParams
+) -> None:
+    """The keyed draft at each position is the inverse-CDF sample of q at the verifier's
+    uniform of that position (``_uniform``: from the committed length on, as the engine's
+    ``KeyedUniforms``), under the same transforms: where q is the target's p the verifier
+    keeps all of them, and its final token is its own sample after them."""
+
+    engine = make_engine(target, eagle=FREE)
+    proposer = use_head(engine, random_head(target, 48))
+    vocab, k, context = proposer.head.draft_vocab, 6, [3, 1, 4, 1, 5]
+    for key in range(20):
+        logits = torch.full((k + 1, target.vocab_size), float("-inf"))
+        rng = torch.Generator().manual_seed(key)
+        logits[:, vocab] = torch.randn(k + 1, len(vocab), generator=rng) * 2
+        ask = ProposeRequest(0, context, k, sampling, uniform_key=key)
+        keyed = KeyedUniforms(key, len(context))
+        uniforms = [_uniform(ask, j) for j in range(k)]
+        assert uniforms == [keyed.uniform(j) for j in range(k)]
+        drafts = proposer._keyed_drafts(logits[:k], [sampling] * k, uniforms)
+        out = verify(
+            VerifyInput.from_proposals([Proposal(drafts)], logits, [sampling], keyed=[keyed])
+        )
+        assert out.num_accepted.tolist() == [k], key
+
+
+@pytest.fixture(scope="module")
+def fixed_k_engine(target: LoadedModel) -> Engine:
+    """Every request asks for its K each round (no adaptive speculation)."""
+    engine = make_engine(target, eagle=FREE, adaptive_speculation=False, max_num_seqs=17)
+    use_head(engine, random_head(target, 48))
+    return engine
+
+
+@pytest.mark.parametrize("prompt", [2, 3])
+def test_seeded_sampled_text_of_eagle_and_hybrid_is_none_s_for_every_k(
+    fixed_k_engine: Engine, prompt: int
+) -> None:
+    """The head's keyed drafts leave the text to the target's keyed samples: K = 1..8 of both,
+    all in one batch beside a ``none`` request, give ``none``'s text alone. (At temperature
+    0.5 the random head's drafts are kept now and then: every K keeps some.)"""
+    engine = fixed_k_engine
+
+    def params(proposer: str, k: int | None) -> GenerationParams:
+        return GenerationParams(
+            max_new_tokens=24,
+            sampling=SamplingParams(temperature=0.5, top_p=0.95, seed=7),
+            proposer=proposer,
+            num_speculative_tokens=k,
+            ignore_eos=True,
+        )
+
+    alone = engine.generate(prompt_token_ids=PROMPTS[prompt], params=params("none", None))
+    setups = [("none", None)] + [(p, k) for p in ("eagle", "hybrid") for k in range(1, 9)]
+    ids = {engine.add_request(PROMPTS[prompt], params(p, k)): (p, k) for p, k in setups}
+    results = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                assert output.result is not None
+                results[ids[output.request_id]] = output.result
+    for setup, result in results.items():
+        assert result.token_ids == alone.token_ids, setup
+    for setup in setups[1:]:
+        assert results[setup].stats.draft_tokens_accepted > 0, setup  # the drafts took part

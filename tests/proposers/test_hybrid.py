@@ -95,3 +95,15 @@ def test_an_n_gram_proposal_not_taken_is_scored_against_the_committed_tokens() -
     assert _would_have_kept([5, 6, 7], [1]) == (3, 0)
     assert _would_have_kept([5, 6, 7], [5, 6]) == (2, 2)  # past the committed: unknown
     assert _would_have_kept([5, 6], [5, 6, 7, 8]) == (2, 2)
+
+
+def test_hybrid_samples_its_drafts_only_where_its_model_does() -> None:
+    """With a deterministic model (``eagle``'s keyed drafts) a sampled request's text does not
+    depend on its drafts, so it is priced by the engine step (``engine.speculation``); with one
+    that returns q (``draft``) it is not."""
+    proposer, model = hybrid(cost_per_token=0.05)
+    assert not model.samples_drafts and not proposer.samples_drafts
+    context = ProposerContext(vocab_size=VOCAB, eos_token_ids=(0,))
+    sampling_model = Recorder(context, 0.05)
+    sampling_model.samples_drafts = True
+    assert HybridProposer(context, NgramProposer(context), sampling_model).samples_drafts

@@ -18,8 +18,19 @@ truncates the cache to its 19 real pairs; the next round feeds pairs 19, 20 (``x
 
 Drafts come from the head's logits over its draft vocabulary, scattered into the target's
 vocabulary (``-inf`` elsewhere) and put under the request's controls and sampling transforms as
-the verifier puts the target's; greedy requests take the argmax, sampled ones draw from ``q``
-and return it (zero outside the draft vocabulary), so verification stays exact.
+the verifier puts the target's; greedy requests take the argmax. A sampled request's draft at
+position ``p`` is the inverse-CDF sample of ``q`` (zero outside the draft vocabulary) at the
+request's position-keyed uniform ``u(key, p)`` (``verifier.uniforms``, the key from
+``ProposeRequest.uniform_key``), returned as a deterministic draft: the verifier keeps it
+exactly when the target's own inverse-CDF sample at ``u(key, p)`` is the same token. So the
+text is the target's keyed sample whatever the head drafted (a seeded request's text is
+``none``'s, for any K), and the proposer never returns ``q`` (``samples_drafts`` False): its
+requests are priced by measured costs, as a deterministic proposer's are. Where ``q`` is close
+to ``p`` the two inverse CDFs mostly land on the same token; the coupling keeps fewer drafts
+than rejection sampling's ``sum(min(p, q))`` would, losing at each token the mass by which the
+two cumulative sums (in token-id order) differ before it. Without a key (a proposer driven
+outside the engine) the uniform comes from the request's generator; the draft is still
+deterministic, so verification stays exact.
 
 Dimensions: ``n`` sequences drafted together, ``D`` hidden size, ``V`` the target's vocabulary.
 """
@@ -59,9 +70,10 @@ from hybridspec.proposers.eagle.int8 import quantize_matmuls
 from hybridspec.proposers.eagle.published import is_eagle_checkpoint, load_eagle_checkpoint
 from hybridspec.proposers.sequences import SeqState, SequenceProposer
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
-from hybridspec.verifier.acceptance import draw_token
+from hybridspec.verifier.acceptance import draw_uniforms, sample_from_probs
 from hybridspec.verifier.controls import apply_controls
 from hybridspec.verifier.sampling import logits_to_probs_by_row
+from hybridspec.verifier.uniforms import position_uniform
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +161,6 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
     here when the proposer is built.
     """
 
-    samples_drafts = True
     tracker_name = "the eagle head"
     feature_layers: tuple[int, ...] = (-1,)  # the head's ``feature_layers``, set when it loads
 
@@ -232,7 +243,6 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         self, requests: Sequence[ProposeRequest], seqs: list[_EagleSeq], wanted: list[int]
     ) -> list[Proposal]:
         drafted: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i, k in enumerate(wanted) if k > 0]
         if not active:
             return [Proposal(()) for _ in requests]
@@ -261,26 +271,23 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
                 )
                 last = torch.tensor(rows, device=device).cumsum(0) - 1
                 predicted = predicted[last]  # [len(active), D]
-                next_tokens = self._sample(requests, active, drafted, probs, predicted)
+                next_tokens = self._sample(requests, active, drafted, predicted)
                 keep = [j for j, i in enumerate(active) if len(drafted[i]) < wanted[i]]
                 active = [active[j] for j in keep]
                 feature_in = predicted[keep]
                 token_in = torch.tensor(next_tokens, device=device)[keep]
                 rows = [1] * len(active)
-        return [
-            Proposal(tokens_i, torch.stack(p) if p else None)
-            for tokens_i, p in zip(drafted, probs, strict=True)
-        ]
+        return [Proposal(tokens_i) for tokens_i in drafted]
 
     def _sample(
         self,
         requests: Sequence[ProposeRequest],
         active: list[int],
         drafted: list[list[int]],
-        probs: list[list[torch.Tensor]],
         predicted: torch.Tensor,  # [len(active), D]
     ) -> list[int]:
-        """One draft per active sequence from the head's logits under the request's controls."""
+        """One draft per active sequence from the head's logits under the request's controls:
+        the argmax for a greedy request, the keyed inverse-CDF sample for a sampled one."""
         head_logits = self.head.logits(predicted).float()  # [len(active), S]
         logits = torch.full(
             (len(active), self.context.vocab_size), float("-inf"), device=head_logits.device
@@ -292,37 +299,42 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
             [requests[i].history() for i in active],
             [drafted[i] for i in active],
         )
+        tokens = logits.argmax(dim=-1).tolist()
         sampled = [row for row, i in enumerate(active) if not requests[i].sampling.is_greedy]
-        qs = iter(
-            self._draft_probs(logits[sampled], [requests[active[r]].sampling for r in sampled])
-        )
-        tokens = []
-        for row, i in enumerate(active):
-            if requests[i].sampling.is_greedy:
-                token = int(torch.argmax(logits[row]))
-            else:
-                q = next(qs)
-                token = draw_token(q, requests[i].generator)
-                probs[i].append(q)
+        if sampled:
+            asks = [requests[active[row]] for row in sampled]
+            offsets = [len(drafted[active[row]]) for row in sampled]  # this draft's, from 0
+            uniforms = [_uniform(ask, j) for ask, j in zip(asks, offsets, strict=True)]
+            picks = self._keyed_drafts(logits[sampled], [a.sampling for a in asks], uniforms)
+            for row, token in zip(sampled, picks, strict=True):
+                tokens[row] = token
+        for i, token in zip(active, tokens, strict=True):
             drafted[i].append(token)
-            tokens.append(token)
         return tokens
 
+    def _keyed_drafts(
+        self, logits: torch.Tensor, sampling: list[SamplingParams], uniforms: list[float]
+    ) -> list[int]:
+        """The inverse-CDF samples of q (``_draft_probs`` of controlled ``logits`` [n, V]) at
+        ``uniforms``, as target ids. The draft vocabulary is sorted, so q's cumulative sum over
+        its columns is the one over the whole vocabulary (zero elsewhere): the sample is the
+        token ``verifier.sample_from_probs`` gives for q at the same uniform."""
+        q = self._draft_probs(logits, sampling)  # [n, S]
+        u = torch.tensor(uniforms, dtype=torch.float64, device=q.device)
+        return self.head.draft_vocab[
+            sample_from_probs(q, u).to(self.head.draft_vocab.device)
+        ].tolist()
+
     def _draft_probs(self, logits: torch.Tensor, sampling: list[SamplingParams]) -> torch.Tensor:
-        """q [n, V] of controlled ``logits`` [n, V] under each row's sampling transforms.
+        """q [n, S] over the draft vocabulary of controlled ``logits`` [n, V] under each row's
+        sampling transforms (zero elsewhere in the target's vocabulary).
 
         Outside the draft vocabulary every logit is -inf (controls add to finite logits and
         mask), so the transforms run on the draft vocabulary's columns alone, a sixth of the
         target's vocabulary for the shipped head: softmax and top-k/top-p over -inf columns
         give them probability 0, so this is the same distribution, for less work.
         """
-        if not sampling:
-            return logits.new_zeros(0, logits.shape[1])
-        vocab = self.head.draft_vocab
-        probs = logits_to_probs_by_row(logits[:, vocab], sampling)  # [n, S]
-        q = probs.new_zeros(logits.shape[0], logits.shape[1])
-        q[:, vocab] = probs
-        return q
+        return logits_to_probs_by_row(logits[:, self.head.draft_vocab], sampling)
 
     def commit(self, info: CommitInfo) -> None:
         seq = self._seq(info.seq_id)
@@ -339,3 +351,12 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
                 seq.features.append(self.head.target_features(info.hidden_states))
             seq.num_features += info.hidden_states.shape[0]
         seq.committed_len += len(info.token_ids)
+
+
+def _uniform(request: ProposeRequest, offset: int) -> float:
+    """The uniform of the request's position ``len(token_ids) + offset``: keyed by
+    ``uniform_key`` as the verifier's (``verifier.uniforms``), or drawn from its generator
+    where it has no key."""
+    if request.uniform_key is not None:
+        return position_uniform(request.uniform_key, len(request.token_ids) + offset)
+    return float(draw_uniforms(1, request.generator)[0])
