@@ -1,13 +1,16 @@
 """A GGUF file's weights and tokenizer loaded for ``model.loader``.
 
-``load_in_place``: the file checked (``checked_gguf``), its pages read ahead from disk in the
-background (``gguf_pack.read_ahead``) and part of the packed codes' huge pages faulted in on a
-spare core (``huge_arena``) while the tokenizer loads, then its quantized matrices
-packed straight from the mapped file into the block kernel's tiles, one at a time
+``load_in_place``: the file checked (``checked_gguf``), part of the packed codes' huge pages
+faulted in on a spare core (``huge_arena``) while the tokenizer loads, then its quantized
+matrices packed straight from the mapped file into the block kernel's tiles, one at a time
 (``convert_in_place``, ``model.gguf_pack``) into the mapping of a packed-weight file that
-later loads map instead of packing (``model.packed_file``). ``load_or_convert``: other
-settings (another device, ``quantize`` "none"/"int4"/"int8", no kernel) dequantize and fuse
-the file in numpy and keep the result in the weight cache (``model.weight_cache``).
+later loads map instead of packing (``model.packed_file``); each run of the file read just
+ahead of the packing and dropped from the page cache after it (the packed file stands in for
+it). Without that file, the whole file is read ahead in the background
+(``gguf_pack.read_ahead``) and stays in the page cache for the next load's packing.
+``load_or_convert``: other settings (another device, ``quantize`` "none"/"int4"/"int8", no
+kernel) dequantize and fuse the file in numpy and keep the result in the weight cache
+(``model.weight_cache``).
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ def load_in_place(
     one kept (``packed_file``) and packs nothing; the first one packs its codes into that
     file's mapping. The tokenizer loads before the weights are packed, so that its first
     conversion's memory (transformers reading the vocabulary) is freed (``trim_heap``) before
-    the weights are held; meanwhile the disk reads the file ahead of the packing (a first load
-    waits on the disk, not the CPU), and another core faults in part of the codes' memory
+    the weights are held; meanwhile (without a packed-weight file) the disk reads the file
+    ahead of the packing, and another core faults in part of the codes' memory
     (``huge_arena``: at most what the codes take, so the peak is the same)."""
     model = checked_gguf(path)
     entry = packed_file.entry_path(path, block) if packed_file.enabled(cache) else None
@@ -57,10 +60,11 @@ def load_in_place(
     if weights is not None:
         tokenizer = load_gguf_tokenizer(path)
         return ConvertedGGUF(weights, _config_source(model), model.eos_token_ids), tokenizer
-    read_ahead(path, block)
     writer = (
         None if entry is None else packed_file.Writer.open(entry, codes_upper_bound(model, block))
     )
+    if writer is None:  # else each run of the file is read just before it is packed, then dropped
+        read_ahead(path, block)
     bound = codes_lower_bound(model, block)  # the arena never faults in more
     size, region = (bound, None) if writer is None else (writer.capacity, writer.region)
     with huge_arena.prefaulted(size, region, bound) as arena:
@@ -68,7 +72,7 @@ def load_in_place(
         trim_heap()
         arena.stop_faulting()  # the packing runs on every core
         try:
-            converted = convert_in_place(path, dtype, block, model)
+            converted = convert_in_place(path, dtype, block, model, drop=writer is not None)
         except BaseException:
             if writer is not None:
                 writer.abandon()
@@ -126,12 +130,18 @@ def checked_gguf(path: Path) -> GGUFModel:
 
 
 def convert_in_place(
-    path: Path, dtype: torch.dtype, block: qgemm.Kernel, model: GGUFModel | None = None
+    path: Path,
+    dtype: torch.dtype,
+    block: qgemm.Kernel,
+    model: GGUFModel | None = None,
+    drop: bool = False,
 ) -> ConvertedGGUF:
     """A GGUF file's quantized matrices packed straight from the mapped file into the kernel's
     tiles, one at a time (``gguf_pack``): the process holds the packed weights and a bounded
     run of the file's pages; an untied embedding stays in the file (``gguf_rows``). ``model``:
-    ``checked_gguf(path)``, read here when None."""
+    ``checked_gguf(path)``, read here when None. ``drop``: the packed matrices' pages of the
+    file dropped from the page cache as they are packed (``gguf_pack``: where a packed-weight
+    file will stand in for them)."""
     if model is None:
         model = checked_gguf(path)
     config = model.config  # its saved attributes where an earlier load saved them: read alike
@@ -140,7 +150,7 @@ def convert_in_place(
             model.state_dict,
             cast("PretrainedConfig", config),
             dtype=dtype,
-            pack=functools.partial(pack_matrix, kernel=block, mapped=True),
+            pack=functools.partial(pack_matrix, kernel=block, mapped=True, drop=drop),
             rows=functools.partial(MappedRows.of, kernel=block),
         )
     except ValueError as exc:  # tensors that disagree with the metadata

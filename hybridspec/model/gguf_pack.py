@@ -10,11 +10,19 @@ IQ4_NL, IQ4_XS), the numpy reference does it, one matrix at a time.
 Memory: the file's pages that a conversion touches count in the process's resident size
 (``VmHWM``) as long as they stay mapped in, so after each run of rows (``CHUNK_BYTES`` of the
 file) they are given back with ``madvise(MADV_DONTNEED)`` (they stay in the page cache). The
-peak is then what the packed weights hold plus one chunk.
+peak is then what the packed weights hold plus one chunk. ``drop``: where the packed weights
+are kept in a file of their own (``packed_file``), the chunk's pages also leave the page cache
+(``MADV_PAGEOUT``): later loads map that file and never read these pages again, and the memory
+they free is reused at once for the next chunk's pages and the packed file's own. Fresh memory
+is what a first load pays for (on a virtual machine whose host takes free memory back, touching
+a page the guest has not used lately costs a fault on the host too: about 2.5 s of system time
+a GB); reusing the file's pages about halves what it touches.
 
 ``read_ahead``: the whole file asked into the page cache on a thread of its own, so that on a
 first load the disk reads while the process works (the tokenizer, the packing of what was read
-before) rather than one run at a time as the packing reaches it.
+before) rather than one run at a time as the packing reaches it. Not with ``drop`` (the whole
+file would then be fresh memory again): the packing asks for the next ``DROP_AHEAD`` runs
+of rows as it goes.
 
 Huge pages: the packed codes and factors are held in anonymous memory advised
 ``MADV_HUGEPAGE`` (``held``). A decode streams every matrix once a token; over gigabytes of
@@ -45,8 +53,9 @@ from hybridspec.model.qgemm import Kernel
 from hybridspec.model.quant import GROUP_SIZE, ROWS, SUPER, PackedWeight
 
 CHUNK_BYTES = 32 << 20  # of the file per call: the most of it resident at once
+DROP_AHEAD = 4  # runs of rows asked for ahead of the packing where the file is read as it goes
 READ_AHEAD_STEP = 128 << 10  # bytes per read-ahead request: the least device read-ahead size
-_MADV_WILLNEED, _MADV_DONTNEED, _MADV_HUGEPAGE = 3, 4, 14
+_MADV_WILLNEED, _MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_PAGEOUT = 3, 4, 14, 21
 _HUGE = 2 << 20  # bytes of one huge page: below it a buffer is not worth the advice
 # the modes of csrc/pack.c, in Kernel.pack's order of preference: int8 steps times a factor,
 # float16, float32
@@ -77,17 +86,19 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def release(view: np.ndarray, advice: int = _MADV_DONTNEED) -> None:
+def release(view: np.ndarray, advice: int = _MADV_DONTNEED, drop: bool = False) -> None:
     """Give back the pages of the mapped file under ``view`` (a slice of a read-only file
-    mapping, nothing else): they leave the process's resident size and stay in the page cache.
-    ``advice`` ``_MADV_WILLNEED`` instead starts reading them into the page cache (not into
-    the process). A no-op on failure."""
+    mapping, nothing else): they leave the process's resident size and stay in the page cache,
+    or with ``drop`` leave it too (``MADV_PAGEOUT`` first: clean pages no other process maps
+    are freed). ``advice`` ``_MADV_WILLNEED`` instead starts reading them into the page cache
+    (not into the process). A no-op on failure."""
     if view.size == 0:
         return
     start = view.ctypes.data
     first = start - start % mmap.PAGESIZE
     end = start + view.nbytes
-    _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), advice)
+    for each in (_MADV_PAGEOUT, advice) if drop else (advice,):
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), each)
 
 
 def trim_heap() -> None:
@@ -149,17 +160,19 @@ def c_decodes(matrix: GGUFMatrix, kernel: Kernel) -> bool:
     )
 
 
-def pack_matrix(matrix: GGUFMatrix, kernel: Kernel, *, mapped: bool = False) -> PackedWeight:
+def pack_matrix(
+    matrix: GGUFMatrix, kernel: Kernel, *, mapped: bool = False, drop: bool = False
+) -> PackedWeight:
     """``kernel.pack(matrix.decode())``, equal to the byte, in C where it decodes the types.
 
     ``mapped``: the parts' blocks are views of a file mapped read-only, whose pages are given
     back as they are converted (never for other memory: ``MADV_DONTNEED`` zeroes anonymous
-    pages)."""
+    pages); ``drop`` (with ``mapped``): and dropped from the page cache (module docstring)."""
     if not c_decodes(matrix, kernel):
         packed = kernel.pack(matrix.decode())
         if mapped:
             for part in matrix.parts:
-                release(part.blocks)
+                release(part.blocks, drop=drop)
         return packed
     rows, cols = matrix.shape
     kinds = [p.type_name for p in matrix.parts]
@@ -182,7 +195,7 @@ def pack_matrix(matrix: GGUFMatrix, kernel: Kernel, *, mapped: bool = False) -> 
             supers[0].data_ptr(),
             supers[1].data_ptr(),
         )
-        if _run(kernel, matrix, parts, (bits, group, mode), out, scratch, mapped):
+        if _run(kernel, matrix, parts, (bits, group, mode), out, scratch, (mapped, drop)):
             factored = mode == 0
             return PackedWeight(
                 codes,
@@ -211,10 +224,12 @@ def _run(
     scheme: tuple[int, int, int],  # bits, group, mode
     out: _Out,
     scratch: torch.Tensor,
-    mapped: bool,
+    file: tuple[bool, bool],  # mapped, drop (``pack_matrix``)
 ) -> bool:
     """Every tile of ``matrix`` through csrc/pack.c in chunks of about ``CHUNK_BYTES`` of the
-    file, each chunk's pages given back after it; False where the mode does not hold."""
+    file, each chunk's pages given back after it (the first one and the next one asked for
+    before it, or ``DROP_AHEAD`` with ``drop``); False where the mode does not hold."""
+    mapped, drop = file
     rows, cols = matrix.shape
     tiles = -(-rows // ROWS)
     row_bytes = max(p.blocks.nbytes // max(p.shape[0], 1) for p in matrix.parts)
@@ -222,8 +237,10 @@ def _run(
     bits, group, mode = scheme
     for first in range(0, tiles, step):
         last = min(tiles, first + step)
-        if mapped:  # the next run read ahead from disk while this one packs
-            _advise_rows(matrix, last * ROWS, (last + step) * ROWS, _MADV_WILLNEED)
+        if mapped:  # the next runs read ahead from disk while this one packs
+            ahead = first if first == 0 else last
+            window = (last + step * (DROP_AHEAD if drop else 1)) * ROWS
+            _advise_rows(matrix, ahead * ROWS, window, _MADV_WILLNEED)
         failed = kernel.lib.hs_pack_gguf(
             ctypes.addressof(parts),
             len(parts),
@@ -238,21 +255,21 @@ def _run(
             scratch.data_ptr(),
         )
         if mapped:
-            _advise_rows(matrix, first * ROWS, last * ROWS, _MADV_DONTNEED)
+            _advise_rows(matrix, first * ROWS, last * ROWS, _MADV_DONTNEED, drop)
         if failed:
             return False
     for part in matrix.parts if mapped else ():  # the permuted ones, read in their own order
-        release(part.blocks)
+        release(part.blocks, drop=drop)
     return True
 
 
-def _advise_rows(matrix: GGUFMatrix, begin: int, end: int, advice: int) -> None:
+def _advise_rows(matrix: GGUFMatrix, begin: int, end: int, advice: int, drop: bool = False) -> None:
     """``release`` the file pages of the matrix's rows ``[begin, end)`` (parts in file order)
-    with ``advice``."""
+    with ``advice`` (and ``drop``)."""
     for part in matrix.parts:
         count = part.shape[0]
         lo, hi = max(begin, 0), min(end, count)
         if part.order is None and lo < hi:
             per_row = part.blocks.nbytes // count
-            release(part.blocks.reshape(-1)[lo * per_row : hi * per_row], advice)
+            release(part.blocks.reshape(-1)[lo * per_row : hi * per_row], advice, drop)
         begin, end = begin - count, end - count

@@ -9,12 +9,16 @@ import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from hybridspec import Engine, EngineConfig, GenerationParams, ModelConfig
-from hybridspec.model import gguf_load, packed_file
+from hybridspec.model import gguf_load, gguf_pack, packed_file
+from hybridspec.model.gguf import GGUFModel
+from hybridspec.model.gguf_blocks import GGUFMatrix
 from hybridspec.model.gguf_load import checked_gguf, load_in_place
+from hybridspec.model.gguf_pack import c_decodes
 from hybridspec.model.gguf_rows import MappedRows
 from hybridspec.model.llama_weights import LlamaWeights
 from hybridspec.model.quant import PackedWeight
@@ -82,6 +86,63 @@ def test_a_later_load_maps_the_same_bytes_without_packing(
     plain = gguf_load.convert_in_place(mixed_file, torch.bfloat16, kernel()).weights
     assert_same_weights(later, plain)
     assert entry.stat().st_size < 2 * mixed_file.stat().st_size + packed_file.DATA
+
+
+def packed_spans(model: GGUFModel) -> list[tuple[int, int]]:
+    """The addresses ([start, end)) of the blocks of every matrix a load of ``model`` packs in
+    C."""
+    return [
+        (part.blocks.ctypes.data, part.blocks.ctypes.data + part.blocks.nbytes)
+        for matrix in model.state_dict.values()
+        if isinstance(matrix, GGUFMatrix) and c_decodes(matrix, kernel())
+        for part in matrix.parts
+    ]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_gguf_pages_packed_into_a_kept_file_are_dropped_from_the_page_cache(
+    mixed_file: Path,  # noqa: F811
+    cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    keep: bool,
+) -> None:
+    """Every byte of every matrix packed in C is given back with ``drop`` where the packed
+    file is written (its pages leave the page cache), and never where there is no such file
+    (the next load packs from them again); the weights are the same either way."""
+    calls: list[tuple[int, int, bool]] = []
+    release = gguf_pack.release
+
+    def spy(view: np.ndarray, advice: int = 4, drop: bool = False) -> None:
+        if advice == 4:  # MADV_DONTNEED: the pages given back after their run
+            calls.append((view.ctypes.data, view.ctypes.data + view.nbytes, drop))
+        release(view, advice, drop)
+
+    models: list[GGUFModel] = []
+
+    def checked(path: Path) -> GGUFModel:
+        models.append(checked_gguf(path))
+        return models[-1]
+
+    monkeypatch.setattr(gguf_pack, "release", spy)
+    monkeypatch.setattr(gguf_load, "checked_gguf", checked)
+    if not keep:
+        monkeypatch.setenv(packed_file.ENV, "0")
+    weights = load_in_place(mixed_file, torch.bfloat16, kernel())[0].weights
+    assert bool(entries(cache)) == keep
+    (model,) = models
+    spans = packed_spans(model)
+    assert spans
+    covered = sorted((a, b) for a, b, drop in calls if drop == keep)
+    for start, end in spans:
+        reach = start
+        for a, b in covered:
+            if a <= reach < b:
+                reach = b
+        assert reach >= end, f"bytes {reach}-{end} not given back with drop={keep}"
+    assert not [c for c in calls if c[2] != keep]
+    monkeypatch.setattr(gguf_pack, "release", release)
+    plain = gguf_load.convert_in_place(mixed_file, torch.bfloat16, kernel()).weights
+    assert_same_weights(weights, plain)
 
 
 def test_an_untied_embedding_stays_in_the_gguf_mapping(
