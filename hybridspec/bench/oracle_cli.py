@@ -160,7 +160,8 @@ def format_oracle_table(table: OracleTable, ks: tuple[int, ...], target: str) ->
     cost = table.verify_cost
     lines = [
         _none_line(table, target),
-        "verify cost t(n)/t(1): " + ", ".join(f"n={n} {c:.2f}" for n, c in cost.items()),
+        f"verify cost t(n)/t(1), the median of {len(table.verify_costs)} timings (one before "
+        "each adaptive run): " + ", ".join(f"n={n} {c:.2f}" for n, c in cost.items()),
         _priced(table),
         "alpha  K              tok/s  speedup  ideal  ratio tok/round drafts  accept  same text",
     ]

@@ -119,6 +119,30 @@ def test_table_on_a_tiny_model() -> None:
     assert "best K=" in text and "adaptive / best fixed K" in text and "spread" in text
     assert "cost of one more verified row: measured" in text and "before any: 0.030" in text
     assert engine.forward_cost.rows.seconds(5) is not None  # the table's timings price rows
+    # timed at the start and before each adaptive cell; the table's cost is the median
+    assert len(table.verify_costs) == 1 + len(plan.alphas) and "median of 3 timings" in text
+    for n, cost in table.verify_cost.items():
+        assert cost == pytest.approx(sorted(c[n] for c in table.verify_costs)[1])
+
+
+def test_adaptive_cells_are_priced_by_fresh_timings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row prices learned before an adaptive cell (here absurd ones) are replaced by timings
+    taken just before it: the cell is priced at the machine's present speed."""
+    engine = make_engine(tiny_loaded(0), max_num_seqs=1)
+    generate, priced = engine.generate, []
+
+    def generate_seeing_prices(*args: object, **kwargs: object) -> object:
+        rows = engine.forward_cost.rows
+        priced.append((engine.speculation is not None, rows.seconds(3)))
+        for _ in range(20):  # a stale price: 3 rows a thousand seconds
+            rows.observe(3, 1000.0)
+        return generate(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "generate", generate_seeing_prices)
+    table = run_oracle_table(engine, PROMPTS[:1], OraclePlan((0.7,), (1, 2), 8, repeats=2))
+    assert len(table.verify_costs) == 3 and all(r.identical for r in table.runs[0.7])
+    adaptive = [seconds for adaptive, seconds in priced if adaptive][1:]  # after the warm-up
+    assert adaptive and all(s is not None and s < 1.0 for s in adaptive)
 
 
 def test_repeated_sweeps_take_medians() -> None:
