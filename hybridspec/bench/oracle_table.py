@@ -5,7 +5,8 @@ One run, one engine over the target, greedy requests only:
 
 1. ``none`` on each prompt: the reference continuation (the oracle's drafts) and the decode rate.
 2. The forward's cost of verifying ``n`` rows, ``t(n) / t(1)``, timed in the same process
-   (``model.median_forward_seconds``, one sequence, a short cached context), at the start and
+   (``model.median_forward_seconds``, one sequence, a short cached context, logits of every
+   row as verifying them computes), at the start and
    again just before every adaptive cell; the table's cost is each ``n``'s median over these
    timings. Before each adaptive cell the engine's measured row costs (``engine.row_costs``)
    are set to that cell's fresh timings, as an engine that has served for a while has timed
@@ -315,7 +316,7 @@ def _time_rows(engine: Engine, max_rows: int) -> dict[int, float]:
     """``t(n) / t(1)`` for ``n = 1 .. max_rows``, timed on the engine's runtime; the engine's
     row costs become these seconds (module docstring, 2.)."""
     rows = range(1, max_rows + 1)
-    timings = median_forward_seconds(engine.runtime, tuple(rows))
+    timings = median_forward_seconds(engine.runtime, tuple(rows), every_row=True)
     if timings is None or timings[0] <= 0:
         raise HybridSpecError("no free cache slot to time the forward's cost per row")
     engine.forward_cost.rows.clear()
