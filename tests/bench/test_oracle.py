@@ -5,7 +5,6 @@ arithmetic; a whole table on a tiny model."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from hybridspec.bench.oracle import OracleProposer, OracleReferences, oracle_factory
@@ -54,7 +53,9 @@ def test_right_drafts_by_position_whatever_k() -> None:
     assert _drafts(proposer, 0, 4) == long[:4]
     assert _drafts(proposer, 4, 4) == long[4:8]
     right = [d == c for d, c in zip(_drafts(proposer, 0, 200), CONTINUATION, strict=True)]
-    assert len(right) == 200 and 0.6 < np.mean(right) < 0.8
+    assert len(right) == 200 and sum(right) == 140  # alpha's share exactly, not by luck
+    other = [d == c for d, c in zip(_drafts(_oracle(0.7, 4), 0, 200), CONTINUATION, strict=True)]
+    assert sum(other) == 140 and other != right  # another seed: other positions
 
 
 def test_no_drafts_past_the_continuation() -> None:
@@ -108,7 +109,8 @@ def test_table_on_a_tiny_model() -> None:
         assert [r.k for r in runs] == [None, 1, 2, 4] and all(r.identical for r in runs)
     high = table.runs[0.9][3]  # K=4 at alpha 0.9 commits more per round than K=1 at 0.5
     assert high.tokens_per_round > table.runs[0.5][1].tokens_per_round
-    assert high.drafts_per_round == pytest.approx(4.0, abs=1.0)  # K=4, less at the budget's end
+    # K=4: fewer at the budget's end, and each prompt's prefill forward drafts none
+    assert 2.0 < high.drafts_per_round <= 4.0
     # one sweep: every cell's run sits between two none runs, its speedup over their mean
     cells = [run for runs in table.runs.values() for run in runs]
     assert len(table.none_runs) == len(cells) + 1 and table.repeats == 1
