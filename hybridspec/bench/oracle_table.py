@@ -28,6 +28,9 @@ One run, one engine over the target, greedy requests only:
    for token.
 4. With a draft model: its cost per token relative to the target's forward
    (``Proposer.cost_per_token``, what adaptive speculation charges it).
+5. The compute bound (``compute_bound``): the int8 multiply-accumulate peak measured at the
+   end of the run on the engine's threads, beside the rate one more verified row's measured
+   cost implies, and the ideal if a row cost only its multiplies at that peak.
 
 Rates are decode rates: tokens after the first over the time after the first (the prompt's
 prefill is not what speculation speeds up). The ideal at K drafts per round is the expected
@@ -44,6 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hybridspec.bench import compute_bound
+from hybridspec.bench.compute_bound import ComputeBound
 from hybridspec.bench.oracle import OracleReferences, oracle_factory
 from hybridspec.engine import Engine, GenerationParams, GenerationResult
 from hybridspec.errors import HybridSpecError
@@ -82,6 +87,15 @@ class OracleTable:
     draft_cost_per_token: float | None = None  # the draft's forward over the target's
     draft_run: Run | None = None
     policy_cost: float | None = None  # adaptive speculation's verify cost per row (c)
+    decode_seconds: list[float] = field(default_factory=list)  # each timing's t(1), seconds
+    compute: ComputeBound | None = None  # the int8 peak beside a row's cost (compute_bound)
+
+    @property
+    def row_cost(self) -> float:
+        """One more verified row's cost in one-row forwards: the slope of ``verify_cost`` from
+        one row to the most timed."""
+        rows = max(self.verify_cost)
+        return (self.verify_cost[rows] - 1.0) / (rows - 1) if rows > 1 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -94,6 +108,8 @@ class OracleTable:
             "draft_cost_per_token": self.draft_cost_per_token,
             "draft_run": None if self.draft_run is None else asdict(self.draft_run),
             "policy_cost": self.policy_cost,
+            "decode_seconds": self.decode_seconds,
+            "compute": None if self.compute is None else self.compute.to_dict(),
         }
 
 
@@ -262,7 +278,8 @@ def run_oracle_table(
             "(longer or other prompts: --prompt-tokens, --prompts)"
         )
     max_rows = max(plan.ks) + 1
-    table = OracleTable(0.0, {}, [_time_rows(engine, max_rows)], [first.tokens_per_s])
+    table = OracleTable(0.0, {}, [], [first.tokens_per_s])
+    _time_rows(engine, max_rows, table)
     table.repeats = plan.repeats
     if engine.speculation is not None:
         table.policy_cost = engine.speculation.verify_token_cost
@@ -276,12 +293,14 @@ def run_oracle_table(
         for i in order:
             cell = cells[i]
             if not cell.fixed:  # adaptive K priced at the machine's present speed (2.)
-                table.verify_costs.append(_time_rows(engine, max_rows))
+                _time_rows(engine, max_rows, table)
             run = measure(cell.proposer, cell.k, cell.fixed)
             table.none_runs.append(measure("none", 0, True).tokens_per_s)
             around = (table.none_runs[-2] + table.none_runs[-1]) / 2
             sweeps[i].append((run, run.tokens_per_s / around if around > 0 else 0.0))
     _assemble(table, cells, sweeps)
+    decode = statistics.median(table.decode_seconds)
+    table.compute = compute_bound.measure(engine.target.weights, decode, table.row_cost * decode)
     return table
 
 
@@ -312,9 +331,10 @@ def _register_oracles(
         engine.register_proposer(_oracle_name(alpha), factory, replace=True)
 
 
-def _time_rows(engine: Engine, max_rows: int) -> dict[int, float]:
-    """``t(n) / t(1)`` for ``n = 1 .. max_rows``, timed on the engine's runtime; the engine's
-    row costs become these seconds (module docstring, 2.)."""
+def _time_rows(engine: Engine, max_rows: int, table: OracleTable) -> None:
+    """``t(n) / t(1)`` for ``n = 1 .. max_rows``, timed on the engine's runtime, to
+    ``table.verify_costs`` (``t(1)`` to ``decode_seconds``); the engine's row costs become these
+    seconds (module docstring, 2.)."""
     rows = range(1, max_rows + 1)
     timings = median_forward_seconds(engine.runtime, tuple(rows), every_row=True)
     if timings is None or timings[0] <= 0:
@@ -322,4 +342,5 @@ def _time_rows(engine: Engine, max_rows: int) -> dict[int, float]:
     engine.forward_cost.rows.clear()
     for n, seconds in zip(rows, timings, strict=True):  # what a long-running engine knows now
         engine.forward_cost.rows.observe(n, seconds)
-    return {n: t / timings[0] for n, t in zip(rows, timings, strict=True)}
+    table.decode_seconds.append(timings[0])
+    table.verify_costs.append({n: t / timings[0] for n, t in zip(rows, timings, strict=True)})

@@ -5,6 +5,8 @@ arithmetic; a whole table on a tiny model."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from hybridspec.bench.oracle import OracleProposer, OracleReferences, oracle_factory
@@ -121,6 +123,13 @@ def test_table_on_a_tiny_model() -> None:
     assert "best K=" in text and "adaptive / best fixed K" in text and "spread" in text
     assert "cost of one more verified row: measured" in text and "before any: 0.030" in text
     assert engine.forward_cost.rows.seconds(5) is not None  # the table's timings price rows
+    # the int8 peak beside a row's measured cost, t(1) from the same timings
+    assert table.compute is not None and table.compute.peak_macs_per_s > 0
+    assert len(table.decode_seconds) == len(table.verify_costs)
+    assert table.compute.row_seconds == pytest.approx(
+        table.row_cost * statistics.median(table.decode_seconds)
+    )
+    assert "compute bound (measured)" in text and "the ideal would be alpha 0.50" in text
     # timed at the start and before each adaptive cell; the table's cost is the median
     assert len(table.verify_costs) == 1 + len(plan.alphas) and "median of 3 timings" in text
     for n, cost in table.verify_cost.items():
