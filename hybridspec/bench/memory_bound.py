@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from hybridspec.model import LlamaWeights, LoadedModel, held_bytes
+from hybridspec.model.llama_weights import Matrix
 
 READ_BYTES = 2**30
 
@@ -50,12 +51,17 @@ class MemoryBound:
         )
 
 
+def matrices(weights: LlamaWeights) -> list[Matrix]:
+    """Every matrix a token's forward multiplies: the layers' and the LM head."""
+    found = [weights.lm_head]
+    for layer in weights.layers:
+        found += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
+    return found
+
+
 def bytes_per_token(weights: LlamaWeights) -> int:
     """Bytes of every matrix a token's forward reads: the layers' and the LM head's."""
-    total = held_bytes(weights.lm_head)
-    for layer in weights.layers:
-        total += sum(held_bytes(m) for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
-    return total
+    return sum(held_bytes(m) for m in matrices(weights))
 
 
 def read_rate(size: int = READ_BYTES, repeats: int = 5) -> float:

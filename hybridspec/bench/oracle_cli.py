@@ -122,8 +122,7 @@ def _priced(table: OracleTable) -> str:
     """This run's measured cost of one more verified row (the slope over the sweep's rows),
     beside adaptive speculation's constant one, which prices rows only where no forward of so
     few rows is timed yet (``engine.speculation``, "Measured costs")."""
-    rows = max(table.verify_cost)
-    slope = (table.verify_cost[rows] - 1.0) / (rows - 1) if rows > 1 else 0.0
+    slope = table.row_cost
     policy = "off" if table.policy_cost is None else f"{table.policy_cost:.3f}"
     return (
         f"cost of one more verified row: measured {slope:.3f} (adaptive speculation prices "
@@ -160,7 +159,8 @@ def format_oracle_table(table: OracleTable, ks: tuple[int, ...], target: str) ->
     cost = table.verify_cost
     lines = [
         _none_line(table, target),
-        "verify cost t(n)/t(1): " + ", ".join(f"n={n} {c:.2f}" for n, c in cost.items()),
+        f"verify cost t(n)/t(1), the median of {len(table.verify_costs)} timings (one before "
+        "each adaptive run): " + ", ".join(f"n={n} {c:.2f}" for n, c in cost.items()),
         _priced(table),
         "alpha  K              tok/s  speedup  ideal  ratio tok/round drafts  accept  same text",
     ]
@@ -177,6 +177,9 @@ def format_oracle_table(table: OracleTable, ks: tuple[int, ...], target: str) ->
             f"       adaptive / best fixed K: {share:.2f} (the ideal's best K={top_k}); "
             f"sweep: {sweep}"
         )
+    if table.compute is not None:
+        at_peak = table.compute.verify_cost(cost)
+        lines.append(table.compute.line({a: best_ideal(a, ks, at_peak) for a in table.runs}))
     if table.draft_cost_per_token is not None and table.draft_run is not None:
         c, run = table.draft_cost_per_token, table.draft_run
         lines.append(

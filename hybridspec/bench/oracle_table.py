@@ -5,10 +5,14 @@ One run, one engine over the target, greedy requests only:
 
 1. ``none`` on each prompt: the reference continuation (the oracle's drafts) and the decode rate.
 2. The forward's cost of verifying ``n`` rows, ``t(n) / t(1)``, timed in the same process
-   (``model.median_forward_seconds``, one sequence, a short cached context); the engine's
-   measured row costs (``engine.row_costs``) learn these timings too, as an engine that has
-   served for a while has timed forwards of every row count, so that the first adaptive run
-   is priced as well as the later ones (each run's forwards keep teaching it).
+   (``model.median_forward_seconds``, one sequence, a short cached context, logits of every
+   row as verifying them computes), at the start and
+   again just before every adaptive cell; the table's cost is each ``n``'s median over these
+   timings. Before each adaptive cell the engine's measured row costs (``engine.row_costs``)
+   are set to that cell's fresh timings, as an engine that has served for a while has timed
+   forwards of every row count at the machine's present speed: what adaptive K is measured on
+   is its choice at the prices of the moment, not prices of row counts last timed minutes
+   earlier at another speed (its own forwards keep teaching it during the run).
 3. The cells: per alpha, oracle drafts with adaptive K (up to the largest K of the sweep), then
    with each fixed K (adaptive speculation off); with a draft model, ``draft`` with adaptive K.
    Every cell's run is followed by a ``none`` run, so that each cell sits between two ``none``
@@ -24,6 +28,9 @@ One run, one engine over the target, greedy requests only:
    for token.
 4. With a draft model: its cost per token relative to the target's forward
    (``Proposer.cost_per_token``, what adaptive speculation charges it).
+5. The compute bound (``compute_bound``): the int8 multiply-accumulate peak measured at the
+   end of the run on the engine's threads, beside the rate one more verified row's measured
+   cost implies, and the ideal if a row cost only its multiplies at that peak.
 
 Rates are decode rates: tokens after the first over the time after the first (the prompt's
 prefill is not what speculation speeds up). The ideal at K drafts per round is the expected
@@ -40,6 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hybridspec.bench import compute_bound
+from hybridspec.bench.compute_bound import ComputeBound
 from hybridspec.bench.oracle import OracleReferences, oracle_factory
 from hybridspec.engine import Engine, GenerationParams, GenerationResult
 from hybridspec.errors import HybridSpecError
@@ -70,24 +79,37 @@ class OracleTable:
     """A run's figures (``format_oracle_table`` prints them)."""
 
     none_tokens_per_s: float  # the median of every none run's rate
-    verify_cost: dict[int, float]  # rows n -> t(n) / t(1)
+    verify_cost: dict[int, float]  # rows n -> t(n) / t(1), the median over ``verify_costs``
+    verify_costs: list[dict[int, float]] = field(default_factory=list)  # each timing, in order
     none_runs: list[float] = field(default_factory=list)  # each none run's rate, in order
     repeats: int = 1  # sweeps of the cells
     runs: dict[float, list[Run]] = field(default_factory=dict)  # alpha -> adaptive, fixed Ks
     draft_cost_per_token: float | None = None  # the draft's forward over the target's
     draft_run: Run | None = None
     policy_cost: float | None = None  # adaptive speculation's verify cost per row (c)
+    decode_seconds: list[float] = field(default_factory=list)  # each timing's t(1), seconds
+    compute: ComputeBound | None = None  # the int8 peak beside a row's cost (compute_bound)
+
+    @property
+    def row_cost(self) -> float:
+        """One more verified row's cost in one-row forwards: the slope of ``verify_cost`` from
+        one row to the most timed."""
+        rows = max(self.verify_cost)
+        return (self.verify_cost[rows] - 1.0) / (rows - 1) if rows > 1 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
             "none_tokens_per_s": self.none_tokens_per_s,
             "verify_cost": self.verify_cost,
+            "verify_costs": self.verify_costs,
             "none_runs": self.none_runs,
             "repeats": self.repeats,
             "runs": {str(a): [asdict(r) for r in runs] for a, runs in self.runs.items()},
             "draft_cost_per_token": self.draft_cost_per_token,
             "draft_run": None if self.draft_run is None else asdict(self.draft_run),
             "policy_cost": self.policy_cost,
+            "decode_seconds": self.decode_seconds,
+            "compute": None if self.compute is None else self.compute.to_dict(),
         }
 
 
@@ -255,7 +277,9 @@ def run_oracle_table(
             "the target ends every prompt within one token: no continuation to draft "
             "(longer or other prompts: --prompt-tokens, --prompts)"
         )
-    table = OracleTable(0.0, _time_rows(engine, max(plan.ks) + 1), [first.tokens_per_s])
+    max_rows = max(plan.ks) + 1
+    table = OracleTable(0.0, {}, [], [first.tokens_per_s])
+    _time_rows(engine, max_rows, table)
     table.repeats = plan.repeats
     if engine.speculation is not None:
         table.policy_cost = engine.speculation.verify_token_cost
@@ -268,11 +292,15 @@ def run_oracle_table(
         order = range(len(cells)) if repeat % 2 == 0 else reversed(range(len(cells)))
         for i in order:
             cell = cells[i]
+            if not cell.fixed:  # adaptive K priced at the machine's present speed (2.)
+                _time_rows(engine, max_rows, table)
             run = measure(cell.proposer, cell.k, cell.fixed)
             table.none_runs.append(measure("none", 0, True).tokens_per_s)
             around = (table.none_runs[-2] + table.none_runs[-1]) / 2
             sweeps[i].append((run, run.tokens_per_s / around if around > 0 else 0.0))
     _assemble(table, cells, sweeps)
+    decode = statistics.median(table.decode_seconds)
+    table.compute = compute_bound.measure(engine.target.weights, decode, table.row_cost * decode)
     return table
 
 
@@ -287,6 +315,10 @@ def _assemble(
         else:
             table.runs.setdefault(cell.alpha, []).append(run)
     table.none_tokens_per_s = statistics.median(table.none_runs)
+    table.verify_cost = {
+        n: statistics.median(costs[n] for costs in table.verify_costs)
+        for n in table.verify_costs[0]
+    }
 
 
 def _register_oracles(
@@ -299,13 +331,16 @@ def _register_oracles(
         engine.register_proposer(_oracle_name(alpha), factory, replace=True)
 
 
-def _time_rows(engine: Engine, max_rows: int) -> dict[int, float]:
-    """``t(n) / t(1)`` for ``n = 1 .. max_rows``, timed on the engine's runtime; the engine's
-    row costs learn the seconds (module docstring, 2.)."""
+def _time_rows(engine: Engine, max_rows: int, table: OracleTable) -> None:
+    """``t(n) / t(1)`` for ``n = 1 .. max_rows``, timed on the engine's runtime, to
+    ``table.verify_costs`` (``t(1)`` to ``decode_seconds``); the engine's row costs become these
+    seconds (module docstring, 2.)."""
     rows = range(1, max_rows + 1)
-    timings = median_forward_seconds(engine.runtime, tuple(rows))
+    timings = median_forward_seconds(engine.runtime, tuple(rows), every_row=True)
     if timings is None or timings[0] <= 0:
         raise HybridSpecError("no free cache slot to time the forward's cost per row")
-    for n, seconds in zip(rows, timings, strict=True):  # what a long-running engine has learned
+    engine.forward_cost.rows.clear()
+    for n, seconds in zip(rows, timings, strict=True):  # what a long-running engine knows now
         engine.forward_cost.rows.observe(n, seconds)
-    return {n: t / timings[0] for n, t in zip(rows, timings, strict=True)}
+    table.decode_seconds.append(timings[0])
+    table.verify_costs.append({n: t / timings[0] for n, t in zip(rows, timings, strict=True)})

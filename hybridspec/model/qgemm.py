@@ -17,7 +17,8 @@ in one thread), so a token's logits do not depend on how many drafts it is verif
 The C library, by concern: ``matmul.c`` (the matmul, its tiles per instruction set in
 ``matmul_tiles.h``), ``tiles.c`` (packing into tiles, rows read back), ``layer.c`` (a layer's
 fused calls: ``hs_attn_in`` with rope and the cache stores, ``hs_mlp_block``), ``attention.c``
-(with ``attention_tiles.h``), ``pack.c`` (a GGUF file's blocks into tiles), and the headers
+(with ``attention_tiles.h``), ``pack.c`` (a GGUF file's blocks into tiles), ``peak.c`` (the
+int8 peak ``bench.compute_bound`` measures), and the headers
 ``isa.h`` (the one set of instruction-set macros), ``fastmath.h`` (conversions, the one exp),
 ``scratch.h``, ``matmul.h``, ``cache_layout.h``, ``gguf_decode.h``. No call allocates: each
 takes the calling thread's scratch buffer (``kernel_abi.ThreadScratch``), which grows when a

@@ -18,16 +18,21 @@ COST_REPEATS = 7  # timings of each model when a proposer's cost is priced (the 
 
 
 def median_forward_seconds(
-    runtime: ModelRuntime, num_tokens: Sequence[int], context: int = TIMING_CONTEXT
+    runtime: ModelRuntime,
+    num_tokens: Sequence[int],
+    context: int = TIMING_CONTEXT,
+    every_row: bool = False,
 ) -> list[float] | None:
     """Median seconds of a one-sequence forward of each of ``num_tokens`` new tokens, after
     ``context`` cached tokens (token id 0 throughout; fewer where the context length leaves
-    less room).
+    less room); logits of the last token only, or with ``every_row`` of every token, as a
+    round that verifies them all computes (the LM head over each row: at the 3B shape 9 rows
+    cost about a tenth more so).
 
     Takes a free cache slot for the duration and leaves the cache as it was; None when no slot
     is free or the sizes do not fit the context length.
     """
-    timings = forward_seconds(runtime, num_tokens, context, REPEATS)
+    timings = forward_seconds(runtime, num_tokens, context, REPEATS, every_row)
     if timings is None:
         return None
     return [sorted(ts)[len(ts) // 2] for ts in timings]
@@ -44,7 +49,11 @@ def fastest_forward_seconds(
 
 
 def forward_seconds(
-    runtime: ModelRuntime, num_tokens: Sequence[int], context: int, repeats: int
+    runtime: ModelRuntime,
+    num_tokens: Sequence[int],
+    context: int,
+    repeats: int,
+    every_row: bool = False,
 ) -> list[list[float]] | None:
     """``repeats`` timings (after one warm-up) of a forward of each of ``num_tokens``; see
     ``median_forward_seconds``."""
@@ -55,15 +64,16 @@ def forward_seconds(
     try:
         if context > 0:
             runtime.forward(ForwardBatch.from_lists([slot], [[0] * context], logits_indices=[]))
-        return [_timings(runtime, slot, context, n, repeats) for n in num_tokens]
+        return [_timings(runtime, slot, context, n, repeats, every_row) for n in num_tokens]
     finally:
         runtime.free(slot)
 
 
 def _timings(
-    runtime: ModelRuntime, slot: int, context: int, num_tokens: int, repeats: int
+    runtime: ModelRuntime, slot: int, context: int, num_tokens: int, repeats: int, every_row: bool
 ) -> list[float]:
-    batch = ForwardBatch.from_lists([slot], [[0] * num_tokens], logits_indices=[num_tokens - 1])
+    rows = list(range(num_tokens)) if every_row else [num_tokens - 1]
+    batch = ForwardBatch.from_lists([slot], [[0] * num_tokens], logits_indices=rows)
     timings = []
     for i in range(repeats + 1):
         start = time.perf_counter()
