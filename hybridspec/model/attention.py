@@ -227,7 +227,9 @@ class KernelAttention:
         items: list[tuple[int, int, int, int, int]] = []
         num_kv = cache.keys.shape[2]
         token = 0
-        threads = num_threads()
+        # the forward's threads matter only to a prompt's span (decode steps never ask)
+        long_span = max(num_new) > self.LONG_SPAN_TOKENS
+        threads = num_threads() if long_span else 1
         for slot, start, n in zip(slots, starts, num_new, strict=True):
             size = self.item_tokens(n, num_kv, threads)
             for b in range(0, n, size):
