@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from hybridspec.model.attention_items import ITEM_COLUMNS
 from hybridspec.model.kv_cache import KVCache, numpy_view
 from hybridspec.model.qgemm import Kernel
-from hybridspec.model.threads import numba_follows
+from hybridspec.model.threads import num_threads, numba_follows
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,11 +204,13 @@ class KernelAttention:
     even as possible: at most ``SHORT_ITEM_TOKENS`` tokens for a span of up to
     ``LONG_SPAN_TOKENS`` (a decode or a verify span: 9 tokens give 9 items to share between
     threads), at most ``LONG_ITEM_TOKENS`` for a longer span (a prompt: fewer, larger items read
-    each key once for more rows).
+    each key once for more rows), in a number of items that the forward's threads share evenly
+    where at most twice the blocks give one (``item_tokens``).
 
     Worked example: spans of 30 tokens (a prompt chunk) and 1 token (a plain decode), 3
     key/value heads: the first span gives 2 items of 15 tokens per head, the second 1 item
-    per head: 9 items in one kernel call.
+    per head: 9 items in one kernel call (on 2 threads; 3 threads take the 30 tokens in 2 items
+    too, 4 threads in 4 items of 8).
     """
 
     SHORT_ITEM_TOKENS = 4
@@ -225,10 +227,11 @@ class KernelAttention:
         items: list[tuple[int, int, int, int, int]] = []
         num_kv = cache.keys.shape[2]
         token = 0
+        # the forward's threads matter only to a prompt's span (decode steps never ask)
+        long_span = max(num_new) > self.LONG_SPAN_TOKENS
+        threads = num_threads() if long_span else 1
         for slot, start, n in zip(slots, starts, num_new, strict=True):
-            limit = self.SHORT_ITEM_TOKENS if n <= self.LONG_SPAN_TOKENS else self.LONG_ITEM_TOKENS
-            blocks = -(-n // limit)
-            size = -(-n // blocks)
+            size = self.item_tokens(n, num_kv, threads)
             for b in range(0, n, size):
                 count = min(size, n - b)
                 for head in range(num_kv):
@@ -251,6 +254,22 @@ class KernelAttention:
         self.scale = np.float32(1.0 / math.sqrt(cache.keys.shape[3]) if scale is None else scale)
         self.softcap = np.float32(scoring.softcap)
         self.scoring = scoring
+
+    @classmethod
+    def item_tokens(cls, n: int, num_kv: int, threads: int) -> int:
+        """Tokens per item of a span of ``n`` new tokens: blocks of at most the span's limit,
+        as even as possible. For a prompt's span, up to twice as many blocks where that makes
+        its items a multiple of ``threads``, so that no thread waits while another runs a last
+        item over the whole history (a 40-token chunk, 3 key/value heads, 2 threads: 4 blocks
+        of 10, 12 items, not 3 blocks of 14)."""
+        limit = cls.SHORT_ITEM_TOKENS if n <= cls.LONG_SPAN_TOKENS else cls.LONG_ITEM_TOKENS
+        least = -(-n // limit)
+        if n > cls.LONG_SPAN_TOKENS:
+            for blocks in range(least, 2 * least + 1):
+                size = -(-n // blocks)
+                if -(-n // size) * num_kv % threads == 0:
+                    return size
+        return -(-n // least)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
