@@ -49,3 +49,4 @@ def test_bound_arithmetic_on_given_numbers() -> None:
     assert "100 GMAC/s, of an int8 peak of 200 GMAC/s (2 threads): 50%" in line
     assert "costs 0.100 of a decode" in line and "alpha 0.70 1.95x (K=3)" in line
     assert bound.to_dict()["peak_macs_per_s"] == 2e11
+    assert "disturbed" not in line and "disturbed" in ComputeBound(1, 0.05, -0.001, 1.0, 1).line({})
