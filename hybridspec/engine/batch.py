@@ -1,5 +1,5 @@
 """One round's batch, built once (``build_round``), and the two steps that run on it: the target
-forward (``run_forward``) and verification (``verify_round``).
+forward (``run_forward``) and verification (``verify_round``), both timed by ``run_round``.
 
 ``RoundBatch`` holds every index a round needs, as host tuples and device tensors: the forward's
 ragged layout (``ForwardBatch``, checked once here, so the runtime trusts its host ints), the
@@ -154,17 +154,34 @@ def forward_layers(proposers: Iterable[Proposer]) -> tuple[int, ...]:
     return tuple(layers)
 
 
+def run_round(
+    runtime: ModelRuntime,
+    batch: RoundBatch,
+    forward_cost: TimedForwardCost,
+    eos_token_ids: frozenset[int],
+) -> tuple[ForwardOutput, VerifyOutput | None]:
+    """The round's target forward and its verification (``run_forward``, ``verify_round``);
+    for a round that fed no prompt, their time together prices its verified rows
+    (``row_costs``: a draft's row costs its verification too, a softmax over the vocabulary a
+    row where the request samples)."""
+    start = time.perf_counter()
+    output = run_forward(runtime, batch, forward_cost)
+    verified = verify_round(batch, output.logits, eos_token_ids)
+    seconds = time.perf_counter() - start
+    forward_cost.observe_round(len(batch.forward.token_ids), batch.num_verify_rows, seconds)
+    return output, verified
+
+
 def run_forward(
     runtime: ModelRuntime, batch: RoundBatch, forward_cost: TimedForwardCost
 ) -> ForwardOutput:
-    """The round's target forward; its time goes to the cost model that sizes prefill chunks
-    and, for a round that fed no prompt, prices verified rows (``row_costs``)."""
+    """The round's target forward; its time goes to the cost model that sizes prefill
+    chunks."""
     start = time.perf_counter()
     output = runtime.forward(batch.forward)
     synchronize(output.logits.device)
     seconds = time.perf_counter() - start
-    num_rows = len(batch.forward.token_ids)
-    forward_cost.observe_forward(num_rows, batch.num_scores, batch.num_verify_rows, seconds)
+    forward_cost.observe(len(batch.forward.token_ids), batch.num_scores, seconds)
     return output
 
 

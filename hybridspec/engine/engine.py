@@ -37,7 +37,7 @@ from typing import Any
 from hybridspec.config import EngineConfig
 from hybridspec.engine import setup
 from hybridspec.engine.admission import Admission
-from hybridspec.engine.batch import build_round, run_forward, verify_round
+from hybridspec.engine.batch import build_round, run_round
 from hybridspec.engine.choices import run_to_results
 from hybridspec.engine.drafts import DraftCounts
 from hybridspec.engine.finish import Ending, Finisher
@@ -247,8 +247,7 @@ class Engine:
         cached = {r.seq_id: self.runtime.seq_len(r.slot) for r, _ in (*drafts, *prefill)}  # type: ignore[arg-type]
         try:
             batch = build_round(drafts, prefill, cached, self.runtime.device)
-            output = run_forward(self.runtime, batch, self.forward_cost)
-            verified = verify_round(batch, output.logits, self.eos_token_ids)
+            output, verified = run_round(self.runtime, batch, self.forward_cost, self.eos_token_ids)
         except Exception:
             logger.exception("a round of %d sequences failed; running each alone", len(cached))
             self.rounds.roll_back([r for r, _ in (*drafts, *prefill)], cached)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridspec.engine.batch import RoundBatch, build_round, run_forward, verify_round
+from hybridspec.engine.batch import RoundBatch, build_round, run_round
 from hybridspec.engine.finish import Ending
 from hybridspec.engine.request import FinishReason, Request, RequestOutput
 from hybridspec.engine.row_costs import TimedForwardCost
@@ -121,8 +121,9 @@ class RoundRunner:
             request = (one_draft or one_prefill)[0][0]
             try:
                 batch = build_round(one_draft, one_prefill, cached, self.runtime.device)
-                output = run_forward(self.runtime, batch, self.forward_cost)
-                verified = verify_round(batch, output.logits, self.eos_token_ids)
+                output, verified = run_round(
+                    self.runtime, batch, self.forward_cost, self.eos_token_ids
+                )
             except Exception:
                 logger.exception("request %s failed alone", request.request_id)
                 self.roll_back([request], cached)

@@ -15,19 +15,39 @@ regression): a row is never free, and one slow count does not lift every count a
 each count made at least the one before it, one forward that compiled a kernel at 9 rows priced
 every row from 9 to 60 alike, so that 8 requests' drafts looked free).
 
-Each count's mean is a moving average over about its last ``WINDOW`` forwards, so that it
-follows the machine's load; its first two forwards give the lesser of the two (the first at a
-new row count often pays one-time costs: kernel selection, first-touched pages), and after
-that a forward counts at most ``OUTLIER`` times its count's mean (a step descheduled by a busy
-neighbour is no row's price).
+Noise would still make rows free: two neighbouring counts out of order (8 rows timed at 17.9 ms,
+9 at 17.1, their true gap 1 ms) pool into one flat stretch, on which a draft's row costs nothing
+and is asked for at any acceptance. So a pooled stretch is priced on the weighted straight line
+through its counts and the nearest measured count on either side (more, until the line rises):
+the row's cost there is the neighbourhood's slope, not the noise's zero. Means already in order
+are kept as measured (a real kink, the second row nearly free on the block kernel, stays).
+
+Each count's mean is a moving average over about its last ``WINDOW`` forwards; its first two
+forwards give the lesser of the two (the first at a new row count often pays one-time costs:
+kernel selection, first-touched pages), and after that a forward counts at most ``OUTLIER``
+times its count's mean (a step descheduled by a busy neighbour is no row's price).
+
+The machine's speed changes faster than a count gathers ``WINDOW`` forwards, and counts are timed
+at different moments: a count timed once under a busy neighbour beside counts timed quietly now
+made rows look dear, the reverse nearly free. So the means are kept relative to the machine's
+present ``level``: each forward of a count already timed ``MIN_FORWARDS`` times moves the level
+by its ratio to that count's price (geometrically, ``LEVEL_RATE`` of the way for a count of
+``WINDOW`` forwards or more, less for one of fewer, whose mean is less sure: counts timed in a
+burst do not pull the level toward their own errors; the ratio clipped to ``OUTLIER``), every
+forward is stored over the level at its time, and a price is the stored mean times the present
+level. A count timed long ago is then priced at today's speed from its ratio to the counts
+timed now. (A count whose forwards move the level also takes a little of a change of speed
+into its own mean, about ``1 / (WINDOW LEVEL_RATE)`` of it: which of the two changed, one
+count alone cannot tell.)
 
 ``TimedForwardCost`` is the engine's forward cost model (``step_budget.FittedForwardCost``, which
 sizes prefill chunks, learning from every timed forward, ``batch.run_forward``) that also keeps a
-``RowCosts`` of the forwards that fed no prompt rows (``observe_forward``): a prompt's chunk of
-``n`` rows costs nothing like a round of ``n`` verified rows (a first chunk runs cold, a deep one
-attends over a long context), and joined by a straight line to one-row rounds it would price
-every draft's row as a prompt's, so that no draft is ever asked for and no round of few rows is
-ever timed.
+``RowCosts`` of the rounds that fed no prompt rows, each timed with its verification
+(``observe_round``: a verified row's softmax and sampling are part of its price): a prompt's
+chunk of ``n`` rows costs nothing like a round of ``n`` verified rows (a first chunk runs cold, a
+deep one attends over a long context), and joined by a straight line to one-row rounds it would
+price every draft's row as a prompt's, so that no draft is ever asked for and no round of few
+rows is ever timed.
 
 Dimensions: ``n`` the rows (tokens) fed in one forward, every sequence's together.
 """
@@ -42,10 +62,11 @@ import numpy as np
 
 from hybridspec.engine.step_budget import FittedForwardCost
 
-WINDOW = 16  # forwards a row count's mean is averaged over, about
+WINDOW = 64  # forwards a row count's mean is averaged over, about (its shape: the level moves)
 OUTLIER = 3.0  # a forward counts at most this many times its row count's mean
 MIN_FORWARDS = 2  # forwards of a row count before its mean outlier-clips the next
 MAX_ROWS = 4096  # forwards of more rows are prefill chunks far past any round of drafts
+LEVEL_RATE = 0.5  # share of a forward's (log) ratio to its price that moves the level
 
 
 @dataclass(slots=True)
@@ -55,13 +76,18 @@ class RowCosts:
     _means: dict[int, float] = field(default_factory=dict)  # rows -> mean seconds
     _counts: dict[int, int] = field(default_factory=dict)  # rows -> forwards seen
     _rows: list[int] = field(default_factory=list)  # the measured row counts, ascending
-    _curve: np.ndarray | None = None  # [n + 1] seconds of 0 .. n rows, up to the largest count
+    _curve: np.ndarray | None = None  # [n + 1] stored seconds of 0 .. n rows, to the largest
+    _level: float = 1.0  # the machine's present speed: a price is the stored mean times it
 
     def observe(self, num_rows: int, seconds: float) -> None:
         """Learn from a forward of ``num_rows`` rows that took ``seconds``."""
         if not (0 < num_rows <= MAX_ROWS and math.isfinite(seconds) and seconds > 0):
             return
         count = self._counts.get(num_rows, 0)
+        if count >= MIN_FORWARDS:  # a count known well enough to tell the machine's speed
+            ratio = min(OUTLIER, max(1.0 / OUTLIER, seconds / self.price(num_rows)))
+            self._level *= ratio ** (LEVEL_RATE * min(count, WINDOW) / WINDOW)
+        seconds /= self._level  # stored at the reference speed (module docstring)
         if count == 0:
             bisect.insort(self._rows, num_rows)
             self._means[num_rows] = seconds
@@ -69,11 +95,14 @@ class RowCosts:
             self._means[num_rows] = min(self._means[num_rows], seconds)
         else:
             mean = self._means[num_rows]
-            if count >= MIN_FORWARDS:
-                seconds = min(seconds, OUTLIER * mean)
+            seconds = min(seconds, OUTLIER * mean)
             self._means[num_rows] = mean + (seconds - mean) / min(count + 1, WINDOW)
         self._counts[num_rows] = count + 1
         self._curve = None
+
+    def price(self, num_rows: int) -> float:
+        """A measured count's mean at the present level (``seconds`` without the line)."""
+        return self._means[num_rows] * self._level
 
     def seconds(self, num_rows: int) -> float | None:
         """Estimated seconds of a forward of ``num_rows`` rows; None where nothing measured
@@ -84,18 +113,19 @@ class RowCosts:
             return None
         curve = self._monotone()
         if num_rows < len(curve):
-            return float(curve[num_rows])
+            return float(curve[num_rows]) * self._level
         slope = max(0.0, (curve[rows[-1]] - curve[rows[-2]]) / (rows[-1] - rows[-2]))
-        return float(curve[rows[-1]] + slope * (num_rows - rows[-1]))
+        return float(curve[rows[-1]] + slope * (num_rows - rows[-1])) * self._level
 
     def _monotone(self) -> np.ndarray:
-        """The means made non-decreasing (``isotonic``, weighted by forwards held), joined by
-        straight lines: seconds of ``0 .. largest`` rows (below the smallest count: its mean,
-        never read)."""
+        """The stored means made non-decreasing (``isotonic``, weighted by forwards held), each
+        pooled stretch on its neighbourhood's line (``sloped``), joined by straight lines:
+        stored seconds of ``0 .. largest`` rows (below the smallest count: its mean, never
+        read)."""
         if self._curve is None:
             means = [self._means[n] for n in self._rows]
             weights = [min(self._counts[n], WINDOW) for n in self._rows]
-            fitted = isotonic(means, weights)
+            fitted = sloped(self._rows, means, weights)
             self._curve = np.interp(np.arange(self._rows[-1] + 1), self._rows, fitted)
         return self._curve
 
@@ -104,22 +134,53 @@ class RowCosts:
         self._counts.clear()
         self._rows.clear()
         self._curve = None
+        self._level = 1.0
 
 
 def isotonic(values: list[float], weights: list[int]) -> list[float]:
     """The non-decreasing sequence nearest ``values`` in weighted least squares (pool adjacent
     violators: a run out of order becomes its weighted mean). Example: values 1, 5, 2, 3 with
     weights 1, 1, 2, 1 give 1, 3, 3, 3."""
-    blocks: list[list[float]] = []  # [mean, weight, length]
-    for value, weight in zip(values, weights, strict=True):
-        blocks.append([value, float(weight), 1])
+    return [mean for mean, start, stop in pooled(values, weights) for _ in range(start, stop)]
+
+
+def pooled(values: list[float], weights: list[int]) -> list[tuple[float, int, int]]:
+    """``isotonic``'s blocks, in order: ``(mean, start, stop)``, ``values[start:stop]`` pooled
+    into ``mean``. Example: values 1, 5, 2, 3 with weights 1, 1, 2, 1 give (1, 0, 1), (3, 1, 4)."""
+    blocks: list[list[float]] = []  # [mean, weight, start, stop]
+    for i, (value, weight) in enumerate(zip(values, weights, strict=True)):
+        blocks.append([value, float(weight), i, i + 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            mean, total, length = blocks.pop()
+            mean, total, _, stop = blocks.pop()
             before = blocks[-1]
             joined = before[1] + total
             before[0] = (before[0] * before[1] + mean * total) / joined
-            before[1], before[2] = joined, before[2] + length
-    return [mean for mean, _, length in blocks for _ in range(int(length))]
+            before[1], before[3] = joined, stop
+    return [(mean, int(start), int(stop)) for mean, _, start, stop in blocks]
+
+
+def sloped(rows: list[int], values: list[float], weights: list[int]) -> np.ndarray:
+    """``isotonic(values, weights)`` at ``rows`` (ascending), each pooled stretch replaced by
+    the weighted least-squares line through its counts and one measured count on either side,
+    widened a count at a time until it rises (module docstring); then made non-decreasing.
+    Example: rows 1, 2, 3, 4 at 1.0, 0.9, 1.2, 1.1 (weights 1) give 0.93, 1.03, 1.07, 1.17
+    (isotonic alone: 0.95, 0.95, 1.15, 1.15)."""
+    x, y, w = (np.asarray(a, dtype=np.float64) for a in (rows, values, weights))
+    fitted = np.asarray(isotonic(values, weights), dtype=np.float64)
+    for _, start, stop in pooled(values, weights):
+        if stop - start < 2:
+            continue
+        lo, hi = start, stop
+        while True:
+            lo, hi = max(0, lo - 1), min(len(x), hi + 1)
+            xs, ys, ws = x[lo:hi], y[lo:hi], w[lo:hi]
+            x_mean, y_mean = np.average(xs, weights=ws), np.average(ys, weights=ws)
+            spread = np.sum(ws * (xs - x_mean) ** 2)
+            slope = np.sum(ws * (xs - x_mean) * (ys - y_mean)) / spread
+            if slope > 0 or (lo == 0 and hi == len(x)):
+                break
+        fitted[start:stop] = y_mean + max(0.0, slope) * (x[start:stop] - x_mean)
+    return np.maximum.accumulate(fitted)
 
 
 @dataclass(slots=True)
@@ -129,11 +190,10 @@ class TimedForwardCost(FittedForwardCost):
 
     rows: RowCosts = field(default_factory=RowCosts)
 
-    def observe_forward(
-        self, num_rows: int, num_scores: int, num_verified: int, seconds: float
-    ) -> None:
-        """A forward of ``num_rows`` rows, ``num_verified`` of them decoding requests' verified
-        rows, took ``seconds``: the fit learns it, and ``rows`` too where it fed no prompt."""
-        self.observe(num_rows, num_scores, seconds)
+    def observe_round(self, num_rows: int, num_verified: int, seconds: float) -> None:
+        """A round's forward of ``num_rows`` rows, ``num_verified`` of them decoding requests'
+        verified rows, and its verification took ``seconds``: ``rows`` learns it where it fed
+        no prompt (``fit``, which sizes prompt chunks, learns each forward alone:
+        ``batch.run_forward``)."""
         if num_verified == num_rows:
             self.rows.observe(num_rows, seconds)

@@ -15,6 +15,9 @@ agent's next edit of the same file, a second summary of one document) drafts it 
   ``MIN_CONFIDENCE``: a long match that has been kept drafts many, a one-token match of new
   text few (3 at the prior). Adaptive speculation then prices what is left against the
   request's own rate.
+- **Learning.** Committed tokens wait, checked, until the sequence's next proposal (or its
+  finish) and enter its tables there in one compiled call: a round without drafts does not
+  call ``propose`` (``Proposer``), and costs no table work.
 - **Bound.** The store is ``SuffixConfig.max_tokens`` tokens (``--suffix-cache-tokens``): the
   oldest leave first, a sliding window over n-gram tables (``ngram_kernels``).
 - **Isolation** (``SuffixConfig.isolation``): ``per-server``, one pool for every request;
@@ -91,6 +94,7 @@ class SuffixProposer(Proposer):
         # seq -> own slot, pool, pool key, tokens (prompt and output)
         self._seqs: dict[int, tuple[int, int, _Key | None, list[int]]] = {}
         self._last: dict[int, tuple[int, int, int]] = {}  # seq -> source, order, drafts
+        self._unlearned: dict[int, list[np.ndarray]] = {}  # seq -> tokens committed since
         self._rates: dict[tuple[int, int], AcceptanceEstimate] = {}
 
     def _key_of(self, session: Session) -> _Key | None:
@@ -138,6 +142,7 @@ class SuffixProposer(Proposer):
         num_drafts = np.empty(num, np.int64)
         for i, request in enumerate(requests):
             own_slots[i], pools[i] = self._slots(request.seq_id)
+            self._learn(request.seq_id, int(own_slots[i]))
             k = request.max_num_drafts
             check(
                 0 <= k <= MAX_SPECULATIVE_TOKENS,
@@ -174,10 +179,10 @@ class SuffixProposer(Proposer):
 
     def commit(self, info: CommitInfo) -> None:
         """Learn the appended tokens, and how many of the last proposal's drafts were kept."""
-        slot, _, _, tokens = self._seq(info.seq_id)
+        self._seq(info.seq_id)
         new = self._tokens(info.token_ids)
-        compiled_ngram().append_tokens(self._own, self._own_min_order, slot, new)
-        tokens.extend(int(t) for t in new)
+        if new.size:  # learned at the next proposal (module docstring, "Learning")
+            self._unlearned.setdefault(info.seq_id, []).append(new)
         last = self._last.pop(info.seq_id, None)
         if last is not None and last[2] > 0:
             source, order, num = last
@@ -185,16 +190,33 @@ class SuffixProposer(Proposer):
 
     def finish(self, seq_id: int) -> None:
         """Release the sequence, adding its prompt and output to its pool."""
-        state = self._seqs.pop(seq_id, None)
+        state = self._seqs.get(seq_id)
         self._last.pop(seq_id, None)
         if state is None:
             return
-        slot, pool, key, tokens = state
+        tokens = state[3]
+        tokens.extend(self._pending(seq_id).tolist())
+        slot, pool, key, _ = self._seqs.pop(seq_id)
         self._free.append(slot)
         if key is not None and self._pools.get(key) == pool:  # else its session was evicted
             compiled_ngram().append_tokens(
                 self._shared, SHARED_MIN_ORDER, pool, np.asarray(tokens, np.int64)
             )
+
+    def _learn(self, seq_id: int, slot: int) -> None:
+        """Append the tokens committed to ``seq_id`` since its last proposal to its own tables
+        (in ``slot``) and its text."""
+        new = self._pending(seq_id)
+        if new.size:
+            compiled_ngram().append_tokens(self._own, self._own_min_order, slot, new)
+            self._seqs[seq_id][3].extend(new.tolist())
+
+    def _pending(self, seq_id: int) -> np.ndarray:
+        """The tokens committed to ``seq_id`` and not yet learned, taken (oldest first)."""
+        pending = self._unlearned.pop(seq_id, None)
+        if not pending:
+            return np.empty(0, np.int64)
+        return pending[0] if len(pending) == 1 else np.concatenate(pending)
 
     def _slots(self, seq_id: int) -> tuple[int, int]:
         """The sequence's own slot, and its pool while its session still holds it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from hybridspec.config import SuffixConfig
@@ -190,3 +191,28 @@ def test_a_request_that_shares_no_text_neither_feeds_nor_reads_a_pool() -> None:
     assert drafts(proposer, scoped(proposer, 1, None), [5, 6, 7, 8]) == []
     serve(proposer, scoped(proposer, 2, None), [5, 6, 7, 8], ANSWER)
     assert drafts(proposer, scoped(proposer, 3, None, shares=False), [5, 6, 7, 8]) == []
+
+
+def test_commits_between_proposals_are_learned_at_the_next_one() -> None:
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 6) for _ in range(12)]
+    every, skipping = make(), make()
+    for proposer in (every, skipping):
+        start(proposer, 0, prompt)
+    text = list(prompt)
+    for round_ in range(18):
+        committed = [rng.randrange(1, 6) for _ in range(rng.randrange(1, 4))]
+        for proposer in (every, skipping):
+            proposer.commit(CommitInfo(0, committed, 0))
+        text += committed
+        every.propose([request(0, text, 4)])
+        if round_ % 4 == 3:  # the engine calls propose only in rounds that ask for drafts
+            skipping.propose([request(0, text, 4)])
+            for mine, theirs in zip(skipping._own, every._own, strict=True):
+                assert np.array_equal(mine, theirs)  # the same tables, learned at once
+    assert skipping._unlearned  # the last rounds' tokens wait for the next proposal
+    assert int(skipping._own.num_tokens[0]) < int(every._own.num_tokens[0])
+    for proposer in (every, skipping):
+        proposer.finish(0)  # the whole text, pending tokens too, enters the pool
+    for mine, theirs in zip(skipping._shared, every._shared, strict=True):
+        assert np.array_equal(mine, theirs)
