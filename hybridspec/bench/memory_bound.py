@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from hybridspec.model import LlamaWeights, LoadedModel, held_bytes
-from hybridspec.model.llama_weights import Matrix
+from hybridspec.model import LlamaWeights, LoadedModel, Matrix, held_bytes
 
 READ_BYTES = 2**30
 
