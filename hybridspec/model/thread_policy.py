@@ -14,14 +14,14 @@ The count is chosen on decode rounds; a step that feeds prompt tokens (a chunk, 
 prompt fed whole in its first round), which takes many decode rounds' time, runs at the chosen
 count, never a probe's (``for_step``), and is not observed.
 
-Where other processes use CPU time (``OtherCpu``: the machine's busy time less this process's
-own, at least half a core), the controller asks for passive waits (``wait``): a worker that
-waits at a barrier sleeps almost at once instead of spinning for milliseconds, so that the core
-goes to the descheduled worker it waits for, not to its own spinning; alone, and beside clients
-that use a few percent of a core, spinning waits keep the barriers fast. The controller sees
-step times only through ``observe`` and the load only through ``load``; it reads no clock, so
-its tests inject both (``OtherCpu`` reads one). Greedy texts do not depend on the count: the
-kernels' sums run in a fixed order whatever the thread count (tests/model's invariance tests).
+Where other processes are runnable (``other_runnable``: /proc/stat's running tasks less this
+process's own), the controller asks for passive waits (``wait``): a worker that waits at a
+barrier sleeps almost at once instead of spinning for milliseconds, so that the core goes to the
+descheduled worker it waits for, not to its own spinning; alone, spinning waits keep the
+barriers fast. The controller sees step times only through ``observe`` and the load only
+through ``load``; it reads no clock, so its tests inject both. Greedy texts do not depend on
+the count: the kernels' sums run in a fixed order whatever the thread count (tests/model's
+invariance tests).
 """
 
 from __future__ import annotations
@@ -29,72 +29,38 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 PROC_STAT = Path("/proc/stat")
+OWN_TASKS = Path("/proc/self/task")
 
 
-OTHER_BUSY_CORES = 0.5  # other processes' CPU use (cores) from which waits turn passive
-LOAD_SPAN_S = 0.25  # the shortest span other processes' CPU use is measured over
+def other_runnable(stat: str | None = None, own_states: list[str] | None = None) -> int:
+    """Runnable tasks of other processes: /proc/stat's ``procs_running`` less this process's
+    threads in state R (``own_states``: each thread's stat line), 0 where unreadable.
+
+    Read from the system where not given (the arguments are for tests)."""
+    if stat is None:
+        stat = _read(PROC_STAT)
+    running = next(
+        (line.split()[1] for line in stat.splitlines() if line.startswith("procs_running ")), ""
+    )
+    if not running.isdigit():
+        return 0
+    if own_states is None:
+        own_states = [_read(task / "stat") for task in _tasks()]
+    own = sum(1 for line in own_states if line[line.rfind(")") + 1 :].split()[:1] == ["R"])
+    return max(0, int(running) - own)
 
 
-def busy_seconds(stat: str) -> float:
-    """Seconds of CPU time the whole machine has spent busy since boot: /proc/stat's ``cpu``
-    line, every field but idle, iowait and steal (steal is other machines' time), 0 where
-    unreadable."""
-    for line in stat.splitlines():
-        fields = line.split()
-        if fields[:1] == ["cpu"] and len(fields) >= 9 and all(f.isdigit() for f in fields[1:9]):
-            ticks = [int(f) for f in fields[1:9]]
-            busy = sum(ticks) - ticks[3] - ticks[4] - ticks[7]
-            return busy / _clock_ticks()
-    return 0.0
-
-
-def _clock_ticks() -> int:
+def _tasks() -> list[Path]:
     try:
-        return int(os.sysconf("SC_CLK_TCK")) or 100
-    except (AttributeError, ValueError, OSError):
-        return 100
-
-
-class OtherCpu:
-    """The cores' worth of CPU time that other processes use: the machine's busy time less this
-    process's own, over a span of at least ``span`` seconds, as a callable for
-    ``ThreadController(load=...)``.
-
-    CPU time, not a count of runnable tasks: a client that wakes for each streamed token is
-    runnable at the moment a step ends, though it uses a few percent of a core, while a busy
-    process uses most of one. Between spans the last figure is returned. ``read`` gives (wall
-    seconds, machine busy seconds, own CPU seconds); the default reads the clock, /proc/stat and
-    ``os.times`` (tests inject it)."""
-
-    def __init__(
-        self,
-        span: float = LOAD_SPAN_S,
-        read: Callable[[], tuple[float, float, float]] | None = None,
-    ) -> None:
-        self._span, self._read = span, read or _cpu_reading
-        self._last = self._read()
-        self._cores = 0.0
-
-    def __call__(self) -> float:
-        now = self._read()
-        wall = now[0] - self._last[0]
-        if wall >= self._span:
-            others = (now[1] - self._last[1]) - (now[2] - self._last[2])
-            self._cores = max(0.0, others / wall)
-            self._last = now
-        return self._cores
-
-
-def _cpu_reading() -> tuple[float, float, float]:
-    times = os.times()
-    return time.monotonic(), busy_seconds(_read(PROC_STAT)), times.user + times.system
+        return list(OWN_TASKS.iterdir())
+    except OSError:
+        return []
 
 
 def available_cores(
@@ -155,8 +121,8 @@ class ThreadController:
     ``observe(seconds)`` takes the time of one step run at ``threads`` and returns the count for
     the next; ``apply`` is called with every new count (``model.threads.set_num_threads``).
     Only comparable steps should be observed (decode rounds, not prompt chunks). Every
-    ``window`` steps it reads ``load`` (other processes' CPU use, in cores) and calls
-    ``wait(passive)`` where the answer changes: passive waits from ``OTHER_BUSY_CORES`` up.
+    ``window`` steps it reads ``load`` (other runnable tasks) and calls ``wait(passive)`` where
+    the answer changes: passive waits while any other task is runnable.
 
     Counts are compared by their windows' mean step time, which is what the rate depends on:
     under load a step time is heavy-tailed (most steps fast, a few waiting hundreds of times
@@ -177,7 +143,7 @@ class ThreadController:
         backoff: int = 4,
         margin: float = 0.1,
         slowdown: float = 1.5,
-        load: Callable[[], float] | None = None,
+        load: Callable[[], int] | None = None,
         wait: Callable[[bool], None] | None = None,
     ) -> None:
         if max_threads < 1 or not 1 <= min_probe <= window or first_period < window:
@@ -211,10 +177,10 @@ class ThreadController:
         self._watch_load()
 
     def _watch_load(self) -> None:
-        """Passive waits while other processes use CPU time, spinning ones otherwise."""
+        """Passive waits while another task is runnable, spinning ones otherwise."""
         if self._load is None or self._wait is None:
             return
-        passive = self._load() >= OTHER_BUSY_CORES
+        passive = self._load() > 0
         if passive != self._passive:
             self._passive = passive
             self._wait(passive)

@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from hybridspec.model.thread_policy import OtherCpu, ThreadController, available_cores
+from hybridspec.model.thread_policy import ThreadController, available_cores, other_runnable
 
 _local = threading.local()  # ``wanted``: the thread's count; ``numba``: what numba was given
 
@@ -67,7 +67,7 @@ def thread_controller(num_threads: int | Literal["auto"] | None) -> ThreadContro
     ``"auto"``, every usable core, and the controller that adapts the count from step times."""
     if num_threads == "auto":
         return ThreadController(
-            available_cores(), set_num_threads, load=OtherCpu(), wait=passive_waits
+            available_cores(), set_num_threads, load=other_runnable, wait=passive_waits
         )
     if num_threads is not None:
         set_num_threads(num_threads)

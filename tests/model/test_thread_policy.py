@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from hybridspec.model.thread_policy import OtherCpu, ThreadController, available_cores, busy_seconds
+from hybridspec.model.thread_policy import ThreadController, available_cores, other_runnable
 
 
 def test_available_cores_is_the_affinity_capped_by_the_cgroup_quota() -> None:
@@ -162,30 +160,14 @@ def test_a_prompt_step_runs_at_the_chosen_count_never_a_probes() -> None:
     assert applied[-1] == 1 and len(applied) == 4  # already so: nothing applied
 
 
-STAT = "cpu  100 5 50 1000 7 1 2 40 0 0\ncpu0 50 2 25 500 3 0 1 20 0 0\nprocs_running 5\n"
+STAT = "cpu  1 2 3\nprocs_running 5\nprocs_blocked 0\n"
+R, S = "12 (python (x)) R 1 2", "13 (python) S 1 2"
 
 
-def test_busy_seconds_count_every_field_but_idle_iowait_and_steal() -> None:
-    ticks = os.sysconf("SC_CLK_TCK")
-    assert busy_seconds(STAT) == pytest.approx((100 + 5 + 50 + 1 + 2) / ticks)
-    assert busy_seconds("procs_running 5\n") == 0.0  # unreadable: no load seen
-
-
-def test_other_cpu_is_the_machines_busy_time_less_this_process_own_over_a_span() -> None:
-    readings = iter(
-        [
-            (0.0, 10.0, 4.0),  # at construction
-            (0.1, 10.2, 4.1),  # too soon: the last figure (none yet)
-            (0.5, 10.9, 4.4),  # 0.9 s busy, 0.4 s ours, over 0.5 s: 1 core of others
-            (0.6, 12.0, 4.4),  # too soon again: still 1.0
-            (1.0, 11.0, 5.3),  # the busy time reads lower than before (a reset): never below 0
-        ]
-    )
-    other = OtherCpu(span=0.25, read=lambda: next(readings))
-    assert other() == 0.0
-    assert other() == pytest.approx(1.0)
-    assert other() == pytest.approx(1.0)
-    assert other() == 0.0
+def test_other_runnable_is_the_running_tasks_less_this_process_own() -> None:
+    assert other_runnable(STAT, [R, R, S]) == 3
+    assert other_runnable(STAT, [R] * 7) == 0
+    assert other_runnable("cpu  1 2 3\n", [R]) == 0  # unreadable: no load seen
 
 
 def test_waits_turn_passive_while_another_task_runs_and_spin_again_alone() -> None:
