@@ -14,14 +14,9 @@ The count is chosen on decode rounds; a step that feeds prompt tokens (a chunk, 
 prompt fed whole in its first round), which takes many decode rounds' time, runs at the chosen
 count, never a probe's (``for_step``), and is not observed.
 
-Where other processes are runnable (``other_runnable``: /proc/stat's running tasks less this
-process's own), the controller asks for passive waits (``wait``): a worker that waits at a
-barrier sleeps almost at once instead of spinning for milliseconds, so that the core goes to the
-descheduled worker it waits for, not to its own spinning; alone, spinning waits keep the
-barriers fast. The controller sees step times only through ``observe`` and the load only
-through ``load``; it reads no clock, so its tests inject both. Greedy texts do not depend on
-the count: the kernels' sums run in a fixed order whatever the thread count (tests/model's
-invariance tests).
+The controller sees step times only through ``observe``; it reads no clock, so its tests inject
+the times. Greedy texts do not depend on the count: the kernels' sums run in a fixed order
+whatever the thread count (tests/model's invariance tests).
 """
 
 from __future__ import annotations
@@ -34,33 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
-PROC_STAT = Path("/proc/stat")
-OWN_TASKS = Path("/proc/self/task")
-
-
-def other_runnable(stat: str | None = None, own_states: list[str] | None = None) -> int:
-    """Runnable tasks of other processes: /proc/stat's ``procs_running`` less this process's
-    threads in state R (``own_states``: each thread's stat line), 0 where unreadable.
-
-    Read from the system where not given (the arguments are for tests)."""
-    if stat is None:
-        stat = _read(PROC_STAT)
-    running = next(
-        (line.split()[1] for line in stat.splitlines() if line.startswith("procs_running ")), ""
-    )
-    if not running.isdigit():
-        return 0
-    if own_states is None:
-        own_states = [_read(task / "stat") for task in _tasks()]
-    own = sum(1 for line in own_states if line[line.rfind(")") + 1 :].split()[:1] == ["R"])
-    return max(0, int(running) - own)
-
-
-def _tasks() -> list[Path]:
-    try:
-        return list(OWN_TASKS.iterdir())
-    except OSError:
-        return []
 
 
 def available_cores(
@@ -120,9 +88,7 @@ class ThreadController:
 
     ``observe(seconds)`` takes the time of one step run at ``threads`` and returns the count for
     the next; ``apply`` is called with every new count (``model.threads.set_num_threads``).
-    Only comparable steps should be observed (decode rounds, not prompt chunks). Every
-    ``window`` steps it reads ``load`` (other runnable tasks) and calls ``wait(passive)`` where
-    the answer changes: passive waits while any other task is runnable.
+    Only comparable steps should be observed (decode rounds, not prompt chunks).
 
     Counts are compared by their windows' mean step time, which is what the rate depends on:
     under load a step time is heavy-tailed (most steps fast, a few waiting hundreds of times
@@ -143,8 +109,6 @@ class ThreadController:
         backoff: int = 4,
         margin: float = 0.1,
         slowdown: float = 1.5,
-        load: Callable[[], int] | None = None,
-        wait: Callable[[bool], None] | None = None,
     ) -> None:
         if max_threads < 1 or not 1 <= min_probe <= window or first_period < window:
             raise ValueError(
@@ -170,20 +134,7 @@ class ThreadController:
         self._skip = 0  # steps not counted after a switch (the pool wakes up)
         self._upward = False  # the direction of the next probe, alternating
         self._applied = self.threads  # the count last applied (a probe's, or the chosen one)
-        self._load, self._wait = load, wait
-        self._steps = 0  # steps observed, for reading the load every window
-        self._passive = False
         self._apply(self.threads)
-        self._watch_load()
-
-    def _watch_load(self) -> None:
-        """Passive waits while another task is runnable, spinning ones otherwise."""
-        if self._load is None or self._wait is None:
-            return
-        passive = self._load() > 0
-        if passive != self._passive:
-            self._passive = passive
-            self._wait(passive)
 
     def for_step(self, prefill: bool) -> None:
         """Apply the count of the next step: for a decode round the current count (a probe's
@@ -199,9 +150,6 @@ class ThreadController:
 
     def observe(self, seconds: float) -> int:
         """Record one step's time at the current count; return the count of the next step."""
-        self._steps += 1
-        if self._steps % self._window == 0:
-            self._watch_load()
         if self._skip:
             self._skip -= 1
             return self.threads

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridspec.model.thread_policy import ThreadController, available_cores, other_runnable
+from hybridspec.model.thread_policy import ThreadController, available_cores
 
 
 def test_available_cores_is_the_affinity_capped_by_the_cgroup_quota() -> None:
@@ -158,24 +158,3 @@ def test_a_prompt_step_runs_at_the_chosen_count_never_a_probes() -> None:
     controller.for_step(prefill=True)  # chosen now: the prompt step runs at 1 too
     controller.for_step(prefill=False)
     assert applied[-1] == 1 and len(applied) == 4  # already so: nothing applied
-
-
-STAT = "cpu  1 2 3\nprocs_running 5\nprocs_blocked 0\n"
-R, S = "12 (python (x)) R 1 2", "13 (python) S 1 2"
-
-
-def test_other_runnable_is_the_running_tasks_less_this_process_own() -> None:
-    assert other_runnable(STAT, [R, R, S]) == 3
-    assert other_runnable(STAT, [R] * 7) == 0
-    assert other_runnable("cpu  1 2 3\n", [R]) == 0  # unreadable: no load seen
-
-
-def test_waits_turn_passive_while_another_task_runs_and_spin_again_alone() -> None:
-    loads = iter([0] * 2 + [1] * 3 + [0] * 100)
-    waits: list[bool] = []
-    controller = ThreadController(2, lambda n: None, load=lambda: next(loads), wait=waits.append)
-    assert waits == []  # alone at the start: spinning, nothing to change
-    for _ in range(8 * 6):
-        controller.observe(0.01)
-    # read every 8 steps: 0 (start), 0, 1, 1, 1, 0, 0
-    assert waits == [True, False]

@@ -183,15 +183,6 @@ static void store_tile(float out[][ROWS], int tt, int rows, int64_t t0, int64_t 
     }
 }
 
-/* The tiles a thread takes at a time from a matrix's ``tiles``: about 16 takes per thread, so
- * that a thread the OS deschedules (a busy machine) leaves the others at most a chunk to wait
- * for at the loop's end while they take the rest of its share. Each tile writes its own outputs
- * with the same sums whichever thread takes it, so the results do not depend on the chunks. */
-static int64_t tile_chunk(int64_t tiles) {
-    int64_t chunk = tiles / (16 * team_size());
-    return chunk > 1 ? chunk : 1;
-}
-
 int64_t matmul_scratch(const qweight_t *w, int64_t T) {
     int64_t K = w->K, G = K / GS, S = GS / w->group;
     return lines(T * K) + lines(4 * T * G) + 2 * lines(4 * T * G * S) + team_size() * lines(4 * K);
@@ -215,7 +206,6 @@ void matmul_run(const qweight_t *w, const void *x, int x_f32, int64_t T, int pro
     float *dx = take(&scratch, 4 * T * G), *sx = take(&scratch, 4 * T * G * S);
     int32_t *qs = take(&scratch, 4 * T * G * S);
     float *rows_a = (float *)scratch; /* one row of K floats per thread, lines(4 K) apart */
-    int64_t chunk = tile_chunk(tiles);
 #pragma omp parallel
     {
         float *a = rows_a + team_member() * (lines(4 * K) / 4);
@@ -225,7 +215,7 @@ void matmul_run(const qweight_t *w, const void *x, int x_f32, int64_t T, int pro
                          x_f32 ? (const float *)x + t * Kx : NULL, K, prologue, norm_w, eps, a);
             quantize_row(a, K, group, q + t * K, dx + t * G, sx + t * G * S, qs + t * G * S);
         }
-#pragma omp for schedule(dynamic, chunk)
+#pragma omp for schedule(static)
         for (int64_t b = 0; b < tiles; b++) {
             int rows = N - b * ROWS < ROWS ? (int)(N - b * ROWS) : ROWS;
             factors_t td = tile_factors(w->scales, b, G, S), tm = tile_factors(w->offsets, b, G, S);
