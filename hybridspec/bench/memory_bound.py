@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hybridspec.model import LlamaWeights, LoadedModel, Matrix, held_bytes
+from hybridspec.model import LlamaWeights, LoadedModel, PackedWeight, QuantizedWeight, held_bytes
 
 READ_BYTES = 2**30
 
@@ -50,7 +50,7 @@ class MemoryBound:
         )
 
 
-def matrices(weights: LlamaWeights) -> list[Matrix]:
+def matrices(weights: LlamaWeights) -> list[torch.Tensor | QuantizedWeight | PackedWeight]:
     """Every matrix a token's forward multiplies: the layers' and the LM head."""
     found = [weights.lm_head]
     for layer in weights.layers:

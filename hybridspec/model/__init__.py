@@ -13,7 +13,7 @@ from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from hybridspec.model.gguf_rows import MappedRows
-    from hybridspec.model.llama_weights import LlamaWeights, Matrix, dense
+    from hybridspec.model.llama_weights import LlamaWeights, dense
     from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
     from hybridspec.model.qgemm import BlockLinear, Kernel, block_kernel
     from hybridspec.model.quant import PackedWeight, QuantizedWeight, held_bytes, quantize
@@ -41,7 +41,6 @@ __all__ = [
     "LlamaWeights",
     "LoadedModel",
     "MappedRows",
-    "Matrix",
     "ModelRuntime",
     "ObserverHandle",
     "PackedWeight",
@@ -70,7 +69,7 @@ __getattr__, __dir__ = lazy_exports(
     globals(),
     {
         "hybridspec.model.gguf_rows": ("MappedRows",),
-        "hybridspec.model.llama_weights": ("LlamaWeights", "Matrix", "dense"),
+        "hybridspec.model.llama_weights": ("LlamaWeights", "dense"),
         "hybridspec.model.loader": ("LoadedModel", "embedded_model_path", "load_model"),
         "hybridspec.model.qgemm": ("BlockLinear", "Kernel", "block_kernel"),
         "hybridspec.model.quant": ("PackedWeight", "QuantizedWeight", "held_bytes", "quantize"),
