@@ -15,8 +15,8 @@ are kept in a file of their own (``packed_file``), the chunk's pages also leave 
 (``MADV_PAGEOUT``): later loads map that file and never read these pages again, and the memory
 they free is reused at once for the next chunk's pages and the packed file's own. Fresh memory
 is what a first load pays for (on a virtual machine whose host takes free memory back, touching
-a page the guest has not used lately costs a fault on the host too: about 2.5 s of system time
-a GB); reusing the file's pages about halves what it touches.
+a page the guest has not used lately costs a fault on the host too); reusing the file's pages
+about halves what it touches.
 
 ``read_ahead``: the whole file asked into the page cache on a thread of its own, so that on a
 first load the disk reads while the process works (the tokenizer, the packing of what was read
