@@ -168,7 +168,10 @@ def run_round(
     output = run_forward(runtime, batch, forward_cost)
     verified = verify_round(batch, output.logits, eos_token_ids)
     seconds = time.perf_counter() - start
-    forward_cost.observe_round(len(batch.forward.token_ids), batch.num_verify_rows, seconds)
+    num_drafts = sum(proposal.num_drafts for _, proposal in batch.drafts)
+    forward_cost.observe_round(
+        len(batch.forward.token_ids), batch.num_verify_rows, seconds, num_drafts
+    )
     return output, verified
 
 

@@ -63,15 +63,17 @@ class DraftCounts:
     ) -> MeasuredPrice | None:
         """The round's price in measured seconds (``engine.speculation``, "Measured costs"):
         the forwards by their rows, the proposer's ``timed`` seconds per draft and per round
-        (before it has them, its ``cost_per_token`` times a one-row forward); None before a
-        one-row forward is timed."""
+        (before it has them, its ``cost_per_token`` times a one-row forward), and per draft
+        the seconds drafting rounds took beyond the rows' price (``engine.realized_rows``);
+        None before a one-row forward is timed."""
         rows = self.forward_cost.rows
+        extra = self.forward_cost.realized.extra_per_draft()
         if timed is not None:
-            return MeasuredPrice(rows.seconds, *timed)
+            return MeasuredPrice(rows.seconds, timed[0] + extra, timed[1])
         one = rows.seconds(1)
         if one is None:
             return None
-        return MeasuredPrice(rows.seconds, proposer.cost_per_token * one)
+        return MeasuredPrice(rows.seconds, proposer.cost_per_token * one + extra)
 
     def _forward_fixed_s(self, speculation: SpeculationPolicy) -> float | None:
         """Seconds of a target forward's fixed part, ``a`` of ``engine.speculation``: the

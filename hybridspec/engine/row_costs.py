@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hybridspec.engine.realized_rows import RealizedRows
 from hybridspec.engine.step_budget import FittedForwardCost
 
 WINDOW = 64  # forwards a row count's mean is averaged over, about (its shape: the level moves)
@@ -189,11 +190,23 @@ class TimedForwardCost(FittedForwardCost):
     (``rows``) for adaptive speculation (module docstring)."""
 
     rows: RowCosts = field(default_factory=RowCosts)
+    realized: RealizedRows = field(default_factory=RealizedRows)
 
-    def observe_round(self, num_rows: int, num_verified: int, seconds: float) -> None:
+    def observe_round(
+        self, num_rows: int, num_verified: int, seconds: float, num_drafts: int = 0
+    ) -> None:
         """A round's forward of ``num_rows`` rows, ``num_verified`` of them decoding requests'
-        verified rows, and its verification took ``seconds``: ``rows`` learns it where it fed
-        no prompt (``fit``, which sizes prompt chunks, learns each forward alone:
-        ``batch.run_forward``)."""
-        if num_verified == num_rows:
-            self.rows.observe(num_rows, seconds)
+        verified rows (``num_drafts`` of those drafts), and its verification took ``seconds``:
+        where it fed no prompt, ``realized`` checks what its drafts' rows added against what
+        ``rows`` priced them at, then ``rows`` learns it (``fit``, which sizes prompt chunks,
+        learns each forward alone: ``batch.run_forward``)."""
+        if num_verified != num_rows:
+            return
+        requests = num_rows - num_drafts
+        modelled = None
+        if num_drafts > 0:
+            with_drafts, without = self.rows.seconds(num_rows), self.rows.seconds(requests)
+            if with_drafts is not None and without is not None:
+                modelled = with_drafts - without
+        self.realized.observe(requests, num_drafts, seconds, modelled)
+        self.rows.observe(num_rows, seconds)
