@@ -19,9 +19,12 @@ more than the table says, a request asks for fewer, down to none and a pause.
 
 Rounds with and without drafts interleave within seconds, so the machine's load changes both
 alike; a step without drafts last seen more than ``STALE`` rounds ago prices nothing (the load
-may have changed since), and a round is counted at most ``OUTLIER`` times its baseline (a
-descheduled step is nobody's draft). Before ``MIN_DRAFTS`` decayed drafts are counted the
-check adds nothing: a few rounds' noise is no price.
+may have changed since). A round counts within ``OUTLIER`` times of what was expected of it
+either way (a round without drafts: its count's average; one with drafts: that average plus
+the table's price of its drafts): a step descheduled by a busy neighbour, or one that ran
+while the neighbour slept, is nobody's draft, and one such step must not outweigh dozens.
+Before ``MIN_DRAFTS`` decayed drafts are counted the check adds nothing: a few rounds' noise
+is no price.
 
 Worked example: 8 requests without drafts take 20 ms; a round of 8 requests and 2 drafts takes
 24 ms where the table said 22: realised 4 ms, modelled 2, so each draft costs 1 ms more than
@@ -36,7 +39,7 @@ DECAY = 0.97  # weight of a drafting round's evidence after each later drafting 
 BASE_RATE = 0.2  # share of a round without drafts that moves its count's average
 MIN_BASE = 2  # rounds without drafts at a count before its average prices a drafting round
 STALE = 32  # rounds after which a count's average without drafts prices nothing
-OUTLIER = 3.0  # a drafting round counts at most this many times its step without drafts
+OUTLIER = 1.5  # a round counts within this factor of what was expected of it, either way
 MIN_DRAFTS = 8.0  # decayed drafts counted before ``extra_per_draft`` adds anything
 
 
@@ -73,18 +76,21 @@ class RealizedRows:
         if num_drafts == 0:
             if base is None:
                 self._bases[num_requests] = _Base(seconds, 1, self._rounds)
+            elif base.count < MIN_BASE:  # the first few: their mean, none yet to clip to
+                base.seconds += (seconds - base.seconds) / (base.count + 1)
             else:
-                move = BASE_RATE if base.count >= MIN_BASE else 1.0 / (base.count + 1)
-                base.seconds += move * (seconds - base.seconds)
+                base.seconds += BASE_RATE * (_within(seconds, base.seconds) - base.seconds)
+            if base is not None:
                 base.count, base.seen = base.count + 1, self._rounds
             return
         if base is None or base.count < MIN_BASE or self._rounds - base.seen > STALE:
             return
         if modelled is None:
             return
-        realized = min(seconds, OUTLIER * base.seconds) - base.seconds
+        modelled = max(0.0, modelled)
+        realized = _within(seconds, base.seconds + modelled) - base.seconds
         self._realized = DECAY * self._realized + realized
-        self._modelled = DECAY * self._modelled + max(0.0, modelled)
+        self._modelled = DECAY * self._modelled + modelled
         self._drafts = DECAY * self._drafts + num_drafts
 
     def extra_per_draft(self) -> float:
@@ -98,3 +104,8 @@ class RealizedRows:
         self._bases.clear()
         self._realized = self._modelled = self._drafts = 0.0
         self._rounds = 0
+
+
+def _within(seconds: float, expected: float) -> float:
+    """``seconds`` clipped to within ``OUTLIER`` times ``expected``, either way."""
+    return min(OUTLIER * expected, max(expected / OUTLIER, seconds))

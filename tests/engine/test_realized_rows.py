@@ -56,10 +56,18 @@ def test_a_step_without_drafts_seen_long_ago_prices_nothing() -> None:
     assert realized.extra_per_draft() == 0.0
 
 
-def test_a_descheduled_round_counts_at_most_outlier_times_its_baseline() -> None:
+def test_a_descheduled_round_counts_within_outlier_times_what_was_expected() -> None:
     realized = RealizedRows()
-    interleaved(realized, 40, 20 * MS * 100, 0.0)
-    assert realized.extra_per_draft() == pytest.approx((OUTLIER - 1) * 20 * MS / 2)
+    interleaved(realized, 40, 20 * MS * 100, 2 * MS)  # every drafting round descheduled
+    expected = (OUTLIER * 22 - 20 - 2) * MS / 2  # each at most OUTLIER times 20 + 2 ms
+    assert realized.extra_per_draft() == pytest.approx(expected)
+    calm = RealizedRows()
+    interleaved(calm, 40, 24 * MS, 2 * MS)
+    before = calm.extra_per_draft()
+    calm.observe(8, 0, 20 * MS * 100, None)  # one step without drafts descheduled
+    calm.observe(8, 0, 0.2 * MS, None)  # and one that ran while a neighbour slept
+    calm.observe(8, 2, 24 * MS, 2 * MS)
+    assert calm.extra_per_draft() == pytest.approx(before, rel=0.15)
 
 
 def test_the_extra_follows_the_machine() -> None:
