@@ -253,9 +253,12 @@ class Engine:
             self.rounds.roll_back([r for r, _ in (*drafts, *prefill)], cached)
             committed = self.rounds.isolate(drafts, prefill, cached)
         else:
-            if self.thread_policy is not None and not plan.feeds_prompt:  # decode rounds compare
-                self.thread_policy.observe(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
             committed = self.rounds.commit(batch, output, verified)
+            if self.thread_policy is not None and not plan.feeds_prompt:  # decode rounds compare
+                relative = self.rounds.relative_time(batch, seconds)  # over the round's size
+                if relative is not None:
+                    self.thread_policy.observe(relative)
         if self.speculation is not None:  # adaptive speculation learns the round's yield
             self.speculation.record_step(committed.num_tokens, committed.num_rows)
         return outputs + self.finisher.finish_round([*ended, *committed.items])

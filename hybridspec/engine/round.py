@@ -58,6 +58,17 @@ class RoundRunner:
         self.forward_cost = forward_cost
         self.eos_token_ids = eos_token_ids
 
+    def relative_time(self, batch: RoundBatch, seconds: float) -> float | None:
+        """A decode round's ``seconds`` over the forward cost model's estimate of a round of
+        ``batch``'s size without the load (``FittedForwardCost.relative_seconds``): what
+        ``--threads auto``'s controller compares (``Engine.step``). A round's rows vary with its
+        drafts and with the batch filling and emptying (8 rows, then 30 where drafts pay, then 2
+        as requests end), and the controller compares windows of rounds, so raw times would
+        credit a probed thread count with the rows its window happened not to have. None while
+        the model cannot price the round."""
+        size = self.forward_cost.relative_seconds(len(batch.forward.token_ids), batch.num_scores)
+        return seconds / size if size is not None and size > 0 else None
+
     def commit(
         self, batch: RoundBatch, output: ForwardOutput, verified: VerifyOutput | None
     ) -> Committed:

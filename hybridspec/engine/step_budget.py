@@ -143,6 +143,15 @@ class FittedForwardCost:
             return None
         return math.exp(self._log_load) * self._shape(num_rows, num_scores)
 
+    def relative_seconds(self, num_rows: int, num_scores: int) -> float | None:
+        """The shape's estimate alone, ``a + b rows + c scores`` without ``load``: how a
+        forward of this size compares with one of another size under one load (a round's time
+        over it measures the load and the thread count, not the round's size); None where
+        ``seconds`` is."""
+        if self.seconds(num_rows, num_scores) is None:
+            return None
+        return self._shape(num_rows, num_scores)
+
     def _shape(self, num_rows: int, num_scores: int) -> float:
         """``a + b rows + c scores`` (the fit made when first needed after an observation)."""
         if self._coefficients is None:

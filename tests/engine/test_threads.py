@@ -1,10 +1,16 @@
 """The engine's forward threads: ``num_threads="auto"`` builds the controller, which sees the
-decode rounds' times (not prompt chunks), and switching counts mid-request keeps greedy texts."""
+decode rounds' times over their sizes (not prompt chunks), and switching counts mid-request
+keeps greedy texts."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
+import hybridspec.engine.engine as engine_module
+from hybridspec.engine.row_costs import TimedForwardCost
 from hybridspec.model import LoadedModel, set_num_threads
 from hybridspec.model.thread_policy import ThreadController, available_cores
 from tests.engine.tiny import make_engine
@@ -76,11 +82,49 @@ def test_a_prompt_fed_in_one_step_is_not_timed_as_a_decode_round(target: LoadedM
     threads = torch.get_num_threads()
     try:
         engine = make_engine(target, num_threads=1)
+        engine.generate(prompt_token_ids=PROMPT, proposer="none", max_new_tokens=12)  # priced
         engine.thread_policy = recording = Recording()
         out = engine.generate(prompt_token_ids=PROMPT, proposer="none", max_new_tokens=12)
         assert len(out.token_ids) == 12
         assert recording.steps == [True] + [False] * 11
         assert len(recording.observed) == 11  # every round after the prompt's
+    finally:
+        torch.set_num_threads(threads)
+
+
+class Clock:
+    """``time`` for the engine module: each reading one second after the last."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_a_round_is_timed_over_its_size(target: LoadedModel, monkeypatch: Any) -> None:
+    """The controller gets each decode round's time over the cost model's estimate of a round
+    of its size (``relative_seconds``), so that rounds of few and of many rows (drafts, a batch
+    filling or emptying) compare by what the thread count and the load make of them; a round
+    the model cannot price is not observed."""
+    threads = torch.get_num_threads()
+    sizes: list[int] = []
+
+    def relative(cost: TimedForwardCost, num_rows: int, num_scores: int) -> float | None:
+        sizes.append(num_rows)
+        return None if len(sizes) <= 2 else 0.25 * num_rows  # the first two: not priced yet
+
+    try:
+        engine = make_engine(target, num_threads=1)
+        engine.thread_policy = recording = Recording()
+        monkeypatch.setattr(TimedForwardCost, "relative_seconds", relative)
+        monkeypatch.setattr(engine_module, "time", Clock())  # every round takes 1 s
+        prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]  # repeats: ngram drafts, rounds of more rows
+        out = engine.generate(prompt_token_ids=prompt, proposer="ngram", max_new_tokens=16)
+        assert len(out.token_ids) == 16
+        assert len(sizes) > 2
+        assert recording.observed == pytest.approx([1.0 / (0.25 * rows) for rows in sizes[2:]])
     finally:
         torch.set_num_threads(threads)
 
