@@ -9,6 +9,11 @@ last output gives ``d_1``; then each further draft feeds ``(h, d_i)``, ``h`` the
 prediction. The commit drops those draft entries (the cache goes back to its real pairs,
 exactly what a fresh prefill of them writes) and takes the new features.
 
+The pairs start at the first position whose feature the engine hands: 0, or after a
+prefix-cache hit on an entry that kept no features, the first uncached one (``first``; the head
+then drafts from the positions it has seen, and its positions count from there: its rotary
+attention sees only their differences).
+
 Worked example: 20 committed tokens, features ``f_0 .. f_18`` known, 17 pairs cached. The
 round feeds pairs 17, 18 (``(f_17, x_18), (f_18, x_19)``), drafts ``d1`` from the last, then
 feeds ``(h, d1), (h', d2)`` and drafts ``d2, d3``: 21 entries. The target keeps ``d1`` and
@@ -147,6 +152,8 @@ def find_head(configured: str | None, embed_rows: torch.Tensor) -> Path:
 
 @dataclass(slots=True)
 class _EagleSeq(SeqState):
+    first: int = 0  # position of the first feature handed (``engine.features``: after a
+    # prefix-cache hit that kept none, the first uncached one); the pairs start there
     num_real: int = 0  # real pairs in the head's cache
     features: list[torch.Tensor] = field(default_factory=list)  # [rows, D] not yet fed
     num_features: int = 0  # rows in ``features`` (kept, not summed: rounds without drafts
@@ -233,7 +240,7 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         seqs = self._tracked(requests)
         wanted = []
         for request, seq in zip(requests, seqs, strict=True):
-            known = seq.num_real + seq.num_features
+            known = seq.first + seq.num_real + seq.num_features
             # The first round (before any verify forward) has no features yet: no drafts.
             ready = seq.num_features > 0 and known == seq.committed_len - 1
             wanted.append(request.max_num_drafts if ready else 0)
@@ -252,7 +259,8 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
             seq, ids = seqs[i], requests[i].token_ids
             new = torch.cat(seq.features) if len(seq.features) > 1 else seq.features[0]
             features.append(new)
-            tokens.append(torch.as_tensor(ids[seq.num_real + 1 : seq.committed_len]))
+            start = seq.first + seq.num_real + 1
+            tokens.append(torch.as_tensor(ids[start : seq.committed_len]))
             rows.append(new.shape[0])
             seq.num_real += new.shape[0]
             seq.features, seq.num_features = [], 0
@@ -340,7 +348,9 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         seq = self._seq(info.seq_id)
         self.cache.truncate(seq.slot, seq.num_real)  # drop the drafts' entries
         if info.hidden_states is not None and info.hidden_states.shape[0] > 0:
-            expected = seq.num_real + seq.num_features
+            if seq.num_real == 0 and seq.num_features == 0:  # the first rows: pairs start there
+                seq.first = info.hidden_position
+            expected = seq.first + seq.num_real + seq.num_features
             if info.hidden_position != expected:
                 raise InvalidRequestError(
                     f"seq_id: {info.seq_id}: features from position {info.hidden_position}, "
