@@ -234,13 +234,18 @@ def features_of(engine: Engine, prompt: list[int]) -> tuple[list[int], torch.Ten
     return tokens, torch.cat([rows for _, rows in proposer.handed]), cached, first
 
 
+def feature_engines(target: LoadedModel) -> tuple[Engine, Engine]:
+    """Engines with the "features" proposer: without a prefix cache, and with one."""
+    engines = make_engine(target, prefix_cache_mb=0), make_engine(target, prefix_cache_mb=64)
+    for engine in engines:
+        engine.register_proposer("features", _ReadsFeatures)
+    return engines
+
+
 def test_a_proposer_reading_features_gets_the_cached_positions_rows(
     exact_target: LoadedModel,
 ) -> None:
-    cold_engine = make_engine(exact_target, prefix_cache_mb=0)
-    cold_engine.register_proposer("features", _ReadsFeatures)
-    engine = make_engine(exact_target, prefix_cache_mb=64)
-    engine.register_proposer("features", _ReadsFeatures)
+    cold_engine, engine = feature_engines(exact_target)
     cold_tokens, cold_rows, cold_cached, cold_first = features_of(cold_engine, [*SYSTEM, 1])
     assert cold_cached == 0 and cold_first == 0
     # Served by an entry that kept its features: the rows of every position, a cold request's.
@@ -255,10 +260,7 @@ def test_a_proposer_reading_features_gets_the_cached_positions_rows(
 def test_an_entry_without_features_serves_their_reader_from_its_first_uncached_position(
     exact_target: LoadedModel,
 ) -> None:
-    cold_engine = make_engine(exact_target, prefix_cache_mb=0)
-    cold_engine.register_proposer("features", _ReadsFeatures)
-    engine = make_engine(exact_target, prefix_cache_mb=64)
-    engine.register_proposer("features", _ReadsFeatures)
+    cold_engine, engine = feature_engines(exact_target)
     cold_tokens, cold_rows, *_ = features_of(cold_engine, [*SYSTEM, 1])
     run(engine, SYSTEM, "none")  # an entry that kept no features
     tokens, rows, cached, first = features_of(engine, [*SYSTEM, 1])
