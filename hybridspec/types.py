@@ -341,7 +341,9 @@ class CommitInfo:
     (``Proposer.feature_layers``): the target's hidden states at the committed positions
     ``hidden_position, hidden_position + 1, ...`` that it fed since the last commit (see
     ``engine.features``: the prompt's chunks, the last committed token, accepted drafts; never a
-    rejected draft). ``None`` for a proposer that asks for no layer.
+    rejected draft). The first commit's rows start at 0, or after the prompt's positions served
+    from a prefix-cache entry that kept no features. ``None`` for a proposer that asks for no
+    layer.
     """
 
     seq_id: int

@@ -178,7 +178,9 @@ class Admission:
             request.slot, request.stats.cached_tokens = allocation.slot, allocation.num_cached
             if allocation.features is not None:  # the cached positions' rows, as if prefilled
                 request.features.pending.append(allocation.features)
-            if layers and request.params.cache_prompt and self.prefix_cache.num_slots:
+            elif layers and allocation.num_cached > 0:  # an entry that kept none: rows from
+                request.features.skip(allocation.num_cached)  # the first uncached position
+            elif layers and request.params.cache_prompt and self.prefix_cache.num_slots:
                 request.features.kept = []
             request.start_time = time.perf_counter()
             try:
@@ -198,7 +200,8 @@ class Admission:
         """The prompt to look up in the prefix cache, or None where the request must prefill
         it all: it asked not to, it scores its prompt (the skipped rows would be missing), or
         it is a choice waiting for its group's source's prefill. (A proposer reading the
-        target's features gets the cached positions' rows with the match.)"""
+        target's features gets the cached positions' rows with the match where the entry kept
+        them, ``prefix_cache``.)"""
         grouped = request.group is not None and request.group.source is not request
         if not request.params.cache_prompt or request.params.prompt_logprobs is not None or grouped:
             return None

@@ -104,6 +104,7 @@ def fork_ready(running: Iterable[Request], runtime: ModelRuntime) -> None:
             runtime.copy_prefix(request.slot, member.slot, length)
             member.scores.prompt = list(request.scores.prompt)
             member.features.pending = list(request.features.pending)
+            member.features.num_handed = request.features.num_handed
         for member in group.requests:
             member.group = None
 

@@ -7,8 +7,10 @@ every fed token. The rows of a sequence's committed tokens are kept by the round
 (``RoundRunner.commit``), in position order, until its next ``commit``, which hands them over
 in ``CommitInfo.hidden_states`` (columns: the proposer's own layers, in its order) with
 ``CommitInfo.hidden_position``, the position of the first row. A row of a rejected draft
-is never kept. Over a sequence's life the commits cover positions ``0, 1, 2, ...`` without gap
-or overlap, up to the last committed token but one (the last is fed by the next forward).
+is never kept. Over a sequence's life the commits cover positions ``s, s + 1, ...`` without gap
+or overlap, up to the last committed token but one (the last is fed by the next forward): ``s``
+is 0 but for a request served from a prefix-cache entry that kept no features, whose rows
+start at its first uncached position (``FeatureRows.skip``).
 
 Worked example, one layer asked: a 10-token prompt fed as a prefill chunk of 6, then a decode
 forward of ``[p6 .. p9, d1, d2, d3]`` whose verification accepts ``d1, d2`` and corrects the
@@ -18,7 +20,8 @@ p9, d1, d2``) and drops ``d3``'s; the commit of ``[d1, d2, c]`` hands over posit
 and the next commit starts at ``hidden_position = 12``.
 
 A request served from the prefix cache starts with the cached positions' rows pending, as if
-its prefill had computed them; a request whose entry the cache may keep keeps the rows it hands
+its prefill had computed them, where the entry kept them (else its rows start after the cached
+positions); a request whose entry the cache may keep keeps the rows it hands
 (``FeatureRows.kept``) for the entry (``FeatureRows.all_rows``).
 
 Proposers that ask for no layer cost nothing: a forward none of whose sequences' proposers ask
@@ -41,6 +44,12 @@ class FeatureRows:
     pending: list[torch.Tensor] = field(default_factory=list)
     num_handed: int = 0
     kept: list[torch.Tensor] | None = None
+
+    def skip(self, num_positions: int) -> None:
+        """Start the rows at position ``num_positions``: the positions before were served from a
+        prefix-cache entry that kept no features, so none are pending, and none are kept for
+        the request's own entry (it would lack them)."""
+        self.num_handed, self.kept = num_positions, None
 
     def take(self) -> tuple[torch.Tensor | None, int]:
         """The rows kept since the last commit and the position of the first; forgets them.

@@ -18,11 +18,15 @@ cost of the design is granularity: a slot holds one sequence, and an entry that 
 extends is dropped as redundant.
 
 Proposers that read the target's features (``Proposer.feature_layers``: ``eagle``, ``hybrid``
-with a head) get them for every position, cached or not: an entry left by such a request keeps
-the features of its positions in those layers (``CachedFeatures``), and a hit hands the
-matched rows to the new request as if its prefill had computed them (``engine.features``), so
-the head's own cache is rebuilt from them, never reused stale. Such a request only matches
-entries that kept its layers' features; any request matches any entry's keys and values.
+with a head) get them for the cached positions too where the entry kept them: an entry left by
+such a request keeps the features of its positions in those layers (``CachedFeatures``), and a
+hit hands the matched rows to the new request as if its prefill had computed them
+(``engine.features``), so the head's own cache is rebuilt from them, never reused stale. Any
+request matches any entry's keys and values: a request reading features prefers an entry that
+kept them where it matches as much of the prompt, and one served from an entry that kept none
+(a ``none`` request's) gets its features from the first uncached position on (its head then
+drafts from the positions it has seen: its drafts may be kept less often, never wrongly),
+rather than prefilling cached positions again.
 
 Scopes: an entry keeps the ``scope`` of the request that left it (``GenerationParams.
 cache_scope``: the server's tenant and ``cache_salt``), and a request matches only entries of its
@@ -218,7 +222,7 @@ class PrefixCache:
         match, length = self._best_match(prompt_token_ids, feature_layers, scope)
         if match is not None and length == len(match.token_ids):
             self._entries.remove(match)
-            return self._hand_over(match.slot, match, length)
+            return self._hand_over(match.slot, match, length, feature_layers)
         while self.runtime.num_free_slots() == 0:
             victims = [e for e in self._entries if e is not match] or self._entries
             if not victims:
@@ -228,14 +232,14 @@ class PrefixCache:
                 self._entries.remove(match)
                 self._evicted_tokens += len(match.token_ids) - length
                 self.runtime.truncate(match.slot, length)
-                return self._hand_over(match.slot, match, length)
+                return self._hand_over(match.slot, match, length, feature_layers)
             self._evict(victim)
         slot = self.runtime.allocate()
         if match is None or length == 0:
-            return self._hand_over(slot, None, 0)
+            return self._hand_over(slot, None, 0, feature_layers)
         self.runtime.copy_prefix(match.slot, slot, length)
         match.last_used = self._tick()
-        return self._hand_over(slot, match, length)
+        return self._hand_over(slot, match, length, feature_layers)
 
     def release(
         self,
@@ -329,8 +333,8 @@ class PrefixCache:
         self, prompt_token_ids: list[int] | None, feature_layers: tuple[int, ...], scope: str | None
     ) -> tuple[_Entry | None, int]:
         """The entry of ``scope`` sharing the longest prefix with the prompt but its last token
-        (with ``feature_layers``, among those that kept their features), and the length of that
-        prefix (None, 0 when none shares any)."""
+        (with ``feature_layers``, one that kept their features where it shares as much), and
+        the length of that prefix (None, 0 when none shares any)."""
         if prompt_token_ids is None:
             return None, 0
         self._lookups += 1
@@ -341,24 +345,29 @@ class PrefixCache:
         for entry in self._entries:
             if entry.scope != scope:
                 continue
-            if feature_layers and (
-                entry.features is None or not entry.features.serves(feature_layers)
-            ):
-                continue
             length = _common_prefix(entry.token_ids, prompt)
-            if length > best_length:
+            if length > best_length or (
+                length == best_length
+                and length > 0
+                and _serves(entry, feature_layers)
+                and not _serves(best, feature_layers)
+            ):
                 best, best_length = entry, length
         return best, best_length
 
-    def _hand_over(self, slot: int, entry: _Entry | None, length: int) -> Allocation:
+    def _hand_over(
+        self, slot: int, entry: _Entry | None, length: int, feature_layers: tuple[int, ...]
+    ) -> Allocation:
         """Count the hit (if any) and hand ``slot`` to a request, with the entry's features of
-        the ``length`` positions it reuses."""
+        the ``length`` positions it reuses where it kept those of ``feature_layers``."""
         self._running.add(slot)
         if length > 0:
             self._hits += 1
             self._hit_tokens += length
-        features = entry.features if entry is not None else None
-        return Allocation(slot, length, features.rows[:length] if features is not None else None)
+        rows = None
+        if entry is not None and entry.features is not None and _serves(entry, feature_layers):
+            rows = entry.features.rows[:length]
+        return Allocation(slot, length, rows)
 
     def _evict(self, entry: _Entry, release: bool = False) -> None:
         """Drop ``entry``; with ``release``, its slot's pages go back to the system too."""
@@ -371,6 +380,14 @@ class PrefixCache:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+
+def _serves(entry: _Entry | None, feature_layers: tuple[int, ...]) -> bool:
+    """Whether ``entry`` kept the features of ``feature_layers`` (False for no layers: a
+    request reading none gets no rows)."""
+    if not feature_layers or entry is None or entry.features is None:
+        return False
+    return entry.features.serves(feature_layers)
 
 
 def _covers(kept: CachedFeatures | None, new: CachedFeatures | None) -> bool:

@@ -40,7 +40,9 @@ every committed position fed since the last one (``CommitInfo.hidden_states``, f
 ``CommitInfo.hidden_position`` on), taken from the verifying forward itself. Example: a 10-token
 prompt, then a round that feeds ``[p9, d1, d2, d3]`` and keeps ``d1, d2``: the commit of
 ``[d1, d2, c]`` brings positions 0-11 (the prompt and the accepted drafts, not ``d3``); the
-next one starts at position 12, ``c``. ``engine.features`` has the details.
+next one starts at position 12, ``c``. (After a prefix-cache hit on an entry that kept no
+features, the first commit starts at the first uncached position.) ``engine.features`` has the
+details.
 """
 
 from __future__ import annotations

@@ -220,35 +220,55 @@ class _ReadsFeatures(NoProposer):
         self.handed.append((info.hidden_position, info.hidden_states.clone()))
 
 
-def features_of(engine: Engine, prompt: list[int]) -> tuple[list[int], torch.Tensor, int]:
-    """A request's tokens, the rows of every position its proposer got, and its cached tokens."""
+def features_of(engine: Engine, prompt: list[int]) -> tuple[list[int], torch.Tensor, int, int]:
+    """A request's tokens, the rows of every position its proposer got, its cached tokens and
+    the position of its first row."""
     proposer = engine.resolve_proposer("features")
     assert isinstance(proposer, _ReadsFeatures)
     proposer.handed.clear()
     tokens, _, cached, _ = run(engine, prompt, "features")
-    position = 0
-    for start, rows in proposer.handed:  # positions 0, 1, 2, ... without gap or overlap
+    first = position = proposer.handed[0][0]
+    for start, rows in proposer.handed:  # consecutive positions, without gap or overlap
         assert start == position
         position += len(rows)
-    return tokens, torch.cat([rows for _, rows in proposer.handed]), cached
+    return tokens, torch.cat([rows for _, rows in proposer.handed]), cached, first
+
+
+def feature_engines(target: LoadedModel) -> tuple[Engine, Engine]:
+    """Engines with the "features" proposer: without a prefix cache, and with one."""
+    engines = make_engine(target, prefix_cache_mb=0), make_engine(target, prefix_cache_mb=64)
+    for engine in engines:
+        engine.register_proposer("features", _ReadsFeatures)
+    return engines
 
 
 def test_a_proposer_reading_features_gets_the_cached_positions_rows(
     exact_target: LoadedModel,
 ) -> None:
-    cold_engine = make_engine(exact_target, prefix_cache_mb=0)
-    cold_engine.register_proposer("features", _ReadsFeatures)
-    engine = make_engine(exact_target, prefix_cache_mb=64)
-    engine.register_proposer("features", _ReadsFeatures)
-    run(engine, SYSTEM, "none")  # an entry that kept no features: no match for "features"
-    assert features_of(engine, [*SYSTEM, 1])[2] == 0
-    # Its entry kept them: a regenerated request reads them, and the rows are those of a cold one.
-    tokens, rows, cached = features_of(engine, [*SYSTEM, 1])
-    cold_tokens, cold_rows, _ = features_of(cold_engine, [*SYSTEM, 1])
-    assert cached == len(SYSTEM) and tokens == cold_tokens
+    cold_engine, engine = feature_engines(exact_target)
+    cold_tokens, cold_rows, cold_cached, cold_first = features_of(cold_engine, [*SYSTEM, 1])
+    assert cold_cached == 0 and cold_first == 0
+    # Served by an entry that kept its features: the rows of every position, a cold request's.
+    features_of(engine, [*SYSTEM, 1])
+    tokens, rows, cached, first = features_of(engine, [*SYSTEM, 1])
+    assert cached == len(SYSTEM) and first == 0 and tokens == cold_tokens
     assert rows.shape == cold_rows.shape and torch.equal(rows, cold_rows)
     # Any request reads an entry's keys and values, features or not.
     assert run(engine, [*SYSTEM, 1, 5], "none")[2] > len(SYSTEM)
+
+
+def test_an_entry_without_features_serves_their_reader_from_its_first_uncached_position(
+    exact_target: LoadedModel,
+) -> None:
+    cold_engine, engine = feature_engines(exact_target)
+    cold_tokens, cold_rows, *_ = features_of(cold_engine, [*SYSTEM, 1])
+    run(engine, SYSTEM, "none")  # an entry that kept no features
+    tokens, rows, cached, first = features_of(engine, [*SYSTEM, 1])
+    assert cached == len(SYSTEM) and first == len(SYSTEM) and tokens == cold_tokens
+    assert torch.equal(rows, cold_rows[len(SYSTEM) :])
+    # It kept none for its own entry either (it lacks the cached positions' rows): the next
+    # reader is served from there too, the same way.
+    assert features_of(engine, [*SYSTEM, 1])[2:] == (len(SYSTEM), len(SYSTEM))
 
 
 def test_choices_share_a_cached_prefix(exact_target: LoadedModel) -> None:
@@ -305,3 +325,16 @@ def test_stats_count_the_memory_the_entries_and_free_slots_hold(
     assert cache.stats().budget_bytes == 64 * 2**20
     engine.reset()
     assert cache.stats().num_entries == 0 and cache.stats().lookups == 0
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "hybrid"])
+def test_a_head_served_by_an_entry_without_features_drafts_and_keeps_the_text(
+    exact_target: LoadedModel, draft: LoadedModel, proposer: str
+) -> None:
+    cold = run(engine_for(exact_target, draft, proposer, 0), [*SYSTEM, 1], proposer)
+    engine = engine_for(exact_target, draft, proposer, 64)
+    run(engine, SYSTEM, "none")  # an entry that kept no features
+    tokens, logprobs, cached, stats = run(engine, [*SYSTEM, 1], proposer)
+    assert cached == len(SYSTEM) and tokens == cold[0]
+    assert torch.equal(logprobs.logprobs, cold[1].logprobs)
+    assert stats.draft_tokens_proposed > 0  # the head drafted from the positions it was handed

@@ -9,6 +9,11 @@ last output gives ``d_1``; then each further draft feeds ``(h, d_i)``, ``h`` the
 prediction. The commit drops those draft entries (the cache goes back to its real pairs,
 exactly what a fresh prefill of them writes) and takes the new features.
 
+The pairs start at the first position whose feature the engine hands: 0, or after a
+prefix-cache hit on an entry that kept no features, the first uncached one (``first``; the head
+then drafts from the positions it has seen, and its positions count from there: its rotary
+attention sees only their differences).
+
 Worked example: 20 committed tokens, features ``f_0 .. f_18`` known, 17 pairs cached. The
 round feeds pairs 17, 18 (``(f_17, x_18), (f_18, x_19)``), drafts ``d1`` from the last, then
 feeds ``(h, d1), (h', d2)`` and drafts ``d2, d3``: 21 entries. The target keeps ``d1`` and
@@ -71,7 +76,7 @@ from hybridspec.proposers.eagle.published import is_eagle_checkpoint, load_eagle
 from hybridspec.proposers.sequences import SeqState, SequenceProposer
 from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParams
 from hybridspec.verifier.acceptance import draw_uniforms, sample_from_probs
-from hybridspec.verifier.controls import apply_controls
+from hybridspec.verifier.controls import apply_controls, is_controlled
 from hybridspec.verifier.sampling import logits_to_probs_by_row
 from hybridspec.verifier.uniforms import position_uniform
 
@@ -147,8 +152,11 @@ def find_head(configured: str | None, embed_rows: torch.Tensor) -> Path:
 
 @dataclass(slots=True)
 class _EagleSeq(SeqState):
+    first: int = 0  # position of the first feature handed (``engine.features``: after a
+    # prefix-cache hit that kept none, the first uncached one); the pairs start there
     num_real: int = 0  # real pairs in the head's cache
-    features: list[torch.Tensor] = field(default_factory=list)  # [rows, D] not yet fed
+    # the target's rows not yet fed, [rows, len(feature_layers), D] as the commits hand them
+    features: list[torch.Tensor] = field(default_factory=list)
     num_features: int = 0  # rows in ``features`` (kept, not summed: rounds without drafts
     # append one entry each, and a sum over them every round would grow with the pause)
 
@@ -203,8 +211,12 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         requests = [ProposeRequest(-1, [0, 0], 1, SamplingParams())]
         seq = _EagleSeq(self.cache.allocate(), committed_len=2)
         embed = self.head.parts.embed
-        feature = torch.zeros(
-            1, self.head.config.hidden_size, dtype=embed.dtype, device=embed.device
+        feature = torch.zeros(  # one row of the target's, as a commit hands it
+            1,
+            len(self.feature_layers),
+            self.head.config.hidden_size,
+            dtype=embed.dtype,
+            device=embed.device,
         )
         best = float("inf")
         try:
@@ -233,7 +245,7 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         seqs = self._tracked(requests)
         wanted = []
         for request, seq in zip(requests, seqs, strict=True):
-            known = seq.num_real + seq.num_features
+            known = seq.first + seq.num_real + seq.num_features
             # The first round (before any verify forward) has no features yet: no drafts.
             ready = seq.num_features > 0 and known == seq.committed_len - 1
             wanted.append(request.max_num_drafts if ready else 0)
@@ -246,20 +258,22 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         active = [i for i, k in enumerate(wanted) if k > 0]
         if not active:
             return [Proposal(()) for _ in requests]
-        # The first step feeds each sequence's uncached real pairs.
+        # The first step feeds each sequence's uncached real pairs (their features fused here:
+        # a round without drafts does no work on them).
         features, tokens, rows = [], [], []
         for i in active:
             seq, ids = seqs[i], requests[i].token_ids
             new = torch.cat(seq.features) if len(seq.features) > 1 else seq.features[0]
             features.append(new)
-            tokens.append(torch.as_tensor(ids[seq.num_real + 1 : seq.committed_len]))
+            start = seq.first + seq.num_real + 1
+            tokens.append(torch.as_tensor(ids[start : seq.committed_len]))
             rows.append(new.shape[0])
             seq.num_real += new.shape[0]
             seq.features, seq.num_features = [], 0
         device = self.head.parts.embed.device
-        feature_in = torch.cat(features)
         token_in = torch.cat(tokens).to(device)
         with torch.inference_mode():
+            feature_in = self.head.target_features(torch.cat(features))  # [N, D]
             while active:
                 predicted = forward_cached(
                     self.head,
@@ -287,35 +301,70 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         predicted: torch.Tensor,  # [len(active), D]
     ) -> list[int]:
         """One draft per active sequence from the head's logits under the request's controls:
-        the argmax for a greedy request, the keyed inverse-CDF sample for a sampled one."""
-        head_logits = self.head.logits(predicted).float()  # [len(active), S]
-        logits = torch.full(
-            (len(active), self.context.vocab_size), float("-inf"), device=head_logits.device
-        )
-        logits[:, self.head.draft_vocab] = head_logits
-        logits = apply_controls(
-            logits,
-            [requests[i].sampling for i in active],
-            [requests[i].history() for i in active],
-            [drafted[i] for i in active],
-        )
-        tokens = logits.argmax(dim=-1).tolist()
+        the argmax for a greedy request, the keyed inverse-CDF sample for a sampled one.
+
+        Only the rows of requests with controls (``verifier.controls``) are scattered into the
+        target's vocabulary to be controlled there (-inf elsewhere); the others' controlled
+        logits are the head's own over the draft vocabulary, whose argmax is that of the
+        scattered row (the vocabulary is sorted, so the first of equal maxima is the same id).
+        """
+        vocab = self.head.draft_vocab
+        draft_logits = self.head.logits(predicted).float()  # [len(active), S]
+        tokens = vocab[draft_logits.argmax(dim=-1).to(vocab.device)].tolist()
+        draft_logits = self._control(requests, active, drafted, draft_logits, tokens)
         sampled = [row for row, i in enumerate(active) if not requests[i].sampling.is_greedy]
         if sampled:
             asks = [requests[active[row]] for row in sampled]
             offsets = [len(drafted[active[row]]) for row in sampled]  # this draft's, from 0
             uniforms = [_uniform(ask, j) for ask, j in zip(asks, offsets, strict=True)]
-            picks = self._keyed_drafts(logits[sampled], [a.sampling for a in asks], uniforms)
+            picks = self._keyed_drafts(draft_logits[sampled], [a.sampling for a in asks], uniforms)
             for row, token in zip(sampled, picks, strict=True):
                 tokens[row] = token
         for i, token in zip(active, tokens, strict=True):
             drafted[i].append(token)
         return tokens
 
+    def _control(
+        self,
+        requests: Sequence[ProposeRequest],
+        active: list[int],
+        drafted: list[list[int]],
+        draft_logits: torch.Tensor,  # [len(active), S]
+        tokens: list[int],
+    ) -> torch.Tensor:
+        """``draft_logits`` under the controls of the requests that have some, over the whole
+        vocabulary (-inf outside the draft vocabulary); their greedy drafts set in ``tokens``.
+        ``draft_logits`` itself where none has controls."""
+        histories = [requests[i].history() for i in active]
+        controlled = [
+            row
+            for row, i in enumerate(active)
+            if is_controlled(requests[i].sampling, histories[row])
+        ]
+        if not controlled:
+            return draft_logits
+        vocab = self.head.draft_vocab
+        logits = torch.full(
+            (len(controlled), self.context.vocab_size), float("-inf"), device=draft_logits.device
+        )
+        logits[:, vocab] = draft_logits[controlled]
+        logits = apply_controls(
+            logits,
+            [requests[active[row]].sampling for row in controlled],
+            [histories[row] for row in controlled],
+            [drafted[active[row]] for row in controlled],
+        )
+        for row, token in zip(controlled, logits.argmax(dim=-1).tolist(), strict=True):
+            tokens[row] = token
+        draft_logits = draft_logits.clone()
+        draft_logits[controlled] = logits[:, vocab]
+        return draft_logits
+
     def _keyed_drafts(
         self, logits: torch.Tensor, sampling: list[SamplingParams], uniforms: list[float]
     ) -> list[int]:
-        """The inverse-CDF samples of q (``_draft_probs`` of controlled ``logits`` [n, V]) at
+        """The inverse-CDF samples of q (``_draft_probs`` of controlled ``logits`` [n, S] over
+        the draft vocabulary) at
         ``uniforms``, as target ids. The draft vocabulary is sorted, so q's cumulative sum over
         its columns is the one over the whole vocabulary (zero elsewhere): the sample is the
         token ``verifier.sample_from_probs`` gives for q at the same uniform."""
@@ -326,7 +375,7 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         ].tolist()
 
     def _draft_probs(self, logits: torch.Tensor, sampling: list[SamplingParams]) -> torch.Tensor:
-        """q [n, S] over the draft vocabulary of controlled ``logits`` [n, V] under each row's
+        """q [n, S] of controlled ``logits`` [n, S] over the draft vocabulary under each row's
         sampling transforms (zero elsewhere in the target's vocabulary).
 
         Outside the draft vocabulary every logit is -inf (controls add to finite logits and
@@ -334,21 +383,22 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         target's vocabulary for the shipped head: softmax and top-k/top-p over -inf columns
         give them probability 0, so this is the same distribution, for less work.
         """
-        return logits_to_probs_by_row(logits[:, self.head.draft_vocab], sampling)
+        return logits_to_probs_by_row(logits, sampling)
 
     def commit(self, info: CommitInfo) -> None:
         seq = self._seq(info.seq_id)
         self.cache.truncate(seq.slot, seq.num_real)  # drop the drafts' entries
         if info.hidden_states is not None and info.hidden_states.shape[0] > 0:
-            expected = seq.num_real + seq.num_features
+            if seq.num_real == 0 and seq.num_features == 0:  # the first rows: pairs start there
+                seq.first = info.hidden_position
+            expected = seq.first + seq.num_real + seq.num_features
             if info.hidden_position != expected:
                 raise InvalidRequestError(
                     f"seq_id: {info.seq_id}: features from position {info.hidden_position}, "
                     f"expected {expected}",
                     "seq_id",
                 )
-            with torch.inference_mode():  # a head of several layers fuses them here
-                seq.features.append(self.head.target_features(info.hidden_states))
+            seq.features.append(info.hidden_states)  # fused when the request next drafts
             seq.num_features += info.hidden_states.shape[0]
         seq.committed_len += len(info.token_ids)
 
