@@ -12,12 +12,13 @@ Every method returns a ``records.Measurement``. Engine methods can also run a cl
 requests back to back.
 
 Engine methods find their prompts in the prefix cache (where the engine keeps one): before a
-timed run, an untimed one-token ``none`` request of each of its prompts leaves the prompt
+timed run, an untimed one-token request of each of its prompts leaves the prompt
 cached (``EngineMethod.prime``). Without it, the first method to run a prompt would pay its
 prefill and the methods after it would find it cached, so that a method's rate would depend on
 its place in the rotation (a long prompt's prefill on a large model takes as long as dozens of
-decoding steps). ``none`` primes, not the method: a proposer that keeps what it saw (``suffix``'s
-pool) would see each prompt twice.
+decoding steps). ``none`` primes, so that a proposer that keeps what it saw (``suffix``'s pool)
+does not see each prompt twice; a method whose proposer reads the target's features (``eagle``,
+``hybrid``) primes itself, so that the entry keeps the features it needs to match.
 """
 
 from __future__ import annotations
@@ -157,8 +158,10 @@ class EngineMethod:
         engine = self._engine
         if engine.prefix_cache.num_slots == 0:
             return
+        reads_features = bool(engine.resolve_proposer(self.name).feature_layers)
+        proposer = self.name if reads_features else BASELINE
         for prompt in dict.fromkeys(tuple(p) for p in prompts):
-            engine.generate(prompt_token_ids=list(prompt), max_new_tokens=1, proposer=BASELINE)
+            engine.generate(prompt_token_ids=list(prompt), max_new_tokens=1, proposer=proposer)
 
 
 def _speculation(result: GenerationResult) -> Speculation:
