@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from hybridspec.bench.harness import mixed_prompts, sequential_schedule
+from hybridspec.bench.harness import BenchConfig, mixed_prompts, sequential_schedule
 from hybridspec.bench.hf_baseline import check_parity, hf_model_from_weights
 from hybridspec.bench.records import Measurement, Record, Speculation
+from hybridspec.bench.session import ModelOptions, open_session
 from hybridspec.bench.summary import (
     ALL,
     GROUNDED,
@@ -32,6 +33,7 @@ from hybridspec.config import ModelConfig
 from hybridspec.errors import InvalidRequestError
 from hybridspec.model.loader import load_model
 from hybridspec.model.runtime import ForwardBatch
+from hybridspec.types import SamplingParams
 from tests.conftest import TinyLlamaFactory
 
 SOURCE = "The quick brown fox jumps over the lazy dog near the river bank. " * 3
@@ -371,3 +373,25 @@ def test_bench_smoke_on_tiny_llama(
     assert all(t["status"] != "not measured" for t in measured)
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_every_engine_run_finds_its_prompt_cached(
+    make_tiny_llama_dir: TinyLlamaFactory,
+) -> None:
+    """The first method to run a prompt finds it in the prefix cache like those after it (an
+    untimed ``none`` request primes it): no method pays a prefill that the others skip."""
+    model_dir = make_tiny_llama_dir(max_position_embeddings=1024)
+    workload = parse_workload(tiny_workload())
+    options = ModelOptions(str(model_dir), threads=None)
+    session = open_session(workload, options, ["ngram"], 4, BenchConfig(max_new_tokens=4))
+    try:
+        cache = session.engine.prefix_cache
+        assert cache.num_slots > 0  # bfloat16 on CPU: the engine keeps a prefix cache
+        prompt = session.prompts[0].token_ids
+        before = cache.stats()
+        session.methods[0].run(prompt, SamplingParams(), 4)
+        after = cache.stats()
+        assert after.hits - before.hits == 1  # the timed run's; the primer found nothing
+        assert after.hit_tokens - before.hit_tokens == len(prompt) - 1
+    finally:
+        session.close()
