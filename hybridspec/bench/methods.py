@@ -10,15 +10,6 @@ harness sees only the ``BenchMethod`` protocol.
 Every method returns a ``records.Measurement``. Engine methods can also run a closed loop
 (``closed_loop``): M requests with at most N in the engine at once, like N clients each sending
 requests back to back.
-
-Engine methods find their prompts in the prefix cache (where the engine keeps one): before a
-timed run, an untimed one-token request of each of its prompts leaves the prompt
-cached (``EngineMethod.prime``). Without it, the first method to run a prompt would pay its
-prefill and the methods after it would find it cached, so that a method's rate would depend on
-its place in the rotation (a long prompt's prefill on a large model takes as long as dozens of
-decoding steps). ``none`` primes, so that a proposer that keeps what it saw (``suffix``'s pool)
-does not see each prompt twice; a method whose proposer reads the target's features (``eagle``,
-``hybrid``) primes itself, so that the entry keeps the features it needs to match.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from typing import Protocol, runtime_checkable
 from transformers import LlamaForCausalLM
 
 from hybridspec.bench.hf_baseline import HFMethod
-from hybridspec.bench.names import BASELINE, HF_METHODS, HF_PROMPT_LOOKUP, LLAMACPP_METHODS
+from hybridspec.bench.names import HF_METHODS, HF_PROMPT_LOOKUP, LLAMACPP_METHODS
 from hybridspec.bench.records import Measurement, Speculation
 from hybridspec.bench.timing import EngineForwardTimer
 from hybridspec.engine import (
@@ -144,24 +135,12 @@ class EngineMethod:
         """Every prompt through ``closed_loop``, at most ``concurrency`` in the engine at once."""
         engine = self._engine
         assert not engine.has_unfinished(), "the bench needs the engine to itself"
-        self.prime(prompts)
         self._timer.reset()
         params = [self._params(s, max_new_tokens) for s in samplings]
         results, elapsed = closed_loop(engine, prompts, params, concurrency)
         first = results[0].stats.time_to_first_token_s if len(results) == 1 else None
         requests = tuple(_speculation(r) for r in results)
         return Measurement(requests, elapsed, self._timer.seconds, first)
-
-    def prime(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Leave each of ``prompts`` in the engine's prefix cache, untimed (module docstring);
-        nothing where the engine keeps no prefix cache."""
-        engine = self._engine
-        if engine.prefix_cache.num_slots == 0:
-            return
-        reads_features = bool(engine.resolve_proposer(self.name).feature_layers)
-        proposer = self.name if reads_features else BASELINE
-        for prompt in dict.fromkeys(tuple(p) for p in prompts):
-            engine.generate(prompt_token_ids=list(prompt), max_new_tokens=1, proposer=proposer)
 
 
 def _speculation(result: GenerationResult) -> Speculation:

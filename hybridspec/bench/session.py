@@ -5,6 +5,12 @@ to the longest prompt plus the token budget (a full model context would allocate
 many times larger than needed) and its KV-cache slots to the concurrency (the closed loop holds
 at most N requests), installs the forward timer and resolves the methods; the llama.cpp
 baselines load the target's GGUF file with the same context and torch's thread count.
+
+The engine keeps no prefix cache: every trial of every method prefills its whole prompt, as the
+llama.cpp and transformers baselines do. With one, the first method to run a prompt would pay
+its prefill and the methods after it would find it cached, so that a method's rate would
+depend on its place in the rotation, and the engine's against the baselines' would compare a
+cached prompt with a cold one.
 ``execute`` warms up, checks transformers parity, runs the schedule and summarises.
 """
 
@@ -118,6 +124,7 @@ def open_session(
             draft=DraftConfig(sized(models.draft) if models.draft is not None else None),
             default_num_speculative_tokens=num_speculative_tokens,
             num_threads=models.threads,
+            prefix_cache_mb=0,  # every trial prefills its whole prompt (module docstring)
         ),
         target=target,
     )
