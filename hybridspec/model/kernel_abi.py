@@ -92,6 +92,7 @@ SIGNATURES = {
         *(_QW, _ptr, _i64, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _ptr, _ptr),
         *(_CACHE, _ptr, _SCRATCH),
     ],
+    "hs_set_balance": [_int],
     "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
     # parts, nparts, N, K, bits, group, mode, t0, t1, out, scratch (csrc/pack.c)
     "hs_pack_gguf": [_ptr, _int, _i64, _i64, _int, _int, _int, _i64, _i64, _ptr, _ptr],

@@ -9,10 +9,21 @@ at one thread fewer (or more), compares the window's mean step time with the cur
 last two windows, and keeps the faster count only where it wins by a margin (hysteresis, so
 that noise does not flip it). Probes back off exponentially while the count stays, and start
 again at once when the current count's step times rise well above what they were (the load
-changed).
-The count is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
+changed), or, on a busy machine, fall well below (the load may have gone).
+
+The wait mode is chosen the same way. Alone, waits spin (a sleeping worker's wake-up at each of
+a forward's hundreds of regions would cost). Once fewer threads have won (the sign of a busy
+machine), a probe at more threads runs with passive waits (``wait``): a worker that waits
+sleeps almost at once, so its core goes to the descheduled worker it waits for, where a
+spinning probe would cost several rounds' time for each of its steps. A passive mode is kept
+only where its window wins, like a count. On a busy machine a probe at more threads ends as
+soon as it is slower at all (after 3 steps; a spinning one after its first). At every core, the
+same count spinning is probed in turn, and below every core a spinning probe follows a passive
+one that lost, so that spinning returns when the load goes.
+
+The mode is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
 prompt fed whole in its first round), which takes many decode rounds' time, runs at the chosen
-count, never a probe's (``for_step``), and is not observed.
+mode, never a probe's (``for_step``), and is not observed.
 
 The controller sees step times only through ``observe``; it reads no clock, so its tests inject
 the times. Greedy texts do not depend on the count: the kernels' sums run in a fixed order
@@ -83,12 +94,18 @@ def _quota_cores(cpu_max: str) -> int | None:
     return max(1, math.ceil(quota / period))
 
 
+Mode = tuple[int, bool]  # (threads, passive waits)
+
+
 class ThreadController:
-    """Adapts the thread count from the step times it is given (see the module docstring).
+    """Adapts the thread count and the wait mode from the step times it is given (see the
+    module docstring).
 
     ``observe(seconds)`` takes the time of one step run at ``threads`` and returns the count for
-    the next; ``apply`` is called with every new count (``model.threads.set_num_threads``).
-    Only comparable steps should be observed (decode rounds, not prompt chunks).
+    the next; ``apply`` is called with every new count (``model.threads.set_num_threads``) and
+    ``wait`` with every new wait mode (``model.threads.wait_mode``: True for waits that
+    sleep almost at once, False for spinning ones). Only comparable steps should be observed
+    (decode rounds, not prompt chunks).
 
     Counts are compared by their windows' mean step time, which is what the rate depends on:
     under load a step time is heavy-tailed (most steps fast, a few waiting hundreds of times
@@ -102,6 +119,7 @@ class ThreadController:
         max_threads: int,
         apply: Callable[[int], None],
         *,
+        wait: Callable[[bool], None] | None = None,
         window: int = 8,
         min_probe: int = 3,
         first_period: int = 16,
@@ -117,7 +135,8 @@ class ThreadController:
             )
         self.max_threads = max_threads
         self.threads = max_threads
-        self._apply = apply
+        self.passive = False  # the current mode's waits: passive (sleep) or spinning
+        self._apply, self._wait = apply, wait
         self._window, self._min_probe = window, min_probe
         self._first_period, self._max_period, self._backoff = first_period, max_period, backoff
         self._margin, self._slowdown = margin, slowdown
@@ -128,25 +147,35 @@ class ThreadController:
         # so that one stray stall (a collection, another process's burst) cannot fake a win
         self._history: deque[float] = deque(maxlen=2 * window)
         self._reference: float | None = None  # the current count's median after a decision
-        self._probe: int | None = None  # the count to return to, while a probe runs
+        self._probe: Mode | None = None  # the mode to return to, while a probe runs
         self._probed: list[float] = []  # the probe's step times
         self._baseline = 0.0  # the current count's mean step time when the probe began
         self._skip = 0  # steps not counted after a switch (the pool wakes up)
         self._upward = False  # the direction of the next probe, alternating
-        self._applied = self.threads  # the count last applied (a probe's, or the chosen one)
+        self._loaded = False  # fewer threads won: the machine is busy, wider probes wait passively
+        self._spin_next = False  # the next probe at more threads spins (a passive one lost)
+        self._applied: Mode = (self.threads, False)  # the mode last applied
         self._apply(self.threads)
+        if wait is not None:
+            wait(False)
 
     def for_step(self, prefill: bool) -> None:
-        """Apply the count of the next step: for a decode round the current count (a probe's
-        while one runs); for a step that feeds prompt tokens the count the rounds chose, never
-        a probe's (a probe is a guess, and a prompt step weighs many rounds). Under load a
-        prompt step's parallel regions wait for a descheduled worker as a round's do, so it
-        does not take every core. Nothing is applied where the count is already so."""
-        chosen = self._probe if self._probe is not None else self.threads
-        wanted = chosen if prefill else self.threads
-        if wanted != self._applied:
-            self._applied = wanted
-            self._apply(wanted)
+        """Apply the mode of the next step: for a decode round the current one (a probe's while
+        one runs); for a step that feeds prompt tokens the one the rounds chose, never a
+        probe's (a probe is a guess, and a prompt step weighs many rounds). Under load a prompt
+        step's parallel regions wait for a descheduled worker as a round's do, so it does not
+        take every core. Nothing is applied where the mode is already so."""
+        current = (self.threads, self.passive)
+        chosen = self._probe if self._probe is not None else current
+        self._set(chosen if prefill else current)
+
+    def _set(self, mode: Mode) -> None:
+        threads, passive = mode
+        if threads != self._applied[0]:
+            self._apply(threads)
+        if passive != self._applied[1] and self._wait is not None:
+            self._wait(passive)
+        self._applied = mode
 
     def observe(self, seconds: float) -> int:
         """Record one step's time at the current count; return the count of the next step."""
@@ -164,8 +193,10 @@ class ThreadController:
             median = statistics.median(self._recent)
             if self._reference is None:
                 self._reference = median
+            # slower: the load came; faster, where fewer threads won: it may have gone
             slowed = median > self._reference * self._slowdown
-            if slowed or self._since_probe >= self._period:
+            sped = self._loaded and median * self._slowdown < self._reference
+            if slowed or sped or self._since_probe >= self._period:
                 self._start_probe(statistics.fmean(self._history))
         return self.threads
 
@@ -183,31 +214,62 @@ class ThreadController:
         assert self._probe is not None
         mean = statistics.fmean(steps)
         robust = mean
-        if self.threads < self._probe and len(steps) > 1:
+        if self.threads < self._probe[0] and len(steps) > 1:
             robust = (sum(steps) - max(steps)) / (len(steps) - 1)
         wins = robust if len(steps) == 2 * self._window else mean
         lost = len(steps) == 2 * self._window or (
             len(steps) == self._window and robust >= baseline * (1 - margin)
         )
+        # on a busy machine a probe at more threads ends once it is slower at all (a spinning
+        # one after its first step: there each of its steps costs several rounds' time)
+        up = self._loaded and self.threads > self._probe[0]
+        early = 1 if up and not self.passive else self._min_probe
+        slower = baseline * (1 if up else 1 + 2 * margin)
         if len(steps) % self._window == 0 and wins < baseline * (1 - margin):
             self._keep_probe()
-        elif (len(steps) >= self._min_probe and robust > baseline * (1 + 2 * margin)) or lost:
+        elif (len(steps) >= early and robust > slower) or lost:
             self._end_probe()
 
     def _start_probe(self, baseline: float) -> None:
-        candidates = [n for n in (self.threads - 1, self.threads + 1) if 1 <= n <= self.max_threads]
+        candidates = self._neighbours()
         if not candidates:
             self._since_probe = 0
             return
         self._upward = not self._upward
         probe = candidates[-1] if self._upward else candidates[0]
         self._baseline = baseline
-        self._probe = self.threads
+        self._probe = (self.threads, self.passive)
         self._switch(probe)
 
+    def _neighbours(self) -> list[Mode]:
+        """The modes a probe may try, narrower first: one thread fewer, and one more (with
+        passive waits once fewer threads won: on a busy machine a spinning wait keeps its core
+        from the descheduled worker it waits for, which makes a spinning probe there cost
+        several rounds' time; spinning again after a passive one lost, since alone passive
+        waits may not win by the margin where spinning ones would); at every core with passive
+        waits, the same count spinning (the load may have gone). Without a ``wait`` callback,
+        spinning counts only."""
+        threads, passive = self.threads, self.passive
+        wider = (passive or self._loaded) and not self._spin_next
+        modes: list[Mode] = []
+        if threads > 1:
+            modes.append((threads - 1, passive and threads > 2))
+        if threads < self.max_threads:
+            modes.append((threads + 1, wider and self._wait is not None))
+        elif passive:
+            modes.append((threads, False))
+        return modes
+
     def _keep_probe(self) -> None:
-        """The probed count won: stay, and look again soon (the load changed)."""
+        """The probed mode won: stay, and look again soon (the load changed). Fewer threads
+        winning is the sign of a busy machine; spinning waits winning, of a quiet one."""
+        assert self._probe is not None
+        if self.threads < self._probe[0]:
+            self._loaded = True
+        elif not self.passive:
+            self._loaded = False
         self._probe = None
+        self._spin_next = False
         self._since_probe = 0
         self._period = self._first_period
         self._reference = statistics.median(self._probed)
@@ -218,9 +280,11 @@ class ThreadController:
         self._probed = []
 
     def _end_probe(self) -> None:
-        """The probed count lost: return, and probe less often."""
+        """The probed mode lost: return, and probe less often."""
         previous = self._probe
         assert previous is not None
+        if self.threads > previous[0]:
+            self._spin_next = self.passive
         self._probe = None
         self._probed = []
         self._since_probe = 0
@@ -228,9 +292,8 @@ class ThreadController:
         self._reference = None
         self._switch(previous)
 
-    def _switch(self, threads: int) -> None:
-        self.threads = threads
+    def _switch(self, mode: Mode) -> None:
+        self.threads, self.passive = mode
         self._recent.clear()
         self._skip = 1
-        self._applied = threads
-        self._apply(threads)
+        self._set(mode)

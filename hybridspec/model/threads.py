@@ -15,6 +15,8 @@ runs on that thread.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import sys
 import threading
 from typing import Literal
@@ -62,9 +64,59 @@ def num_threads() -> int:
 
 def thread_controller(num_threads: int | Literal["auto"] | None) -> ThreadController | None:
     """Set the calling thread's forward threads as ``EngineConfig.num_threads`` says; for
-    ``"auto"``, every usable core, and the controller that adapts the count from step times."""
+    ``"auto"``, every usable core, and the controller that adapts the count and the wait mode
+    (``passive_waits``) from step times. A fixed count spins at its waits."""
     if num_threads == "auto":
-        return ThreadController(available_cores(), set_num_threads)
+        return ThreadController(available_cores(), set_num_threads, wait=wait_mode)
     if num_threads is not None:
         set_num_threads(num_threads)
     return None
+
+
+def wait_mode(passive: bool) -> None:
+    """Passive waits and balanced matmul tiles (``True``: the forward on a busy machine), or
+    spinning waits and fixed shares (``False``, the default: alone, neither costs anything)."""
+    passive_waits(passive)
+    qgemm = sys.modules.get("hybridspec.model.qgemm")
+    if qgemm is not None and qgemm.kernel.cache_info().currsize:  # loaded: never built here
+        loaded = qgemm.kernel()
+        if loaded is not None:
+            loaded.lib.hs_set_balance(int(passive))
+
+
+_holder: threading.Event | None = None  # set to end the thread that holds passive waits
+
+
+def passive_waits(passive: bool) -> None:
+    """Make the OpenMP runtime's waits passive (``True``) or spinning again (``False``).
+
+    GNU OpenMP (torch's, which the kernel library shares) spins about 300000 times at a barrier
+    before it sleeps, and only about 100 times while it manages more threads than there are
+    cores (its CPU affinity). A thread that runs one parallel region of one thread more than
+    those cores and then blocks keeps its workers (asleep) in its team, so that while it lives
+    the runtime counts more threads than cores and every wait sleeps almost at once; ending it
+    frees its team and spinning returns. The region runs ``free(NULL)``, which does nothing.
+    Nothing happens where the runtime is not found."""
+    global _holder
+    if passive == (_holder is not None):
+        return
+    if not passive:
+        assert _holder is not None
+        _holder.set()
+        _holder = None
+        return
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1")
+        region = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return
+    gomp.GOMP_parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    release = threading.Event()
+    cores = len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else 2
+
+    def hold() -> None:
+        gomp.GOMP_parallel(region, None, cores, 0)
+        release.wait()
+
+    threading.Thread(target=hold, name="hybridspec-passive-waits", daemon=True).start()
+    _holder = release

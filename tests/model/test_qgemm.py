@@ -125,6 +125,13 @@ def test_every_instruction_set_path_and_thread_count_computes_the_same(
         torch.set_num_threads(1)
         assert variants[0].max_threads() == 1  # torch's OpenMP runtime, shared
         assert torch.equal(BlockLinear(w, variants[0])(x, residual=residual), outs[0])
+        torch.set_num_threads(2)  # tiles in dynamic chunks (a busy machine's balance)
+        for k in variants:
+            k.lib.hs_set_balance(1)
+            try:
+                assert torch.equal(BlockLinear(k.pack(w), k)(x, residual=residual), outs[0])
+            finally:
+                k.lib.hs_set_balance(0)
     finally:
         torch.set_num_threads(threads)
 

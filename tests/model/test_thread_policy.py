@@ -158,3 +158,85 @@ def test_a_prompt_step_runs_at_the_chosen_count_never_a_probes() -> None:
     controller.for_step(prefill=True)  # chosen now: the prompt step runs at 1 too
     controller.for_step(prefill=False)
     assert applied[-1] == 1 and len(applied) == 4  # already so: nothing applied
+
+
+class Modes:
+    """Step times by mode (threads, passive waits), with what the controller applied."""
+
+    def __init__(self, seconds: dict[tuple[int, bool], float]) -> None:
+        self.seconds = seconds
+        self.counts: list[int] = []
+        self.waits: list[bool] = []
+        self.controller = ThreadController(2, self.counts.append, wait=self.waits.append)
+
+    def run(self, steps: int) -> list[tuple[int, bool]]:
+        modes = []
+        for _ in range(steps):
+            mode = (self.controller.threads, self.controller.passive)
+            modes.append(mode)
+            self.controller.for_step(prefill=False)
+            self.controller.observe(self.seconds[mode])
+        return modes
+
+
+def test_alone_the_waits_spin_and_the_counts_are_those_without_a_wait_mode() -> None:
+    times = {(1, False): 0.010, (2, False): 0.006, (2, True): 0.007}
+    machine = Modes(times)
+    plain = Machine({1: 0.010, 2: 0.006})
+    assert [n for n, _ in machine.run(3000)] == plain.run(
+        ThreadController(2, plain.applied.append), 3000
+    )
+    assert machine.waits == [False]  # spinning from the start, never changed
+
+
+def test_once_fewer_threads_win_the_wider_probes_wait_passively() -> None:
+    # beside one busy process: 2 spinning threads 3x slower, 2 passive about 1 thread's speed
+    machine = Modes({(1, False): 0.010, (2, False): 0.030, (2, True): 0.0105})
+    modes = machine.run(600)
+    assert modes.index((1, False)) <= 8 + 1
+    # the probes at 2 threads wait passively, but for one in two after a passive one lost
+    # (it ends after its first 3 steps and the skipped one)
+    assert modes[20:].count((2, False)) <= 4
+    assert modes[20:].count((2, True)) >= 2 * 4  # each ends after 3 steps (and the skipped one)
+    assert modes[-1] == (1, False)  # not faster by the margin: 1 thread stays
+    assert machine.waits[0] is False and True in machine.waits
+
+
+def test_a_prompt_step_runs_at_the_chosen_mode_never_a_passive_probes() -> None:
+    machine = Modes({(1, False): 0.010, (2, False): 0.030, (2, True): 0.0105})
+    machine.run(600)
+    assert machine.controller.threads == 1 and machine.counts[-1] == 1
+    machine.controller.for_step(prefill=True)
+    assert machine.counts[-1] == 1
+
+
+def test_under_heavier_load_the_passive_count_is_kept() -> None:
+    # beside two busy processes: 2 passive threads take a larger share of the cores
+    machine = Modes({(1, False): 0.015, (2, False): 0.040, (2, True): 0.010})
+    modes = machine.run(600)
+    assert modes[100:].count((2, True)) >= 0.9 * 500
+    assert machine.waits[-1] is True
+
+
+def test_when_the_load_goes_the_waits_spin_again() -> None:
+    machine = Modes({(1, False): 0.030, (2, False): 0.080, (2, True): 0.020})
+    machine.run(2000)  # probes backed off to their longest period
+    assert machine.controller.passive
+    machine.seconds = {(1, False): 0.010, (2, False): 0.006, (2, True): 0.008}
+    modes = machine.run(1000)
+    assert modes[-1] == (2, False) and machine.waits[-1] is False
+    assert modes.index((2, False)) <= 2 * 8 + 2  # the faster steps start a probe at once
+    assert modes[100:].count((2, False)) >= 0.97 * 900
+
+
+def test_a_busy_spell_that_ends_does_not_keep_one_thread_where_passive_waits_do_not_win() -> None:
+    """Alone, 2 passive threads only 5% faster than 1 (inside the margin), 2 spinning ones 60%:
+    after a busy spell left the controller at 1 thread, a spinning probe follows the passive one
+    that lost, and spinning 2 threads are kept."""
+    machine = Modes({(1, False): 0.010, (2, False): 0.030, (2, True): 0.0105})
+    machine.run(100)
+    assert machine.controller.threads == 1  # 1 thread's rounds take the same time alone
+    machine.seconds = {(1, False): 0.010, (2, False): 0.00625, (2, True): 0.0095}
+    modes = machine.run(2000)
+    assert modes[-1] == (2, False) and machine.waits[-1] is False
+    assert modes[1000:].count((2, False)) >= 0.97 * 1000

@@ -1,5 +1,6 @@
 """numba is imported only by a run that uses it: a count set before its import reaches numba
-when the numba attention first runs, on the thread that set it, and torch's count stays."""
+when the numba attention first runs, on the thread that set it, and torch's count stays; passive
+OpenMP waits hold a sleeping team while on, and none after."""
 
 from __future__ import annotations
 
@@ -43,3 +44,51 @@ def test_numba_imported_after_the_count_takes_the_calling_threads_count() -> Non
         check=True,
     )
     assert out.stdout.split() == ["1", "1", "2", "2", "2"]
+
+
+PASSIVE_WAITS = """
+import os
+import time
+
+import torch
+
+from hybridspec.model.threads import passive_waits, set_num_threads
+
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+
+def settle(check):
+    for _ in range(500):
+        if check(tasks()):
+            return tasks()
+        time.sleep(0.01)
+    return tasks()
+
+
+set_num_threads(2)
+torch.ones(1 << 22).mul_(2).sum()
+alone = tasks()
+passive_waits(True)
+passive_waits(True)  # once only
+held = settle(lambda n: n >= alone + 3)
+passive_waits(False)
+print(alone, held - alone, settle(lambda n: n == alone) - alone)
+"""
+
+
+def test_passive_waits_hold_a_sleeping_team_while_on_and_end_it_after() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", PASSIVE_WAITS],
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    # the holding thread and its team of the cores plus one (2 cores given: 3), then none
+    _, held, after = map(int, out.stdout.split())
+    assert held >= 3
+    assert after == 0

@@ -63,6 +63,16 @@ const char *hs_isa(void) {
 
 int hs_max_threads(void) { return (int)team_size(); }
 
+/* Whether matmul_run's threads take its tiles in small chunks as they come (1) or each an even
+ * share fixed in advance (0, the default): ``hs_set_balance``. On a busy machine, where a
+ * descheduled thread would keep its share to itself while the others wait at the barrier, the
+ * running threads take the late one's tiles; alone, the fixed shares need no shared counter.
+ * The tiles write disjoint outputs with the same sums whoever takes them: results do not
+ * change. */
+static volatile int balance;
+
+void hs_set_balance(int on) { balance = on != 0; }
+
 /* a[:K] = the prologue of one row of activations, in float32. */
 static void prologue_row(const uint16_t *x, const float *x32, int64_t K, int prologue,
                          const uint16_t *norm_w, float eps, float *a) {
@@ -183,6 +193,25 @@ static void store_tile(float out[][ROWS], int tt, int rows, int64_t t0, int64_t 
     }
 }
 
+/* Tile ``b``'s outputs for every row of x, in passes of ``height`` rows: codes ``q`` [T, K],
+ * group scales ``dx`` [T, G], sub-group sums ``sx`` and ``qs`` [T, G S] (matmul_run's). */
+HS_INLINE void tile_rows(const qweight_t *w, int kind, int64_t b, int64_t T, int64_t height,
+                         const int8_t *q, const float *dx, const float *sx, const int32_t *qs,
+                         const uint16_t *residual, uint16_t *y) {
+    int bits = w->bits;
+    int64_t N = w->N, K = w->K, G = K / GS, S = GS / w->group, tb = tile_bytes(bits);
+    int rows = N - b * ROWS < ROWS ? (int)(N - b * ROWS) : ROWS;
+    factors_t td = tile_factors(w->scales, b, G, S), tm = tile_factors(w->offsets, b, G, S);
+    for (int64_t t0 = 0; t0 < T; t0 += height) {
+        int tt = T - t0 < height ? (int)(T - t0) : (int)height;
+        tile_job_t job = {w->packed + b * G * tb, td, tm, bits, G, K, q + t0 * K,
+                          dx + t0 * G, sx + t0 * G * S, qs + t0 * G * S};
+        float out[TILE_T][ROWS];
+        tile_dot_rows(&job, kind, tt, out);
+        store_tile(out, tt, rows, t0, b * ROWS, N, residual, y);
+    }
+}
+
 int64_t matmul_scratch(const qweight_t *w, int64_t T) {
     int64_t K = w->K, G = K / GS, S = GS / w->group;
     return lines(T * K) + lines(4 * T * G) + 2 * lines(4 * T * G * S) + team_size() * lines(4 * K);
@@ -194,10 +223,10 @@ int64_t matmul_scratch(const qweight_t *w, int64_t T) {
 void matmul_run(const qweight_t *w, const void *x, int x_f32, int64_t T, int prologue,
                 const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *y,
                 uint8_t *scratch) {
-    int bits = w->bits, group = w->group;
+    int group = w->group;
     int64_t N = w->N, K = w->K;
     int64_t G = K / GS, S = GS / group, Kx = prologue == PRO_SILU_MUL ? 2 * K : K;
-    int64_t tiles = (N + ROWS - 1) / ROWS, tb = tile_bytes(bits);
+    int64_t tiles = (N + ROWS - 1) / ROWS;
     /* rows of x a pass over a tile takes: T in passes of equal heights up to TILE_T (17 rows:
      * 9 + 8, not 16 + 1, a pass of one row being the slowest per row) */
     int64_t passes = (T + TILE_T - 1) / TILE_T, height = (T + passes - 1) / passes;
@@ -206,6 +235,11 @@ void matmul_run(const qweight_t *w, const void *x, int x_f32, int64_t T, int pro
     float *dx = take(&scratch, 4 * T * G), *sx = take(&scratch, 4 * T * G * S);
     int32_t *qs = take(&scratch, 4 * T * G * S);
     float *rows_a = (float *)scratch; /* one row of K floats per thread, lines(4 K) apart */
+    /* balanced: about 16 chunks a thread (1B decode: 4 tiles a take of the output projection's
+     * 128, 250 of the LM head's 8016) */
+    int dynamic = balance && team_size() > 1;
+    int64_t chunk = tiles / (16 * team_size());
+    if (chunk < 1) chunk = 1;
 #pragma omp parallel
     {
         float *a = rows_a + team_member() * (lines(4 * K) / 4);
@@ -215,18 +249,12 @@ void matmul_run(const qweight_t *w, const void *x, int x_f32, int64_t T, int pro
                          x_f32 ? (const float *)x + t * Kx : NULL, K, prologue, norm_w, eps, a);
             quantize_row(a, K, group, q + t * K, dx + t * G, sx + t * G * S, qs + t * G * S);
         }
+        if (dynamic) {
+#pragma omp for schedule(dynamic, chunk)
+            for (int64_t b = 0; b < tiles; b++) tile_rows(w, kind, b, T, height, q, dx, sx, qs, residual, y);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < tiles; b++) {
-            int rows = N - b * ROWS < ROWS ? (int)(N - b * ROWS) : ROWS;
-            factors_t td = tile_factors(w->scales, b, G, S), tm = tile_factors(w->offsets, b, G, S);
-            for (int64_t t0 = 0; t0 < T; t0 += height) {
-                int tt = T - t0 < height ? (int)(T - t0) : (int)height;
-                tile_job_t job = {w->packed + b * G * tb, td, tm, bits, G, K, q + t0 * K,
-                                  dx + t0 * G, sx + t0 * G * S, qs + t0 * G * S};
-                float out[TILE_T][ROWS];
-                tile_dot_rows(&job, kind, tt, out);
-                store_tile(out, tt, rows, t0, b * ROWS, N, residual, y);
-            }
+            for (int64_t b = 0; b < tiles; b++) tile_rows(w, kind, b, T, height, q, dx, sx, qs, residual, y);
         }
     }
 }
