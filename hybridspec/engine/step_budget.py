@@ -139,16 +139,19 @@ class FittedForwardCost:
     def seconds(self, num_rows: int, num_scores: int) -> float | None:
         """None before ``MIN_OBSERVATIONS`` forwards, and past ``EXTRAPOLATION`` times the
         largest."""
-        if self._count < MIN_OBSERVATIONS or num_rows > EXTRAPOLATION * self._most_rows:
-            return None
-        return math.exp(self._log_load) * self._shape(num_rows, num_scores)
+        shape = self._priced_shape(num_rows, num_scores)
+        return None if shape is None else math.exp(self._log_load) * shape
 
     def relative_seconds(self, num_rows: int, num_scores: int) -> float | None:
         """The shape's estimate alone, ``a + b rows + c scores`` without ``load``: how a
         forward of this size compares with one of another size under one load (a round's time
         over it measures the load and the thread count, not the round's size); None where
         ``seconds`` is."""
-        if self.seconds(num_rows, num_scores) is None:
+        return self._priced_shape(num_rows, num_scores)
+
+    def _priced_shape(self, num_rows: int, num_scores: int) -> float | None:
+        """``_shape`` where the fit can price a forward of this size (``seconds``), else None."""
+        if self._count < MIN_OBSERVATIONS or num_rows > EXTRAPOLATION * self._most_rows:
             return None
         return self._shape(num_rows, num_scores)
 

@@ -78,7 +78,7 @@ from hybridspec.types import CommitInfo, Proposal, ProposeRequest, SamplingParam
 from hybridspec.verifier.acceptance import draw_uniforms, sample_from_probs
 from hybridspec.verifier.controls import apply_controls, is_controlled
 from hybridspec.verifier.sampling import logits_to_probs_by_row
-from hybridspec.verifier.uniforms import position_uniform
+from hybridspec.verifier.uniforms import KeyedUniforms
 
 logger = logging.getLogger(__name__)
 
@@ -363,27 +363,21 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
     def _keyed_drafts(
         self, logits: torch.Tensor, sampling: list[SamplingParams], uniforms: list[float]
     ) -> list[int]:
-        """The inverse-CDF samples of q (``_draft_probs`` of controlled ``logits`` [n, S] over
-        the draft vocabulary) at
-        ``uniforms``, as target ids. The draft vocabulary is sorted, so q's cumulative sum over
-        its columns is the one over the whole vocabulary (zero elsewhere): the sample is the
-        token ``verifier.sample_from_probs`` gives for q at the same uniform."""
-        q = self._draft_probs(logits, sampling)  # [n, S]
-        u = torch.tensor(uniforms, dtype=torch.float64, device=q.device)
-        return self.head.draft_vocab[
-            sample_from_probs(q, u).to(self.head.draft_vocab.device)
-        ].tolist()
-
-    def _draft_probs(self, logits: torch.Tensor, sampling: list[SamplingParams]) -> torch.Tensor:
-        """q [n, S] of controlled ``logits`` [n, S] over the draft vocabulary under each row's
-        sampling transforms (zero elsewhere in the target's vocabulary).
+        """The inverse-CDF samples at ``uniforms`` of q, the controlled ``logits`` [n, S] under
+        each row's sampling transforms over the draft vocabulary, as target ids.
 
         Outside the draft vocabulary every logit is -inf (controls add to finite logits and
         mask), so the transforms run on the draft vocabulary's columns alone, a sixth of the
         target's vocabulary for the shipped head: softmax and top-k/top-p over -inf columns
-        give them probability 0, so this is the same distribution, for less work.
-        """
-        return logits_to_probs_by_row(logits, sampling)
+        give them probability 0, so this is the same distribution, for less work. The draft
+        vocabulary is sorted, so q's cumulative sum over its columns is the one over the whole
+        vocabulary (zero elsewhere): the sample is the token ``verifier.sample_from_probs``
+        gives for q at the same uniform."""
+        q = logits_to_probs_by_row(logits, sampling)  # [n, S]
+        u = torch.tensor(uniforms, dtype=torch.float64, device=q.device)
+        return self.head.draft_vocab[
+            sample_from_probs(q, u).to(self.head.draft_vocab.device)
+        ].tolist()
 
     def commit(self, info: CommitInfo) -> None:
         seq = self._seq(info.seq_id)
@@ -408,5 +402,5 @@ def _uniform(request: ProposeRequest, offset: int) -> float:
     ``uniform_key`` as the verifier's (``verifier.uniforms``), or drawn from its generator
     where it has no key."""
     if request.uniform_key is not None:
-        return position_uniform(request.uniform_key, len(request.token_ids) + offset)
+        return KeyedUniforms(request.uniform_key, len(request.token_ids)).uniform(offset)
     return float(draw_uniforms(1, request.generator)[0])
