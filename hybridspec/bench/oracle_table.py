@@ -334,12 +334,15 @@ def _register_oracles(
 def _time_rows(engine: Engine, max_rows: int, table: OracleTable) -> None:
     """``t(n) / t(1)`` for ``n = 1 .. max_rows``, timed on the engine's runtime, to
     ``table.verify_costs`` (``t(1)`` to ``decode_seconds``); the engine's row costs become these
-    seconds (module docstring, 2.)."""
+    seconds (module docstring, 2.), and its realised check of them (``engine.realized_rows``)
+    starts over."""
     rows = range(1, max_rows + 1)
     timings = median_forward_seconds(engine.runtime, tuple(rows), every_row=True)
     if timings is None or timings[0] <= 0:
         raise HybridSpecError("no free cache slot to time the forward's cost per row")
     engine.forward_cost.rows.clear()
+    # what the realised check learned was measured against the old prices: it starts again
+    engine.forward_cost.realized.clear()
     for n, seconds in zip(rows, timings, strict=True):  # what a long-running engine knows now
         engine.forward_cost.rows.observe(n, seconds)
     table.decode_seconds.append(timings[0])

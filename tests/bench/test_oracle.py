@@ -138,22 +138,29 @@ def test_table_on_a_tiny_model() -> None:
 
 def test_adaptive_cells_are_priced_by_fresh_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Row prices learned before an adaptive cell (here absurd ones) are replaced by timings
-    taken just before it: the cell is priced at the machine's present speed."""
+    taken just before it, and the realised extra learned against them is dropped: the cell is
+    priced at the machine's present speed."""
     engine = make_engine(tiny_loaded(0), max_num_seqs=1)
     generate, priced = engine.generate, []
 
     def generate_seeing_prices(*args: object, **kwargs: object) -> object:
-        rows = engine.forward_cost.rows
-        priced.append((engine.speculation is not None, rows.seconds(3)))
+        rows, realized = engine.forward_cost.rows, engine.forward_cost.realized
+        priced.append((engine.speculation is not None, rows.seconds(3), realized.extra_per_draft()))
         for _ in range(20):  # a stale price: 3 rows a thousand seconds
             rows.observe(3, 1000.0)
+        realized.clear()  # and a stale realised extra: drafting rounds dearer than priced
+        for _ in range(3):
+            realized.observe(1, 0, 0.01, None)
+        for _ in range(10):
+            realized.observe(1, 2, 0.014, 0.001)
+        assert realized.extra_per_draft() > 0
         return generate(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(engine, "generate", generate_seeing_prices)
     table = run_oracle_table(engine, PROMPTS[:1], OraclePlan((0.7,), (1, 2), 8, repeats=2))
     assert len(table.verify_costs) == 3 and all(r.identical for r in table.runs[0.7])
-    adaptive = [seconds for adaptive, seconds in priced if adaptive][1:]  # after the warm-up
-    assert adaptive and all(s is not None and s < 1.0 for s in adaptive)
+    adaptive = [(seconds, extra) for adaptive, seconds, extra in priced if adaptive][1:]
+    assert adaptive and all(s is not None and s < 1.0 and extra == 0 for s, extra in adaptive)
 
 
 def test_repeated_sweeps_take_medians() -> None:
