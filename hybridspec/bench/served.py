@@ -10,16 +10,20 @@ and llama.cpp baselines, are refused. The schedule, records, summary and ``--vs-
 are the library bench's.
 
 A request is the trial's prompt as token ids (the very tokens of the library bench's trial,
-the chat template applied by the bench) through the completions route, streamed, asking for
-the usage and each token's id (``stream_options``: ``include_usage``, ``include_drafts``). A
-trial is timed by the client, from sending its first request to the end of its last stream,
-prefill included, as the library's runs from the first request added to the last finished;
-a single request's first token is when the first chunk that carries a token arrives. Its
-tokens are the usage's completion tokens, plus the EOS token where one ended it (finish reason
-``stop``: no request names a stop string), counted as the library counts them; its ids (EOS
-excluded) are compared with ``none``'s as the library's are (``summary.greedy_agreement``).
-Drafts proposed and accepted and target forwards come from the response's ``hybridspec``
-statistics; the time inside the target's forward is not observed.
+the chat template applied by the bench) through the completions route, streamed as a chat
+client streams, with its usage (``stream_options.include_usage``). A trial is timed by the
+client, from sending its first request to the end of its last stream, prefill included, as the
+library's runs from the first request added to the last finished; a single request's first
+token is when the first chunk with text arrives. Its tokens are the usage's completion tokens,
+plus the EOS token where one ended it (finish reason ``stop``: no request names a stop
+string), counted as the library counts them. Its text is compared with ``none``'s as the
+library compares ids (``summary.greedy_agreement``): the records hold the ids of the text as
+the target's tokenizer encodes it, once the trial's clock has stopped. Identical texts give
+identical ids; where texts differ, the first differing id is where they part, give or take a
+token. (The stream could carry each token's id, ``include_drafts``, but that costs the server a
+worker thread's decode per chunk, and a chunk per round favours speculation, which makes
+fewer.) Drafts proposed and accepted and target forwards come from the response's
+``hybridspec`` statistics; the time inside the target's forward is not observed.
 
 N at once: N client threads in a closed loop (``client_closed_loop``), like the library's N
 requests in the engine at once. The ``suffix`` proposer's pool learns from every request the
@@ -77,12 +81,14 @@ def served_proposers(url: str) -> list[str]:
     return [p["name"] for p in card["hybridspec"]["proposers"]]
 
 
-def served_methods(url: str, names: Sequence[str], k: int) -> list[ServedMethod]:
+def served_methods(
+    url: str, names: Sequence[str], k: int, encode: Callable[[str], Sequence[int]]
+) -> list[ServedMethod]:
     """A ``ServedMethod`` per name; raises for a proposer the server does not run."""
     known = served_proposers(url)
     unknown = [n for n in names if n not in known]
     check(not unknown, "methods", f"the server runs no {unknown}; it runs {known}")
-    return [ServedMethod(url, name, k) for name in names]
+    return [ServedMethod(url, name, k, encode) for name in names]
 
 
 def client_closed_loop(
@@ -101,21 +107,39 @@ def client_closed_loop(
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """One streamed request: what it generated and the client's times."""
+    """One streamed request: what it generated, its statistics and the client's times."""
 
-    speculation: Speculation
+    text: str
+    num_generated: int  # the usage's completion tokens, and the EOS token that ended it
+    target_forwards: int
+    num_drafts: int
+    num_accepted_tokens: int
     seconds: float  # request sent to the stream's end
-    first_token_s: float | None  # request sent to the first chunk with a token
+    first_token_s: float | None  # request sent to the first chunk with text
+
+    def speculation(self, encode: Callable[[str], Sequence[int]]) -> Speculation:
+        """As the library's records hold a request, its ids those of its text (``encode``)."""
+        return Speculation(
+            token_ids=tuple(encode(self.text)),
+            num_generated=self.num_generated,
+            target_forwards=self.target_forwards,
+            num_drafts=self.num_drafts,
+            num_accepted_tokens=self.num_accepted_tokens,
+        )
 
 
 class ServedMethod:
-    """A proposer of the bench's server: every request of its trials names it, with a fixed K."""
+    """A proposer of the bench's server: every request of its trials names it, with a fixed K.
+    ``encode`` turns a text into the target tokenizer's ids, for the records."""
 
-    def __init__(self, url: str, proposer: str, k: int) -> None:
+    def __init__(
+        self, url: str, proposer: str, k: int, encode: Callable[[str], Sequence[int]]
+    ) -> None:
         self.name = proposer
         self.url = url
         self._route = url + COMPLETIONS_ROUTE
         self._k = k
+        self._encode = encode
 
     def body(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
@@ -129,52 +153,48 @@ class ServedMethod:
             "temperature": sampling.temperature,
             "proposer": self.name,
             "num_speculative_tokens": self._k,
-            "stream_options": {"include_usage": True, "include_drafts": True},
+            "stream_options": {"include_usage": True},
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
         return body
 
     def send(self, body: dict[str, Any]) -> Served:
-        """Stream one request and read its tokens, statistics and times (module docstring)."""
+        """Stream one request and read its text, counts and times (module docstring)."""
         began = time.perf_counter()
         first: float | None = None
-        token_ids: list[int] = []
+        parts: list[str] = []
         finish, usage, stats = None, None, None
         for chunk in stream_chunks(self._route, body):
             for choice in chunk["choices"]:
-                tokens = choice.get("tokens") or ()
-                if tokens and first is None:
+                text = choice.get("text") or ""
+                if text and first is None:
                     first = time.perf_counter()
-                token_ids += [int(t["id"]) for t in tokens]
+                parts.append(text)
                 finish = choice.get("finish_reason") or finish
             usage = chunk.get("usage") or usage
             stats = chunk.get("hybridspec") or stats
         ended = time.perf_counter()
         if usage is None or stats is None or finish is None:
             raise ServedRequestError(f"{self._route}: the stream ended without its usage")
-        generated = int(usage["completion_tokens"])
-        check(
-            generated == len(token_ids),
-            "completion_tokens",
-            f"the usage says {generated}, the stream carried {len(token_ids)} tokens",
-        )
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
         check(cached == 0, "cached_tokens", f"expected a cold prefill, {cached} tokens were cached")
-        speculation = Speculation(
-            token_ids=tuple(token_ids),
-            num_generated=generated + (finish == "stop"),  # the EOS token that ended it
+        return Served(
+            text="".join(parts),
+            num_generated=int(usage["completion_tokens"]) + (finish == "stop"),
             target_forwards=int(stats["target_forwards"]),
             num_drafts=int(stats["draft_tokens_proposed"]),
             num_accepted_tokens=int(stats["draft_tokens_accepted"]),
+            seconds=ended - began,
+            first_token_s=None if first is None else first - began,
         )
-        return Served(speculation, ended - began, None if first is None else first - began)
 
     def run(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
     ) -> Measurement:
         served = self.send(self.body(prompt_token_ids, sampling, max_new_tokens))
-        return Measurement((served.speculation,), served.seconds, None, served.first_token_s)
+        requests = (served.speculation(self._encode),)
+        return Measurement(requests, served.seconds, None, served.first_token_s)
 
     def run_concurrent(
         self,
@@ -183,9 +203,10 @@ class ServedMethod:
         max_new_tokens: int,
         concurrency: int,
     ) -> Measurement:
-        """Every prompt from ``concurrency`` client threads (``client_closed_loop``)."""
+        """Every prompt from ``concurrency`` client threads (``client_closed_loop``); the texts
+        are encoded once the last request is answered."""
         bodies = [self.body(p, s, max_new_tokens) for p, s in zip(prompts, samplings, strict=True)]
         results, elapsed = client_closed_loop(self.send, bodies, concurrency)
-        requests = tuple(r.speculation for r in results)
+        requests = tuple(r.speculation(self._encode) for r in results)
         first = results[0].first_token_s if len(results) == 1 else None
         return Measurement(requests, elapsed, None, first)

@@ -19,6 +19,7 @@ starts on the same options, its prefix cache off as well (``served``), and the s
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import platform
@@ -136,7 +137,9 @@ def open_session(
         else:
             spec = bench_server(models, num_speculative_tokens, max_seq_len, config.concurrency)
             url = closing.enter_context(running(spec, server_log))
-            session.methods = list(served_methods(url, method_names, num_speculative_tokens))
+            encode = functools.partial(target.tokenizer.encode, add_special_tokens=False)
+            k = num_speculative_tokens
+            session.methods = list(served_methods(url, method_names, k, encode))
             session.server = f"hybridspec serve at {url} ({spec.note})"
     except BaseException:
         closing.close()

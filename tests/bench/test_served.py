@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from hybridspec.bench.harness import BenchConfig, sampling_for
-from hybridspec.bench.records import Speculation
 from hybridspec.bench.served import ServedMethod, client_closed_loop, served_methods
-from hybridspec.bench.session import BenchSession, ModelOptions, bench_server, open_session
+from hybridspec.bench.session import ModelOptions, bench_server, open_session
 from hybridspec.bench.workload import parse_workload
 from hybridspec.cli import main
+from hybridspec.engine import GenerationParams
 from hybridspec.errors import InvalidRequestError
+from hybridspec.types import SamplingParams
 from tests.bench.test_bench import tiny_workload
 from tests.conftest import TinyLlamaFactory
 
@@ -85,45 +86,61 @@ def test_served_bench_records_every_trial_and_the_ratios_to_none(
 def test_served_requests_generate_what_the_library_does(
     make_tiny_llama_dir: TinyLlamaFactory, tmp_path: Path
 ) -> None:
-    """The same prompt, sampling and proposer give the same tokens, counted the same way (the
-    EOS token that ends a request included), served or in the library."""
+    """The same prompt, sampling and proposer give the same text, its tokens counted the same
+    way (the EOS token that ends a request included), served or in the library."""
     model_dir = make_tiny_llama_dir(max_position_embeddings=1024)
     workload = parse_workload(tiny_workload())
     options = ModelOptions(str(model_dir), dtype="float32", threads=1)
     config = BenchConfig(max_new_tokens=24)
-    names = ["none", "ngram"]
-    runs = [(m, t) for m in names for t in (0.0, 0.8) for _ in workload.prompts]
-
-    def run_all(session: BenchSession) -> list[Speculation]:
-        return [
-            m.run(p.token_ids, sampling_for(t, 0, 0, i), config.max_new_tokens).requests[0]
-            for m in session.methods
-            for t in (0.0, 0.8)
-            for i, p in enumerate(session.prompts)
-        ]
-
-    library = open_session(workload, options, names, K, config)
+    cases = [(m, t, i) for m in ("none", "ngram") for t in (0.0, 0.8) for i in range(2)]
+    library = open_session(workload, options, ["none"], K, config)
     try:
-        expected = run_all(library)
+        assert library.engine is not None
+        expected = [
+            library.engine.generate(
+                prompt_token_ids=library.prompts[i].token_ids,
+                params=GenerationParams(
+                    max_new_tokens=config.max_new_tokens,
+                    sampling=sampling_for(t, 0, 0, i),
+                    proposer=m,
+                    num_speculative_tokens=K,
+                ),
+            )
+            for m, t, i in cases
+        ]
     finally:
         library.close()
-    served = open_session(workload, options, names, K, config, tmp_path / "serve.log")
+    served = open_session(workload, options, ["none", "ngram"], K, config, tmp_path / "s.log")
     try:
-        got = run_all(served)
-        method = served.methods[0]
-        assert isinstance(method, ServedMethod)
+        methods = {m.name: m for m in served.methods if isinstance(m, ServedMethod)}
+        assert list(methods) == ["none", "ngram"]
+        got = [
+            methods[m].send(
+                methods[m].body(
+                    served.prompts[i].token_ids, sampling_for(t, 0, 0, i), config.max_new_tokens
+                )
+            )
+            for m, t, i in cases
+        ]
+        record = methods["none"].run(served.prompts[0].token_ids, SamplingParams(), 24)
+        url = methods["none"].url
         with pytest.raises(InvalidRequestError, match=r"runs no \['eagle-9'\]"):
-            served_methods(method.url, ["none", "eagle-9"], K)
+            served_methods(url, ["none", "eagle-9"], K, list)
     finally:
         served.close()
-    for (method, t), a, b in zip(runs, got, expected, strict=True):
+    for (method, t, _), a, b in zip(cases, got, expected, strict=True):
         if t == 0 or method == "none":  # speculation's sampled tokens depend on its drafts
-            assert a.token_ids == b.token_ids, (method, t)
-            assert a.num_generated == b.num_generated, (method, t)
-        if method == "none":  # one forward per token
-            assert a.target_forwards == b.target_forwards == a.num_generated
-    ended = [a for a in got if a.num_generated > len(a.token_ids)]
-    assert ended, "some request ends with EOS, which is counted"
+            assert a.text == b.text, (method, t)
+            assert a.num_generated == b.stats.generated_tokens, (method, t)
+        if method == "none":  # one forward per token, nothing drafted
+            assert a.target_forwards == b.stats.target_forwards == a.num_generated
+            assert a.num_drafts == 0
+    assert any(a.num_generated == len(b.token_ids) + 1 for a, b in zip(got, expected, strict=True))
+    tokenizer = served.target.tokenizer
+    assert record.requests[0].token_ids == tuple(
+        tokenizer.encode(got[0].text, add_special_tokens=False)
+    )
+    assert record.forward_s is None and record.first_token_s is not None
 
 
 @pytest.mark.parametrize(
