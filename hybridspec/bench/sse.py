@@ -14,13 +14,16 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+from hybridspec.errors import HybridSpecError
+
 REQUEST_TIMEOUT_S = 600.0
 _DATA = "data:"
 _DONE = "[DONE]"
 
 
-class ServedRequestError(RuntimeError):
-    """The server refused the request, or ended its stream with an error."""
+class ServedRequestError(HybridSpecError, RuntimeError):
+    """The server refused the request, or ended its stream with an error (the command line
+    reports it as its other errors)."""
 
 
 def stream_chunks(url: str, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
