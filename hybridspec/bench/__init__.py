@@ -13,6 +13,8 @@ Module map, in data-flow order:
 - ``summary``: records -> cells (tokens/s, speedups, acceptance, overhead);
   ``targets``: pass/fail against the runtime's performance targets.
 - ``report``: the terminal table, the JSON document, the PNG chart; ``cli``: the command.
+- ``served`` (``--served``): the same trials through a ``hybridspec serve`` that the session
+  starts (``servers``), each request streamed and read by ``sse``.
 - ``hybridspec bench serve`` (``serve_cli``): ``servers`` starts hybridspec and llama.cpp's
   servers as processes on free ports; ``loadgen`` runs guidellm against each and reads its
   report; ``serving_report`` makes the tables, the ratios to each peer and the chart.

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from hybridspec.bench.conversations import add_conversations_command
 from hybridspec.bench.make_gguf import add_make_gguf_command
-from hybridspec.bench.names import DEFAULT_METHODS, LLAMACPP_METHODS
+from hybridspec.bench.names import DEFAULT_METHODS, LIBRARY_ONLY, LLAMACPP_METHODS
 from hybridspec.bench.oracle_cli import add_oracle_command
 from hybridspec.bench.serve_cli import add_serve_command
 from hybridspec.bench.workload import DEFAULT_WORKLOAD, load_workload
@@ -127,6 +127,15 @@ def add_bench_command(commands: Any) -> None:
         help="N CPU-spinning processes beside the run, stopped when it ends: decoding on a "
         "machine busy with other work (default 0)",
     )
+    add(
+        "--served",
+        action="store_true",
+        help="run the engine methods' trials through a hybridspec serve that the bench starts "
+        "on a free loopback port (the same target and options, its prefix cache off), each "
+        "request streamed and naming its proposer, N client threads at once with --concurrency "
+        "N; its log goes to OUTPUT_DIR/serve.log. The transformers and llama.cpp baselines run "
+        "only unserved",
+    )
     add("--output-dir", type=Path, default=Path("bench-results"), help="where JSON and PNG go")
     bench.set_defaults(run=run_bench)
     subcommands = bench.add_subparsers(title="subcommands", dest="bench_command")
@@ -136,10 +145,12 @@ def add_bench_command(commands: Any) -> None:
     add_oracle_command(subcommands)
 
 
-def default_methods(with_draft: bool) -> list[str]:
-    """The default methods, with llama.cpp's where ``llama_cpp`` can be imported."""
+def default_methods(with_draft: bool, served: bool = False) -> list[str]:
+    """The default methods, with llama.cpp's where ``llama_cpp`` can be imported; served, the
+    engine's alone."""
     peers = LLAMACPP_METHODS if importlib.util.find_spec("llama_cpp") is not None else ()
-    return [*DEFAULT_METHODS, *peers, *(["draft"] if with_draft else [])]
+    methods = [*DEFAULT_METHODS, *peers, *(["draft"] if with_draft else [])]
+    return [m for m in methods if m not in LIBRARY_ONLY] if served else methods
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -151,7 +162,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from hybridspec.bench.session import ModelOptions
 
     workload = load_workload(args.workload).select(args.categories, args.prompts_per_category)
-    methods = args.methods or default_methods(args.draft is not None)
+    methods = args.methods or default_methods(args.draft is not None, args.served)
     config = BenchConfig(
         temperatures=tuple(args.temperature or workload.temperatures),
         max_new_tokens=args.max_new_tokens,
@@ -198,7 +209,9 @@ def _run(
     from hybridspec.bench.session import execute, open_session
     from hybridspec.bench.summary import concurrent_group
 
-    session = open_session(workload, models, methods, args.num_speculative_tokens, config)
+    server_log = args.output_dir / "serve.log" if args.served else None
+    k = args.num_speculative_tokens
+    session = open_session(workload, models, methods, k, config, server_log)
     try:
         total = len(plan(config, session.methods, session.prompts))
         with tqdm(total=total, desc="bench", unit="trial", file=sys.stderr) as bar:

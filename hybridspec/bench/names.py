@@ -11,3 +11,4 @@ LLAMACPP_BASELINE = "llamacpp-plain"  # llama-cpp-python's plain decoding of the
 LLAMACPP_PROMPT_LOOKUP = "llamacpp-prompt-lookup"
 LLAMACPP_METHODS = (LLAMACPP_BASELINE, LLAMACPP_PROMPT_LOOKUP)
 DEFAULT_METHODS = (BASELINE, "ngram", HF_BASELINE, HF_PROMPT_LOOKUP)
+LIBRARY_ONLY = (*HF_METHODS, *LLAMACPP_METHODS)  # not proposers: ``bench --served`` refuses them

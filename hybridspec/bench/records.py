@@ -31,7 +31,7 @@ class Measurement:
 
     requests: tuple[Speculation, ...]
     elapsed_s: float  # wall time, first request queued to last token finished, prefill included
-    forward_s: float  # of which inside the target model's forward
+    forward_s: float | None  # of which inside the target model's forward; None: not observed
     first_token_s: float | None = None  # of which until the first token; None: not observed
 
     @property

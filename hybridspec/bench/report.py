@@ -70,7 +70,7 @@ def cell_row(cell: Cell, group_label: str) -> list[str]:
         _ratio(cell.speedup_vs_llamacpp_plain),
         _num(cell.acceptance_rate, ".2f"),
         _num(cell.mean_accepted_length, ".2f"),
-        f"{cell.outside_forward_share:.1%}",
+        _num(cell.outside_forward_share, ".1%"),
         _num(cell.first_token_ms, ".0f"),
         _num(cell.decode_tokens_per_s, ".1f"),
         _ratio(cell.decode_vs_llamacpp_plain),
@@ -158,13 +158,14 @@ def format_header(meta: dict[str, Any]) -> str:
     during = meta["load_average_during"] or {"min": float("nan"), "max": float("nan")}
     quantize = meta.get("quantize", "none")
     weights = "" if quantize == "none" else f" (quantize {quantize})"
+    served = f"\nserved: every engine method through {meta['served']}" if meta.get("served") else ""
     return (
         f"hybridspec bench: {meta['target']} {meta['dtype']}{weights} on {meta['device']}, "
         f"K={meta['num_speculative_tokens']}, {meta['max_new_tokens']} new tokens, "
         f"{meta['num_prompts']} prompts, {meta['repeats']} repeat(s), {meta['wall_s']:.0f} s\n"
         f"load average (1 min) {meta['load_average_before'][0]:.2f} before, "
         f"{during['min']:.2f}..{during['max']:.2f} during, on {meta['cpu_count']} CPUs "
-        f"({meta['torch_threads']} torch threads)"
+        f"({meta['torch_threads']} torch threads){served}"
     )
 
 

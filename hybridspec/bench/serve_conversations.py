@@ -19,16 +19,14 @@ Every request asks for exactly ``output_tokens`` tokens (``ignore_eos``), greedy
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hybridspec.bench.conversations import select_prompts
 from hybridspec.bench.loadgen import COMPLETIONS_ROUTE
+from hybridspec.bench.sse import stream_chunks
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,7 +34,6 @@ if TYPE_CHECKING:
     from hybridspec.bench.workload import Workload, WorkloadPrompt
 
 CONVERSATIONAL = ("multi-turn", "repeat")
-REQUEST_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,33 +83,15 @@ def _median(values: list[float]) -> float:
 
 def stream_completion(url: str, prompt: str, body: dict[str, Any]) -> Streamed:
     """POST ``prompt`` to ``url``'s completions route, streamed, and time it."""
-    payload = {"prompt": prompt, "stream": True, "ignore_eos": True, **body}
-    request = urllib.request.Request(
-        url + COMPLETIONS_ROUTE,
-        data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
-    )
+    payload = {"prompt": prompt, "ignore_eos": True, **body}
     began = time.perf_counter()
     first: float | None = None
     parts: list[str] = []
-    try:
-        response = urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S)
-    except urllib.error.HTTPError as exc:
-        raise RuntimeError(
-            f"{url}: HTTP {exc.code}: {exc.read().decode(errors='replace')}"
-        ) from None
-    with response:
-        for raw in response:
-            line = raw.decode("utf-8").strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data:") :])
-            if "error" in chunk:
-                raise RuntimeError(f"{url}: {chunk['error']}")
-            text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
-            if text and first is None:
-                first = time.perf_counter()
-            parts.append(text)
+    for chunk in stream_chunks(url + COMPLETIONS_ROUTE, payload):
+        text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+        if text and first is None:
+            first = time.perf_counter()
+        parts.append(text)
     ended = time.perf_counter()
     ttft = (first if first is not None else ended) - began
     return Streamed("".join(parts), ttft, ended - began, int(body["max_tokens"]))

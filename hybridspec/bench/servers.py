@@ -1,4 +1,5 @@
-"""The servers that ``hybridspec bench serve`` measures, each started and stopped as a process.
+"""The servers that ``hybridspec bench serve`` measures, and the one ``hybridspec bench --served``
+runs its trials through, each started and stopped as a process.
 
 A ``ServerSpec`` is how to start one server on a port: ``hybridspec serve`` with a proposer,
 llama-cpp-python's server (``python -m llama_cpp.server``), llama.cpp's own ``llama-server``.
@@ -64,17 +65,29 @@ def hybridspec_spec(
     ``serve --threads``; numba's pool is sized to match by the environment. ``suffix``: after
     its name (``-t2`` where several thread counts run)."""
 
+    options = [
+        *["--target", str(gguf), "--proposer", proposer],
+        *["--max-num-seqs", str(max_num_seqs), "--threads", str(threads)],
+    ]
+    note = f"{max_num_seqs} slots, {threads} threads"
+    return hybridspec_server(f"hybridspec-{proposer}{suffix}", options, threads, note)
+
+
+def hybridspec_server(
+    name: str, options: Sequence[str], threads: int | str, note: str = ""
+) -> ServerSpec:
+    """``hybridspec serve OPTIONS`` on the loopback, logging warnings only; a fixed number of
+    ``threads`` also sizes numba's pool (by the environment), as ``serve --threads`` sizes
+    torch's."""
+
     def argv(port: int) -> list[str]:
         return [
             *[sys.executable, "-m", "hybridspec.cli", "serve", "--host", LOOPBACK],
-            *["--port", str(port), "--target", str(gguf), "--proposer", proposer],
-            *["--max-num-seqs", str(max_num_seqs), "--threads", str(threads)],
-            *["--log-level", "warning"],
+            *["--port", str(port), *options, "--log-level", "warning"],
         ]
 
-    env = {"NUMBA_NUM_THREADS": str(threads)}
-    note = f"{max_num_seqs} slots, {threads} threads"
-    return ServerSpec(f"hybridspec-{proposer}{suffix}", argv, ours=True, note=note, env=env)
+    env = {} if threads == "auto" else {"NUMBA_NUM_THREADS": str(threads)}
+    return ServerSpec(name, argv, ours=True, note=note, env=env)
 
 
 def llama_cpp_python_spec(

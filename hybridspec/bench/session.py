@@ -11,11 +11,15 @@ llama.cpp and transformers baselines do. With one, the first method to run a pro
 its prefill and the methods after it would find it cached, so that a method's rate would
 depend on its place in the rotation, and the engine's against the baselines' would compare a
 cached prompt with a cold one.
+Served (``bench --served``), the engine methods run in a ``hybridspec serve`` that the session
+starts on the same options, its prefix cache off as well (``served``), and the session stops it.
 ``execute`` warms up, checks transformers parity, runs the schedule and summarises.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import platform
@@ -45,6 +49,13 @@ from hybridspec.bench.llamacpp_baseline import (
 from hybridspec.bench.methods import BenchMethod, EngineMethod, build_methods
 from hybridspec.bench.names import BASELINE
 from hybridspec.bench.records import Record
+from hybridspec.bench.served import (
+    ServedMethod,
+    check_served_methods,
+    served_methods,
+    threads_option,
+)
+from hybridspec.bench.servers import ServerSpec, hybridspec_server, running
 from hybridspec.bench.summary import ALL, Agreement, Summary, greedy_agreement
 from hybridspec.bench.targets import TargetResult, evaluate_targets
 from hybridspec.bench.timing import EngineForwardTimer
@@ -71,16 +82,16 @@ class ModelOptions:
 class BenchSession:
     workload: Workload
     prompts: list[BenchPrompt]
-    engine: Engine
     target: LoadedModel
     models: ModelOptions
     methods: list[BenchMethod]
     num_speculative_tokens: int
-    timer: EngineForwardTimer
+    closing: contextlib.ExitStack  # closes the engine, or stops the server
+    engine: Engine | None  # None: the trials are served
+    server: str | None = None  # how the server that serves the trials runs; None: not served
 
     def close(self) -> None:
-        self.timer.uninstall()
-        self.engine.close()
+        self.closing.close()
 
 
 def open_session(
@@ -89,7 +100,14 @@ def open_session(
     method_names: Sequence[str],
     num_speculative_tokens: int,
     config: BenchConfig,
+    server_log: Path | None = None,
 ) -> BenchSession:
+    """Load the target, tokenize the workload and resolve the methods. ``server_log`` given:
+    every engine method is served by a ``hybridspec serve`` started here (``served``), whose
+    output goes to that file, until the session is closed."""
+    if server_log is not None:
+        check_served_methods(method_names)
+        threads_option(models.threads)
     target_config = ModelConfig(
         models.target, models.dtype, models.device, quantize=models.quantize
     )
@@ -106,7 +124,53 @@ def open_session(
         f"the longest prompt ({longest} tokens) plus {config.max_new_tokens} new tokens exceeds "
         f"the model's context of {target.context_length}",
     )
+    closing = contextlib.ExitStack()
+    session = BenchSession(
+        workload, prompts, target, models, [], num_speculative_tokens, closing, None
+    )
+    try:
+        if server_log is None:
+            engine = _engine(target, models, num_speculative_tokens, max_seq_len, config)
+            closing.callback(engine.close)
+            session.engine = engine
+            session.methods = _engine_methods(session, engine, max_seq_len, method_names)
+        else:
+            spec = bench_server(models, num_speculative_tokens, max_seq_len, config.concurrency)
+            url = closing.enter_context(running(spec, server_log))
+            encode = functools.partial(target.tokenizer.encode, add_special_tokens=False)
+            k = num_speculative_tokens
+            session.methods = list(served_methods(url, method_names, k, encode))
+            session.server = f"hybridspec serve at {url} ({spec.note})"
+    except BaseException:
+        closing.close()
+        raise
+    return session
 
+
+def bench_server(
+    models: ModelOptions, num_speculative_tokens: int, max_seq_len: int, max_num_seqs: int
+) -> ServerSpec:
+    """``hybridspec serve`` on the bench's target and options, prefix cache off."""
+    threads = threads_option(models.threads)
+    options = [
+        *(["--target", models.target] if models.target is not None else []),
+        *(["--draft", models.draft] if models.draft is not None else []),
+        *["--dtype", models.dtype, "--device", models.device, "--quantize", models.quantize],
+        *["--max-seq-len", str(max_seq_len), "--max-num-seqs", str(max_num_seqs)],
+        *["--threads", threads, "-k", str(num_speculative_tokens)],
+        *["--prefix-cache-mb", "0"],
+    ]
+    note = f"{max_num_seqs} slots, {threads} threads, prefix cache off"
+    return hybridspec_server("hybridspec-bench", options, threads, note)
+
+
+def _engine(
+    target: LoadedModel,
+    models: ModelOptions,
+    num_speculative_tokens: int,
+    max_seq_len: int,
+    config: BenchConfig,
+) -> Engine:
     def sized(name: str | None) -> ModelConfig:
         # Every slot holds the longest prompt plus the budget; one slot per request in flight.
         return ModelConfig(
@@ -118,7 +182,7 @@ def open_session(
             quantize=models.quantize if name == models.target else "auto",
         )
 
-    engine = Engine(
+    return Engine(
         EngineConfig(
             target=sized(models.target),
             draft=DraftConfig(sized(models.draft) if models.draft is not None else None),
@@ -128,32 +192,33 @@ def open_session(
         ),
         target=target,
     )
-    gguf = target_gguf(models.target)
+
+
+def _engine_methods(
+    session: BenchSession, engine: Engine, max_seq_len: int, names: Sequence[str]
+) -> list[BenchMethod]:
+    """The methods on ``engine``, its forward timed while the session is open."""
+    k = session.num_speculative_tokens
+    gguf = target_gguf(session.models.target)
 
     def llama_cpp(name: str) -> BenchMethod:
         assert gguf is not None, "unavailable_reason says why there is no GGUF"
         eos = tuple(sorted(engine.eos_token_ids))
         threads = torch.get_num_threads()
-        options = LlamaCppOptions(gguf, threads, max_seq_len, eos, num_speculative_tokens)
+        options = LlamaCppOptions(gguf, threads, max_seq_len, eos, k)
         return llama_cpp_method(name, options)
 
     timer = EngineForwardTimer(engine.runtime)
     timer.install()
-    try:
-        methods = build_methods(
-            method_names,
-            engine,
-            timer,
-            num_speculative_tokens,
-            lambda: hf_model_from_weights(target),
-            unavailable_reason(gguf) or llama_cpp,
-        )
-    except BaseException:
-        timer.uninstall()
-        engine.close()
-        raise
-    return BenchSession(
-        workload, prompts, engine, target, models, methods, num_speculative_tokens, timer
+    session.closing.callback(timer.uninstall)
+    target = session.target
+    return build_methods(
+        names,
+        engine,
+        timer,
+        k,
+        lambda: hf_model_from_weights(target),
+        unavailable_reason(gguf) or llama_cpp,
     )
 
 
@@ -214,7 +279,8 @@ def execute(
         logger.warning("%s", parity.message())
     records = run_benchmark(config, session.methods, session.prompts, on_trial)
     summary = Summary(records, session.workload.categories)
-    engine_names = [m.name for m in session.methods if isinstance(m, EngineMethod)]
+    ours = (EngineMethod, ServedMethod)
+    engine_names = [m.name for m in session.methods if isinstance(m, ours)]
     reference = BASELINE if BASELINE in engine_names else next(iter(engine_names), None)
     meta = _meta(session, config, started, load_before, records)
     greedy = summary.cell(BASELINE, 0.0, ALL) if 0.0 in summary.temperatures else None
@@ -272,6 +338,7 @@ def _meta(
         "temperatures": list(config.temperatures),
         "concurrency": config.concurrency,
         "seed": config.seed,
+        "served": session.server,
         "started_unix": started,
         "wall_s": time.time() - started,
         "load_average_before": list(load_before),

@@ -16,7 +16,8 @@ closed-loop trials at concurrency N form a group of their own (``concurrent xN``
   rounds whose i-th draft was accepted / rounds that proposed an i-th draft. These are pooled
   over repeats: they do not depend on the machine's speed.
 - outside-forward share = 1 - (seconds in the target forward / wall seconds): proposing,
-  verifying, committing, scheduling and Python overhead; the median over repeats.
+  verifying, committing, scheduling and Python overhead; the median over repeats (none where
+  the forward's time is not observed: served trials).
 - time to first token (the prompt's prefill and the first token) and the decode rate after
   it: tokens after the first / seconds after the first token, summed over a repeat's requests,
   median over repeats; "decode vs" a method is the median over repeats of the ratio of decode
@@ -57,7 +58,7 @@ class Cell:
     acceptance_rate: float | None  # None when nothing was proposed
     mean_accepted_length: float | None  # None when no forward committed tokens
     acceptance_per_position: tuple[float, ...] | None  # [K]; None when not observable
-    outside_forward_share: float
+    outside_forward_share: float | None  # None: the forward's time not observed (served)
     first_token_ms: float | None = None  # median over repeats of the mean; None: not observed
     decode_tokens_per_s: float | None = None  # after the first token; None: not observed
     decode_vs_llamacpp_plain: float | None = None  # ratio of decode rates
@@ -157,10 +158,6 @@ class Summary:
         if not records:
             return None
         requests = [s for r in records for s in r.measurement.requests]
-        shares = {
-            repeat: 1 - sum(r.measurement.forward_s for r in rs) / _elapsed(rs)
-            for repeat, rs in by_repeat(records).items()
-        }
         return Cell(
             method=method,
             temperature=temperature,
@@ -179,7 +176,7 @@ class Summary:
                 sum(s.num_generated for s in requests), sum(s.target_forwards for s in requests)
             ),
             acceptance_per_position=acceptance_per_position(requests),
-            outside_forward_share=statistics.median(shares.values()),
+            outside_forward_share=_median_or_none(outside_forward_shares(records)),
             first_token_ms=_median_or_none(first_token_ms_by_repeat(records)),
             decode_tokens_per_s=_median_or_none(decode_rates_by_repeat(records)),
             decode_vs_llamacpp_plain=self.decode_speedup(
@@ -233,6 +230,17 @@ def rates_by_repeat(records: Iterable[Record]) -> dict[int, float]:
         for repeat, rs in by_repeat(records).items()
         if _elapsed(rs) > 0
     }
+
+
+def outside_forward_shares(records: Iterable[Record]) -> dict[int, float]:
+    """1 - seconds in the target forward / wall seconds, of each repeat whose records all
+    observed their forward's time."""
+    shares = {}
+    for repeat, rs in by_repeat(records).items():
+        forward = [r.measurement.forward_s for r in rs]
+        if all(f is not None for f in forward) and _elapsed(rs) > 0:
+            shares[repeat] = 1 - sum(f or 0.0 for f in forward) / _elapsed(rs)
+    return shares
 
 
 def _median_or_none(values: dict[int, float]) -> float | None:

@@ -147,8 +147,9 @@ def _overhead_result(summary: Summary, method: str, temperature: float) -> Targe
         if len(members) != 1 or group not in members:  # categories only, not unions
             continue
         cell = summary.cell(method, temperature, group)
-        if cell is not None and (worst is None or cell.outside_forward_share > worst[0]):
-            worst = (cell.outside_forward_share, group)
+        share = None if cell is None else cell.outside_forward_share
+        if share is not None and (worst is None or share > worst[0]):
+            worst = (share, group)
     limit = MAX_OUTSIDE_FORWARD_SHARE
     description = f"{method}: time outside the target forward < {limit:.0%} (T={temperature:g}"
     description += f", worst category: {worst[1]})" if worst else ")"
