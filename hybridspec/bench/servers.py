@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridspec.errors import HybridSpecError
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -47,8 +49,9 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)  # over this process's environment
 
 
-class ServerStartError(RuntimeError):
-    """The server exited, or did not answer in time; the message ends with its log's tail."""
+class ServerStartError(HybridSpecError, RuntimeError):
+    """The server exited, or did not answer in time; the message ends with its log's tail (a
+    command reports it as its other errors, without a traceback)."""
 
 
 def free_port() -> int:

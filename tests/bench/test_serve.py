@@ -41,6 +41,7 @@ from hybridspec.bench.serving_report import (
 )
 from hybridspec.bench.workload import parse_workload
 from hybridspec.cli import build_parser
+from hybridspec.errors import HybridSpecError
 from tests.conftest import save_tiny_llama
 
 DATA = Path(__file__).parent / "data"
@@ -231,10 +232,11 @@ def test_a_server_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
         return [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
 
     with (
-        pytest.raises(ServerStartError, match=r"exited with 3(.|\n)*no model here"),
+        pytest.raises(ServerStartError, match=r"exited with 3(.|\n)*no model here") as raised,
         running(ServerSpec("broken", argv, ours=False), tmp_path / "broken.log"),
     ):
         pass
+    assert isinstance(raised.value, HybridSpecError)  # a command reports it without a traceback
 
 
 def test_free_port_is_bindable() -> None:
