@@ -41,6 +41,8 @@ class DraftCounts:
         k = max(0, min(request.num_speculative_tokens, room, budget))
         if self.speculation is None or k == 0:
             return k
+        if request.speculation.paused > 0:  # asks for none, whatever the prices (unread)
+            return 0
         by_step = request.params.sampling.is_greedy or not proposer.samples_drafts
         per_token, per_round, measured = proposer.cost_per_token, 0.0, None
         if by_step and self.measure_proposer_costs:  # (a seeded sampled request: fixed)

@@ -47,6 +47,12 @@ rounds, then probes with one draft: a probe that is kept resumes
 speculation (the estimate, which decayed toward the prior meanwhile, is learned again); one
 that is not doubles the pause, up to the length at which probing costs at most
 ``PROBE_BUDGET`` tokens a round (cheap n-gram probes: a few rounds; the eagle head's: dozens).
+A pause is never shorter than the length at which its probe costs at most
+``FIRST_PROBE_BUDGET`` tokens a round (nor than ``MIN_PAUSE``): where a probe is dear (the eagle
+head's, which catches up on the paused rounds' features, beside requests whose step its row and
+time delay), pauses that start at ``MIN_PAUSE`` would spend most of a token on each of several
+probes before they grow long. Example: a probe priced at 1 token pauses 20 rounds first, then
+40, 80, up to 200; one at 0.05 tokens (an n-gram's one row) pauses 2, 4, 8, up to 10.
 The evidence's test keeps luck from pausing a request whose drafts pay: at alpha 0.5, three
 rounds in a row that keep nothing are common, and a pause then its probes cost more than they
 save; drafts that are never kept have no accepted evidence, and pause as before.
@@ -98,6 +104,7 @@ MIN_ROUNDS = 3  # drafting rounds counted before a request may pause
 MIN_PAUSE = 2  # rounds of the first pause; each failed probe doubles it
 MAX_PAUSE = 256
 PROBE_BUDGET = 0.005  # tokens a round that probing may cost at most, in the longest pause
+FIRST_PROBE_BUDGET = 0.05  # tokens a round that probing may cost at most, in any pause
 
 
 @dataclass(slots=True)
@@ -145,10 +152,12 @@ class SpeculationState(AcceptanceEstimate):
         return seen <= 0 or self.accepted / seen < self.pays_from
 
     def start_pause(self) -> None:
-        """Ask for no drafts for the next ``pause`` rounds, then probe (module docstring)."""
+        """Ask for no drafts for the next ``pause`` rounds, but at least the rounds at which
+        the probe costs ``FIRST_PROBE_BUDGET`` tokens a round, then probe (module docstring)."""
         probe_price = self.draft_price + self.round_price
         longest = min(MAX_PAUSE, max(MIN_PAUSE, int(probe_price / PROBE_BUDGET)))
-        self.paused = min(self.pause, longest)
+        shortest = min(longest, max(MIN_PAUSE, int(probe_price / FIRST_PROBE_BUDGET)))
+        self.paused = max(shortest, min(self.pause, longest))
         self.pause = min(2 * self.paused, longest)
         self.net, self.rounds, self.probing = 0.0, 0, True
 

@@ -5,15 +5,17 @@ injected: nothing depends on how fast this machine runs."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import pytest
 
 from hybridspec import GenerationParams, Proposal, Proposer, ProposeRequest
-from hybridspec.engine import Engine
+from hybridspec.engine import Engine, speculation
 from hybridspec.engine.proposer_costs import DECAY, MIN_CALLS, OUTLIER, ProposerCosts
 from hybridspec.engine.row_costs import RowCosts
 from hybridspec.engine.speculation import (
+    FIRST_PROBE_BUDGET,
     MAX_PAUSE,
     MIN_PAUSE,
     MIN_ROUNDS,
@@ -75,6 +77,8 @@ def test_rounds_that_do_not_pay_pause_and_failed_probes_pause_longer() -> None:
     assert all(k > 0 for k in asked[:MIN_ROUNDS])
     probe = state.draft_price + state.round_price  # one draft's price, in tokens
     longest = min(MAX_PAUSE, int(probe / PROBE_BUDGET))
+    shortest = int(probe / FIRST_PROBE_BUDGET)  # 0.22 tokens: 4 rounds, above MIN_PAUSE
+    assert shortest > MIN_PAUSE
     pauses, gap = [], 0
     for k in asked[MIN_ROUNDS:]:
         if k:
@@ -83,8 +87,47 @@ def test_rounds_that_do_not_pay_pause_and_failed_probes_pause_longer() -> None:
             gap = 0
         else:
             gap += 1
-    assert pauses[:3] == [MIN_PAUSE, 2 * MIN_PAUSE, 4 * MIN_PAUSE]
+    assert pauses[:3] == [shortest, 2 * shortest, 4 * shortest]
     assert max(pauses) <= longest
+
+
+@pytest.mark.parametrize(
+    ("draft_price", "round_price", "pauses"),
+    [
+        (0.02, 0.0, [MIN_PAUSE, 2 * MIN_PAUSE]),  # a cheap probe: from MIN_PAUSE, up to 4
+        (0.05, 0.0, [MIN_PAUSE, 2 * MIN_PAUSE, 8, 10, 10]),  # up to 0.05 / PROBE_BUDGET
+        (0.2, 0.8, [20, 40, 80, 160, 200, 200]),  # a dear probe: 1 / FIRST_PROBE_BUDGET first
+        (10.0, 0.0, [200, MAX_PAUSE, MAX_PAUSE]),  # none beyond MAX_PAUSE
+    ],
+)
+def test_a_pause_is_long_enough_for_its_probe_to_cost_little_a_round(
+    draft_price: float, round_price: float, pauses: list[int]
+) -> None:
+    state = SpeculationState()
+    state.draft_price, state.round_price = draft_price, round_price
+    seen = []
+    for _ in range(len(pauses)):
+        state.start_pause()
+        assert state.probing
+        seen.append(state.paused)
+    assert seen == pauses
+    # a probe costs at most FIRST_PROBE_BUDGET tokens a round of the pause before it
+    assert all(p * FIRST_PROBE_BUDGET >= draft_price + round_price - 1e-9 for p in seen)
+
+
+def test_a_kept_dear_probe_resumes_then_pauses_from_its_shortest() -> None:
+    """A kept probe resets the doubling; the next pause is again the probe's shortest."""
+    state = SpeculationState()
+    state.draft_price, state.round_price = 0.5, 0.5  # a probe of 1 token
+    state.start_pause()
+    assert state.paused == 20
+    for _ in range(20):
+        state.update(0, 0, 1)
+    assert state.paused == 0 and state.probing
+    state.update(1, 1, 2)  # the probe is kept
+    assert not state.probing and state.pause == MIN_PAUSE
+    state.start_pause()
+    assert state.paused == 20
 
 
 def test_a_kept_probe_resumes_speculation() -> None:
@@ -152,12 +195,13 @@ class FixedCosts(ProposerCosts):
         return self.fixed
 
 
-@pytest.mark.parametrize(("per_round", "drafts"), [(0.0, True), (50.0, False)])
+@pytest.mark.parametrize(("per_round", "drafts"), [(0.0, True), (1.5, False), (50.0, False)])
 def test_measured_costs_decide_whether_a_greedy_request_drafts(
     target: LoadedModel, per_round: float, drafts: bool
 ) -> None:
     engine = fixed_rows(make_engine(target, measure_proposer_costs=True))
-    answer = plain(engine, PROMPTS[1], 30)
+    max_new_tokens = 100
+    answer = plain(engine, PROMPTS[1], max_new_tokens)
     proposer: Counting | None = None
 
     def build(context: ProposerContext) -> Counting:
@@ -167,27 +211,40 @@ def test_measured_costs_decide_whether_a_greedy_request_drafts(
 
     engine.register_proposer("counting", build)
     engine.proposers.costs = FixedCosts(0.0, per_round)
-    params = GenerationParams(max_new_tokens=30, proposer="counting", num_speculative_tokens=4)
+    params = GenerationParams(
+        max_new_tokens=max_new_tokens, proposer="counting", num_speculative_tokens=4
+    )
     result = engine.generate(prompt_token_ids=PROMPTS[1], params=params)
     assert result.token_ids == answer
     assert proposer is not None
     if drafts:
         assert max(proposer.asked) > 1
-    else:  # a price no draft can pay: only probes of one draft, ever rarer
-        probes = [i for i, k in enumerate(proposer.asked) if k]
-        assert max(proposer.asked) == 1 and len(probes) <= 3
-        gaps = [b - a for a, b in itertools.pairwise(probes)]
-        assert gaps == sorted(gaps) and len(set(gaps)) == len(gaps)
+        return
+    # A price no draft can pay: only probes of one draft, ever rarer, the first after a pause
+    # at which it costs FIRST_PROBE_BUDGET tokens a round (a probe of 1.53 tokens: 30 rounds;
+    # one of 50: a pause longer than the request).
+    probes = [i for i, k in enumerate(proposer.asked) if k]
+    probe = 0.03 + per_round  # a draft's row and the round, over a 1-token round's 1 s
+    assert max(proposer.asked, default=0) <= 1
+    shortest = min(MAX_PAUSE, int(probe / FIRST_PROBE_BUDGET))
+    assert (probes[0] if probes else max_new_tokens) >= min(shortest, max_new_tokens)
+    assert bool(probes) == (shortest < max_new_tokens)
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps == sorted(gaps) and len(set(gaps)) == len(gaps)
 
 
 @pytest.mark.parametrize("name", ["draft", "eagle"])
 def test_a_proposer_skipping_rounds_catches_up_losslessly(
-    target: LoadedModel, draft: LoadedModel, name: str
+    target: LoadedModel, draft: LoadedModel, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prices that swing between free and prohibitive make the draft model and the eagle head
-    skip runs of rounds; each catches up on the committed tokens when it drafts again."""
+    skip runs of rounds; each catches up on the committed tokens when it drafts again. (Pauses
+    start at MIN_PAUSE whatever a probe costs, so that the prohibitive price's pauses end within
+    the request.)"""
     from hybridspec.config import EagleConfig
     from tests.proposers.eagle_helpers import random_head, use_head
+
+    monkeypatch.setattr(speculation, "FIRST_PROBE_BUDGET", math.inf)
 
     free = EagleConfig(cost_per_token=0.0)
     engine = fixed_rows(make_engine(target, draft, measure_proposer_costs=True, eagle=free))
@@ -230,3 +287,24 @@ def test_engine_reset_forgets_the_measured_costs(target: LoadedModel) -> None:
     assert engine.proposers.costs.price(proposer, 0.01) is not None
     engine.reset()
     assert engine.proposers.costs.price(proposer, 0.01) is None
+
+
+def test_a_paused_request_reads_no_price(target: LoadedModel) -> None:
+    """A paused request asks for no drafts without pricing its round: its pause is all that
+    decides it."""
+    engine = fixed_rows(make_engine(target, measure_proposer_costs=True))
+    ngram = engine.resolve_proposer("ngram")
+
+    class Counted(FixedCosts):
+        calls = 0
+
+        def price(self, proposer: Proposer, forward_s: float | None) -> tuple[float, float]:
+            Counted.calls += proposer is ngram
+            return self.fixed
+
+    engine.proposers.costs = Counted(0.0, 50.0)  # the first round pauses past the request's end
+    params = GenerationParams(max_new_tokens=20, proposer="ngram", num_speculative_tokens=4)
+    result = engine.generate(prompt_token_ids=PROMPTS[0], params=params)
+    assert result.token_ids == plain(engine, PROMPTS[0], 20)
+    assert result.stats.draft_tokens_proposed == 0
+    assert Counted.calls == 1
