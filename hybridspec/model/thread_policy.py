@@ -9,7 +9,8 @@ at one thread fewer (or more), compares the window's mean step time with the cur
 last two windows, and keeps the faster count only where it wins by a margin (hysteresis, so
 that noise does not flip it). Probes back off exponentially while the count stays, and start
 again at once when the current count's step times rise well above what they were (the load
-changed), or, on a busy machine, fall well below (the load may have gone).
+changed: then at fewer threads, or passive waits), or, on a busy machine, fall well below (the
+load may have gone: then at more threads, or spinning waits).
 
 The wait mode is chosen the same way. Alone, waits spin (a sleeping worker's wake-up at each of
 a forward's hundreds of regions would cost). Once fewer threads have won (the sign of a busy
@@ -273,7 +274,11 @@ class ThreadController:
             slowed = median > self._reference * self._slowdown
             sped = self._loaded and median * self._slowdown < self._reference
             if slowed or sped or self._since_probe >= self._period:
-                self._start_probe(statistics.fmean(self._history))
+                # a probe the load's change set off looks the way the load went: slower, at a
+                # narrower mode (a spinning probe under more load costs the most); faster, at
+                # a wider one
+                upward = None if slowed == sped else sped
+                self._start_probe(statistics.fmean(self._history), upward)
         return self.threads
 
     def _judge_probe(self) -> None:
@@ -309,12 +314,14 @@ class ThreadController:
         elif (len(steps) >= early and robust > slower) or lost:
             self._end_probe()
 
-    def _start_probe(self, baseline: float) -> None:
+    def _start_probe(self, baseline: float, upward: bool | None = None) -> None:
+        """Probe a neighbouring mode: the wider one where ``upward``, the narrower where not,
+        in turn where None."""
         candidates = self._neighbours()
         if not candidates:
             self._since_probe = 0
             return
-        self._upward = not self._upward
+        self._upward = not self._upward if upward is None else upward
         probe = candidates[-1] if self._upward else candidates[0]
         self._baseline = baseline
         self._probe = (self.threads, self.passive)

@@ -311,3 +311,18 @@ def test_a_busy_spell_that_ends_does_not_keep_one_thread_where_passive_waits_do_
     modes = machine.run(2000)
     assert modes[-1] == (2, False) and machine.waits[-1] is False
     assert modes[1000:].count((2, False)) >= 0.97 * 1000
+
+
+def test_under_load_a_slowdown_probes_fewer_threads_and_a_speedup_spinning_waits() -> None:
+    """A probe that a change of the step times sets off goes the way the load went: a spinning
+    probe beside more load would cost the most."""
+    machine = Modes({(1, False): 0.015, (2, False): 0.040, (2, True): 0.010})
+    machine.run(2000)  # probes backed off to their longest period
+    assert (machine.controller.threads, machine.controller.passive) == (2, True)
+    machine.seconds = {mode: 2 * seconds for mode, seconds in machine.seconds.items()}
+    modes = machine.run(20)
+    assert (1, False) in modes and (2, False) not in modes
+    machine.run(2000)
+    machine.seconds = {(1, False): 0.010, (2, False): 0.006, (2, True): 0.007}  # the load went
+    modes = machine.run(20)
+    assert modes[modes.index((2, True)) :].index((2, False)) < 10
