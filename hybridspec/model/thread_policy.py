@@ -188,8 +188,11 @@ class ThreadController:
         if prefill:
             self._prompt_step = self._next_prompt_step()
             self._set(self._prompt_step[0] if self._prompt_step else self._chosen())
-        else:
-            self._set((self.threads, self.passive))
+            return
+        current = (self.threads, self.passive)
+        if current != self._applied:  # back from a prompt step's mode: the pool wakes up
+            self._skip = max(self._skip, 1)
+        self._set(current)
 
     def prompt_mode(self) -> Mode:
         """The mode the next prompt step runs at (module docstring)."""

@@ -326,3 +326,20 @@ def test_under_load_a_slowdown_probes_fewer_threads_and_a_speedup_spinning_waits
     machine.seconds = {(1, False): 0.010, (2, False): 0.006, (2, True): 0.007}  # the load went
     modes = machine.run(20)
     assert modes[modes.index((2, True)) :].index((2, False)) < 10
+
+
+def test_the_round_after_a_prompt_step_at_another_mode_is_not_counted() -> None:
+    machine = Modes({(1, False): 0.010, (2, False): 0.030, (2, True): 0.0105})
+    machine.run(600)
+    controller = machine.controller
+    while controller._probe is not None:  # between probes, at 1 thread
+        machine.run(1)
+    history = list(controller._history)
+    controller.for_step(prefill=True)
+    assert (machine.counts[-1], machine.waits[-1]) == (2, True)
+    controller.observe_prompt(0.3, 100)
+    controller.for_step(prefill=False)
+    controller.observe(5.0)  # the pool waking up at 1 thread again
+    assert list(controller._history) == history
+    controller.observe(0.010)
+    assert list(controller._history)[-1] == 0.010
