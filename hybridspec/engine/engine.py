@@ -255,10 +255,13 @@ class Engine:
         else:
             seconds = time.perf_counter() - started
             committed = self.rounds.commit(batch, output, verified)
-            if self.thread_policy is not None and not plan.feeds_prompt:  # decode rounds compare
-                relative = self.rounds.relative_time(batch, seconds)  # over the round's size
+            policy = self.thread_policy
+            if policy is not None and plan.feeds_prompt:  # prompt steps compare per token
+                policy.observe_prompt(seconds, len(batch.forward.token_ids))
+            elif policy is not None:  # decode rounds compare over the round's size
+                relative = self.rounds.relative_time(batch, seconds)
                 if relative is not None:
-                    self.thread_policy.observe(relative)
+                    policy.observe(relative)
         if self.speculation is not None:  # adaptive speculation learns the round's yield
             self.speculation.record_step(committed.num_tokens, committed.num_rows)
         return outputs + self.finisher.finish_round([*ended, *committed.items])

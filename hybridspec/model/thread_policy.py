@@ -9,25 +9,33 @@ at one thread fewer (or more), compares the window's mean step time with the cur
 last two windows, and keeps the faster count only where it wins by a margin (hysteresis, so
 that noise does not flip it). Probes back off exponentially while the count stays, and start
 again at once when the current count's step times rise well above what they were (the load
-changed), or, on a busy machine, fall well below (the load may have gone).
+changed: then at fewer threads, or passive waits), or, on a busy machine, fall well below (the
+load may have gone: then at more threads, or spinning waits).
 
 The wait mode is chosen the same way. Alone, waits spin (a sleeping worker's wake-up at each of
 a forward's hundreds of regions would cost). Once fewer threads have won (the sign of a busy
 machine), a probe at more threads runs with passive waits (``wait``): a worker that waits
 sleeps almost at once, so its core goes to the descheduled worker it waits for, where a
 spinning probe would cost several rounds' time for each of its steps. A passive mode is kept
-only where its window wins, like a count. On a busy machine a probe at more threads ends as
-soon as it is slower at all (after 3 steps; a spinning one after its first). At every core, the
-same count spinning is probed in turn, and below every core a spinning probe follows a passive
-one that lost, so that spinning returns when the load goes.
+only where its window wins, like a count. On a busy machine a probe at more threads, or at
+spinning waits from passive ones, ends as soon as it is slower at all (after 3 steps; a
+spinning one after its first). At every core, the same count spinning is probed in turn, and
+below every core a spinning probe follows a passive one that lost, so that spinning returns
+when the load goes.
 
 The mode is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
-prompt fed whole in its first round), which takes many decode rounds' time, runs at the chosen
-mode, never a probe's (``for_step``), and is not observed.
+prompt fed whole in its first round), which takes many decode rounds' time, never runs at a
+probe's mode (``for_step``). Alone (the rounds spin at every core) it runs at the rounds' mode.
+On a busy machine its long matmul regions, whose tiles the running threads share out as they
+come (balanced tiles), gain from every core where a round's short ones lose: beside one busy
+process two threads get 4/3 of a core between them where one gets 1, beside two, 1 core where
+one gets 2/3. So there it runs at every core with passive waits, unless its measured prompt
+steps, per token (``observe_prompt``), are slower than those at the rounds' mode, which runs
+one prompt step every few to compare (``prompt_period``, backing off while the choice holds).
 
-The controller sees step times only through ``observe``; it reads no clock, so its tests inject
-the times. Greedy texts do not depend on the count: the kernels' sums run in a fixed order
-whatever the thread count (tests/model's invariance tests).
+The controller sees step times only through ``observe`` and ``observe_prompt``; it reads no
+clock, so its tests inject the times. Greedy texts do not depend on the count: the kernels'
+sums run in a fixed order whatever the thread count (tests/model's invariance tests).
 """
 
 from __future__ import annotations
@@ -105,7 +113,7 @@ class ThreadController:
     the next; ``apply`` is called with every new count (``model.threads.set_num_threads``) and
     ``wait`` with every new wait mode (``model.threads.wait_mode``: True for waits that
     sleep almost at once, False for spinning ones). Only comparable steps should be observed
-    (decode rounds, not prompt chunks).
+    (decode rounds); a prompt step's time goes to ``observe_prompt``.
 
     Counts are compared by their windows' mean step time, which is what the rate depends on:
     under load a step time is heavy-tailed (most steps fast, a few waiting hundreds of times
@@ -127,11 +135,18 @@ class ThreadController:
         backoff: int = 4,
         margin: float = 0.1,
         slowdown: float = 1.5,
+        prompt_period: int = 4,
     ) -> None:
-        if max_threads < 1 or not 1 <= min_probe <= window or first_period < window:
+        if (
+            max_threads < 1
+            or not 1 <= min_probe <= window
+            or first_period < window
+            or prompt_period < 2
+        ):
             raise ValueError(
                 f"thread controller: expected max_threads >= 1, 1 <= min_probe <= window <= "
-                f"first_period, got {max_threads}, {min_probe}, {window}, {first_period}"
+                f"first_period, prompt_period >= 2, got {max_threads}, {min_probe}, {window}, "
+                f"{first_period}, {prompt_period}"
             )
         self.max_threads = max_threads
         self.threads = max_threads
@@ -155,19 +170,84 @@ class ThreadController:
         self._loaded = False  # fewer threads won: the machine is busy, wider probes wait passively
         self._spin_next = False  # the next probe at more threads spins (a passive one lost)
         self._applied: Mode = (self.threads, False)  # the mode last applied
+        # prompt steps on a busy machine: seconds per token by the mode they ran at, the
+        # prompt steps since the rounds' mode last ran one, and the period of those comparisons
+        self._prompt_times: dict[Mode, deque[float]] = {}
+        self._prompt_period, self._since_compare = prompt_period, 0
+        self._compare_period = prompt_period
+        self._prompt_step: tuple[Mode, Mode, bool] | None = None  # the last one's, if timed
         self._apply(self.threads)
         if wait is not None:
             wait(False)
 
     def for_step(self, prefill: bool) -> None:
         """Apply the mode of the next step: for a decode round the current one (a probe's while
-        one runs); for a step that feeds prompt tokens the one the rounds chose, never a
-        probe's (a probe is a guess, and a prompt step weighs many rounds). Under load a prompt
-        step's parallel regions wait for a descheduled worker as a round's do, so it does not
-        take every core. Nothing is applied where the mode is already so."""
+        one runs); for a step that feeds prompt tokens ``prompt_mode``'s (a probe is a guess,
+        and a prompt step weighs many rounds). Nothing is applied where the mode is already
+        so."""
+        if prefill:
+            self._prompt_step = self._next_prompt_step()
+            self._set(self._prompt_step[0] if self._prompt_step else self._chosen())
+            return
         current = (self.threads, self.passive)
-        chosen = self._probe if self._probe is not None else current
-        self._set(chosen if prefill else current)
+        if current != self._applied:  # back from a prompt step's mode: the pool wakes up
+            self._skip = max(self._skip, 1)
+        self._set(current)
+
+    def prompt_mode(self) -> Mode:
+        """The mode the next prompt step runs at (module docstring)."""
+        step = self._next_prompt_step()
+        return step[0] if step is not None else self._chosen()
+
+    def _chosen(self) -> Mode:
+        """The rounds' chosen mode: the current one, or while a probe runs the one it left."""
+        return self._probe if self._probe is not None else (self.threads, self.passive)
+
+    def _next_prompt_step(self) -> tuple[Mode, Mode, bool] | None:
+        """(the mode, the rounds' chosen one, whether it runs to compare) for the next prompt
+        step on a busy machine; None where it runs at the rounds' mode untimed: alone (at every
+        core spinning), at every core with passive waits already, or with no wait mode."""
+        chosen, wide = self._chosen(), (self.max_threads, True)
+        if chosen in (wide, (self.max_threads, False)) or self._wait is None:
+            return None
+        if not self._prompt_times.get(wide):
+            return wide, chosen, False
+        preferred = self._preferred(chosen)
+        if self._since_compare >= self._compare_period:
+            return (chosen if preferred == wide else wide), chosen, True
+        return preferred, chosen, False
+
+    def _preferred(self, chosen: Mode) -> Mode:
+        """Every core with passive waits, unless the rounds' mode ran prompt steps faster per
+        token by the margin."""
+        wide = (self.max_threads, True)
+        ours, theirs = self._prompt_times.get(chosen), self._prompt_times.get(wide)
+        if (
+            ours
+            and theirs
+            and statistics.fmean(ours) < statistics.fmean(theirs) * (1 - self._margin)
+        ):
+            return chosen
+        return wide
+
+    def observe_prompt(self, seconds: float, tokens: int) -> None:
+        """Record the time of the prompt step ``for_step`` last set up, which fed ``tokens``
+        tokens in all (decode rows included), per token by its mode. A comparison that did not
+        change the preferred mode comes back less often, one that did at the shortest period."""
+        step, self._prompt_step = self._prompt_step, None
+        if step is None or tokens < 1:
+            return
+        mode, chosen, compare = step
+        before = self._preferred(chosen)
+        self._prompt_times.setdefault(mode, deque(maxlen=3)).append(seconds / tokens)
+        if not compare:
+            self._since_compare += 1
+            return
+        self._since_compare = 0
+        if self._preferred(chosen) == before:
+            self._compare_period = min(self._compare_period * 2, self._max_period)
+        else:
+            self._compare_period = self._prompt_period
 
     def _set(self, mode: Mode) -> None:
         threads, passive = mode
@@ -197,7 +277,11 @@ class ThreadController:
             slowed = median > self._reference * self._slowdown
             sped = self._loaded and median * self._slowdown < self._reference
             if slowed or sped or self._since_probe >= self._period:
-                self._start_probe(statistics.fmean(self._history))
+                # a probe the load's change set off looks the way the load went: slower, at a
+                # narrower mode (a spinning probe under more load costs the most); faster, at
+                # a wider one
+                upward = None if slowed == sped else sped
+                self._start_probe(statistics.fmean(self._history), upward)
         return self.threads
 
     def _judge_probe(self) -> None:
@@ -220,9 +304,12 @@ class ThreadController:
         lost = len(steps) == 2 * self._window or (
             len(steps) == self._window and robust >= baseline * (1 - margin)
         )
-        # on a busy machine a probe at more threads ends once it is slower at all (a spinning
-        # one after its first step: there each of its steps costs several rounds' time)
-        up = self._loaded and self.threads > self._probe[0]
+        # on a busy machine a probe at more threads, or at spinning waits where they were
+        # passive, ends once it is slower at all (a spinning one after its first step: there
+        # each of its steps costs several rounds' time)
+        threads, passive = self._probe
+        spinning = self.threads == threads and passive and not self.passive
+        up = self._loaded and (self.threads > threads or spinning)
         early = 1 if up and not self.passive else self._min_probe
         slower = baseline * (1 if up else 1 + 2 * margin)
         if len(steps) % self._window == 0 and wins < baseline * (1 - margin):
@@ -230,12 +317,14 @@ class ThreadController:
         elif (len(steps) >= early and robust > slower) or lost:
             self._end_probe()
 
-    def _start_probe(self, baseline: float) -> None:
+    def _start_probe(self, baseline: float, upward: bool | None = None) -> None:
+        """Probe a neighbouring mode: the wider one where ``upward``, the narrower where not,
+        in turn where None."""
         candidates = self._neighbours()
         if not candidates:
             self._since_probe = 0
             return
-        self._upward = not self._upward
+        self._upward = not self._upward if upward is None else upward
         probe = candidates[-1] if self._upward else candidates[0]
         self._baseline = baseline
         self._probe = (self.threads, self.passive)
@@ -268,6 +357,7 @@ class ThreadController:
             self._loaded = True
         elif not self.passive:
             self._loaded = False
+            self._prompt_times.clear()  # timed under a load that went
         self._probe = None
         self._spin_next = False
         self._since_probe = 0

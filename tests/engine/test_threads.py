@@ -65,6 +65,7 @@ class Recording(ThreadController):
         super().__init__(2, set_num_threads)
         self.steps: list[bool] = []
         self.observed: list[float] = []
+        self.prompts: list[int] = []  # the tokens of each timed prompt step
 
     def for_step(self, prefill: bool) -> None:
         self.steps.append(prefill)
@@ -74,11 +75,16 @@ class Recording(ThreadController):
         self.observed.append(seconds)
         return self.threads
 
+    def observe_prompt(self, seconds: float, tokens: int) -> None:
+        self.prompts.append(tokens)
+        super().observe_prompt(seconds, tokens)
+
 
 def test_a_prompt_fed_in_one_step_is_not_timed_as_a_decode_round(target: LoadedModel) -> None:
     """A short prompt is fed in the step that also decodes its first token: that step (many
-    times a decode round's time) is a prompt step and is not observed, so it cannot make a
-    window of decode rounds look slow."""
+    times a decode round's time) is a prompt step, observed per token as one
+    (``observe_prompt``), never as a decode round, so it cannot make a window of decode rounds
+    look slow."""
     threads = torch.get_num_threads()
     try:
         engine = make_engine(target, num_threads=1)
@@ -88,6 +94,7 @@ def test_a_prompt_fed_in_one_step_is_not_timed_as_a_decode_round(target: LoadedM
         assert len(out.token_ids) == 12
         assert recording.steps == [True] + [False] * 11
         assert len(recording.observed) == 11  # every round after the prompt's
+        assert recording.prompts == [len(PROMPT)]
     finally:
         torch.set_num_threads(threads)
 

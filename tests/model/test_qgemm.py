@@ -125,7 +125,7 @@ def test_every_instruction_set_path_and_thread_count_computes_the_same(
         torch.set_num_threads(1)
         assert variants[0].max_threads() == 1  # torch's OpenMP runtime, shared
         assert torch.equal(BlockLinear(w, variants[0])(x, residual=residual), outs[0])
-        torch.set_num_threads(2)  # tiles in dynamic chunks (a busy machine's balance)
+        torch.set_num_threads(2)  # tiles and activation rows in dynamic chunks (balanced)
         for k in variants:
             k.lib.hs_set_balance(1)
             try:

@@ -202,12 +202,83 @@ def test_once_fewer_threads_win_the_wider_probes_wait_passively() -> None:
     assert machine.waits[0] is False and True in machine.waits
 
 
-def test_a_prompt_step_runs_at_the_chosen_mode_never_a_passive_probes() -> None:
+def prompt_steps(machine: Modes, per_token: dict[tuple[int, bool], float], steps: int) -> list:
+    """``steps`` prompt steps of 100 tokens, each followed by a decode round: the modes they ran
+    at (what was applied), each timed at ``per_token`` of its mode."""
+    modes = []
+    for _ in range(steps):
+        machine.controller.for_step(prefill=True)
+        mode = (machine.counts[-1], machine.waits[-1])
+        modes.append(mode)
+        machine.controller.observe_prompt(100 * per_token[mode], 100)
+        machine.controller.for_step(prefill=False)
+    return modes
+
+
+def test_on_a_busy_machine_a_prompt_step_runs_at_every_core_with_passive_waits() -> None:
     machine = Modes({(1, False): 0.010, (2, False): 0.030, (2, True): 0.0105})
     machine.run(600)
-    assert machine.controller.threads == 1 and machine.counts[-1] == 1
-    machine.controller.for_step(prefill=True)
-    assert machine.counts[-1] == 1
+    controller = machine.controller
+    assert (controller.threads, controller.passive) == (1, False)
+    assert controller.prompt_mode() == (2, True)
+    per_token = {(1, False): 0.004, (2, True): 0.003}  # every core wins in long regions
+    modes = prompt_steps(machine, per_token, 40)
+    assert modes[:4] == [(2, True)] * 4  # the rounds' mode runs the 5th, to compare
+    assert modes.count((1, False)) <= 4  # every 4th, then 8th, 16th ... prompt step
+    assert modes[-8:] == [(2, True)] * 8
+    assert machine.counts[-1] == 1 and machine.waits[-1] is False  # the rounds' mode again
+
+
+def test_prompt_steps_at_every_core_that_lose_go_back_to_the_rounds_mode() -> None:
+    machine = Modes({(1, False): 0.010, (2, False): 0.030, (2, True): 0.0105})
+    machine.run(600)
+    per_token = {(1, False): 0.003, (2, True): 0.004}
+    modes = prompt_steps(machine, per_token, 40)
+    assert modes[:5] == [(2, True)] * 4 + [(1, False)]
+    wide = [i for i, mode in enumerate(modes) if mode == (2, True)]
+    assert wide == [0, 1, 2, 3, 9, 18, 35]  # compared again ever less often
+    per_token[(2, True)] = 0.002  # the load changed: every core wins again
+    modes = prompt_steps(machine, per_token, 200)
+    assert modes[-8:] == [(2, True)] * 8
+
+
+def test_a_prompt_step_never_runs_at_a_probes_mode() -> None:
+    machine = Modes({(1, False): 0.010, (2, False): 0.030, (2, True): 0.0105})
+    modes = machine.run(600)
+    # stop during a probe at 2 passive threads from 1: the prompt step runs at the mode the
+    # rounds chose, or at every core passive where that is not a probe's guess but the rule
+    while (machine.controller.threads, machine.controller.passive) != (2, True):
+        modes += machine.run(1)
+    assert machine.controller.prompt_mode() == (2, True)
+    alone = Modes({(1, False): 0.010, (2, False): 0.006, (2, True): 0.007})
+    alone.run(3000)
+    while alone.controller.threads != 1:  # a probe at 1 thread, alone
+        alone.run(1)
+    assert alone.controller.prompt_mode() == (2, False)
+    alone.controller.for_step(prefill=True)
+    assert alone.counts[-1] == 2 and alone.waits == [False]  # untimed, at the rounds' mode
+    alone.controller.observe_prompt(1.0, 100)
+    assert alone.controller.prompt_mode() == (2, False)
+
+
+def test_a_spinning_probe_from_passive_waits_under_load_ends_after_its_first_step() -> None:
+    # beside two busy processes: 2 passive threads kept, 2 spinning ones 4x slower
+    machine = Modes({(1, False): 0.015, (2, False): 0.040, (2, True): 0.010})
+    modes = machine.run(2000)
+
+    def runs(probed: tuple[int, bool]) -> list[int]:
+        lengths, length = [], 0
+        for mode in modes[100:]:
+            if mode == probed:
+                length += 1
+            elif length:
+                lengths.append(length)
+                length = 0
+        return lengths
+
+    assert runs((2, False)) and max(runs((2, False))) == 2  # the skipped step, the one that lost
+    # a probe at fewer threads still runs its 3 steps (and the skipped one)
+    assert runs((1, False)) and min(runs((1, False))) == 4
 
 
 def test_under_heavier_load_the_passive_count_is_kept() -> None:
@@ -240,3 +311,35 @@ def test_a_busy_spell_that_ends_does_not_keep_one_thread_where_passive_waits_do_
     modes = machine.run(2000)
     assert modes[-1] == (2, False) and machine.waits[-1] is False
     assert modes[1000:].count((2, False)) >= 0.97 * 1000
+
+
+def test_under_load_a_slowdown_probes_fewer_threads_and_a_speedup_spinning_waits() -> None:
+    """A probe that a change of the step times sets off goes the way the load went: a spinning
+    probe beside more load would cost the most."""
+    machine = Modes({(1, False): 0.015, (2, False): 0.040, (2, True): 0.010})
+    machine.run(2000)  # probes backed off to their longest period
+    assert (machine.controller.threads, machine.controller.passive) == (2, True)
+    machine.seconds = {mode: 2 * seconds for mode, seconds in machine.seconds.items()}
+    modes = machine.run(20)
+    assert (1, False) in modes and (2, False) not in modes
+    machine.run(2000)
+    machine.seconds = {(1, False): 0.010, (2, False): 0.006, (2, True): 0.007}  # the load went
+    modes = machine.run(20)
+    assert modes[modes.index((2, True)) :].index((2, False)) < 10
+
+
+def test_the_round_after_a_prompt_step_at_another_mode_is_not_counted() -> None:
+    machine = Modes({(1, False): 0.010, (2, False): 0.030, (2, True): 0.0105})
+    machine.run(600)
+    controller = machine.controller
+    while controller._probe is not None:  # between probes, at 1 thread
+        machine.run(1)
+    history = list(controller._history)
+    controller.for_step(prefill=True)
+    assert (machine.counts[-1], machine.waits[-1]) == (2, True)
+    controller.observe_prompt(0.3, 100)
+    controller.for_step(prefill=False)
+    controller.observe(5.0)  # the pool waking up at 1 thread again
+    assert list(controller._history) == history
+    controller.observe(0.010)
+    assert list(controller._history)[-1] == 0.010

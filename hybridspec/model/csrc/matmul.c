@@ -179,6 +179,16 @@ static void tile_dot_rows(const tile_job_t *job, int kind, int tt, float out[][R
     }
 }
 
+/* Row ``t`` of the activations: its prologue (in ``a``), then its codes and sums. */
+HS_INLINE void activation_row(const void *x, int x_f32, int64_t Kx, int64_t K, int64_t t,
+                              int prologue, const uint16_t *norm_w, float eps, int group, float *a,
+                              int8_t *q, float *dx, float *sx, int32_t *qs) {
+    int64_t G = K / GS, S = GS / group;
+    prologue_row(x_f32 ? NULL : (const uint16_t *)x + t * Kx,
+                 x_f32 ? (const float *)x + t * Kx : NULL, K, prologue, norm_w, eps, a);
+    quantize_row(a, K, group, q + t * K, dx + t * G, sx + t * G * S, qs + t * G * S);
+}
+
 /* The epilogue of one tile's ``rows`` outputs for ``tt`` rows of x from t0: y = bfloat16(out),
  * plus the residual rounded again. */
 static void store_tile(float out[][ROWS], int tt, int rows, int64_t t0, int64_t n0, int64_t N,
@@ -243,11 +253,15 @@ void matmul_run(const qweight_t *w, const void *x, int x_f32, int64_t T, int pro
 #pragma omp parallel
     {
         float *a = rows_a + team_member() * (lines(4 * K) / 4);
+        /* the rows of a prompt step's activations: balanced too, one row a take */
+        if (dynamic) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < T; t++)
+                activation_row(x, x_f32, Kx, K, t, prologue, norm_w, eps, group, a, q, dx, sx, qs);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            prologue_row(x_f32 ? NULL : (const uint16_t *)x + t * Kx,
-                         x_f32 ? (const float *)x + t * Kx : NULL, K, prologue, norm_w, eps, a);
-            quantize_row(a, K, group, q + t * K, dx + t * G, sx + t * G * S, qs + t * G * S);
+            for (int64_t t = 0; t < T; t++)
+                activation_row(x, x_f32, Kx, K, t, prologue, norm_w, eps, group, a, q, dx, sx, qs);
         }
         if (dynamic) {
 #pragma omp for schedule(dynamic, chunk)
