@@ -307,9 +307,10 @@ def _ratio(numerator: int, denominator: int) -> float | None:
 @dataclass(frozen=True, slots=True)
 class Agreement:
     """How often one method's greedy outputs equal the reference method's (same prompt and
-    repeat). Lossless speculation gives identical outputs in exact arithmetic; in bfloat16 a
-    forward over k + 1 tokens rounds differently from k + 1 one-token forwards, and a near-tie
-    of the argmax can flip, after which the texts go separate ways."""
+    repeat). The engine's methods must give identical outputs, one at a time or N at once: its
+    runtime computes a token's logits bit-identically however the token is batched. A baseline
+    of another runtime (llama.cpp, transformers) rounds differently, and a near-tie of the
+    argmax can flip, after which the texts go separate ways."""
 
     identical: int
     compared: int
@@ -324,19 +325,35 @@ class Agreement:
 
 
 def greedy_agreement(records: Sequence[Record], reference: str) -> dict[str, Agreement]:
-    """Each method's greedy single-prompt outputs compared with ``reference``'s."""
+    """Each method's greedy outputs compared with ``reference``'s single-prompt ones (same
+    prompt and repeat): its single-prompt trials under its name, and every request of its
+    trials N at once under ``"{method} xN"``, the reference's own among them (plain decoding
+    must not depend on what shares its forwards)."""
     ref = {
-        (r.prompt_ids, r.repeat): r.measurement.requests[0].token_ids
+        (r.prompt_ids[0], r.repeat): r.measurement.requests[0].token_ids
         for r in records
-        if r.method == reference and r.temperature == 0 and r.category is not None
+        if r.method == reference
+        and r.temperature == 0
+        and r.category is not None
+        and r.concurrency == 1
     }
     compared: dict[str, list[int | None]] = {}
     for r in records:
-        key = (r.prompt_ids, r.repeat)
-        if r.method == reference or r.temperature != 0 or r.category is None or key not in ref:
+        if r.temperature != 0:
             continue
-        ours = r.measurement.requests[0].token_ids
-        compared.setdefault(r.method, []).append(first_difference(ours, ref[key]))
+        if r.concurrency > 1:
+            name = f"{r.method} x{r.concurrency}"
+            outputs = list(
+                zip(r.prompt_ids, [q.token_ids for q in r.measurement.requests], strict=True)
+            )
+        elif r.method != reference and r.category is not None:
+            name, outputs = r.method, [(r.prompt_ids[0], r.measurement.requests[0].token_ids)]
+        else:
+            continue
+        for prompt_id, ours in outputs:
+            theirs = ref.get((prompt_id, r.repeat))
+            if theirs is not None:
+                compared.setdefault(name, []).append(first_difference(ours, theirs))
     return {
         method: Agreement(
             sum(d is None for d in diffs), len(diffs), tuple(d for d in diffs if d is not None)

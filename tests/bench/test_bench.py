@@ -222,6 +222,27 @@ def test_greedy_agreement_finds_where_outputs_diverge() -> None:
     agreement = greedy_agreement(records, "none")
     assert agreement["ngram"] == Agreement(identical=1, compared=2, first_divergence=(1,))
     assert agreement["hf-plain"] == Agreement(identical=0, compared=1, first_divergence=(2,))
+    assert set(agreement) == {"ngram", "hf-plain"}
+
+
+def test_greedy_agreement_compares_each_request_of_a_concurrent_trial() -> None:
+    def run(method: str, prompts: tuple[str, ...], *outputs: tuple[int, ...]) -> Record:
+        requests = tuple(Speculation(t, len(t), len(t), 0, 0) for t in outputs)
+        category = "code" if len(prompts) == 1 else None
+        return Record(
+            method, 0.0, 0, prompts, category, Measurement(requests, 1.0, None), 0.0, len(prompts)
+        )
+
+    records = [
+        run("none", ("a",), (1, 2, 3)),
+        run("none", ("b",), (4, 5, 6)),
+        run("none", ("a", "b", "a"), (1, 2, 3), (4, 5, 7), (1, 2, 3)),  # b's last token differs
+        run("ngram", ("b", "a", "b"), (4, 5, 6), (1, 2, 3), (4, 5, 6)),
+    ]
+    agreement = greedy_agreement(records, "none")
+    assert agreement["none x3"] == Agreement(identical=2, compared=3, first_divergence=(2,))
+    assert agreement["ngram x3"] == Agreement(identical=3, compared=3, first_divergence=())
+    assert set(agreement) == {"none x3", "ngram x3"}
 
 
 def test_acceptance_per_position_pools_requests() -> None:
