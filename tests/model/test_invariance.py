@@ -130,6 +130,8 @@ def test_packed_linear_computes_a_row_alike_alone_and_among_others(in_features: 
         (1536, 576, (130, 160, 200, 256, 520)),
         # a 1B model's down projection: from 25 rows
         (8192, 256, (25, 30, 104, 168)),
+        # 1024 features or fewer: oneDNN never splits, and no call is split here (max_rows)
+        (1024, 576, (193, 256, 520, 700)),
     ],
 )
 def test_packed_linear_computes_a_row_alike_in_calls_of_many_rows(
