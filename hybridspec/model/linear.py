@@ -12,6 +12,12 @@ logger = logging.getLogger(__name__)
 # oneDNN sums a row over more than this many input features in another order when the row is
 # alone than when it has company (PackedLinear docstring).
 ONE_ROW_MAX_IN_FEATURES = 1024
+# oneDNN splits the sum over more than ONE_ROW_MAX_IN_FEATURES input features into chunks, in
+# another order, once a block of rows it takes at a time times the input features exceeds about
+# 200,000 (130 rows of 1536 features, 25 of 8192, on one thread; its blocks hold at most about
+# 192 rows, so never at 1024 features or fewer): a row's result would then depend on how many
+# rows came with it. Calls of at most this many elements (rows times input features) never split.
+MAX_CALL_ELEMENTS = 192 * 1024
 
 
 class PackedLinear:
@@ -32,14 +38,23 @@ class PackedLinear:
     than a row among 3 or more, so a token decoded alone would come out slightly different from
     the same token verified among drafts. With the padding every row is computed the same way
     in any call (``tests/model/test_invariance.py``), for little beside the matmul itself.
+
+    Where the weight has more than ``ONE_ROW_MAX_IN_FEATURES`` input features, many rows go
+    through in calls of at most ``max_rows`` (``MAX_CALL_ELEMENTS`` over the input features: 128
+    rows of 1536 features, 24 of 8192): in a larger call oneDNN may sum a row's input features
+    in chunks, in another order than for the same row in a small call, so a prompt's tokens,
+    and a decode token batched beside them, would come out differently for each split of the
+    prompt into chunks. Worked example, 1536 input features and 300 rows: calls of 128, 128 and
+    44 rows.
     """
 
-    __slots__ = ("packed", "pad_one_row", "weight")
+    __slots__ = ("max_rows", "packed", "pad_one_row", "weight")
 
     def __init__(self, weight: torch.Tensor, *, prepack: bool) -> None:
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
         self.pad_one_row = weight.shape[1] > ONE_ROW_MAX_IN_FEATURES
+        self.max_rows = max(1, MAX_CALL_ELEMENTS // weight.shape[1]) if self.pad_one_row else None
         if prepack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
             try:  # batch-size hint 1 (decode); it serves larger batches as well
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
@@ -52,6 +67,9 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             rows = x.shape[0]
+            step = self.max_rows
+            if step is not None and rows > step:  # see the class docstring
+                return torch.cat([self(x[i : i + step]) for i in range(0, rows, step)])
             if rows == 2 or (rows == 1 and self.pad_one_row):  # see the class docstring
                 return self._packed(torch.cat((x, x[:1].expand(3 - rows, -1))))[:rows]
             return self._packed(x)

@@ -123,6 +123,31 @@ def test_packed_linear_computes_a_row_alike_alone_and_among_others(in_features: 
     assert_rows_alike(PackedLinear(weight, prepack=True), in_features, gen)
 
 
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "row_counts"),
+    [
+        # SmolLM2-135M's down projection: oneDNN splits its sums at these counts on one thread
+        (1536, 576, (130, 160, 200, 256, 520)),
+        # a 1B model's down projection: from 25 rows
+        (8192, 256, (25, 30, 104, 168)),
+        # 1024 features or fewer: oneDNN never splits, and no call is split here (max_rows)
+        (1024, 576, (193, 256, 520, 700)),
+    ],
+)
+def test_packed_linear_computes_a_row_alike_in_calls_of_many_rows(
+    in_features: int, out_features: int, row_counts: tuple[int, ...]
+) -> None:
+    """A prompt chunk's hundreds of rows come out as each row alone: a prompt's tokens, and a
+    decode token beside them, do not depend on the split of the prompt into chunks."""
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    linear = PackedLinear(weight, prepack=True)
+    x = torch.randn(max(row_counts), in_features, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
+    for rows in row_counts:
+        assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+
+
 def assert_rows_alike(
     linear: Callable[[torch.Tensor], torch.Tensor], in_features: int, gen: torch.Generator
 ) -> None:
@@ -203,6 +228,84 @@ def test_bfloat16_logits_do_not_depend_on_drafts_or_batch() -> None:
         )
     ).logits
     assert torch.equal(chunked[1:], plain[:1])
+
+
+def wide_bf16_config() -> LlamaConfig:
+    """SmolLM2-135M's widths, whose down projection oneDNN sums in chunks in a call of 130 or
+    more rows; weights large enough that an MLP output's last bits show beside the residual."""
+    config = tiny_bf16_config()
+    config.hidden_size, config.intermediate_size = 576, 1536
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 9, 3, 64
+    config.initializer_range = 0.2
+    return config
+
+
+def wide_bf16_weights() -> LlamaWeights:
+    torch.manual_seed(7)
+    config = wide_bf16_config()
+    model = LlamaForCausalLM(config).eval()
+    return LlamaWeights.from_hf_state_dict(model.state_dict(), config, dtype=torch.bfloat16)
+
+
+def test_bfloat16_states_do_not_depend_on_the_split_of_a_long_prompt() -> None:
+    """A 250-token prompt fed whole, in chunks, or with its last chunk beside another sequence's
+    long chunk gives the same hidden states at every position and the same next-token logits:
+    no matmul call sums a row differently for the number of rows it takes
+    (``PackedLinear.max_rows``)."""
+    runtime = LlamaRuntime(wide_bf16_weights(), 2, 256)
+    ids = torch.randint(0, VOCAB, (250,), generator=torch.Generator().manual_seed(6)).tolist()
+
+    def run(chunks: list[list[int]], neighbour: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's hidden states after layer 0 ``[250, D]`` and its last row's logits,
+        the last chunk fed beside ``neighbour``'s tokens in another slot (none: alone)."""
+        slot, other = runtime.allocate(), runtime.allocate()
+        states = []
+        for i, chunk in enumerate(chunks):
+            slots, tokens = ([slot], [chunk])
+            if i == len(chunks) - 1 and neighbour:
+                slots, tokens = [other, slot], [neighbour, chunk]
+            rows = sum(map(len, tokens))
+            batch = ForwardBatch.from_lists(slots, tokens, [rows - 1], hidden_layers=(0,))
+            output = runtime.forward(batch)
+            assert output.hidden_states is not None
+            states.append(output.hidden_states[rows - len(chunk) :, 0])
+        runtime.free(slot)
+        runtime.free(other)
+        return torch.cat(states), output.logits
+
+    whole = run([ids], [])
+    splits = ([ids[:64], ids[64:128], ids[128:192], ids[192:]], [ids[:249], ids[249:]])
+    for chunks in splits:
+        for neighbour in ([], ids[:240]):  # a decode token beside a 240-token chunk
+            states, logits = run(chunks, neighbour)
+            assert torch.equal(states, whole[0]), ([len(c) for c in chunks], len(neighbour))
+            assert torch.equal(logits, whole[1])
+
+
+def test_greedy_text_and_logprobs_do_not_depend_on_the_prefill_chunk_size() -> None:
+    """The engine's greedy tokens and their log-probabilities for a 200-token prompt are the
+    same bits whether the prompt is prefilled whole or in chunks of 64 or 16 tokens."""
+    weights = wide_bf16_weights()
+    target = LoadedModel(weights, None, wide_bf16_config(), torch.bfloat16, (), "wide")  # type: ignore[arg-type]
+    prompt = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(8)).tolist()
+    params = GenerationParams.create(max_new_tokens=24, temperature=0.0, logprobs=1)
+    results = []
+    for chunk in (512, 64, 16):
+        config = EngineConfig(
+            target=ModelConfig(dtype="bfloat16", max_seq_len=256, max_num_seqs=1),
+            prefill_chunk_size=chunk,
+            prefill_step_ratio=None,  # chunks of prefill_chunk_size, not timed
+            measure_proposer_costs=False,
+        )
+        results.append(
+            Engine(config, target=target).generate(prompt_token_ids=prompt, params=params)
+        )
+    whole = results[0]
+    assert whole.logprobs is not None
+    for result in results[1:]:
+        assert list(result.token_ids) == list(whole.token_ids)
+        assert result.logprobs is not None
+        assert torch.equal(result.logprobs.logprobs, whole.logprobs.logprobs)
 
 
 def test_greedy_ngram_text_and_logprobs_equal_plain_decoding_in_bfloat16() -> None:
