@@ -68,6 +68,7 @@ SHRUNK = ("max_new_tokens", "max_tokens", "max_output_tokens", "max_completion_t
 NOT_RUN: dict[str, tuple[str, str]] = {
     "README.md#1:2": ("make test", "the whole suite, this test included"),
     "docs/benchmarks.md#1": ("hybridspec bench", "a benchmark: minutes of interleaved trials"),
+    "docs/benchmarks.md#2": ("hybridspec bench", "a served benchmark: minutes of trials"),
     "docs/conversations.md#2": ("bench serve", "a serving benchmark against llama-server"),
     "docs/distill.md#1": ("hybridspec distill", "a training run of an hour"),
     "docs/distill.md#2:1": ("hybridspec distill", "downloads Llama-3.2-1B; a training run"),
