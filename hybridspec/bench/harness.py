@@ -20,6 +20,14 @@ time on the same prompts (``summary``).
 
 Sampled trials seed every request from (repeat, prompt), the same for every method and for the
 concurrent trials.
+
+Passes: the trials of one (repeat, temperature, N) are a pass, and every request of a pass
+names the pass as its session (``pass_session``), which the bench's engine and server isolate
+text by (``suffix``'s per-session pools). A method that drafts from earlier requests' text
+(``suffix``) so learns only from the pass's earlier prompts, each a different prompt: never
+from its own answer to the same prompt in an earlier repeat, at another temperature or one at
+a time, which would copy that answer whole and time a cache, not the method. The warm-up names
+no session and feeds no pool.
 """
 
 from __future__ import annotations
@@ -79,6 +87,11 @@ class Trial:
     method: int  # index into the methods
     prompts: tuple[int, ...]  # [M] indices into the prompts, in the order they are sent
     concurrency: int = 1  # N: the most requests in the engine at once
+
+
+def pass_session(trial: Trial) -> str:
+    """The session that every request of ``trial``'s pass names (module docstring)."""
+    return f"bench-r{trial.repeat}-t{trial.temperature:g}-x{trial.concurrency}"
 
 
 def sequential_schedule(
@@ -175,14 +188,19 @@ def run_trial(
         sampling_for(trial.temperature, config.seed, trial.repeat, p) for p in trial.prompts
     ]
     chosen = [prompts[p] for p in trial.prompts]
+    session = pass_session(trial)
     measurement: Measurement
     if trial.concurrency == 1:
         assert len(chosen) == 1, "a sequential trial runs one prompt"
-        measurement = method.run(chosen[0].token_ids, samplings[0], config.max_new_tokens)
+        measurement = method.run(chosen[0].token_ids, samplings[0], config.max_new_tokens, session)
     else:
         assert isinstance(method, ConcurrentMethod)
         measurement = method.run_concurrent(
-            [p.token_ids for p in chosen], samplings, config.max_new_tokens, trial.concurrency
+            [p.token_ids for p in chosen],
+            samplings,
+            config.max_new_tokens,
+            trial.concurrency,
+            session,
         )
     return Record(
         method=method.name,

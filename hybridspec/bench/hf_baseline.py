@@ -99,7 +99,11 @@ class HFMethod:
         )
 
     def run(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        session: str | None = None,  # kept no text from one request to the next: unused
     ) -> Measurement:
         input_ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long, device=self._device)
         config = self.generation_config(sampling, max_new_tokens)

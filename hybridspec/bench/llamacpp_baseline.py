@@ -152,7 +152,11 @@ class LlamaCppMethod:
         }
 
     def run(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        session: str | None = None,  # kept no text from one request to the next: unused
     ) -> Measurement:
         options = self._sampler_options(sampling)
         seed = sampling.seed if sampling.seed is not None else random.randrange(SEED_RANGE)

@@ -39,10 +39,17 @@ logger = logging.getLogger(__name__)
 
 
 class BenchMethod(Protocol):
+    """One prompt, timed. ``session``: the session the request names (``harness.pass_session``;
+    None: none); a method that keeps no text from one request to the next ignores it."""
+
     name: str
 
     def run(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        session: str | None = None,
     ) -> Measurement: ...
 
 
@@ -58,8 +65,10 @@ class ConcurrentMethod(Protocol):
         samplings: Sequence[SamplingParams],
         max_new_tokens: int,
         concurrency: int,
+        session: str | None = None,
     ) -> Measurement:
-        """Run every prompt, at most ``concurrency`` at once (see ``closed_loop``)."""
+        """Run every prompt, at most ``concurrency`` at once (see ``closed_loop``), each request
+        naming ``session``."""
         ...
 
 
@@ -112,18 +121,25 @@ class EngineMethod:
         self._timer = timer
         self._k = k
 
-    def _params(self, sampling: SamplingParams, max_new_tokens: int) -> GenerationParams:
+    def _params(
+        self, sampling: SamplingParams, max_new_tokens: int, session: str | None
+    ) -> GenerationParams:
         return GenerationParams(
             max_new_tokens=max_new_tokens,
             sampling=sampling,
             proposer=self.name,
             num_speculative_tokens=self._k,
+            session=session,
         )
 
     def run(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        session: str | None = None,
     ) -> Measurement:
-        return self.run_concurrent([prompt_token_ids], [sampling], max_new_tokens, 1)
+        return self.run_concurrent([prompt_token_ids], [sampling], max_new_tokens, 1, session)
 
     def run_concurrent(
         self,
@@ -131,12 +147,13 @@ class EngineMethod:
         samplings: Sequence[SamplingParams],
         max_new_tokens: int,
         concurrency: int,
+        session: str | None = None,
     ) -> Measurement:
         """Every prompt through ``closed_loop``, at most ``concurrency`` in the engine at once."""
         engine = self._engine
         assert not engine.has_unfinished(), "the bench needs the engine to itself"
         self._timer.reset()
-        params = [self._params(s, max_new_tokens) for s in samplings]
+        params = [self._params(s, max_new_tokens, session) for s in samplings]
         results, elapsed = closed_loop(engine, prompts, params, concurrency)
         first = results[0].stats.time_to_first_token_s if len(results) == 1 else None
         requests = tuple(_speculation(r) for r in results)

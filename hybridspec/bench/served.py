@@ -26,9 +26,10 @@ fewer.) Drafts proposed and accepted and target forwards come from the response'
 ``hybridspec`` statistics; the time inside the target's forward is not observed.
 
 N at once: N client threads in a closed loop (``client_closed_loop``), like the library's N
-requests in the engine at once. The ``suffix`` proposer's pool learns from every request the
-server finishes, as the library bench's engine's pool learns from every trial (one pool for
-every request: ``per-server``, and no request names a ``user``).
+requests in the engine at once. Each request names its pass (``harness.pass_session``) as its
+``user``, and the server keeps a ``suffix`` pool per user (``--suffix-isolation per-session``),
+as the library bench's engine keeps one per session: ``suffix`` drafts from the pass's earlier
+prompts, never from an earlier answer to the same prompt.
 """
 
 from __future__ import annotations
@@ -142,9 +143,14 @@ class ServedMethod:
         self._encode = encode
 
     def body(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        session: str | None = None,
     ) -> dict[str, Any]:
-        """The request of one prompt: the bench sets a temperature and, sampled, a seed."""
+        """The request of one prompt: the bench sets a temperature and, sampled, a seed;
+        ``session`` is its ``user``."""
         plain = SamplingParams(temperature=sampling.temperature, seed=sampling.seed)
         assert sampling == plain, "the bench's requests set only a temperature and a seed"
         body: dict[str, Any] = {
@@ -157,6 +163,8 @@ class ServedMethod:
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if session is not None:
+            body["user"] = session
         return body
 
     def send(self, body: dict[str, Any]) -> Served:
@@ -190,9 +198,13 @@ class ServedMethod:
         )
 
     def run(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        session: str | None = None,
     ) -> Measurement:
-        served = self.send(self.body(prompt_token_ids, sampling, max_new_tokens))
+        served = self.send(self.body(prompt_token_ids, sampling, max_new_tokens, session))
         requests = (served.speculation(self._encode),)
         return Measurement(requests, served.seconds, None, served.first_token_s)
 
@@ -202,10 +214,14 @@ class ServedMethod:
         samplings: Sequence[SamplingParams],
         max_new_tokens: int,
         concurrency: int,
+        session: str | None = None,
     ) -> Measurement:
         """Every prompt from ``concurrency`` client threads (``client_closed_loop``); the texts
         are encoded once the last request is answered."""
-        bodies = [self.body(p, s, max_new_tokens) for p, s in zip(prompts, samplings, strict=True)]
+        bodies = [
+            self.body(p, s, max_new_tokens, session)
+            for p, s in zip(prompts, samplings, strict=True)
+        ]
         results, elapsed = client_closed_loop(self.send, bodies, concurrency)
         requests = tuple(r.speculation(self._encode) for r in results)
         first = results[0].first_token_s if len(results) == 1 else None

@@ -13,6 +13,8 @@ depend on its place in the rotation, and the engine's against the baselines' wou
 cached prompt with a cold one.
 Served (``bench --served``), the engine methods run in a ``hybridspec serve`` that the session
 starts on the same options, its prefix cache off as well (``served``), and the session stops it.
+Both keep the ``suffix`` proposer's pools per session, and every request names its pass as its
+session (``harness``, "Passes"): no method finds an earlier answer to the prompt it is timed on.
 ``execute`` warms up, checks transformers parity, runs the schedule and summarises.
 """
 
@@ -60,7 +62,7 @@ from hybridspec.bench.summary import ALL, Agreement, Summary, greedy_agreement
 from hybridspec.bench.targets import TargetResult, evaluate_targets
 from hybridspec.bench.timing import EngineForwardTimer
 from hybridspec.bench.workload import Workload, encode_prompt
-from hybridspec.config import DraftConfig, EngineConfig, ModelConfig
+from hybridspec.config import DraftConfig, EngineConfig, ModelConfig, SuffixConfig
 from hybridspec.engine import Engine
 from hybridspec.errors import check
 from hybridspec.model import LoadedModel, embedded_model_path, load_model
@@ -150,7 +152,8 @@ def open_session(
 def bench_server(
     models: ModelOptions, num_speculative_tokens: int, max_seq_len: int, max_num_seqs: int
 ) -> ServerSpec:
-    """``hybridspec serve`` on the bench's target and options, prefix cache off."""
+    """``hybridspec serve`` on the bench's target and options, prefix cache off, a ``suffix``
+    pool per session."""
     threads = threads_option(models.threads)
     options = [
         *(["--target", models.target] if models.target is not None else []),
@@ -158,7 +161,7 @@ def bench_server(
         *["--dtype", models.dtype, "--device", models.device, "--quantize", models.quantize],
         *["--max-seq-len", str(max_seq_len), "--max-num-seqs", str(max_num_seqs)],
         *["--threads", threads, "-k", str(num_speculative_tokens)],
-        *["--prefix-cache-mb", "0"],
+        *["--prefix-cache-mb", "0", "--suffix-isolation", "per-session"],
     ]
     note = f"{max_num_seqs} slots, {threads} threads, prefix cache off"
     return hybridspec_server("hybridspec-bench", options, threads, note)
@@ -189,6 +192,7 @@ def _engine(
             default_num_speculative_tokens=num_speculative_tokens,
             num_threads=models.threads,
             prefix_cache_mb=0,  # every trial prefills its whole prompt (module docstring)
+            suffix=SuffixConfig(isolation="per-session"),  # a pool per pass (module docstring)
         ),
         target=target,
     )

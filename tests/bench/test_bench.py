@@ -411,5 +411,7 @@ def test_every_trial_prefills_its_whole_prompt(
             method.run(prompt, SamplingParams(), 4)
         assert session.engine.prefix_cache.num_slots == 0
         assert session.engine.prefix_cache.stats().hits == 0
+        # suffix's text pools per session: one per pass of the schedule (harness, "Passes")
+        assert session.engine.config.suffix.isolation == "per-session"
     finally:
         session.close()

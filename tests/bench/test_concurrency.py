@@ -140,15 +140,22 @@ def test_concurrent_prompts_alternate_categories_and_cycle_up_to_n() -> None:
 
 
 class FakeMethod:
-    """Answers at once: one token per prompt token; records the closed loops it is given."""
+    """Answers at once: one token per prompt token; records the closed loops it is given and
+    the (session, first prompt token) of every request."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.loops: list[tuple[list[int], list[int | None], int]] = []  # first tokens, seeds, N
+        self.requests: list[tuple[str | None, int]] = []
 
     def run(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        session: str | None = None,
     ) -> Measurement:
+        self.requests.append((session, prompt_token_ids[0]))
         return _measurement([prompt_token_ids])
 
     def run_concurrent(
@@ -157,8 +164,10 @@ class FakeMethod:
         samplings: Sequence[SamplingParams],
         max_new_tokens: int,
         concurrency: int,
+        session: str | None = None,
     ) -> Measurement:
         self.loops.append(([p[0] for p in prompts], [s.seed for s in samplings], concurrency))
+        self.requests += [(session, p[0]) for p in prompts]
         return _measurement(prompts)
 
 
@@ -168,7 +177,11 @@ class SequentialMethod:
     name = "single"
 
     def run(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        session: str | None = None,
     ) -> Measurement:
         return _measurement([prompt_token_ids])
 
@@ -196,6 +209,23 @@ def test_run_benchmark_records_one_closed_loop_per_batching_method() -> None:
     assert all(r.concurrency == 1 for r in records if r.category is not None)
     # The same seeds as the sequential trials of each prompt: seed + prompt index.
     assert batching.loops == [([10, 12, 11], [None] * 3, 2), ([10, 12, 11], [7, 9, 8], 2)]
+
+
+def test_every_request_names_its_pass_and_no_pass_runs_a_prompt_twice() -> None:
+    """A method that drafts from earlier requests' text of its session (``suffix``) must never
+    find its own earlier answer to the prompt it is timed on: each (repeat, temperature, N) is
+    a session of its own, and within one each prompt runs once per method."""
+    prompts = [BenchPrompt(f"p{i}", "xy"[i % 2], (10 + i, 1)) for i in range(3)]
+    method = FakeMethod("batch")
+    config = BenchConfig(temperatures=(0.0, 0.8), repeats=2, concurrency=2, seed=7)
+    run_benchmark(config, [method, SequentialMethod()], prompts)
+    sessions = [session for session, _ in method.requests]
+    assert None not in sessions
+    assert len(set(sessions)) == 2 * 2 * 2  # repeats x temperatures x (one at a time, N = 2)
+    for session in set(sessions):
+        first_tokens = [token for s, token in method.requests if s == session]
+        assert sorted(first_tokens) == [10, 11, 12], session  # every prompt, each once
+    assert len(method.requests) == 8 * 3
 
 
 # ------------------------------------------------------------ summary and targets

@@ -169,10 +169,18 @@ def test_the_bench_server_runs_the_bench_engine_options() -> None:
     assert "--target" not in argv  # the embedded model, as the bench's default
     assert flags["--draft"] == "draft-dir" and flags["--dtype"] == "float32"
     assert flags["--prefix-cache-mb"] == "0"  # every trial prefills its prompt
+    assert flags["--suffix-isolation"] == "per-session"  # a suffix pool per pass
     assert (flags["--max-seq-len"], flags["--max-num-seqs"], flags["-k"]) == ("300", "8", "5")
     assert flags["--threads"] == "2" and spec.env == {"NUMBA_NUM_THREADS": "2"}
     auto = bench_server(ModelOptions(threads="auto"), 4, 300, 1)
     assert "auto" in auto.argv(1) and auto.env == {}
+
+
+def test_a_request_names_its_pass_as_its_user() -> None:
+    method = ServedMethod("http://127.0.0.1:1", "suffix", 4, list)
+    body = method.body([1, 2], SamplingParams(temperature=0.8, seed=3), 8, "bench-r1-t0.8-x1")
+    assert body["user"] == "bench-r1-t0.8-x1" and body["seed"] == 3
+    assert "user" not in method.body([1, 2], SamplingParams(), 8)  # the warm-up: no pool
 
 
 def test_client_closed_loop_keeps_n_requests_in_flight_in_order() -> None:
