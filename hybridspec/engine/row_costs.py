@@ -40,6 +40,14 @@ timed now. (A count whose forwards move the level also takes a little of a chang
 into its own mean, about ``1 / (WINDOW LEVEL_RATE)`` of it: which of the two changed, one
 count alone cannot tell.)
 
+A count not timed for ``STALE`` forwards is forgotten, as if never measured: prices keep drafts
+away from the counts they price dear, so a count timed dear once (under a busy neighbour, or at
+another thread count, which the level does not scale alike for every count) would never be
+timed again, and its price would hold every request at no drafts for good (a request's pause
+then outlasts it: ``speculation``). Forgotten, the count is priced from its measured neighbours'
+line or, with none, the constant path (``speculation``), drafts are asked for again, and the
+count is timed afresh (its first two forwards as above).
+
 ``TimedForwardCost`` is the engine's forward cost model (``step_budget.FittedForwardCost``, which
 sizes prefill chunks, learning from every timed forward, ``batch.run_forward``) that also keeps a
 ``RowCosts`` of the rounds that fed no prompt rows, each timed with its verification
@@ -68,6 +76,7 @@ OUTLIER = 3.0  # a forward counts at most this many times its row count's mean
 MIN_FORWARDS = 2  # forwards of a row count before its mean outlier-clips the next
 MAX_ROWS = 4096  # forwards of more rows are prefill chunks far past any round of drafts
 LEVEL_RATE = 0.5  # share of a forward's (log) ratio to its price that moves the level
+STALE = 256  # forwards after which a row count not timed since is forgotten
 
 
 @dataclass(slots=True)
@@ -79,6 +88,8 @@ class RowCosts:
     _rows: list[int] = field(default_factory=list)  # the measured row counts, ascending
     _curve: np.ndarray | None = None  # [n + 1] stored seconds of 0 .. n rows, to the largest
     _level: float = 1.0  # the machine's present speed: a price is the stored mean times it
+    _forwards: int = 0  # forwards observed
+    _seen: dict[int, int] = field(default_factory=dict)  # rows -> ``_forwards`` when last timed
 
     def observe(self, num_rows: int, seconds: float) -> None:
         """Learn from a forward of ``num_rows`` rows that took ``seconds``."""
@@ -100,6 +111,17 @@ class RowCosts:
             self._means[num_rows] = mean + (seconds - mean) / min(count + 1, WINDOW)
         self._counts[num_rows] = count + 1
         self._curve = None
+        self._forwards += 1
+        self._seen[num_rows] = self._forwards
+        self._forget_stale()
+
+    def _forget_stale(self) -> None:
+        """Forget the counts not timed for ``STALE`` forwards (module docstring)."""
+        oldest = self._forwards - STALE
+        stale = [n for n, seen in self._seen.items() if seen <= oldest]
+        for n in stale:
+            del self._means[n], self._counts[n], self._seen[n]
+            self._rows.remove(n)
 
     def price(self, num_rows: int) -> float:
         """A measured count's mean at the present level (``seconds`` without the line)."""
@@ -134,8 +156,10 @@ class RowCosts:
         self._means.clear()
         self._counts.clear()
         self._rows.clear()
+        self._seen.clear()
         self._curve = None
         self._level = 1.0
+        self._forwards = 0
 
 
 def isotonic(values: list[float], weights: list[int]) -> list[float]:

@@ -12,6 +12,7 @@ from hybridspec.engine.row_costs import (
     LEVEL_RATE,
     MIN_FORWARDS,
     OUTLIER,
+    STALE,
     WINDOW,
     RowCosts,
     TimedForwardCost,
@@ -195,6 +196,30 @@ def test_a_proposer_time_per_round_that_no_draft_pays_pauses_and_probes() -> Non
         state.update(0, 0, 1)
     assert policy.num_drafts(state, 8, by_step=True, measured=price) == 1
     assert state.round_price == pytest.approx(5.0)  # 5 s over a token worth 1 s
+
+
+def test_a_count_not_timed_for_long_is_forgotten_and_drafts_are_asked_again() -> None:
+    """A draft's row timed dear once (a busy neighbour, another thread count) priced every
+    request at no drafts, and no request drafted again to time it anew: the count is
+    forgotten after ``STALE`` forwards without it, and drafts are asked for again."""
+    rows = measured({1: 1.0, 2: 4.0})  # one draft's row dearer than three tokens
+    policy, alpha = SpeculationPolicy(0.03), 0.8
+    assert asked(policy, rows, alpha) == 0
+    for _ in range(STALE - 1):  # a count timed within the last STALE forwards is kept
+        rows.observe(1, 1.0)
+    assert rows.seconds(2) == pytest.approx(4.0) and asked(policy, rows, alpha) == 0
+    rows.observe(1, 1.0)
+    assert rows.seconds(2) is None  # one count left: no slope to price a draft's row
+    assert asked(policy, rows, alpha) > 0  # the constant path: drafts are asked for again
+    rows.observe(2, 1.1)  # and the count is timed afresh
+    assert rows.seconds(2) == pytest.approx(1.1)
+
+
+def test_counts_timed_now_and_then_are_kept() -> None:
+    rows = measured({1: 1.0, 2: 1.1})
+    for i in range(4 * STALE):
+        rows.observe(2 if i % (STALE // 2) == 0 else 1, 1.1 if i % (STALE // 2) == 0 else 1.0)
+    assert rows.seconds(1) == pytest.approx(1.0) and rows.seconds(2) == pytest.approx(1.1)
 
 
 def test_rows_not_yet_measured_fall_back_to_the_constant_cost() -> None:
