@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFWriter
 
 from hybridspec.bench.random_blocks import MIXES, random_blocks, tensor_nbytes, tensor_type
-from hybridspec.model import embedded_model_path
+from hybridspec.model import GGUFFile, embedded_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -143,25 +143,25 @@ def _add_tokenizer(
     writer: GGUFWriter, vocab_size: int, tokens_override: Sequence[str] | None
 ) -> None:
     """The embedded SmolLM2 vocabulary, padded with unused tokens to ``vocab_size``."""
-    reader = GGUFReader(embedded_model_path())
-    tokens = list(tokens_override or reader.fields["tokenizer.ggml.tokens"].contents())
-    types = list(reader.fields["tokenizer.ggml.token_type"].contents())[: len(tokens)]
+    embedded = GGUFFile(embedded_model_path())  # its metadata only: the arrays decoded here
+    tokens = list(tokens_override or embedded.get("tokenizer.ggml.tokens"))
+    types = list(embedded.get("tokenizer.ggml.token_type"))[: len(tokens)]
     types += [1] * (len(tokens) - len(types))
     if len(tokens) > vocab_size:
         raise ValueError(f"vocab_size: the tokenizer has {len(tokens)} tokens, got {vocab_size}")
     pad = vocab_size - len(tokens)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(str(reader.fields["tokenizer.ggml.pre"].contents()))
+    writer.add_tokenizer_pre(str(embedded.get("tokenizer.ggml.pre")))
     writer.add_token_list(tokens + [f"<unused_{i}>" for i in range(pad)])
     writer.add_token_types(types + [UNUSED_TOKEN_TYPE] * pad)
-    writer.add_token_merges(list(reader.fields["tokenizer.ggml.merges"].contents()))
+    writer.add_token_merges(list(embedded.get("tokenizer.ggml.merges")))
     for key in ("bos", "eos", "padding"):
-        field = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
-        if field is not None:
-            writer.add_uint32(f"tokenizer.ggml.{key}_token_id", int(field.contents()))
-    template = reader.fields.get("tokenizer.chat_template")
+        token_id = embedded.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            writer.add_uint32(f"tokenizer.ggml.{key}_token_id", int(token_id))
+    template = embedded.get("tokenizer.chat_template")
     if template is not None:
-        writer.add_string("tokenizer.chat_template", str(template.contents()))
+        writer.add_string("tokenizer.chat_template", str(template))
 
 
 def _add_hparams(writer: GGUFWriter, shape: Shape, file_type: int) -> None:

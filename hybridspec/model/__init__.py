@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from hybridspec.model.gguf_file import GGUFFile
     from hybridspec.model.gguf_rows import MappedRows
     from hybridspec.model.llama_weights import LlamaWeights, dense
     from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
@@ -37,6 +38,7 @@ __all__ = [
     "BlockLinear",
     "ForwardBatch",
     "ForwardOutput",
+    "GGUFFile",
     "Kernel",
     "LlamaWeights",
     "LoadedModel",
@@ -68,6 +70,7 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     globals(),
     {
+        "hybridspec.model.gguf_file": ("GGUFFile",),
         "hybridspec.model.gguf_rows": ("MappedRows",),
         "hybridspec.model.llama_weights": ("LlamaWeights", "dense"),
         "hybridspec.model.loader": ("LoadedModel", "embedded_model_path", "load_model"),

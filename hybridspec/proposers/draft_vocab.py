@@ -15,10 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from gguf import GGUFReader
 
 from hybridspec.errors import ModelLoadError
-from hybridspec.model import LoadedModel
+from hybridspec.model import GGUFFile, LoadedModel
 from hybridspec.proposers.base import ProposerContext
 
 
@@ -79,7 +78,7 @@ UNUSED_TOKEN_TYPE = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED: a padding entry
 def gguf_vocabulary_problem(target: str | None, draft: str | None) -> str | None:
     """Why the draft file's vocabulary is not the target file's, or None (also where either is
     not a GGUF file: ``draftable_ids`` checks those once loaded). Reads the token lists from
-    the files' metadata (memory-mapped; a 128k vocabulary in about a second), so that a
+    the files' metadata (``GGUFFile``: memory-mapped, only these two arrays decoded), so that a
     mismatch is told before any weight is read: the lists must agree on every id both have,
     and the longer one's extra entries must be unused padding."""
     if not (target and draft and _is_gguf(target) and _is_gguf(draft)):
@@ -107,11 +106,11 @@ def _is_gguf(name: str) -> bool:
 
 
 def _gguf_tokens(path: str) -> tuple[list[str], list[int]]:
-    fields = GGUFReader(path).fields
-    tokens = fields.get("tokenizer.ggml.tokens")
-    types = fields.get("tokenizer.ggml.token_type")
+    file = GGUFFile(path)
+    tokens = file.get("tokenizer.ggml.tokens")
+    types = file.get("tokenizer.ggml.token_type")
     if tokens is None:
         raise ModelLoadError(f"GGUF file {path}: no tokenizer.ggml.tokens in its metadata")
-    listed = [str(t) for t in tokens.contents()]
-    kinds = [int(t) for t in types.contents()] if types is not None else [1] * len(listed)
+    listed = [str(t) for t in tokens]
+    kinds = [int(t) for t in types] if types is not None else [1] * len(listed)
     return listed, kinds

@@ -16,7 +16,7 @@ import pytest
 from hybridspec import DraftConfig, Engine, EngineConfig, ModelConfig
 from hybridspec.errors import ModelLoadError
 from hybridspec.model import LlamaWeights
-from hybridspec.model.loader import LoadedModel, embedded_model_path, load_model
+from hybridspec.model.loader import LoadedModel
 from hybridspec.proposers import DraftModel, ProposerContext
 from hybridspec.proposers.draft import DraftModelProposer
 
@@ -41,12 +41,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def target() -> LoadedModel:
-    try:
-        embedded_model_path()
-    except ModelLoadError as exc:
-        pytest.skip(f"embedded model not installed: {exc}")
-    return load_model(ModelConfig(dtype="float32", max_seq_len=1024))
+def target(embedded_float32: LoadedModel) -> LoadedModel:
+    """The session's float32 load (an engine sizes its own runtime: 1024 positions here)."""
+    return embedded_float32
 
 
 def first_layers(model: LoadedModel, num_layers: int) -> LoadedModel:

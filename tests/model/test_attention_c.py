@@ -25,11 +25,9 @@ pytestmark = pytest.mark.skipif(qgemm.kernel() is None, reason="no C compiler")
 
 
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Kernel]:
+def variants(kernel_variants: dict[str, Kernel]) -> dict[str, Kernel]:
     """The library as the runtime builds it, its AVX2 path, and its portable C."""
-    folder: Path = tmp_path_factory.mktemp("kernels")
-    flags = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2",)}
-    return {name: qgemm.load(extra, folder) for name, extra in flags.items()}
+    return {name: kernel_variants[name] for name in ("native", "avx2", "portable")}
 
 
 def random_cache(

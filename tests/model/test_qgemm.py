@@ -37,10 +37,10 @@ def kernel() -> Kernel:
 
 
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory: pytest.TempPathFactory) -> list[Kernel]:
-    """The kernel built for each instruction-set path this compiler can target."""
-    folder = tmp_path_factory.mktemp("kernels")
-    return [qgemm.load(flags, folder) for flags in ((), ("-mno-avx512vnni",), ("-mno-avx2",))]
+def variants(kernel_variants: dict[str, Kernel]) -> list[Kernel]:
+    """The kernel built for each of its matmul's instruction-set paths (VNNI, AVX-512 without
+    it, portable C), the runtime's build first."""
+    return [kernel_variants[name] for name in ("native", "no-vnni", "portable")]
 
 
 # scheme -> (bits, group, offsets): Q4_1 / Q4_K; Q8_0 / Q5_0; Q5_1 / Q5_K; Q2_K / Q3_K; Q6_K;

@@ -7,13 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gguf import GGUFReader
 
 from hybridspec.bench.random_gguf import Shape, write_random_gguf
 from hybridspec.config import DraftConfig, EngineConfig, ModelConfig
 from hybridspec.engine import Engine
 from hybridspec.errors import InvalidRequestError
-from hybridspec.model import embedded_model_path
+from hybridspec.model import GGUFFile, embedded_model_path
 from hybridspec.proposers.draft_vocab import gguf_vocabulary_problem
 
 SMALL = Shape(1, 64, 128, 2, 1, 49152, tied=True)  # the embedded vocabulary, a small model
@@ -22,9 +21,7 @@ SMALL = Shape(1, 64, 128, 2, 1, 49152, tied=True)  # the embedded vocabulary, a 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("vocab")
-    tokens = [
-        str(t) for t in GGUFReader(embedded_model_path()).fields["tokenizer.ggml.tokens"].contents()
-    ]
+    tokens = list(GGUFFile(embedded_model_path()).get("tokenizer.ggml.tokens"))
     tokens[300], tokens[301] = tokens[301], tokens[300]
     return {
         "target": write_random_gguf(folder / "target.gguf", SMALL, "Q8_0"),
