@@ -73,7 +73,7 @@ def plain_outputs(engine: Engine) -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("k", [1, 8])  # the fewest drafts and many: one round verifies 2 or 9 rows
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_greedy_parity_on_the_embedded_model(
     engine: Engine, plain_outputs: list[list[int]], proposer: str, k: int
