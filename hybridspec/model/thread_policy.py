@@ -23,6 +23,15 @@ spinning one after its first). At every core, the same count spinning is probed 
 below every core a spinning probe follows a passive one that lost, so that spinning returns
 when the load goes.
 
+Where the system tells (Linux' ``/proc/stat``: ``CoreRoom``), the controller also knows the
+cores other processes leave it, and never tries a spinning team larger than that room: beside
+two busy processes on 2 cores a spinning probe at 2 threads stalls each of a forward's hundreds
+of barriers for a scheduler slice, so that one step takes 50-100 decode rounds' time, while a
+passive probe costs about one round. The room is what other processes did, not how fast this
+one's steps ran, so it does not depend on the mode being judged. When the room grows to fit a
+spinning team again while fewer threads are kept (the load went), a spinning probe starts at
+once.
+
 The mode is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
 prompt fed whole in its first round), which takes many decode rounds' time, never runs at a
 probe's mode (``for_step``). Alone (the rounds spin at every core) it runs at the rounds' mode.
@@ -33,9 +42,10 @@ one gets 2/3. So there it runs at every core with passive waits, unless its meas
 steps, per token (``observe_prompt``), are slower than those at the rounds' mode, which runs
 one prompt step every few to compare (``prompt_period``, backing off while the choice holds).
 
-The controller sees step times only through ``observe`` and ``observe_prompt``; it reads no
-clock, so its tests inject the times. Greedy texts do not depend on the count: the kernels'
-sums run in a fixed order whatever the thread count (tests/model's invariance tests).
+The controller sees step times only through ``observe`` and ``observe_prompt``, and the room
+only through its ``room`` callback; it reads no clock, so its tests inject both. Greedy texts
+do not depend on the count: the kernels' sums run in a fixed order whatever the thread count
+(tests/model's invariance tests).
 """
 
 from __future__ import annotations
@@ -43,11 +53,16 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+PROC_STAT = Path("/proc/stat")
+# the cores of spare room a spinning team may lack: the busy-time counts tick at 100 Hz, so a
+# quiet machine reads a little busy now and then
+SPIN_SLACK = 0.3
 
 
 def available_cores(
@@ -102,6 +117,66 @@ def _quota_cores(cpu_max: str) -> int | None:
     return max(1, math.ceil(quota / period))
 
 
+class CoreRoom:
+    """The cores of this process's CPUs that other processes left it lately: the CPUs' count
+    less the busy time of those CPUs (``/proc/stat``: all but idle and iowait, steal included:
+    a hypervisor's other guests take the core as a process would) less this process's own CPU
+    time, over the last ``span`` seconds or more.
+
+    Called often (once a decode round), it reads the counters at most every ``span`` seconds
+    and answers from the last two readings. None where the counters cannot be read (not Linux)
+    or before a second reading. The arguments are for tests."""
+
+    def __init__(
+        self,
+        cpus: set[int] | None = None,
+        *,
+        read_stat: Callable[[], str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        cpu_time: Callable[[], float] = time.process_time,
+        ticks_per_second: float | None = None,
+        span: float = 0.25,
+    ) -> None:
+        self._cpus = cpus if cpus is not None else _affinity()
+        self._read_stat = read_stat if read_stat is not None else lambda: _read(PROC_STAT)
+        self._clock, self._cpu_time, self._span = clock, cpu_time, span
+        if ticks_per_second is None:
+            ticks_per_second = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100
+        self._hz = ticks_per_second
+        self._last: tuple[float, float, float] | None = None  # clock, busy ticks, own seconds
+        self._room: float | None = None
+
+    def __call__(self) -> float | None:
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < self._span:
+            return self._room
+        busy = self._busy_ticks()
+        if busy is None:
+            return None
+        reading = (now, busy, self._cpu_time())
+        if self._last is not None:
+            elapsed = reading[0] - self._last[0]
+            others = (reading[1] - self._last[1]) / self._hz - (reading[2] - self._last[2])
+            self._room = len(self._cpus) - max(0.0, others) / elapsed
+        self._last = reading
+        return self._room
+
+    def _busy_ticks(self) -> float | None:
+        """The busy ticks of this process's CPUs since boot (``cpuN user nice system idle
+        iowait irq softirq steal``); None where the file says nothing of them."""
+        busy, seen = 0, 0
+        for line in self._read_stat().splitlines():
+            name, _, rest = line.partition(" ")
+            if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in self._cpus):
+                continue
+            fields = [int(field) for field in rest.split()[:8]]
+            if len(fields) < 5:
+                continue
+            busy += sum(fields) - fields[3] - fields[4]
+            seen += 1
+        return float(busy) if seen and self._cpus else None
+
+
 Mode = tuple[int, bool]  # (threads, passive waits)
 
 
@@ -128,6 +203,7 @@ class ThreadController:
         apply: Callable[[int], None],
         *,
         wait: Callable[[bool], None] | None = None,
+        room: Callable[[], float | None] | None = None,
         window: int = 8,
         min_probe: int = 3,
         first_period: int = 16,
@@ -151,7 +227,8 @@ class ThreadController:
         self.max_threads = max_threads
         self.threads = max_threads
         self.passive = False  # the current mode's waits: passive (sleep) or spinning
-        self._apply, self._wait = apply, wait
+        self._apply, self._wait, self._room = apply, wait, room
+        self._fits = (True, True)  # the room fitted (the current count, one more) spinning
         self._window, self._min_probe = window, min_probe
         self._first_period, self._max_period, self._backoff = first_period, max_period, backoff
         self._margin, self._slowdown = margin, slowdown
@@ -179,6 +256,8 @@ class ThreadController:
         self._apply(self.threads)
         if wait is not None:
             wait(False)
+        if room is not None:
+            room()  # the first reading: the room is known from the first rounds on
 
     def for_step(self, prefill: bool) -> None:
         """Apply the mode of the next step: for a decode round the current one (a probe's while
@@ -269,6 +348,8 @@ class ThreadController:
         self._recent.append(seconds)
         self._history.append(seconds)
         self._since_probe += 1
+        if self._room_changed():
+            return self.threads
         if len(self._recent) == self._window:
             median = statistics.median(self._recent)
             if self._reference is None:
@@ -283,6 +364,35 @@ class ThreadController:
                 upward = None if slowed == sped else sped
                 self._start_probe(statistics.fmean(self._history), upward)
         return self.threads
+
+    def _spin_fits(self, threads: int, known: bool = False) -> bool:
+        """Whether a spinning team of ``threads`` fits in the room other processes leave;
+        where the room is not known, ``not known`` (by default True: the step times alone
+        decide then)."""
+        room = self._room() if self._room is not None else None
+        return not known if room is None else threads <= room + SPIN_SLACK
+
+    def _room_changed(self) -> bool:
+        """Start a probe at once where the room changed across a spinning team's size: the
+        current spinning count no longer fits (another process came: one thread fewer), or,
+        with fewer threads kept, one more spinning thread (or the same count where the waits
+        are passive) fits again (it went). True where a probe started."""
+        if self._room is None:
+            return False
+        wider = self.threads + 1 if self.threads < self.max_threads else self.threads
+        fits = (self._spin_fits(self.threads), self._spin_fits(wider))
+        before, self._fits = self._fits, fits
+        baseline = statistics.fmean(self._history)
+        if before[0] and not fits[0] and not self.passive and self.threads > 1:
+            self._start_probe(baseline, upward=False)
+        elif (
+            not before[1]
+            and fits[1]
+            and self._loaded
+            and (self.threads < self.max_threads or self.passive)
+        ):
+            self._start_probe(baseline, upward=True)
+        return self._probe is not None
 
     def _judge_probe(self) -> None:
         """Keep the probed count once a full window beats the baseline by the margin; go back
@@ -307,10 +417,14 @@ class ThreadController:
         # on a busy machine a probe at more threads, or at spinning waits where they were
         # passive, ends once it is slower at all (a spinning one after its first step: there
         # each of its steps costs several rounds' time)
+        # where the room fits the spinning team the probe left (nothing else busy), a probe at
+        # fewer threads ends after its first step if that is clearly slower: alone step times
+        # hold steady, and each of its steps costs a thread's share of a round
         threads, passive = self._probe
         spinning = self.threads == threads and passive and not self.passive
         up = self._loaded and (self.threads > threads or spinning)
-        early = 1 if up and not self.passive else self._min_probe
+        alone = self.threads < threads and not passive and self._spin_fits(threads, known=True)
+        early = 1 if (up and not self.passive) or alone else self._min_probe
         slower = baseline * (1 if up else 1 + 2 * margin)
         if len(steps) % self._window == 0 and wins < baseline * (1 - margin):
             self._keep_probe()
@@ -337,15 +451,23 @@ class ThreadController:
         several rounds' time; spinning again after a passive one lost, since alone passive
         waits may not win by the margin where spinning ones would); at every core with passive
         waits, the same count spinning (the load may have gone). Without a ``wait`` callback,
-        spinning counts only."""
-        threads, passive = self.threads, self.passive
-        wider = (passive or self._loaded) and not self._spin_next
+        spinning counts only. Where the room is known (``room``), a spinning mode is tried only
+        where its team fits in it, else its passive twin (or at every core, nothing): a wider
+        probe then spins exactly where the room fits it."""
+        threads, passive, can_wait = self.threads, self.passive, self._wait is not None
         modes: list[Mode] = []
         if threads > 1:
-            modes.append((threads - 1, passive and threads > 2))
+            fewer = threads - 1
+            modes.append(
+                (fewer, fewer > 1 and can_wait and (passive or not self._spin_fits(fewer)))
+            )
         if threads < self.max_threads:
-            modes.append((threads + 1, wider and self._wait is not None))
-        elif passive:
+            if self._room is not None and self._room() is not None:
+                wider = not self._spin_fits(threads + 1)
+            else:
+                wider = (passive or self._loaded) and not self._spin_next
+            modes.append((threads + 1, wider and can_wait))
+        elif passive and self._spin_fits(threads):
             modes.append((threads, False))
         return modes
 

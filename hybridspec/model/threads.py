@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from hybridspec.model.thread_policy import ThreadController, available_cores
+from hybridspec.model.thread_policy import CoreRoom, ThreadController, available_cores
 
 _local = threading.local()  # ``wanted``: the thread's count; ``numba``: what numba was given
 
@@ -65,9 +65,10 @@ def num_threads() -> int:
 def thread_controller(num_threads: int | Literal["auto"] | None) -> ThreadController | None:
     """Set the calling thread's forward threads as ``EngineConfig.num_threads`` says; for
     ``"auto"``, every usable core, and the controller that adapts the count and the wait mode
-    (``passive_waits``) from step times. A fixed count spins at its waits."""
+    (``passive_waits``) from step times and from the cores other processes leave it
+    (``CoreRoom``). A fixed count spins at its waits."""
     if num_threads == "auto":
-        return ThreadController(available_cores(), set_num_threads, wait=wait_mode)
+        return ThreadController(available_cores(), set_num_threads, wait=wait_mode, room=CoreRoom())
     if num_threads is not None:
         set_num_threads(num_threads)
     return None

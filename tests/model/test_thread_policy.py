@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridspec.model.thread_policy import ThreadController, available_cores
+from hybridspec.model.thread_policy import CoreRoom, ThreadController, available_cores
 
 
 def test_available_cores_is_the_affinity_capped_by_the_cgroup_quota() -> None:
@@ -163,11 +163,11 @@ def test_a_prompt_step_runs_at_the_chosen_count_never_a_probes() -> None:
 class Modes:
     """Step times by mode (threads, passive waits), with what the controller applied."""
 
-    def __init__(self, seconds: dict[tuple[int, bool], float]) -> None:
+    def __init__(self, seconds: dict[tuple[int, bool], float], room: Room | None = None) -> None:
         self.seconds = seconds
         self.counts: list[int] = []
         self.waits: list[bool] = []
-        self.controller = ThreadController(2, self.counts.append, wait=self.waits.append)
+        self.controller = ThreadController(2, self.counts.append, wait=self.waits.append, room=room)
 
     def run(self, steps: int) -> list[tuple[int, bool]]:
         modes = []
@@ -177,6 +177,16 @@ class Modes:
             self.controller.for_step(prefill=False)
             self.controller.observe(self.seconds[mode])
         return modes
+
+
+class Room:
+    """The cores other processes leave, as ``CoreRoom`` would tell them."""
+
+    def __init__(self, cores: float) -> None:
+        self.cores = cores
+
+    def __call__(self) -> float | None:
+        return self.cores
 
 
 def test_alone_the_waits_spin_and_the_counts_are_those_without_a_wait_mode() -> None:
@@ -343,3 +353,116 @@ def test_the_round_after_a_prompt_step_at_another_mode_is_not_counted() -> None:
     assert list(controller._history) == history
     controller.observe(0.010)
     assert list(controller._history)[-1] == 0.010
+
+
+# beside two busy processes on 2 cores: 2 spinning threads stall at every barrier for a
+# scheduler slice (a step takes ~70 rounds' time), 2 passive ones about 1 thread's rate
+CROWDED = {(1, False): 0.015, (2, False): 1.0, (2, True): 0.016}
+ALONE = {(1, False): 0.010, (2, False): 0.006, (2, True): 0.009}
+
+
+def settle(machine: Modes) -> None:
+    """Run until no probe runs."""
+    while machine.controller._probe is not None:
+        machine.run(1)
+
+
+def test_a_spinning_team_larger_than_the_room_is_never_tried() -> None:
+    machine = Modes(dict(CROWDED), room=Room(2 / 3))
+    modes = machine.run(2000)
+    assert modes[0] == (2, False)  # where every forward starts
+    assert modes.count((2, False)) == 1  # a probe at 1 thread from the first round on
+    assert modes[1] == (1, False)
+    assert (2, True) in modes  # the wider probes wait passively
+    # without the room, the step times alone decide: spinning probes follow passive ones
+    blind = Modes(dict(CROWDED))
+    assert blind.run(2000).count((2, False)) > 2
+
+
+def test_when_the_room_fits_a_spinning_team_again_a_spinning_probe_starts_at_once() -> None:
+    room = Room(2 / 3)
+    machine = Modes(dict(CROWDED), room=room)
+    machine.run(3000)  # probes backed off to their longest period
+    settle(machine)
+    assert (machine.controller.threads, machine.controller.passive) != (2, False)
+    machine.seconds, room.cores = dict(ALONE), 2.0  # the busy processes end
+    modes = machine.run(40)
+    assert modes.index((2, False)) <= 1
+    assert modes[-1] == (2, False) and machine.waits[-1] is False
+
+
+def test_when_the_room_shrinks_below_the_spinning_team_a_narrower_probe_starts_at_once() -> None:
+    room = Room(2.0)
+    machine = Modes(dict(ALONE), room=room)
+    machine.run(3000)
+    settle(machine)
+    assert (machine.controller.threads, machine.controller.passive) == (2, False)
+    machine.seconds, room.cores = dict(CROWDED), 2 / 3  # two busy processes start
+    modes = machine.run(60)
+    assert modes[:2] == [(2, False), (1, False)]  # one round at 2 spinning threads, not a window
+    assert modes[10:].count((2, False)) == 0
+
+
+def proc_stat(busy: list[int], idle: list[int]) -> str:
+    """``/proc/stat``'s CPU lines: each busy count split over user and system, idle over idle
+    and iowait."""
+    lines = [f"cpu  {sum(busy)} 0 0 {sum(idle)} 0 0 0 0 0 0"]
+    for cpu, (b, i) in enumerate(zip(busy, idle, strict=True)):
+        lines.append(f"cpu{cpu} {b - b // 2} 0 {b // 2} {i - i // 4} {i // 4} 0 0 0 0 0")
+    return "\n".join([*lines, "intr 12345 0 0", "ctxt 999"])
+
+
+def test_core_room_is_its_cpus_less_the_busy_time_not_its_own() -> None:
+    stat = [proc_stat([1000, 1000, 1000], [500, 500, 500])]
+    clock, cpu_time = [10.0], [3.0]
+    room = CoreRoom(
+        {0, 1},  # cpu2 is not this process's
+        read_stat=lambda: stat[0],
+        clock=lambda: clock[0],
+        cpu_time=lambda: cpu_time[0],
+        ticks_per_second=100,
+        span=0.25,
+    )
+    assert room() is None  # one reading tells nothing yet
+    # a second later: the two CPUs were busy 1.8 s, 0.8 s of it this process's own
+    stat[0] = proc_stat([1080, 1100, 1100], [520, 500, 400])
+    clock[0], cpu_time[0] = 11.0, 3.8
+    assert room() == pytest.approx(2 - 1.0)
+    stat[0] = proc_stat([1180, 1200, 1200], [520, 500, 300])  # busy, all this process's own
+    clock[0] = 11.2  # within the span: the last answer, the counters not read
+    assert room() == pytest.approx(1.0)
+    clock[0], cpu_time[0] = 12.0, 5.8
+    assert room() == pytest.approx(2.0)
+
+
+def test_core_room_is_none_where_the_counters_say_nothing_of_its_cpus() -> None:
+    text = proc_stat([1000, 1000], [500, 500])
+    assert CoreRoom({5}, read_stat=lambda: text, clock=iter([0.0, 1.0]).__next__)() is None
+    assert CoreRoom({0}, read_stat=lambda: "", clock=iter([0.0, 1.0]).__next__)() is None
+    room = CoreRoom({0}, read_stat=lambda: "", clock=iter([0.0, 1.0]).__next__)
+    room()
+    assert room() is None
+
+
+def probe_lengths(modes: list[tuple[int, bool]], probed: tuple[int, bool]) -> list[int]:
+    """The lengths of the runs of ``probed`` in ``modes``, the first step's run excluded."""
+    lengths, length = [], 0
+    for mode in modes[1:]:
+        if mode == probed:
+            length += 1
+        elif length:
+            lengths.append(length)
+            length = 0
+    return lengths
+
+
+def test_alone_a_probe_at_fewer_threads_ends_after_its_first_slower_step() -> None:
+    machine = Modes(dict(ALONE), room=Room(2.0))
+    modes = machine.run(3000)
+    assert modes[-1] == (2, False)
+    assert set(probe_lengths(modes, (1, False))) == {2}  # the skipped step, the one that lost
+    # where the room is not known, 3 steps (and the skipped one)
+    assert set(probe_lengths(Modes(dict(ALONE)).run(3000), (1, False))) == {4}
+    # under load (the room fits no spinning team of 2) a probe at 1 thread runs its window
+    crowded = Modes(dict(CROWDED), room=Room(2 / 3))
+    assert crowded.run(10)[1:9] == [(1, False)] * 8
