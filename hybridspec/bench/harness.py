@@ -16,7 +16,11 @@ added at once and each finished request is replaced by the next, so at most N ar
 Worked example, N = 2, prompts [x0, x1, y0]: M = 3 requests x0, y0, x1; x0 and y0 start, and x1
 starts when the first of them finishes. The trial's time runs from the first request added to the
 last one finished, and its aggregate tokens/s is compared with ``none`` run one request at a
-time on the same prompts (``summary``).
+time on the same prompts (``summary``). Where ``none`` batches too, it runs before the first
+method's trial and again after each one (``none a none b none``): an N-at-once trial is a few
+seconds of one closed loop, which a minute's change in the machine's speed moves by more than
+a method's cost, so a method's rate is compared with the ``none`` trials on either side of it
+(``vs_none``), and the change cancels as far as it is linear over the two.
 
 Sampled trials seed every request from (repeat, prompt), the same for every method and for the
 concurrent trials.
@@ -37,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybridspec.bench.methods import BenchMethod, ConcurrentMethod
+from hybridspec.bench.names import BASELINE
 from hybridspec.bench.records import Measurement, Record
 from hybridspec.errors import check
 from hybridspec.types import SamplingParams
@@ -137,14 +142,20 @@ def concurrent_schedule(
     temperatures: Sequence[float],
     repeats: int,
     concurrency: int,
+    baseline: int | None = None,
 ) -> list[Trial]:
-    """One closed-loop trial per (repeat, temperature, method), the methods' order rotating."""
+    """One closed-loop trial per (repeat, temperature, method), the methods' order rotating;
+    where ``baseline`` is one of ``methods``, it runs first and again after each other one
+    instead (module docstring). Example, methods (n, a, b), baseline n, repeat 1: n b n a n."""
     trials = []
+    flank = baseline if baseline is not None and baseline in methods else None
+    others = [m for m in methods if m != flank]
     for repeat in range(repeats):
         for temperature in temperatures:
-            for j in range(len(methods)):
-                method = methods[(repeat + j) % len(methods)]
-                trials.append(Trial(repeat, temperature, method, prompts, concurrency))
+            order = [others[(repeat + j) % len(others)] for j in range(len(others))]
+            if flank is not None:
+                order = [flank, *(m for method in order for m in (method, flank))]
+            trials += [Trial(repeat, temperature, m, prompts, concurrency) for m in order]
     return trials
 
 
@@ -173,6 +184,7 @@ def plan(
                 config.temperatures,
                 config.repeats,
                 config.concurrency,
+                next((i for i in batching if methods[i].name == BASELINE), None),
             )
     return trials
 

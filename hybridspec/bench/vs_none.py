@@ -5,7 +5,9 @@ The bar is that speculation never costs: each ratio at least ``FLOOR``. One requ
 a ratio is ``Summary.speedup`` over ``none`` in the group (median over repeats of the ratio of
 interleaved runs' rates). N at once, the concurrent trials run once per group
 (``BenchConfig.concurrent_groups``) and a ratio is the method's aggregate rate over ``none``'s
-at the same N, on the same prompts, in the same repeat (median over repeats).
+at the same N, on the same prompts, in the same repeat (median over repeats): over the mean of
+the ``none`` trials just before and after the method's where the schedule flanks it with them
+(``harness.concurrent_schedule``).
 
 Example row: ``eagle  open-ended  T=0.8  x8  0.985  ok``: eight eagle requests at a time
 generated 0.985 times the tokens per second of eight ``none`` requests on the open-ended
@@ -49,23 +51,32 @@ def concurrent_ratio(
     records: Sequence[Record], method: str, temperature: float, concurrency: int, group: frozenset
 ) -> float | None:
     """``method``'s aggregate rate over ``none``'s, both ``concurrency`` at once on the prompts
-    of ``group`` (categories), median over repeats."""
+    of ``group`` (categories), median over repeats: each of the method's trials over the mean
+    rate of the nearest ``none`` trials before and after it in the same repeat (``records`` in
+    the order they ran)."""
     categories = {p: r.category for r in records if r.category is not None for p in r.prompt_ids}
-
-    def trials(name: str) -> list[Record]:
-        return [
-            r
-            for r in records
-            if r.method == name
-            and r.temperature == temperature
-            and r.concurrency == concurrency
-            and r.category is None
-            and r.prompt_ids
-            and all(categories.get(p) in group for p in r.prompt_ids)
+    trials = [
+        r
+        for r in records
+        if r.method in (method, BASELINE)
+        and r.temperature == temperature
+        and r.concurrency == concurrency
+        and r.category is None
+        and r.prompt_ids
+        and all(categories.get(p) in group for p in r.prompt_ids)
+    ]
+    rates = [rates_by_repeat([r]).get(r.repeat, 0.0) for r in trials]
+    ratios = []
+    for i, trial in enumerate(trials):
+        if trial.method != method or rates[i] <= 0:
+            continue
+        flanks = [
+            next((j for j in sides if trials[j].method == BASELINE), None)
+            for sides in (range(i - 1, -1, -1), range(i + 1, len(trials)))
         ]
-
-    mine, theirs = rates_by_repeat(trials(method)), rates_by_repeat(trials(BASELINE))
-    ratios = [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r] > 0]
+        theirs = [rates[j] for j in flanks if j is not None and trials[j].repeat == trial.repeat]
+        if theirs and all(rate > 0 for rate in theirs):
+            ratios.append(rates[i] / statistics.fmean(theirs))
     return statistics.median(ratios) if ratios else None
 
 

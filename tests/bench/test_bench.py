@@ -349,8 +349,9 @@ def test_bench_smoke_on_tiny_llama(
     agreement = report["greedy_agreement"]["methods"]
     for method in ("ngram", "draft"):  # lossless speculation
         assert agreement[method] == {"identical": 2, "compared": 2, "first_divergence": []}
-    # 2 prompts x 5 methods x 2 temperatures, then 3 engine methods x 2 temperatures at once
-    assert len(report["records"]) == 20 + 6
+    # 2 prompts x 5 methods x 2 temperatures, then at once at each temperature the 2 engine
+    # methods flanked by none: none ngram none draft none (harness.concurrent_schedule)
+    assert len(report["records"]) == 20 + 2 * 5
     concurrent = [r for r in report["records"] if r["category"] is None]
     assert {r["method"] for r in concurrent} == {"none", "ngram", "draft"}
     for r in concurrent:  # every prompt, categories alternating, 2 at a time

@@ -48,10 +48,10 @@ def test_served_bench_records_every_trial_and_the_ratios_to_none(
     report = json.loads((out / "bench.json").read_text())
     assert report["meta"]["served"].endswith("(2 slots, 1 threads, prefix cache off)")
     assert report["meta"]["methods"] == ["none", "ngram"]
-    # 2 prompts x 2 methods x 2 temperatures, then 2 methods x 2 temperatures at once per group
-    # (open-ended and input-grounded apart, as --vs-none runs them)
+    # 2 prompts x 2 methods x 2 temperatures, then at once per group (open-ended and
+    # input-grounded apart, as --vs-none runs them) at each temperature none ngram none
     records = report["records"]
-    assert len(records) == 8 + 8
+    assert len(records) == 8 + 2 * 2 * 3
     concurrent = [r for r in records if r["category"] is None]
     assert {tuple(r["prompt_ids"]) for r in concurrent} == {("copy-1", "copy-1"), ("story-1",) * 2}
     for r in records:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridspec.bench.harness import BenchConfig, BenchPrompt, run_benchmark
+from hybridspec.bench.harness import BenchConfig, BenchPrompt, concurrent_schedule, run_benchmark
 from hybridspec.bench.summary import GROUNDED, OPEN_ENDED, Summary
 from hybridspec.bench.vs_none import FLOOR, format_vs_none, vs_none
 from tests.bench.test_concurrency import (
@@ -56,3 +56,38 @@ def test_ratios_to_none_per_group_temperature_and_concurrency() -> None:
     table = format_vs_none(rows)
     assert table.count("BELOW") == 3  # two rows, and the least named again
     assert f"2 of 4 below {FLOOR}" in table
+
+
+def test_none_flanks_every_method_at_once_and_the_methods_rotate() -> None:
+    def order(trials: list) -> list[tuple[int, int]]:
+        return [(t.repeat, t.method) for t in trials]
+
+    flanked = concurrent_schedule((0, 1), [0, 1, 2], [0.0], repeats=2, concurrency=2, baseline=0)
+    assert order(flanked) == [
+        *[(0, 0), (0, 1), (0, 0), (0, 2), (0, 0)],
+        *[(1, 0), (1, 2), (1, 0), (1, 1), (1, 0)],
+    ]
+    plain = concurrent_schedule((0, 1), [1, 2], [0.0], repeats=2, concurrency=2, baseline=0)
+    assert order(plain) == [(0, 1), (0, 2), (1, 2), (1, 1)]  # no none: each once, rotating
+
+
+def test_a_method_at_once_is_compared_with_the_none_trials_beside_it() -> None:
+    """The machine speeds up through the repeat (none at 20, 24 then 28 tokens/s): each method
+    ran at the rate of the none trials on either side of it, a ratio of 1, which none's rate
+    over the whole repeat (24) would make 22/24 and 26/24."""
+    pair = ("chat-1", "chat-1")
+    records = [
+        single("none", 0, "chat-1", 100, 10.0),
+        concurrent("none", 0, pair, 100, 10.0, 2),  # 20 tokens/s
+        concurrent("ngram", 0, pair, 100, 200 / 22, 2),  # 22
+        concurrent("none", 0, pair, 100, 200 / 24, 2),  # 24
+        concurrent("eagle", 0, pair, 100, 200 / 26, 2),  # 26
+        concurrent("none", 0, pair, 100, 200 / 28, 2),  # 28
+        concurrent("none", 1, pair, 100, 10.0, 2),  # repeat 1: 20, 20, and ngram at 30
+        concurrent("ngram", 1, pair, 100, 200 / 30, 2),
+        concurrent("none", 1, pair, 100, 10.0, 2),
+    ]
+    rows = vs_none(records, Summary(records, CATEGORIES), CATEGORIES)
+    got = {(r.method, r.concurrency): r.ratio for r in rows if r.group == OPEN_ENDED}
+    assert got[("ngram", 2)] == pytest.approx((1.0 + 1.5) / 2)  # median of the two repeats
+    assert got[("eagle", 2)] == pytest.approx(1.0)
