@@ -81,18 +81,40 @@ with TestClient(create_app(ServerConfig(engine=config))) as client:
 """
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_requests_after_start_compile_nothing(tmp_path: Path, dtype: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", NO_COMPILE_AFTER_START, str(tmp_path / "tiny"), dtype],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    started, after_requests, c_attention = json.loads(result.stdout.splitlines()[-1])
+DTYPES = ("float32", "bfloat16")
+Runs = tuple[Path, dict[str, subprocess.Popen[bytes]]]
+
+
+@pytest.fixture(scope="module")
+def no_compile_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    """``NO_COMPILE_AFTER_START`` in a fresh interpreter per dtype, all started at once: each
+    is mostly a cold start on one thread (imports, numba's cache, the warm-up), so side by side
+    they take about the time of one. Each writes to files, which no unread pipe can block."""
+    directory = tmp_path_factory.mktemp("no-compile")
+    runs = {}
+    for dtype in DTYPES:
+        with (
+            (directory / f"{dtype}.out").open("wb") as out,
+            (directory / f"{dtype}.err").open("wb") as err,
+        ):
+            command = [sys.executable, "-c", NO_COMPILE_AFTER_START, str(directory / dtype), dtype]
+            runs[dtype] = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err)
+    try:
+        yield directory, runs
+    finally:
+        for process in runs.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_requests_after_start_compile_nothing(no_compile_runs: Runs, dtype: str) -> None:
+    directory, runs = no_compile_runs
+    returncode = runs[dtype].wait(timeout=600)
+    assert returncode == 0, (directory / f"{dtype}.err").read_text(errors="replace")[-3000:]
+    output = (directory / f"{dtype}.out").read_text().splitlines()[-1]
+    started, after_requests, c_attention = json.loads(output)
     assert c_attention or started["hybridspec.model.attention_kernels.attend"] >= 1
     assert started["hybridspec.proposers.ngram_kernels.propose_batch"] >= 1
     assert after_requests == started

@@ -12,6 +12,7 @@ state, may be refused (with code ``context_length_exceeded``).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,13 +24,16 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.server.conftest import AppFactory, serve_in_thread
+from tests.server.helpers import parse_metrics
 
 SEED = 20261125
 MAX_EXAMPLES = 40
 # With a key the run checks that every operation refuses requests without it or with a wrong
-# one; its coverage phase sends each operation's cases whatever the count, and the fuzzed
-# examples beyond a few test the key-free run's ground again.
+# one (schemathesis' ignored_auth probes an operation at its first 2xx). Its coverage phase is
+# left out: those cases are the key-free run's, sent with the key, which the app checks before
+# it reads the request; and fuzzed examples beyond a few test the key-free run's ground again.
 MAX_EXAMPLES_WITH_KEY = 10
+PHASES_WITH_KEY = "examples,fuzzing,stateful"
 
 
 def schemathesis_command() -> str:
@@ -76,14 +80,30 @@ def test_schemathesis_finds_no_failure(
     make_app: AppFactory, api_key: str | None, tmp_path: Path
 ) -> None:
     """With a key, schemathesis sends it and also checks that requests without it (or with a
-    wrong one) are refused on every operation that the document says needs it."""
-    options = () if api_key is None else ("--header", f"Authorization: Bearer {api_key}")
+    wrong one) are refused on every operation that the document says needs it; the app's
+    metrics show that it probed each so."""
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+    options = [] if api_key is None else ["--header", f"Authorization: Bearer {api_key}"]
+    options += [] if api_key is None else ["--phases", PHASES_WITH_KEY]
     examples = MAX_EXAMPLES if api_key is None else MAX_EXAMPLES_WITH_KEY
     with serve_in_thread(make_app({"api_key": api_key})) as url:
         result = run_schemathesis(url, tmp_path, examples, *options)
+        document = httpx.get(f"{url}/openapi.json", headers=headers).json()
+        samples = parse_metrics(httpx.get(f"{url}/metrics", headers=headers).text)
     report = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, report
     assert "Selected: 9/9" in result.stdout, report  # every operation of the API was tested
+    if api_key is not None:
+        refused: dict[tuple[str, str], float] = {}
+        for (name, pairs), value in samples.items():
+            labels = dict(pairs)
+            if name == "hybridspec_http_requests_total" and labels["status"] == "401":
+                # a route template names its converters: /v1/models/{model:path}
+                refused[labels["method"], re.sub(r":\w+}", "}", labels["path"])] = value
+        keyed = [(m.upper(), p) for p, ops in document["paths"].items() for m in ops]
+        keyed.remove(("GET", "/health"))
+        assert len(keyed) == 8 and refused.keys() == set(keyed), refused
+        assert min(refused.values()) >= 2, refused  # without the key, and with a wrong one
 
 
 def test_with_a_key_every_operation_but_health_declares_it(make_app: AppFactory) -> None:

@@ -184,22 +184,28 @@ def round_law(
 def speculative_law(
     monkeypatch: pytest.MonkeyPatch, params: SamplingParams, sampled: bool, keyed: bool
 ) -> dict[tuple[int, ...], float]:
-    """The exact law of the first LENGTH tokens generated round by round through verify()."""
-    law: dict[tuple[int, ...], float] = defaultdict(float)
+    """The exact law of the first LENGTH tokens generated round by round through verify().
 
-    def generate(generated: tuple[int, ...], weight: float) -> None:
+    What follows a generated prefix depends on that prefix alone, so the law of its rest is
+    computed once per prefix (at most 85) and shared by every path of rounds that commits it:
+    verify() decides each round of each prefix once, instead of once per path reaching it."""
+
+    @functools.cache
+    def rest_law(generated: tuple[int, ...]) -> dict[tuple[int, ...], float]:
+        """The law of the tokens after ``generated`` up to LENGTH, by the rounds that follow."""
         if len(generated) == LENGTH:
-            law[generated] += weight
-            return
+            return {(): 1.0}
+        law: dict[tuple[int, ...], float] = defaultdict(float)
         k = min(MAX_DRAFTS, LENGTH - len(generated) - 1)
         context = PROMPT + generated
         for drafts, q_weight, q in draft_choices(params, context, k, sampled):
             for tokens, p in round_law(monkeypatch, params, context, drafts, q, keyed).items():
                 if p > 0:
-                    generate(generated + tokens, weight * q_weight * p)
+                    for rest, r in rest_law(generated + tokens).items():
+                        law[tokens + rest] += q_weight * p * r
+        return law
 
-    generate((), 1.0)
-    return law
+    return rest_law(())
 
 
 def assert_same_law(got: dict[tuple[int, ...], float], expected: dict[tuple[int, ...], float]):
