@@ -118,7 +118,7 @@ def finished_by_replica(served: Served) -> dict[str, float]:
 def _settled_counts(served: Served, total: float = 0.0) -> dict[str, float]:
     """The per-replica counts once they count ``total`` requests at least and hold still for
     longer than a report period (each replica reports its own every second)."""
-    counts: dict[str, float] = {}
+    counts: dict[str, float] = finished_by_replica(served)  # the first reading, compared next
 
     def settled() -> bool:
         previous = dict(counts)
