@@ -274,21 +274,11 @@ def test_a_prompt_step_never_runs_at_a_probes_mode() -> None:
 def test_a_spinning_probe_from_passive_waits_under_load_ends_after_its_first_step() -> None:
     # beside two busy processes: 2 passive threads kept, 2 spinning ones 4x slower
     machine = Modes({(1, False): 0.015, (2, False): 0.040, (2, True): 0.010})
-    modes = machine.run(2000)
-
-    def runs(probed: tuple[int, bool]) -> list[int]:
-        lengths, length = [], 0
-        for mode in modes[100:]:
-            if mode == probed:
-                length += 1
-            elif length:
-                lengths.append(length)
-                length = 0
-        return lengths
-
-    assert runs((2, False)) and max(runs((2, False))) == 2  # the skipped step, the one that lost
+    modes = machine.run(2000)[99:]
+    spinning, fewer = probe_lengths(modes, (2, False)), probe_lengths(modes, (1, False))
+    assert spinning and max(spinning) == 2  # the skipped step, the one that lost
     # a probe at fewer threads still runs its 3 steps (and the skipped one)
-    assert runs((1, False)) and min(runs((1, False))) == 4
+    assert fewer and min(fewer) == 4
 
 
 def test_under_heavier_load_the_passive_count_is_kept() -> None:
