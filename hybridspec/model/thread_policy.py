@@ -174,7 +174,7 @@ class CoreRoom:
                 continue
             busy += sum(fields) - fields[3] - fields[4]
             seen += 1
-        return float(busy) if seen and self._cpus else None
+        return float(busy) if seen else None
 
 
 Mode = tuple[int, bool]  # (threads, passive waits)
@@ -382,16 +382,15 @@ class ThreadController:
         wider = self.threads + 1 if self.threads < self.max_threads else self.threads
         fits = (self._spin_fits(self.threads), self._spin_fits(wider))
         before, self._fits = self._fits, fits
-        baseline = statistics.fmean(self._history)
         if before[0] and not fits[0] and not self.passive and self.threads > 1:
-            self._start_probe(baseline, upward=False)
+            self._start_probe(statistics.fmean(self._history), upward=False)
         elif (
             not before[1]
             and fits[1]
             and self._loaded
             and (self.threads < self.max_threads or self.passive)
         ):
-            self._start_probe(baseline, upward=True)
+            self._start_probe(statistics.fmean(self._history), upward=True)
         return self._probe is not None
 
     def _judge_probe(self) -> None:
