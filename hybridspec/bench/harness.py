@@ -16,11 +16,18 @@ added at once and each finished request is replaced by the next, so at most N ar
 Worked example, N = 2, prompts [x0, x1, y0]: M = 3 requests x0, y0, x1; x0 and y0 start, and x1
 starts when the first of them finishes. The trial's time runs from the first request added to the
 last one finished, and its aggregate tokens/s is compared with ``none`` run one request at a
-time on the same prompts (``summary``). Where ``none`` batches too, it runs before the first
-method's trial and again after each one (``none a none b none``): an N-at-once trial is a few
-seconds of one closed loop, which a minute's change in the machine's speed moves by more than
-a method's cost, so a method's rate is compared with the ``none`` trials on either side of it
-(``vs_none``), and the change cancels as far as it is linear over the two.
+time on the same prompts (``summary``).
+
+Pairs: an N-at-once trial is a few seconds of one closed loop, and a shared machine's speed
+moves within seconds by more than a method's cost, so two loops run one after the other do not
+compare. Where the bench has a twin (``none`` on a second engine over the same weights), each
+other engine method's loop instead runs beside one of the twin's on the same requests, the two
+by turns of one step (``methods.in_lockstep``), each timed by its own turns: the pass's trials
+are pairs (``a|none b|none``, rotating by repeat), each pair two records that name each other
+(``Record.beside``), and a method's ratio to ``none`` is taken within its pair (``vs_none``).
+Without a twin (served trials, whose server is one engine), ``none`` runs before the first
+method's loop and again after each one (``none a none b none``), and a method's rate is compared
+with the mean of the two beside it, which cancels a drift only as far as it is linear.
 
 Sampled trials seed every request from (repeat, prompt), the same for every method and for the
 concurrent trials.
@@ -40,7 +47,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hybridspec.bench.methods import BenchMethod, ConcurrentMethod
+from hybridspec.bench.methods import BenchMethod, ConcurrentMethod, EngineMethod
 from hybridspec.bench.names import BASELINE
 from hybridspec.bench.records import Measurement, Record
 from hybridspec.errors import check
@@ -92,6 +99,7 @@ class Trial:
     method: int  # index into the methods
     prompts: tuple[int, ...]  # [M] indices into the prompts, in the order they are sent
     concurrency: int = 1  # N: the most requests in the engine at once
+    paired: bool = False  # the method's loop runs in lockstep beside the twin's (Pairs above)
 
 
 def pass_session(trial: Trial) -> str:
@@ -143,19 +151,23 @@ def concurrent_schedule(
     repeats: int,
     concurrency: int,
     baseline: int | None = None,
+    paired: bool = False,
 ) -> list[Trial]:
     """One closed-loop trial per (repeat, temperature, method), the methods' order rotating;
-    where ``baseline`` is one of ``methods``, it runs first and again after each other one
-    instead (module docstring). Example, methods (n, a, b), baseline n, repeat 1: n b n a n."""
+    where ``baseline`` is one of ``methods``, each other method's trial is ``paired`` with a
+    twin's loop of it, or else the baseline runs first and again after each other one (module
+    docstring). Example, methods (n, a, b), baseline n, repeat 1: b|n a|n paired, n b n a n not.
+    """
     trials = []
     flank = baseline if baseline is not None and baseline in methods else None
     others = [m for m in methods if m != flank]
     for repeat in range(repeats):
         for temperature in temperatures:
             order = [others[(repeat + j) % len(others)] for j in range(len(others))]
-            if flank is not None:
+            pairs = paired and flank is not None and bool(others)
+            if flank is not None and not pairs:
                 order = [flank, *(m for method in order for m in (method, flank))]
-            trials += [Trial(repeat, temperature, m, prompts, concurrency) for m in order]
+            trials += [Trial(repeat, temperature, m, prompts, concurrency, pairs) for m in order]
     return trials
 
 
@@ -166,9 +178,13 @@ def sampling_for(temperature: float, seed: int, repeat: int, prompt: int) -> Sam
 
 
 def plan(
-    config: BenchConfig, methods: Sequence[BenchMethod], prompts: Sequence[BenchPrompt]
+    config: BenchConfig,
+    methods: Sequence[BenchMethod],
+    prompts: Sequence[BenchPrompt],
+    paired: bool = False,
 ) -> list[Trial]:
-    """The whole schedule: sequential trials, then concurrent ones when ``concurrency > 1``."""
+    """The whole schedule: sequential trials, then concurrent ones when ``concurrency > 1``,
+    ``paired`` with a twin's where there is one (module docstring)."""
     trials = sequential_schedule(len(prompts), len(methods), config.temperatures, config.repeats)
     if config.concurrency > 1:
         batching = [i for i, m in enumerate(methods) if isinstance(m, ConcurrentMethod)]
@@ -185,6 +201,7 @@ def plan(
                 config.repeats,
                 config.concurrency,
                 next((i for i in batching if methods[i].name == BASELINE), None),
+                paired,
             )
     return trials
 
@@ -194,36 +211,46 @@ def run_trial(
     config: BenchConfig,
     methods: Sequence[BenchMethod],
     prompts: Sequence[BenchPrompt],
-) -> Record:
+    twin: EngineMethod | None = None,
+) -> list[Record]:
+    """The trial's record; a paired trial's two, the method's and then the twin's."""
     method = methods[trial.method]
     samplings = [
         sampling_for(trial.temperature, config.seed, trial.repeat, p) for p in trial.prompts
     ]
     chosen = [prompts[p] for p in trial.prompts]
     session = pass_session(trial)
-    measurement: Measurement
-    if trial.concurrency == 1:
+    token_ids = [p.token_ids for p in chosen]
+    n, max_new_tokens = trial.concurrency, config.max_new_tokens
+    measured: list[tuple[str, Measurement, str | None]]
+    if n == 1:
         assert len(chosen) == 1, "a sequential trial runs one prompt"
-        measurement = method.run(chosen[0].token_ids, samplings[0], config.max_new_tokens, session)
+        measured = [
+            (method.name, method.run(token_ids[0], samplings[0], max_new_tokens, session), None)
+        ]
+    elif trial.paired:
+        assert isinstance(method, EngineMethod) and twin is not None, "a pair needs a twin"
+        mine, theirs = method.run_beside(twin, token_ids, samplings, max_new_tokens, n, session)
+        measured = [(method.name, mine, twin.name), (twin.name, theirs, method.name)]
     else:
         assert isinstance(method, ConcurrentMethod)
-        measurement = method.run_concurrent(
-            [p.token_ids for p in chosen],
-            samplings,
-            config.max_new_tokens,
-            trial.concurrency,
-            session,
+        measurement = method.run_concurrent(token_ids, samplings, max_new_tokens, n, session)
+        measured = [(method.name, measurement, None)]
+    load = os.getloadavg()[0]
+    return [
+        Record(
+            method=name,
+            temperature=trial.temperature,
+            repeat=trial.repeat,
+            prompt_ids=tuple(p.id for p in chosen),
+            category=chosen[0].category if n == 1 else None,
+            measurement=measurement,
+            load_average=load,
+            concurrency=n,
+            beside=beside,
         )
-    return Record(
-        method=method.name,
-        temperature=trial.temperature,
-        repeat=trial.repeat,
-        prompt_ids=tuple(p.id for p in chosen),
-        category=chosen[0].category if trial.concurrency == 1 else None,
-        measurement=measurement,
-        load_average=os.getloadavg()[0],
-        concurrency=trial.concurrency,
-    )
+        for name, measurement, beside in measured
+    ]
 
 
 def warm_up(
@@ -251,12 +278,14 @@ def run_benchmark(
     methods: Sequence[BenchMethod],
     prompts: Sequence[BenchPrompt],
     on_trial: Callable[[Record], None] | None = None,
+    twin: EngineMethod | None = None,
 ) -> list[Record]:
-    """Run the planned trials in order; ``on_trial`` sees each record as it is made."""
+    """Run the planned trials in order, N-at-once ones beside ``twin`` where given (``none``
+    on an engine of its own; module docstring); ``on_trial`` sees each record as it is made."""
     records = []
-    for trial in plan(config, methods, prompts):
-        record = run_trial(trial, config, methods, prompts)
-        records.append(record)
-        if on_trial is not None:
-            on_trial(record)
+    for trial in plan(config, methods, prompts, paired=twin is not None):
+        for record in run_trial(trial, config, methods, prompts, twin):
+            records.append(record)
+            if on_trial is not None:
+                on_trial(record)
     return records

@@ -8,8 +8,9 @@ is skipped, with a warning, where llama.cpp cannot run. Names are resolved here,
 harness sees only the ``BenchMethod`` protocol.
 
 Every method returns a ``records.Measurement``. Engine methods can also run a closed loop
-(``closed_loop``): M requests with at most N in the engine at once, like N clients each sending
-requests back to back.
+(``ClosedLoop``): M requests with at most N in the engine at once, like N clients each sending
+requests back to back; and one beside another method's on a second engine, the two loops by
+turns (``in_lockstep``), which times both through the same seconds of the machine.
 """
 
 from __future__ import annotations
@@ -80,35 +81,90 @@ class SteppedEngine(Protocol):
     def step(self) -> list[RequestOutput]: ...
 
 
+class ClosedLoop:
+    """M requests through one engine with at most N = ``concurrency`` in it, as N clients
+    would, advanced one engine step at a time (``turn``).
+
+    The first N are added at once; each time a step finishes one, the next is added, and the
+    engine admits it on its next step. Example, M = 5, N = 2, requests 0 and 1 running: 1
+    finishes, 2 is added; 0 finishes, 3 is added; 2 and 3 finish in the same step, 4 is added
+    and runs alone to the end. ``seconds`` sums the loop's own turns.
+    """
+
+    def __init__(
+        self,
+        engine: SteppedEngine,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[GenerationParams],
+        concurrency: int,
+    ) -> None:
+        check(concurrency >= 1, "concurrency", f"expected >= 1, got {concurrency}")
+        check(len(prompts) == len(params), "params", f"expected {len(prompts)}, got {len(params)}")
+        self.seconds = 0.0
+        self._engine = engine
+        self._prompts = prompts
+        self._params = params
+        self._concurrency = concurrency
+        self._in_flight: dict[str, int] = {}  # request id -> index into prompts
+        self._num_added = 0
+        self._results: dict[int, GenerationResult] = {}
+
+    @property
+    def done(self) -> bool:
+        return len(self._results) == len(self._prompts)
+
+    def turn(self) -> None:
+        """Add what the loop's clients would, run one engine step, collect what it finished."""
+        start = time.perf_counter()
+        prompts, in_flight = self._prompts, self._in_flight
+        while self._num_added < len(prompts) and len(in_flight) < self._concurrency:
+            request_id = self._engine.add_request(
+                prompts[self._num_added], self._params[self._num_added]
+            )
+            in_flight[request_id] = self._num_added
+            self._num_added += 1
+        for output in self._engine.step():
+            if output.result is not None:
+                self._results[in_flight.pop(output.request_id)] = output.result
+        self.seconds += time.perf_counter() - start
+
+    def results(self) -> list[GenerationResult]:
+        """The M results, in request order (once ``done``)."""
+        assert self.done, "the loop has requests left"
+        return [self._results[i] for i in range(len(self._prompts))]
+
+
 def closed_loop(
     engine: SteppedEngine,
     prompts: Sequence[Sequence[int]],
     params: Sequence[GenerationParams],
     concurrency: int,
 ) -> tuple[list[GenerationResult], float]:
-    """Run M requests with at most N = ``concurrency`` in the engine, as N clients would.
-
-    The first N are added at once; each time a step finishes one, the next is added, and the
-    engine admits it on its next step. Returns the M results in request order and the wall
-    seconds from the first add to the last finish. Example, M = 5, N = 2, requests 0 and 1
-    running: 1 finishes, 2 is added; 0 finishes, 3 is added; 2 and 3 finish in the same step,
-    4 is added and runs alone to the end.
-    """
-    check(concurrency >= 1, "concurrency", f"expected >= 1, got {concurrency}")
-    check(len(prompts) == len(params), "params", f"expected {len(prompts)}, got {len(params)}")
+    """Run a ``ClosedLoop`` to its end; return the M results in request order and the wall
+    seconds from the first add to the last finish."""
+    loop = ClosedLoop(engine, prompts, params, concurrency)
     start = time.perf_counter()
-    in_flight: dict[str, int] = {}  # request id -> index into prompts
-    num_added = 0
-    results: dict[int, GenerationResult] = {}
-    while len(results) < len(prompts):
-        while num_added < len(prompts) and len(in_flight) < concurrency:
-            in_flight[engine.add_request(prompts[num_added], params[num_added])] = num_added
-            num_added += 1
-        for output in engine.step():
-            if output.result is not None:
-                results[in_flight.pop(output.request_id)] = output.result
-    elapsed = time.perf_counter() - start
-    return [results[i] for i in range(len(prompts))], elapsed
+    while not loop.done:
+        loop.turn()
+    return loop.results(), time.perf_counter() - start
+
+
+def in_lockstep(loops: Sequence[ClosedLoop]) -> None:
+    """Run closed loops on separate engines by turns until all are done, the next turn always
+    the unfinished loop's with the fewest seconds so far (the first on a tie).
+
+    A machine whose speed drifts within seconds (other processes, a shared host) moves the
+    rate of a loop run a few seconds after another by more than the cost of what they differ
+    in. By turns of one step each, the loops run through the same seconds of the machine in
+    proportion to their own time, so each one's ``seconds`` sees the same speed, and a ratio of
+    their rates cancels the drift. Example: loops a and b, steps of 10 ms in a and 20 ms in b:
+    a, b, a, a, b, a, a, b, ...
+    """
+    while True:
+        waiting = [loop for loop in loops if not loop.done]
+        if not waiting:
+            return
+        min(waiting, key=lambda loop: loop.seconds).turn()
 
 
 class EngineMethod:
@@ -150,11 +206,44 @@ class EngineMethod:
         session: str | None = None,
     ) -> Measurement:
         """Every prompt through ``closed_loop``, at most ``concurrency`` in the engine at once."""
-        engine = self._engine
-        assert not engine.has_unfinished(), "the bench needs the engine to itself"
+        params = self._ready(samplings, max_new_tokens, session)
+        results, elapsed = closed_loop(self._engine, prompts, params, concurrency)
+        return self._measurement(results, elapsed)
+
+    def run_beside(
+        self,
+        other: EngineMethod,
+        prompts: Sequence[Sequence[int]],
+        samplings: Sequence[SamplingParams],
+        max_new_tokens: int,
+        concurrency: int,
+        session: str | None = None,
+    ) -> tuple[Measurement, Measurement]:
+        """This method's closed loop and ``other``'s (on another engine) over the same
+        requests, by turns (``in_lockstep``); each measurement's elapsed time is its own loop's
+        seconds."""
+        assert other._engine is not self._engine, "a loop beside another needs its own engine"
+        mine, theirs = (
+            ClosedLoop(
+                m._engine, prompts, m._ready(samplings, max_new_tokens, session), concurrency
+            )
+            for m in (self, other)
+        )
+        in_lockstep([mine, theirs])
+        return (
+            self._measurement(mine.results(), mine.seconds),
+            other._measurement(theirs.results(), theirs.seconds),
+        )
+
+    def _ready(
+        self, samplings: Sequence[SamplingParams], max_new_tokens: int, session: str | None
+    ) -> list[GenerationParams]:
+        """Ready the engine and the timer for a loop; each request's parameters."""
+        assert not self._engine.has_unfinished(), "the bench needs the engine to itself"
         self._timer.reset()
-        params = [self._params(s, max_new_tokens, session) for s in samplings]
-        results, elapsed = closed_loop(engine, prompts, params, concurrency)
+        return [self._params(s, max_new_tokens, session) for s in samplings]
+
+    def _measurement(self, results: list[GenerationResult], elapsed: float) -> Measurement:
         first = results[0].stats.time_to_first_token_s if len(results) == 1 else None
         requests = tuple(_speculation(r) for r in results)
         return Measurement(requests, elapsed, self._timer.seconds, first)

@@ -30,7 +30,9 @@ class Measurement:
     """One timed unit: a single request, or several run concurrently (in request order)."""
 
     requests: tuple[Speculation, ...]
-    elapsed_s: float  # wall time, first request queued to last token finished, prefill included
+    # Wall time, first request queued to last token finished, prefill included; of a loop run
+    # in lockstep with another (``Record.beside``), the seconds of its own turns.
+    elapsed_s: float
     forward_s: float | None  # of which inside the target model's forward; None: not observed
     first_token_s: float | None = None  # of which until the first token; None: not observed
 
@@ -51,6 +53,9 @@ class Record:
     measurement: Measurement
     load_average: float  # the machine's 1-minute load average when the trial ended
     concurrency: int = 1  # most requests in the engine at once: 1, or the N of a concurrent trial
+    # The method whose closed loop ran in lockstep with this one's, on another engine
+    # (``harness``, "Pairs"); None: the loop ran alone.
+    beside: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

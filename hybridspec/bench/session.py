@@ -27,7 +27,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -91,6 +91,9 @@ class BenchSession:
     closing: contextlib.ExitStack  # closes the engine, or stops the server
     engine: Engine | None  # None: the trials are served
     server: str | None = None  # how the server that serves the trials runs; None: not served
+    # ``none`` on a second engine over the same weights, which the other engine methods'
+    # N-at-once loops run beside (``harness``, "Pairs"); None: no such trials.
+    twin: EngineMethod | None = None
 
     def close(self) -> None:
         self.closing.close()
@@ -136,6 +139,7 @@ def open_session(
             closing.callback(engine.close)
             session.engine = engine
             session.methods = _engine_methods(session, engine, max_seq_len, method_names)
+            session.twin = _twin(session, max_seq_len, config)
         else:
             spec = bench_server(models, num_speculative_tokens, max_seq_len, config.concurrency)
             url = closing.enter_context(running(spec, server_log))
@@ -196,6 +200,21 @@ def _engine(
         ),
         target=target,
     )
+
+
+def _twin(session: BenchSession, max_seq_len: int, config: BenchConfig) -> EngineMethod | None:
+    """``none`` on an engine of its own, where N-at-once trials compare other engine methods
+    with ``none`` (``harness``, "Pairs"): its weights are the session's, its caches its own."""
+    engines = [m.name for m in session.methods if isinstance(m, EngineMethod)]
+    if config.concurrency == 1 or BASELINE not in engines or len(engines) == 1:
+        return None
+    models = replace(session.models, draft=None)  # none loads no draft model
+    engine = _engine(session.target, models, session.num_speculative_tokens, max_seq_len, config)
+    session.closing.callback(engine.close)
+    timer = EngineForwardTimer(engine.runtime)
+    timer.install()
+    session.closing.callback(timer.uninstall)
+    return EngineMethod(engine, timer, BASELINE, session.num_speculative_tokens)
 
 
 def _engine_methods(
@@ -278,10 +297,12 @@ def execute(
     started = time.time()
     load_before = os.getloadavg()
     warm = warm_up(config, session.methods, session.prompts[0])
+    if session.twin is not None:
+        warm_up(config, [session.twin], session.prompts[0])
     parity = _parity(session, warm)
     if parity is not None and not parity.identical:
         logger.warning("%s", parity.message())
-    records = run_benchmark(config, session.methods, session.prompts, on_trial)
+    records = run_benchmark(config, session.methods, session.prompts, on_trial, session.twin)
     summary = Summary(records, session.workload.categories)
     ours = (EngineMethod, ServedMethod)
     engine_names = [m.name for m in session.methods if isinstance(m, ours)]

@@ -5,9 +5,9 @@ The bar is that speculation never costs: each ratio at least ``FLOOR``. One requ
 a ratio is ``Summary.speedup`` over ``none`` in the group (median over repeats of the ratio of
 interleaved runs' rates). N at once, the concurrent trials run once per group
 (``BenchConfig.concurrent_groups``) and a ratio is the method's aggregate rate over ``none``'s
-at the same N, on the same prompts, in the same repeat (median over repeats): over the mean of
-the ``none`` trials just before and after the method's where the schedule flanks it with them
-(``harness.concurrent_schedule``).
+at the same N, on the same prompts, in the same repeat (median over repeats): over the rate of
+the ``none`` loop run in lockstep beside it where the schedule pairs them, else over the mean of
+the ``none`` trials just before and after it (``harness``, "Pairs").
 
 Example row: ``eagle  open-ended  T=0.8  x8  0.985  ok``: eight eagle requests at a time
 generated 0.985 times the tokens per second of eight ``none`` requests on the open-ended
@@ -51,9 +51,10 @@ def concurrent_ratio(
     records: Sequence[Record], method: str, temperature: float, concurrency: int, group: frozenset
 ) -> float | None:
     """``method``'s aggregate rate over ``none``'s, both ``concurrency`` at once on the prompts
-    of ``group`` (categories), median over repeats: each of the method's trials over the mean
-    rate of the nearest ``none`` trials before and after it in the same repeat (``records`` in
-    the order they ran)."""
+    of ``group`` (categories), median over repeats: each of the method's trials over the rate
+    of the ``none`` loop that ran beside it, or where none did, over the mean rate of the
+    nearest ``none`` trials before and after it in the same repeat (``records`` in the order
+    they ran)."""
     categories = {p: r.category for r in records if r.category is not None for p in r.prompt_ids}
     trials = [
         r
@@ -70,11 +71,18 @@ def concurrent_ratio(
     for i, trial in enumerate(trials):
         if trial.method != method or rates[i] <= 0:
             continue
-        flanks = [
-            next((j for j in sides if trials[j].method == BASELINE), None)
-            for sides in (range(i - 1, -1, -1), range(i + 1, len(trials)))
-        ]
-        theirs = [rates[j] for j in flanks if j is not None and trials[j].repeat == trial.repeat]
+        if trial.beside == BASELINE:  # its pair: the twin's loop, recorded right after it
+            pair = trials[i + 1] if i + 1 < len(trials) else None
+            assert pair is not None and pair.beside == method, "a pair's records run together"
+            theirs = [rates[i + 1]]
+        else:
+            flanks = [
+                next((j for j in sides if trials[j].method == BASELINE), None)
+                for sides in (range(i - 1, -1, -1), range(i + 1, len(trials)))
+            ]
+            theirs = [
+                rates[j] for j in flanks if j is not None and trials[j].repeat == trial.repeat
+            ]
         if theirs and all(rate > 0 for rate in theirs):
             ratios.append(rates[i] / statistics.fmean(theirs))
     return statistics.median(ratios) if ratios else None

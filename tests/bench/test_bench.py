@@ -8,6 +8,7 @@ and that the figures are consistent (counts, ranges, parity), never how fast any
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -349,11 +350,14 @@ def test_bench_smoke_on_tiny_llama(
     agreement = report["greedy_agreement"]["methods"]
     for method in ("ngram", "draft"):  # lossless speculation
         assert agreement[method] == {"identical": 2, "compared": 2, "first_divergence": []}
-    # 2 prompts x 5 methods x 2 temperatures, then at once at each temperature the 2 engine
-    # methods flanked by none: none ngram none draft none (harness.concurrent_schedule)
-    assert len(report["records"]) == 20 + 2 * 5
+    # 2 prompts x 5 methods x 2 temperatures, then at once at each temperature the 2 other
+    # engine methods, each beside the twin's none: ngram|none draft|none (harness, "Pairs")
+    assert len(report["records"]) == 20 + 2 * 4
     concurrent = [r for r in report["records"] if r["category"] is None]
-    assert {r["method"] for r in concurrent} == {"none", "ngram", "draft"}
+    pairs = [(a["method"], a["beside"], b["method"], b["beside"]) for a, b in pairwise(concurrent)]
+    assert (
+        pairs[::2] == [("ngram", "none", "none", "ngram"), ("draft", "none", "none", "draft")] * 2
+    )
     for r in concurrent:  # every prompt, categories alternating, 2 at a time
         assert r["prompt_ids"] == ["copy-1", "story-1"] and r["concurrency"] == 2
         assert len(r["measurement"]["requests"]) == 2

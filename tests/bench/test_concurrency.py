@@ -11,13 +11,14 @@ from collections.abc import Sequence
 
 import pytest
 
+from hybridspec.bench import methods
 from hybridspec.bench.harness import (
     BenchConfig,
     BenchPrompt,
     concurrent_prompts,
     run_benchmark,
 )
-from hybridspec.bench.methods import EngineMethod, closed_loop
+from hybridspec.bench.methods import ClosedLoop, EngineMethod, closed_loop, in_lockstep
 from hybridspec.bench.records import Measurement, Record, Speculation
 from hybridspec.bench.summary import ALL, Summary
 from hybridspec.bench.targets import CONCURRENCY_TARGETS, evaluate_targets
@@ -103,6 +104,71 @@ def test_closed_loop_never_exceeds_n_in_flight(concurrency: int, steps: int) -> 
         remaining -= finished
     assert remaining == 0 and engine.added == [0, 1, 2, 3, 4]
     assert [r.token_ids for r in results] == PROMPTS
+
+
+class Clock:
+    """A fake ``time`` module whose ``perf_counter`` reads what the test sets."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class TimedStepsEngine(StepsEngine):
+    """A ``StepsEngine`` whose every step takes ``seconds`` of ``clock`` and is logged under
+    ``name`` in ``log``."""
+
+    def __init__(self, name: str, seconds: float, clock: Clock, log: list[str]) -> None:
+        super().__init__()
+        self.name, self.seconds, self.clock, self.log = name, seconds, clock, log
+
+    def step(self) -> list[RequestOutput]:
+        self.clock.now += self.seconds
+        self.log.append(self.name)
+        return super().step()
+
+
+def test_loops_in_lockstep_take_turns_by_their_own_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The docstring's example, in seconds that add up exactly: a's steps take 1 and b's 2; a
+    # runs PROMPTS 2 at a time (5 steps), b all 5 at once (3 steps).
+    clock, log = Clock(), []
+    monkeypatch.setattr(methods, "time", clock)
+    engines = [TimedStepsEngine("a", 1.0, clock, log), TimedStepsEngine("b", 2.0, clock, log)]
+    params = [GenerationParams()] * 5
+    loops = [ClosedLoop(e, PROMPTS, params, n) for e, n in zip(engines, (2, 5), strict=True)]
+    in_lockstep(loops)
+    assert log == ["a", "b", "a", "a", "b", "a", "a", "b"]
+    assert [loop.seconds for loop in loops] == [5.0, 6.0]
+    assert all(loop.done and [r.token_ids for r in loop.results()] == PROMPTS for loop in loops)
+    assert engines[0].in_flight == [2, 2, 2, 2, 1] and engines[1].in_flight == [5, 3, 1]
+
+
+def test_a_method_beside_the_twin_generates_what_each_does_alone(
+    make_tiny_llama_dir: TinyLlamaFactory,
+) -> None:
+    path = str(make_tiny_llama_dir())
+    loaded = load_model(ModelConfig(path, dtype="float32"))
+    config = EngineConfig(ModelConfig(path, dtype="float32", max_seq_len=64, max_num_seqs=2))
+    engines = [Engine(config, target=loaded) for _ in range(2)]  # one set of weights
+    timers = [EngineForwardTimer(e.runtime) for e in engines]
+    for timer in timers:
+        timer.install()
+    method, twin = (
+        EngineMethod(e, t, p, 4) for e, t, p in zip(engines, timers, ("ngram", "none"), strict=True)
+    )
+    prompts = [[256, *range(72, 72 + n)] for n in (3, 9, 5, 12, 4)]
+    greedy = [SamplingParams()] * 5
+    alone = [m.run_concurrent(prompts, greedy, 6, 2) for m in (method, twin)]
+    mine, theirs = method.run_beside(twin, prompts, greedy, 6, 2)
+    for engine in engines:
+        engine.close()
+    texts = {tuple(r.token_ids for r in m.requests) for m in (*alone, mine, theirs)}
+    assert len(texts) == 1  # lossless, and the same requests on both engines
+    assert len(mine.requests) == 5 and mine.num_generated == theirs.num_generated
+    for measured, timer in ((mine, timers[0]), (theirs, timers[1])):
+        assert 0 < measured.forward_s == timer.seconds <= measured.elapsed_s
 
 
 def test_engine_method_holds_at_most_n_sequences(make_tiny_llama_dir: TinyLlamaFactory) -> None:

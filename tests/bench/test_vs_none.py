@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hybridspec.bench.harness import BenchConfig, BenchPrompt, concurrent_schedule, run_benchmark
+from hybridspec.bench.records import Record
 from hybridspec.bench.summary import GROUNDED, OPEN_ENDED, Summary
 from hybridspec.bench.vs_none import FLOOR, format_vs_none, vs_none
 from tests.bench.test_concurrency import (
@@ -69,6 +72,44 @@ def test_none_flanks_every_method_at_once_and_the_methods_rotate() -> None:
     ]
     plain = concurrent_schedule((0, 1), [1, 2], [0.0], repeats=2, concurrency=2, baseline=0)
     assert order(plain) == [(0, 1), (0, 2), (1, 2), (1, 1)]  # no none: each once, rotating
+    assert not any(t.paired for t in [*flanked, *plain])
+
+
+def test_with_a_twin_each_method_at_once_is_paired_and_none_runs_in_the_pairs() -> None:
+    paired = concurrent_schedule(
+        (0, 1), [0, 1, 2], [0.0], repeats=2, concurrency=2, baseline=0, paired=True
+    )
+    assert [(t.repeat, t.method, t.paired) for t in paired] == [
+        *[(0, 1, True), (0, 2, True)],
+        *[(1, 2, True), (1, 1, True)],
+    ]
+    alone = concurrent_schedule(
+        (0, 1), [0], [0.0], repeats=1, concurrency=2, baseline=0, paired=True
+    )
+    assert [(t.method, t.paired) for t in alone] == [(0, False)]  # nothing to pair with
+
+
+def test_a_paired_method_is_compared_with_its_pair_alone() -> None:
+    """Each pair ran through the same seconds of a machine that changed speed between them:
+    ngram at 22 beside none at 22, eagle at 26 beside none at 20. Within the pairs the ratios
+    are 1.0 and 1.3; the mean of the none trials on either side of eagle's would make its ratio
+    26 / 21 = 1.24."""
+    pair = ("chat-1", "chat-1")
+
+    def beside(record: Record, other: str) -> Record:
+        return dataclasses.replace(record, beside=other)
+
+    records = [
+        single("none", 0, "chat-1", 100, 10.0),
+        beside(concurrent("ngram", 0, pair, 100, 200 / 22, 2), "none"),
+        beside(concurrent("none", 0, pair, 100, 200 / 22, 2), "ngram"),
+        beside(concurrent("eagle", 0, pair, 100, 200 / 26, 2), "none"),
+        beside(concurrent("none", 0, pair, 100, 10.0, 2), "eagle"),
+    ]
+    rows = vs_none(records, Summary(records, CATEGORIES), CATEGORIES)
+    got = {(r.method, r.concurrency): r.ratio for r in rows if r.group == OPEN_ENDED}
+    assert got[("ngram", 2)] == pytest.approx(1.0)
+    assert got[("eagle", 2)] == pytest.approx(1.3)
 
 
 def test_a_method_at_once_is_compared_with_the_none_trials_beside_it() -> None:
