@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -179,6 +180,12 @@ class CoreRoom:
 
 Mode = tuple[int, bool]  # (threads, passive waits)
 
+# ``mode``: the mode last applied on the calling thread, by whichever controller. A thread's
+# count and wait mode are the thread's, not a controller's: where two engines step on one
+# thread (the bench's pairs, each with its own controller), each applies what differs from the
+# thread's mode, which the other may have changed since its own last step.
+_thread_mode = threading.local()
+
 
 class ThreadController:
     """Adapts the thread count and the wait mode from the step times it is given (see the
@@ -246,7 +253,7 @@ class ThreadController:
         self._upward = False  # the direction of the next probe, alternating
         self._loaded = False  # fewer threads won: the machine is busy, wider probes wait passively
         self._spin_next = False  # the next probe at more threads spins (a passive one lost)
-        self._applied: Mode = (self.threads, False)  # the mode last applied
+        self._applied: Mode = (self.threads, False)  # the mode this controller last applied
         # prompt steps on a busy machine: seconds per token by the mode they ran at, the
         # prompt steps since the rounds' mode last ran one, and the period of those comparisons
         self._prompt_times: dict[Mode, deque[float]] = {}
@@ -256,14 +263,15 @@ class ThreadController:
         self._apply(self.threads)
         if wait is not None:
             wait(False)
+        _thread_mode.mode = self._applied
         if room is not None:
             room()  # the first reading: the room is known from the first rounds on
 
     def for_step(self, prefill: bool) -> None:
         """Apply the mode of the next step: for a decode round the current one (a probe's while
         one runs); for a step that feeds prompt tokens ``prompt_mode``'s (a probe is a guess,
-        and a prompt step weighs many rounds). Nothing is applied where the mode is already
-        so."""
+        and a prompt step weighs many rounds). Nothing is applied where the calling thread runs
+        at that mode already (``_thread_mode``)."""
         if prefill:
             self._prompt_step = self._next_prompt_step()
             self._set(self._prompt_step[0] if self._prompt_step else self._chosen())
@@ -330,11 +338,12 @@ class ThreadController:
 
     def _set(self, mode: Mode) -> None:
         threads, passive = mode
-        if threads != self._applied[0]:
+        here: Mode = getattr(_thread_mode, "mode", self._applied)
+        if threads != here[0]:
             self._apply(threads)
-        if passive != self._applied[1] and self._wait is not None:
+        if passive != here[1] and self._wait is not None:
             self._wait(passive)
-        self._applied = mode
+        self._applied = _thread_mode.mode = mode
 
     def observe(self, seconds: float) -> int:
         """Record one step's time at the current count; return the count of the next step."""

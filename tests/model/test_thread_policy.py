@@ -456,3 +456,31 @@ def test_alone_a_probe_at_fewer_threads_ends_after_its_first_slower_step() -> No
     # under load (the room fits no spinning team of 2) a probe at 1 thread runs its window
     crowded = Modes(dict(CROWDED), room=Room(2 / 3))
     assert crowded.run(10)[1:9] == [(1, False)] * 8
+
+
+def test_two_controllers_stepping_on_one_thread_each_run_their_steps_at_their_own_mode() -> None:
+    """The bench's pairs: two engines on one thread, one alone-like and one crowded, so that
+    their modes differ; the thread's count and waits are the last either applied."""
+    thread: dict[str, int | bool] = {}
+
+    def controller(room: float) -> ThreadController:
+        return ThreadController(
+            2,
+            lambda n: thread.update(threads=n),
+            wait=lambda p: thread.update(passive=p),
+            room=Room(room),
+        )
+
+    pair = [(controller(2.0), ALONE), (controller(2 / 3), CROWDED)]
+    differed = 0
+    for _ in range(300):
+        for c, seconds in pair:
+            c.for_step(prefill=False)
+            mode = (c.threads, c.passive)
+            assert (thread["threads"], thread["passive"]) == mode
+            c.observe(seconds[mode])
+        differed += (pair[0][0].threads, pair[0][0].passive) != (
+            pair[1][0].threads,
+            pair[1][0].passive,
+        )
+    assert differed > 200
