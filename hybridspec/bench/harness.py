@@ -18,16 +18,19 @@ starts when the first of them finishes. The trial's time runs from the first req
 last one finished, and its aggregate tokens/s is compared with ``none`` run one request at a
 time on the same prompts (``summary``).
 
-Pairs: an N-at-once trial is a few seconds of one closed loop, and a shared machine's speed
-moves within seconds by more than a method's cost, so two loops run one after the other do not
-compare. Where the bench has a twin (``none`` on a second engine over the same weights), each
-other engine method's loop instead runs beside one of the twin's on the same requests, the two
-by turns of one step (``methods.in_lockstep``), each timed by its own turns: the pass's trials
-are pairs (``a|none b|none``, rotating by repeat), each pair two records that name each other
-(``Record.beside``), and a method's ratio to ``none`` is taken within its pair (``vs_none``).
-Without a twin (served trials, whose server is one engine), ``none`` runs before the first
-method's loop and again after each one (``none a none b none``), and a method's rate is compared
-with the mean of the two beside it, which cancels a drift only as far as it is linear.
+Pairs: a trial is a few seconds at most, and a shared machine's speed moves within seconds by
+more than a method's cost, so two trials run one after the other do not compare. Where the bench
+has a twin (``none`` on a second engine over the same weights), each other engine method's trial
+instead runs beside one of the twin's on the same requests, the two loops by turns of one step
+(``methods.in_lockstep``), each timed by its own turns (its first-token times too): each pair is
+two records that name each other (``Record.beside``), and a method's ratio to ``none`` is taken
+within its pairs (``vs_none``). One at a time, a prompt's trials are then pairs in the rotation
+above and ``none`` runs none of its own, its records being the twin's: methods (none, a, b), prompt
+0 runs a|none b|none, prompt 1 b|none a|none. N at once, the pass's trials are pairs, rotating by
+repeat. Without a twin (served trials, whose server is one engine), ``none`` runs its own
+one-at-a-time trials, and N at once it runs before the first method's loop and again after each
+one (``none a none b none``), a method's rate compared with the mean of the two beside it, which
+cancels a drift only as far as it is linear.
 
 Sampled trials seed every request from (repeat, prompt), the same for every method and for the
 concurrent trials.
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridspec.bench.methods import BenchMethod, ConcurrentMethod, EngineMethod
 from hybridspec.bench.names import BASELINE
@@ -99,7 +102,7 @@ class Trial:
     method: int  # index into the methods
     prompts: tuple[int, ...]  # [M] indices into the prompts, in the order they are sent
     concurrency: int = 1  # N: the most requests in the engine at once
-    paired: bool = False  # the method's loop runs in lockstep beside the twin's (Pairs above)
+    paired: bool = False  # the method's trial runs in lockstep beside the twin's (Pairs above)
 
 
 def pass_session(trial: Trial) -> str:
@@ -186,8 +189,11 @@ def plan(
     """The whole schedule: sequential trials, then concurrent ones when ``concurrency > 1``,
     ``paired`` with a twin's where there is one (module docstring)."""
     trials = sequential_schedule(len(prompts), len(methods), config.temperatures, config.repeats)
+    batching = [i for i, m in enumerate(methods) if isinstance(m, ConcurrentMethod)]
+    baseline = next((i for i in batching if methods[i].name == BASELINE), None)
+    if paired and baseline is not None and len(batching) > 1:
+        trials = [replace(t, paired=t.method in batching) for t in trials if t.method != baseline]
     if config.concurrency > 1:
-        batching = [i for i, m in enumerate(methods) if isinstance(m, ConcurrentMethod)]
         groups = config.concurrent_groups or (frozenset(p.category for p in prompts),)
         for group in groups if batching else ():
             members = [i for i, p in enumerate(prompts) if p.category in group]
@@ -200,7 +206,7 @@ def plan(
                 config.temperatures,
                 config.repeats,
                 config.concurrency,
-                next((i for i in batching if methods[i].name == BASELINE), None),
+                baseline,
                 paired,
             )
     return trials
@@ -223,15 +229,15 @@ def run_trial(
     token_ids = [p.token_ids for p in chosen]
     n, max_new_tokens = trial.concurrency, config.max_new_tokens
     measured: list[tuple[str, Measurement, str | None]]
-    if n == 1:
+    if trial.paired:
+        assert isinstance(method, EngineMethod) and twin is not None, "a pair needs a twin"
+        mine, theirs = method.run_beside(twin, token_ids, samplings, max_new_tokens, n, session)
+        measured = [(method.name, mine, twin.name), (twin.name, theirs, method.name)]
+    elif n == 1:
         assert len(chosen) == 1, "a sequential trial runs one prompt"
         measured = [
             (method.name, method.run(token_ids[0], samplings[0], max_new_tokens, session), None)
         ]
-    elif trial.paired:
-        assert isinstance(method, EngineMethod) and twin is not None, "a pair needs a twin"
-        mine, theirs = method.run_beside(twin, token_ids, samplings, max_new_tokens, n, session)
-        measured = [(method.name, mine, twin.name), (twin.name, theirs, method.name)]
     else:
         assert isinstance(method, ConcurrentMethod)
         measurement = method.run_concurrent(token_ids, samplings, max_new_tokens, n, session)
@@ -280,8 +286,8 @@ def run_benchmark(
     on_trial: Callable[[Record], None] | None = None,
     twin: EngineMethod | None = None,
 ) -> list[Record]:
-    """Run the planned trials in order, N-at-once ones beside ``twin`` where given (``none``
-    on an engine of its own; module docstring); ``on_trial`` sees each record as it is made."""
+    """Run the planned trials in order, beside ``twin`` where given (``none`` on an engine of
+    its own; module docstring); ``on_trial`` sees each record as it is made."""
     records = []
     for trial in plan(config, methods, prompts, paired=twin is not None):
         for record in run_trial(trial, config, methods, prompts, twin):

@@ -88,7 +88,9 @@ class ClosedLoop:
     The first N are added at once; each time a step finishes one, the next is added, and the
     engine admits it on its next step. Example, M = 5, N = 2, requests 0 and 1 running: 1
     finishes, 2 is added; 0 finishes, 3 is added; 2 and 3 finish in the same step, 4 is added
-    and runs alone to the end. ``seconds`` sums the loop's own turns.
+    and runs alone to the end. ``seconds`` sums the loop's own turns, and a request's first
+    token time (``first_token_s``) counts them too: from the turn that added it to the end of
+    the step that gave its first token.
     """
 
     def __init__(
@@ -107,6 +109,8 @@ class ClosedLoop:
         self._concurrency = concurrency
         self._in_flight: dict[str, int] = {}  # request id -> index into prompts
         self._num_added = 0
+        self._added_at: list[float] = []  # per request added: the loop's seconds then
+        self._first_token_s: dict[int, float] = {}
         self._results: dict[int, GenerationResult] = {}
 
     @property
@@ -122,11 +126,21 @@ class ClosedLoop:
                 prompts[self._num_added], self._params[self._num_added]
             )
             in_flight[request_id] = self._num_added
+            self._added_at.append(self.seconds)
             self._num_added += 1
-        for output in self._engine.step():
-            if output.result is not None:
-                self._results[in_flight.pop(output.request_id)] = output.result
+        outputs = self._engine.step()
         self.seconds += time.perf_counter() - start
+        for output in outputs:
+            index = in_flight[output.request_id]
+            if output.new_token_ids and index not in self._first_token_s:
+                self._first_token_s[index] = self.seconds - self._added_at[index]
+            if output.result is not None:
+                self._results[index] = output.result
+                del in_flight[output.request_id]
+
+    def first_token_s(self, index: int) -> float | None:
+        """The loop's seconds from adding request ``index`` to its first token; None: none yet."""
+        return self._first_token_s.get(index)
 
     def results(self) -> list[GenerationResult]:
         """The M results, in request order (once ``done``)."""
@@ -139,14 +153,14 @@ def closed_loop(
     prompts: Sequence[Sequence[int]],
     params: Sequence[GenerationParams],
     concurrency: int,
-) -> tuple[list[GenerationResult], float]:
-    """Run a ``ClosedLoop`` to its end; return the M results in request order and the wall
-    seconds from the first add to the last finish."""
+) -> tuple[ClosedLoop, float]:
+    """Run a ``ClosedLoop`` to its end; return it and the wall seconds from the first add to
+    the last finish."""
     loop = ClosedLoop(engine, prompts, params, concurrency)
     start = time.perf_counter()
     while not loop.done:
         loop.turn()
-    return loop.results(), time.perf_counter() - start
+    return loop, time.perf_counter() - start
 
 
 def in_lockstep(loops: Sequence[ClosedLoop]) -> None:
@@ -207,8 +221,8 @@ class EngineMethod:
     ) -> Measurement:
         """Every prompt through ``closed_loop``, at most ``concurrency`` in the engine at once."""
         params = self._ready(samplings, max_new_tokens, session)
-        results, elapsed = closed_loop(self._engine, prompts, params, concurrency)
-        return self._measurement(results, elapsed)
+        loop, elapsed = closed_loop(self._engine, prompts, params, concurrency)
+        return self._measurement(loop, elapsed)
 
     def run_beside(
         self,
@@ -220,8 +234,8 @@ class EngineMethod:
         session: str | None = None,
     ) -> tuple[Measurement, Measurement]:
         """This method's closed loop and ``other``'s (on another engine) over the same
-        requests, by turns (``in_lockstep``); each measurement's elapsed time is its own loop's
-        seconds."""
+        requests, by turns (``in_lockstep``); each measurement's times are its own loop's
+        seconds (``ClosedLoop``)."""
         assert other._engine is not self._engine, "a loop beside another needs its own engine"
         mine, theirs = (
             ClosedLoop(
@@ -230,10 +244,7 @@ class EngineMethod:
             for m in (self, other)
         )
         in_lockstep([mine, theirs])
-        return (
-            self._measurement(mine.results(), mine.seconds),
-            other._measurement(theirs.results(), theirs.seconds),
-        )
+        return self._measurement(mine, mine.seconds), other._measurement(theirs, theirs.seconds)
 
     def _ready(
         self, samplings: Sequence[SamplingParams], max_new_tokens: int, session: str | None
@@ -243,8 +254,9 @@ class EngineMethod:
         self._timer.reset()
         return [self._params(s, max_new_tokens, session) for s in samplings]
 
-    def _measurement(self, results: list[GenerationResult], elapsed: float) -> Measurement:
-        first = results[0].stats.time_to_first_token_s if len(results) == 1 else None
+    def _measurement(self, loop: ClosedLoop, elapsed: float) -> Measurement:
+        results = loop.results()
+        first = loop.first_token_s(0) if len(results) == 1 else None
         requests = tuple(_speculation(r) for r in results)
         return Measurement(requests, elapsed, self._timer.seconds, first)
 

@@ -34,7 +34,8 @@ class Measurement:
     # in lockstep with another (``Record.beside``), the seconds of its own turns.
     elapsed_s: float
     forward_s: float | None  # of which inside the target model's forward; None: not observed
-    first_token_s: float | None = None  # of which until the first token; None: not observed
+    # Of which until the first token (own turns too, as above); None: not observed.
+    first_token_s: float | None = None
 
     @property
     def num_generated(self) -> int:

@@ -92,7 +92,7 @@ class BenchSession:
     engine: Engine | None  # None: the trials are served
     server: str | None = None  # how the server that serves the trials runs; None: not served
     # ``none`` on a second engine over the same weights, which the other engine methods'
-    # N-at-once loops run beside (``harness``, "Pairs"); None: no such trials.
+    # trials run beside (``harness``, "Pairs"); None: no such trials.
     twin: EngineMethod | None = None
 
     def close(self) -> None:
@@ -203,8 +203,9 @@ def _engine(
 
 
 def _twin(session: BenchSession, max_seq_len: int, config: BenchConfig) -> EngineMethod | None:
-    """``none`` on an engine of its own, where N-at-once trials compare other engine methods
-    with ``none`` (``harness``, "Pairs"): its weights are the session's, its caches its own."""
+    """``none`` on an engine of its own, where the bench runs N-at-once trials and other
+    engine methods to compare with ``none`` (``harness``, "Pairs"): its weights are the
+    session's, its caches its own."""
     engines = [m.name for m in session.methods if isinstance(m, EngineMethod)]
     if config.concurrency == 1 or BASELINE not in engines or len(engines) == 1:
         return None

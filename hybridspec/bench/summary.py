@@ -3,10 +3,11 @@
 A group is one category, all input-grounded categories, all open-ended ones, or all; the
 closed-loop trials at concurrency N form a group of their own (``concurrent xN``). Within a group:
 
-- tokens/s of a repeat = generated tokens / wall seconds, both summed over the group's
-  requests (so long outputs weigh more than short ones); the cell holds the median over
-  repeats. A speedup is the median over repeats of the ratio of two methods' rates in the same
-  repeat (interleaved runs, so drift cancels).
+- tokens/s of a repeat = generated tokens / wall seconds (a trial's own turns' where it ran
+  beside the twin's: ``harness``, "Pairs"), both summed over the group's requests (so long
+  outputs weigh more than short ones); the cell holds the median over repeats. A speedup is
+  the median over repeats of the ratio of two methods' rates in the same repeat (interleaved
+  runs, so drift cancels).
 - on a ``concurrent xN`` group, the speedup over a method is over that method run one request
   at a time: its sequential trials of the same repeat, temperature and prompts. Example: in a
   repeat, ngram x8 generates 2000 tokens in 10 s (200 tokens/s) over prompts a..h, and ``none``
@@ -326,17 +327,14 @@ class Agreement:
 
 def greedy_agreement(records: Sequence[Record], reference: str) -> dict[str, Agreement]:
     """Each method's greedy outputs compared with ``reference``'s single-prompt ones (same
-    prompt and repeat): its single-prompt trials under its name, and every request of its
-    trials N at once under ``"{method} xN"``, the reference's own among them (plain decoding
-    must not depend on what shares its forwards)."""
-    ref = {
-        (r.prompt_ids[0], r.repeat): r.measurement.requests[0].token_ids
-        for r in records
-        if r.method == reference
-        and r.temperature == 0
-        and r.category is not None
-        and r.concurrency == 1
-    }
+    prompt and repeat; the first where a pair's twin ran it beside several methods): its
+    single-prompt trials under its name, the reference's own beside other methods among them,
+    and every request of its trials N at once under ``"{method} xN"``, the reference's own among
+    them (plain decoding must not depend on what shares its forwards)."""
+    ref: dict[tuple[str, int], tuple[int, ...]] = {}
+    for r in records:
+        if r.method == reference and r.temperature == 0 and r.category is not None:
+            ref.setdefault((r.prompt_ids[0], r.repeat), r.measurement.requests[0].token_ids)
     compared: dict[str, list[int | None]] = {}
     for r in records:
         if r.temperature != 0:
@@ -346,7 +344,7 @@ def greedy_agreement(records: Sequence[Record], reference: str) -> dict[str, Agr
             outputs = list(
                 zip(r.prompt_ids, [q.token_ids for q in r.measurement.requests], strict=True)
             )
-        elif r.method != reference and r.category is not None:
+        elif r.category is not None and (r.method != reference or r.beside is not None):
             name, outputs = r.method, [(r.prompt_ids[0], r.measurement.requests[0].token_ids)]
         else:
             continue

@@ -2,12 +2,14 @@
 input-grounded prompts apart, at each temperature, one request at a time and N at once.
 
 The bar is that speculation never costs: each ratio at least ``FLOOR``. One request at a time,
-a ratio is ``Summary.speedup`` over ``none`` in the group (median over repeats of the ratio of
-interleaved runs' rates). N at once, the concurrent trials run once per group
-(``BenchConfig.concurrent_groups``) and a ratio is the method's aggregate rate over ``none``'s
-at the same N, on the same prompts, in the same repeat (median over repeats): over the rate of
-the ``none`` loop run in lockstep beside it where the schedule pairs them, else over the mean of
-the ``none`` trials just before and after it (``harness``, "Pairs").
+a ratio is the method's rate over that of the ``none`` runs beside its own where the schedule
+pairs them (both summed over the group's prompts in a repeat, median over repeats), else
+``Summary.speedup`` over ``none`` in the group (the same over interleaved runs). N at once,
+the concurrent trials run once per group (``BenchConfig.concurrent_groups``) and a ratio is the
+method's aggregate rate over ``none``'s at the same N, on the same prompts, in the same repeat
+(median over repeats): over the rate of the ``none`` loop run in lockstep beside it where the
+schedule pairs them, else over the mean of the ``none`` trials just before and after it
+(``harness``, "Pairs").
 
 Example row: ``eagle  open-ended  T=0.8  x8  0.985  ok``: eight eagle requests at a time
 generated 0.985 times the tokens per second of eight ``none`` requests on the open-ended
@@ -88,6 +90,31 @@ def concurrent_ratio(
     return statistics.median(ratios) if ratios else None
 
 
+def paired_ratio(
+    records: Sequence[Record], method: str, temperature: float, group: frozenset
+) -> float | None:
+    """``method``'s rate one request at a time over that of the ``none`` runs paired with its
+    own, on the prompts of ``group`` (categories), median over repeats; None where none of its
+    trials ran in a pair (``records`` in the order they ran: a pair's ``none`` right after)."""
+    mine: list[Record] = []
+    theirs: list[Record] = []
+    for i, r in enumerate(records):
+        if (
+            r.method == method
+            and r.beside == BASELINE
+            and r.temperature == temperature
+            and r.concurrency == 1
+            and r.category in group
+        ):
+            pair = records[i + 1] if i + 1 < len(records) else None
+            assert pair is not None and pair.beside == method, "a pair's records run together"
+            mine.append(r)
+            theirs.append(pair)
+    rates, baseline = rates_by_repeat(mine), rates_by_repeat(theirs)
+    ratios = [rate / baseline[k] for k, rate in rates.items() if baseline.get(k, 0.0) > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 def vs_none(
     records: Sequence[Record], summary: Summary, categories: dict[str, Category]
 ) -> list[Ratio]:
@@ -105,7 +132,9 @@ def vs_none(
             if not members:
                 continue
             for t in temperatures:
-                alone = summary.speedup(method, BASELINE, name, t)
+                alone = paired_ratio(records, method, t, members)
+                if alone is None:
+                    alone = summary.speedup(method, BASELINE, name, t)
                 rows.append(Ratio(method, name, t, 1, alone))
                 for n in levels:
                     rows.append(

@@ -350,9 +350,27 @@ def test_bench_smoke_on_tiny_llama(
     agreement = report["greedy_agreement"]["methods"]
     for method in ("ngram", "draft"):  # lossless speculation
         assert agreement[method] == {"identical": 2, "compared": 2, "first_divergence": []}
-    # 2 prompts x 5 methods x 2 temperatures, then at once at each temperature the 2 other
-    # engine methods, each beside the twin's none: ngram|none draft|none (harness, "Pairs")
-    assert len(report["records"]) == 20 + 2 * 4
+    # none's runs beside ngram's and draft's, each prompt's compared with its first
+    assert agreement["none"] == {"identical": 4, "compared": 4, "first_divergence": []}
+    # 2 prompts x 2 temperatures: the 2 other engine methods, each beside the twin's none
+    # (ngram|none draft|none, harness "Pairs"), and the 2 transformers ones; then at once at
+    # each temperature the 2 engine methods' pairs again
+    assert len(report["records"]) == 2 * 2 * (2 * 2 + 2) + 2 * 4
+    alone = [r for r in report["records"] if r["category"] is not None]
+    paired = [r for r in alone if r["beside"] is not None]
+    assert [r["method"] for r in alone if r["beside"] is None] == [
+        "hf-plain",
+        "hf-prompt-lookup",
+    ] * 4
+    for a, b in zip(paired[::2], paired[1::2], strict=True):
+        assert (a["method"], a["beside"], b["method"], b["beside"]) in (
+            ("ngram", "none", "none", "ngram"),
+            ("draft", "none", "none", "draft"),
+        )
+        assert a["prompt_ids"] == b["prompt_ids"] and a["temperature"] == b["temperature"]
+        for r in (a, b):
+            measurement = r["measurement"]
+            assert 0 < measurement["first_token_s"] <= measurement["elapsed_s"]
     concurrent = [r for r in report["records"] if r["category"] is None]
     pairs = [(a["method"], a["beside"], b["method"], b["beside"]) for a, b in pairwise(concurrent)]
     assert (

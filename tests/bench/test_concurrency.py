@@ -45,7 +45,8 @@ class StepsEngine:
     """A fake engine: a request runs for as many steps as its prompt has tokens, and its
     result's token ids are its prompt (so results can be matched to requests)."""
 
-    def __init__(self) -> None:
+    def __init__(self, silent_steps: int = 0) -> None:
+        self.silent_steps = silent_steps  # each request's first steps give no token (a prefill)
         self.ids = (f"request-{i}" for i in itertools.count())
         self.running: dict[str, list[int]] = {}  # id -> [steps left, *prompt]
         self.added: list[int] = []  # prompt[0] of each request, in the order added
@@ -70,7 +71,8 @@ class StepsEngine:
                 self.finished.append(state[1])
                 stats = GenerationStats(generated_tokens=len(state) - 1)
                 result = GenerationResult(request_id, "", state[1:], FinishReason.LENGTH, stats)
-            outputs.append(RequestOutput(request_id, [0], "", result is not None, result=result))
+            tokens = [] if len(state) - 1 - state[0] <= self.silent_steps else [0]
+            outputs.append(RequestOutput(request_id, tokens, "", result is not None, result=result))
         self.finished_per_step.append(sum(o.finished for o in outputs))
         return outputs
 
@@ -83,18 +85,18 @@ def test_closed_loop_replaces_each_finished_request_with_the_next() -> None:
     # N = 2: 0 and 1 start; 1 ends at step 1 and 2 starts; 0 and 2 end at step 3, 3 and 4
     # start; 4 ends at step 4, 3 at step 5 (the docstring's example).
     engine = StepsEngine()
-    results, elapsed = closed_loop(engine, PROMPTS, [GenerationParams()] * 5, concurrency=2)
+    loop, elapsed = closed_loop(engine, PROMPTS, [GenerationParams()] * 5, concurrency=2)
     assert engine.in_flight == [2, 2, 2, 2, 1]
     assert engine.finished == [1, 0, 2, 4, 3]
     assert engine.added == [0, 1, 2, 3, 4]
-    assert [r.token_ids for r in results] == PROMPTS  # in request order, not finishing order
-    assert elapsed >= 0
+    assert [r.token_ids for r in loop.results()] == PROMPTS  # request order, not finishing order
+    assert elapsed >= loop.seconds >= 0
 
 
 @pytest.mark.parametrize(("concurrency", "steps"), [(1, 9), (2, 5), (3, 3), (5, 3), (8, 3)])
 def test_closed_loop_never_exceeds_n_in_flight(concurrency: int, steps: int) -> None:
     engine = StepsEngine()
-    results, _ = closed_loop(engine, PROMPTS, [GenerationParams()] * 5, concurrency)
+    loop, _ = closed_loop(engine, PROMPTS, [GenerationParams()] * 5, concurrency)
     assert len(engine.in_flight) == steps
     assert max(engine.in_flight) == min(concurrency, len(PROMPTS))
     # Refilled before the next step: the engine stays full until fewer than N remain.
@@ -103,7 +105,7 @@ def test_closed_loop_never_exceeds_n_in_flight(concurrency: int, steps: int) -> 
         assert in_flight == min(concurrency, remaining)
         remaining -= finished
     assert remaining == 0 and engine.added == [0, 1, 2, 3, 4]
-    assert [r.token_ids for r in results] == PROMPTS
+    assert [r.token_ids for r in loop.results()] == PROMPTS
 
 
 class Clock:
@@ -120,8 +122,10 @@ class TimedStepsEngine(StepsEngine):
     """A ``StepsEngine`` whose every step takes ``seconds`` of ``clock`` and is logged under
     ``name`` in ``log``."""
 
-    def __init__(self, name: str, seconds: float, clock: Clock, log: list[str]) -> None:
-        super().__init__()
+    def __init__(
+        self, name: str, seconds: float, clock: Clock, log: list[str], silent_steps: int = 0
+    ) -> None:
+        super().__init__(silent_steps)
         self.name, self.seconds, self.clock, self.log = name, seconds, clock, log
 
     def step(self) -> list[RequestOutput]:
@@ -145,6 +149,24 @@ def test_loops_in_lockstep_take_turns_by_their_own_seconds(monkeypatch: pytest.M
     assert engines[0].in_flight == [2, 2, 2, 2, 1] and engines[1].in_flight == [5, 3, 1]
 
 
+def test_a_first_token_time_counts_the_loops_own_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pair one request at a time (N = 1): a's steps take 1 s and b's 2, and each request's
+    first step gives no token (a prompt prefilled in two steps). Turns: a b a a b a a b; a's
+    first request gives its token at 2 s of a's own (the wall clock read 4), b's at 4 (wall 7),
+    and a's second, added when a had run 3 s, at 2 s after that (a at 5, wall 9)."""
+    clock, log = Clock(), []
+    monkeypatch.setattr(methods, "time", clock)
+    a, b = (TimedStepsEngine(n, s, clock, log, silent_steps=1) for n, s in (("a", 1.0), ("b", 2.0)))
+    loops = [
+        ClosedLoop(a, [[7, 7, 7], [8, 8]], [GenerationParams()] * 2, 1),
+        ClosedLoop(b, [[7, 7, 7]], [GenerationParams()], 1),
+    ]
+    in_lockstep(loops)
+    assert log == ["a", "b", "a", "a", "b", "a", "a", "b"] and clock.now == 11.0
+    assert [loops[0].first_token_s(i) for i in (0, 1)] == [2.0, 2.0]
+    assert loops[1].first_token_s(0) == 4.0 and loops[1].first_token_s(1) is None
+
+
 def test_a_method_beside_the_twin_generates_what_each_does_alone(
     make_tiny_llama_dir: TinyLlamaFactory,
 ) -> None:
@@ -162,13 +184,20 @@ def test_a_method_beside_the_twin_generates_what_each_does_alone(
     greedy = [SamplingParams()] * 5
     alone = [m.run_concurrent(prompts, greedy, 6, 2) for m in (method, twin)]
     mine, theirs = method.run_beside(twin, prompts, greedy, 6, 2)
+    forward_s = [t.seconds for t in timers]
+    one_at_a_time = method.run_beside(twin, prompts[:1], greedy[:1], 6, 1)
     for engine in engines:
         engine.close()
+    for measured in one_at_a_time:  # first tokens timed by the loop's own turns
+        assert measured.requests[0].token_ids == mine.requests[0].token_ids
+        assert measured.first_token_s is not None
+        assert 0 < measured.first_token_s <= measured.elapsed_s
+    assert mine.first_token_s is None  # several requests: no one first token
     texts = {tuple(r.token_ids for r in m.requests) for m in (*alone, mine, theirs)}
     assert len(texts) == 1  # lossless, and the same requests on both engines
     assert len(mine.requests) == 5 and mine.num_generated == theirs.num_generated
-    for measured, timer in ((mine, timers[0]), (theirs, timers[1])):
-        assert 0 < measured.forward_s == timer.seconds <= measured.elapsed_s
+    for measured, seconds in zip((mine, theirs), forward_s, strict=True):
+        assert 0 < measured.forward_s == seconds <= measured.elapsed_s
 
 
 def test_engine_method_holds_at_most_n_sequences(make_tiny_llama_dir: TinyLlamaFactory) -> None:

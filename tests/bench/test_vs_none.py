@@ -7,7 +7,13 @@ import dataclasses
 
 import pytest
 
-from hybridspec.bench.harness import BenchConfig, BenchPrompt, concurrent_schedule, run_benchmark
+from hybridspec.bench.harness import (
+    BenchConfig,
+    BenchPrompt,
+    concurrent_schedule,
+    plan,
+    run_benchmark,
+)
 from hybridspec.bench.records import Record
 from hybridspec.bench.summary import GROUNDED, OPEN_ENDED, Summary
 from hybridspec.bench.vs_none import FLOOR, format_vs_none, vs_none
@@ -132,3 +138,48 @@ def test_a_method_at_once_is_compared_with_the_none_trials_beside_it() -> None:
     got = {(r.method, r.concurrency): r.ratio for r in rows if r.group == OPEN_ENDED}
     assert got[("ngram", 2)] == pytest.approx((1.0 + 1.5) / 2)  # median of the two repeats
     assert got[("eagle", 2)] == pytest.approx(1.0)
+
+
+def test_with_a_twin_one_at_a_time_each_method_is_paired_and_none_runs_only_in_pairs() -> None:
+    """Methods (batch, none, single), two prompts: the rotation of ``sequential_schedule``
+    without ``none``'s own trials, ``batch`` in a pair; ``single`` (no engine) runs alone."""
+    prompts = [BenchPrompt("x0", "x", (10, 1)), BenchPrompt("y0", "y", (12, 1))]
+    methods = [FakeMethod("batch"), FakeMethod("none"), SequentialMethod()]
+    config = BenchConfig(temperatures=(0.0,))
+    trials = [(t.prompts, t.method, t.paired) for t in plan(config, methods, prompts, True)]
+    assert trials == [((0,), 0, True), ((0,), 2, False), ((1,), 2, False), ((1,), 0, True)]
+    unpaired = [(t.prompts, t.method) for t in plan(config, methods, prompts)]
+    assert unpaired == [((0,), 0), ((0,), 1), ((0,), 2), ((1,), 1), ((1,), 2), ((1,), 0)]
+    alone = [t.paired for t in plan(config, methods[1:], prompts, True)]
+    assert alone == [False] * 4  # no other engine method: nothing to pair none with
+
+
+def test_one_at_a_time_a_paired_method_is_compared_with_its_pairs() -> None:
+    """Two prompts of a group per repeat, each method's run beside a none run of its own: in
+    repeat 0 ngram made 200 tokens in 10 s beside none's 200 in 10 s (1.0), eagle 200 in 8 s
+    beside none's 200 in 12 s (1.5); repeat 1 gives 1.0 and 1.1. Over all of a repeat's none
+    runs (the summary's speedup) eagle's ratio would be 25 / 18.2 = 1.375 in repeat 0."""
+
+    def pair(method: str, repeat: int, prompt: str, seconds: float, theirs: float) -> list[Record]:
+        mine = dataclasses.replace(single(method, repeat, prompt, 100, seconds), beside="none")
+        none = dataclasses.replace(single("none", repeat, prompt, 100, theirs), beside=method)
+        return [mine, none]
+
+    records = [
+        *pair("ngram", 0, "chat-1", 5.0, 5.0),
+        *pair("eagle", 0, "chat-1", 4.0, 6.0),
+        *pair("eagle", 0, "chat-2", 4.0, 6.0),
+        *pair("ngram", 0, "chat-2", 5.0, 5.0),
+        *pair("ngram", 1, "chat-1", 6.0, 6.0),
+        *pair("eagle", 1, "chat-1", 4.0, 4.4),
+        *pair("eagle", 1, "chat-2", 4.0, 4.4),
+        *pair("ngram", 1, "chat-2", 6.0, 6.0),
+        *pair("ngram", 0, "code-1", 1.0, 4.0),  # another group: not counted
+    ]
+    summary = Summary(records, CATEGORIES)
+    rows = vs_none(records, summary, CATEGORIES)
+    got = {(r.method, r.group): r.ratio for r in rows if r.concurrency == 1}
+    assert got[("ngram", OPEN_ENDED)] == pytest.approx(1.0)
+    assert got[("eagle", OPEN_ENDED)] == pytest.approx((1.5 + 1.1) / 2)
+    assert got[("ngram", GROUNDED)] == pytest.approx(4.0)
+    assert summary.speedup("eagle", "none", OPEN_ENDED, 0.0) == pytest.approx((1.375 + 1.3) / 2)
