@@ -203,7 +203,7 @@ def _run(
 ) -> None:
     from tqdm import tqdm
 
-    from hybridspec.bench.harness import plan
+    from hybridspec.bench.harness import num_records, plan
     from hybridspec.bench.records import Record
     from hybridspec.bench.report import format_outcome, plot_speedups, write_json
     from hybridspec.bench.session import execute, open_session
@@ -213,7 +213,8 @@ def _run(
     k = args.num_speculative_tokens
     session = open_session(workload, models, methods, k, config, server_log)
     try:
-        total = len(plan(config, session.methods, session.prompts))
+        trials = plan(config, session.methods, session.prompts, session.twin is not None)
+        total = num_records(trials)
         with tqdm(total=total, desc="bench", unit="trial", file=sys.stderr) as bar:
 
             def on_trial(record: Record) -> None:

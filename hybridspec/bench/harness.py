@@ -212,6 +212,11 @@ def plan(
     return trials
 
 
+def num_records(trials: Sequence[Trial]) -> int:
+    """How many records ``trials`` make: two for each pair, one for any other trial."""
+    return sum(2 if trial.paired else 1 for trial in trials)
+
+
 def run_trial(
     trial: Trial,
     config: BenchConfig,

@@ -340,7 +340,10 @@ def test_bench_smoke_on_tiny_llama(
     threads = torch.get_num_threads()
     assert main(argv) == 0
     assert torch.get_num_threads() == threads
-    stdout = capsys.readouterr().out
+    captured = capsys.readouterr()
+    stdout = captured.out
+    records = 2 * 2 * (2 * 2 + 2) + 2 * 4  # see below
+    assert f"{records}/{records}" in captured.err  # the progress bar counts every record
     for text in ("parity: hf-plain and none", "== greedy ==", "== sampled", "== targets =="):
         assert text in stdout
     assert "copy [G]" in stdout and "story [O]" in stdout and "concurrent x2" in stdout
@@ -355,7 +358,7 @@ def test_bench_smoke_on_tiny_llama(
     # 2 prompts x 2 temperatures: the 2 other engine methods, each beside the twin's none
     # (ngram|none draft|none, harness "Pairs"), and the 2 transformers ones; then at once at
     # each temperature the 2 engine methods' pairs again
-    assert len(report["records"]) == 2 * 2 * (2 * 2 + 2) + 2 * 4
+    assert len(report["records"]) == records
     alone = [r for r in report["records"] if r["category"] is not None]
     paired = [r for r in alone if r["beside"] is not None]
     assert [r["method"] for r in alone if r["beside"] is None] == [
