@@ -27,10 +27,11 @@ two records that name each other (``Record.beside``), and a method's ratio to ``
 within its pairs (``vs_none``). One at a time, a prompt's trials are then pairs in the rotation
 above and ``none`` runs none of its own, its records being the twin's: methods (none, a, b), prompt
 0 runs a|none b|none, prompt 1 b|none a|none. N at once, the pass's trials are pairs, rotating by
-repeat. Without a twin (served trials, whose server is one engine), ``none`` runs its own
-one-at-a-time trials, and N at once it runs before the first method's loop and again after each
-one (``none a none b none``), a method's rate compared with the mean of the two beside it, which
-cancels a drift only as far as it is linear.
+repeat. Served, the server runs the twin (``served``, "Pairs"). Without a twin (one request at a
+time only, or no ``none`` to pair with), ``none`` runs its own one-at-a-time trials, and N at
+once it runs before the first method's loop and again after each one (``none a none b none``), a
+method's rate compared with the mean of the two beside it, which cancels a drift only as far as
+it is linear.
 
 Sampled trials seed every request from (repeat, prompt), the same for every method and for the
 concurrent trials.
@@ -50,7 +51,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from hybridspec.bench.methods import BenchMethod, ConcurrentMethod, EngineMethod
+from hybridspec.bench.methods import BenchMethod, ConcurrentMethod, PairedMethod
 from hybridspec.bench.names import BASELINE
 from hybridspec.bench.records import Measurement, Record
 from hybridspec.errors import check
@@ -222,7 +223,7 @@ def run_trial(
     config: BenchConfig,
     methods: Sequence[BenchMethod],
     prompts: Sequence[BenchPrompt],
-    twin: EngineMethod | None = None,
+    twin: PairedMethod | None = None,
 ) -> list[Record]:
     """The trial's record; a paired trial's two, the method's and then the twin's."""
     method = methods[trial.method]
@@ -235,7 +236,7 @@ def run_trial(
     n, max_new_tokens = trial.concurrency, config.max_new_tokens
     measured: list[tuple[str, Measurement, str | None]]
     if trial.paired:
-        assert isinstance(method, EngineMethod) and twin is not None, "a pair needs a twin"
+        assert isinstance(method, PairedMethod) and twin is not None, "a pair needs a twin"
         mine, theirs = method.run_beside(twin, token_ids, samplings, max_new_tokens, n, session)
         measured = [(method.name, mine, twin.name), (twin.name, theirs, method.name)]
     elif n == 1:
@@ -289,7 +290,7 @@ def run_benchmark(
     methods: Sequence[BenchMethod],
     prompts: Sequence[BenchPrompt],
     on_trial: Callable[[Record], None] | None = None,
-    twin: EngineMethod | None = None,
+    twin: PairedMethod | None = None,
 ) -> list[Record]:
     """Run the planned trials in order, beside ``twin`` where given (``none`` on an engine of
     its own; module docstring); ``on_trial`` sees each record as it is made."""

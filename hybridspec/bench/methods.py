@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from transformers import LlamaForCausalLM
 
@@ -70,6 +70,26 @@ class ConcurrentMethod(Protocol):
     ) -> Measurement:
         """Run every prompt, at most ``concurrency`` at once (see ``closed_loop``), each request
         naming ``session``."""
+        ...
+
+
+@runtime_checkable
+class PairedMethod(Protocol):
+    """A method whose closed loop can run beside ``none``'s on a second engine (its twin), the
+    two by turns, each timed by its own turns (``harness``, "Pairs")."""
+
+    name: str
+
+    def run_beside(
+        self,
+        other: Any,  # a method of the same kind: an EngineMethod's, or a ServedMethod's
+        prompts: Sequence[Sequence[int]],
+        samplings: Sequence[SamplingParams],
+        max_new_tokens: int,
+        concurrency: int,
+        session: str | None = None,
+    ) -> tuple[Measurement, Measurement]:
+        """This method's loop and ``other``'s over the same requests: their measurements."""
         ...
 
 

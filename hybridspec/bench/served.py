@@ -26,15 +26,29 @@ fewer.) Drafts proposed and accepted and target forwards come from the response'
 ``hybridspec`` statistics; the time inside the target's forward is not observed.
 
 N at once: N client threads in a closed loop (``client_closed_loop``), like the library's N
-requests in the engine at once. Each request names its pass (``harness.pass_session``) as its
-``user``, and the server keeps a ``suffix`` pool per user (``--suffix-isolation per-session``),
-as the library bench's engine keeps one per session: ``suffix`` drafts from the pass's earlier
-prompts, never from an earlier answer to the same prompt.
+requests in the engine at once.
+
+Pairs (``harness``, "Pairs"): where the library bench would make a twin, the bench's server
+runs one too (``serve --bench-twin``: a second engine over the same weights runs the requests
+for ``none``, and the engine thread steps the two by turns, ``engine.loop``). A method's loop
+and ``none``'s are then sent at once, each from client threads of its own
+(``ServedMethod.run_beside``), and each is timed by its engine's seconds of steps over the pair,
+read from the server's ``/metrics`` (``hybridspec_engine_step_seconds_total``) before and
+after: the library's own turns, seen from outside. The clients' wall clocks would count the
+other engine's turns. Those seconds leave out the server's work outside the engine thread
+(HTTP, the streams), as the library's leave out its caller's; a paired request's first token
+is not timed, for the same reason as the wall clock is not used.
+
+Each request names its pass (``harness.pass_session``) as its ``user``, and the server keeps a
+``suffix`` pool per user (``--suffix-isolation per-session``), as the library bench's engine
+keeps one per session: ``suffix`` drafts from the pass's earlier prompts, never from an earlier
+answer to the same prompt.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -43,13 +57,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hybridspec.bench.loadgen import COMPLETIONS_ROUTE
-from hybridspec.bench.names import LIBRARY_ONLY
+from hybridspec.bench.names import BASELINE, LIBRARY_ONLY
 from hybridspec.bench.records import Measurement, Speculation
 from hybridspec.bench.servers import READY_PATH
 from hybridspec.bench.sse import ServedRequestError, stream_chunks
 from hybridspec.errors import check
 from hybridspec.types import SamplingParams
 
+METRICS_PATH = "/metrics"
+STEP_SECONDS = "hybridspec_engine_step_seconds_total"  # by engine: main, twin
+MAIN, TWIN = "main", "twin"
 _Request = TypeVar("_Request")
 _Result = TypeVar("_Result")
 
@@ -90,6 +107,20 @@ def served_methods(
     unknown = [n for n in names if n not in known]
     check(not unknown, "methods", f"the server runs no {unknown}; it runs {known}")
     return [ServedMethod(url, name, k, encode) for name in names]
+
+
+def engine_step_seconds(url: str) -> dict[str, float]:
+    """Each engine's seconds of steps so far (``main``, and ``twin`` where the server runs one),
+    from the server's ``/metrics``."""
+    with urllib.request.urlopen(url + METRICS_PATH, timeout=30) as response:
+        text = response.read().decode()
+    seconds = {}
+    for line in text.splitlines():
+        if line.startswith(STEP_SECONDS + "{"):
+            labels, _, value = line.partition("} ")
+            (engine,) = re.findall(r'engine="([^"]*)"', labels)
+            seconds[engine] = float(value)
+    return seconds
 
 
 def client_closed_loop(
@@ -218,11 +249,60 @@ class ServedMethod:
     ) -> Measurement:
         """Every prompt from ``concurrency`` client threads (``client_closed_loop``); the texts
         are encoded once the last request is answered."""
-        bodies = [
+        bodies = self._bodies(prompts, samplings, max_new_tokens, session)
+        results, elapsed = client_closed_loop(self.send, bodies, concurrency)
+        requests = self._requests(results)
+        first = results[0].first_token_s if len(results) == 1 else None
+        return Measurement(requests, elapsed, None, first)
+
+    def run_beside(
+        self,
+        other: ServedMethod,
+        prompts: Sequence[Sequence[int]],
+        samplings: Sequence[SamplingParams],
+        max_new_tokens: int,
+        concurrency: int,
+        session: str | None = None,
+    ) -> tuple[Measurement, Measurement]:
+        """This method's closed loop and ``other``'s (``none``, which the server's twin runs)
+        over the same requests, sent at once; each timed by its engine's seconds of steps
+        (module docstring)."""
+        check(
+            other.name == BASELINE != self.name and other.url == self.url,
+            "methods",
+            f"a served pair is a method and {BASELINE!r} on one server, not {self.name!r} and "
+            f"{other.name!r}",
+        )
+        before = engine_step_seconds(self.url)
+        check(TWIN in before, "methods", f"the server at {self.url} runs no twin (--bench-twin)")
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            loops = [
+                pool.submit(
+                    client_closed_loop,
+                    m.send,
+                    m._bodies(prompts, samplings, max_new_tokens, session),
+                    concurrency,
+                )
+                for m in (self, other)
+            ]
+            (mine, _), (theirs, _) = (loop.result() for loop in loops)
+        after = engine_step_seconds(self.url)
+        return (
+            Measurement(self._requests(mine), after[MAIN] - before[MAIN], None, None),
+            Measurement(other._requests(theirs), after[TWIN] - before[TWIN], None, None),
+        )
+
+    def _bodies(
+        self,
+        prompts: Sequence[Sequence[int]],
+        samplings: Sequence[SamplingParams],
+        max_new_tokens: int,
+        session: str | None,
+    ) -> list[dict[str, Any]]:
+        return [
             self.body(p, s, max_new_tokens, session)
             for p, s in zip(prompts, samplings, strict=True)
         ]
-        results, elapsed = client_closed_loop(self.send, bodies, concurrency)
-        requests = tuple(r.speculation(self._encode) for r in results)
-        first = results[0].first_token_s if len(results) == 1 else None
-        return Measurement(requests, elapsed, None, first)
+
+    def _requests(self, results: Sequence[Served]) -> tuple[Speculation, ...]:
+        return tuple(r.speculation(self._encode) for r in results)

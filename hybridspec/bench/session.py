@@ -13,6 +13,8 @@ depend on its place in the rotation, and the engine's against the baselines' wou
 cached prompt with a cold one.
 Served (``bench --served``), the engine methods run in a ``hybridspec serve`` that the session
 starts on the same options, its prefix cache off as well (``served``), and the session stops it.
+Where the trials run in pairs (``pairs_none``), the twin is a second engine: in this process, or
+the server's (``serve --bench-twin``).
 Both keep the ``suffix`` proposer's pools per session, and every request names its pass as its
 session (``harness``, "Passes"): no method finds an earlier answer to the prompt it is timed on.
 ``execute`` warms up, checks transformers parity, runs the schedule and summarises.
@@ -49,7 +51,7 @@ from hybridspec.bench.llamacpp_baseline import (
     unavailable_reason,
 )
 from hybridspec.bench.methods import BenchMethod, EngineMethod, build_methods
-from hybridspec.bench.names import BASELINE
+from hybridspec.bench.names import BASELINE, LIBRARY_ONLY
 from hybridspec.bench.records import Record
 from hybridspec.bench.served import (
     ServedMethod,
@@ -92,8 +94,9 @@ class BenchSession:
     engine: Engine | None  # None: the trials are served
     server: str | None = None  # how the server that serves the trials runs; None: not served
     # ``none`` on a second engine over the same weights, which the other engine methods'
-    # trials run beside (``harness``, "Pairs"); None: no such trials.
-    twin: EngineMethod | None = None
+    # trials run beside (``harness``, "Pairs"): in this process, or served by the server's
+    # twin (``served``); None: no such trials.
+    twin: EngineMethod | ServedMethod | None = None
 
     def close(self) -> None:
         self.closing.close()
@@ -139,14 +142,20 @@ def open_session(
             closing.callback(engine.close)
             session.engine = engine
             session.methods = _engine_methods(session, engine, max_seq_len, method_names)
-            session.twin = _twin(session, max_seq_len, config)
+            if pairs_none(method_names, config):
+                session.twin = _twin(session, max_seq_len, config)
         else:
-            spec = bench_server(models, num_speculative_tokens, max_seq_len, config.concurrency)
+            twin = pairs_none(method_names, config)
+            spec = bench_server(
+                models, num_speculative_tokens, max_seq_len, config.concurrency, twin
+            )
             url = closing.enter_context(running(spec, server_log))
             encode = functools.partial(target.tokenizer.encode, add_special_tokens=False)
             k = num_speculative_tokens
             session.methods = list(served_methods(url, method_names, k, encode))
             session.server = f"hybridspec serve at {url} ({spec.note})"
+            if twin:
+                session.twin = ServedMethod(url, BASELINE, k, encode)
     except BaseException:
         closing.close()
         raise
@@ -154,10 +163,14 @@ def open_session(
 
 
 def bench_server(
-    models: ModelOptions, num_speculative_tokens: int, max_seq_len: int, max_num_seqs: int
+    models: ModelOptions,
+    num_speculative_tokens: int,
+    max_seq_len: int,
+    max_num_seqs: int,
+    twin: bool = False,
 ) -> ServerSpec:
     """``hybridspec serve`` on the bench's target and options, prefix cache off, a ``suffix``
-    pool per session."""
+    pool per session; ``twin``: with a twin engine for ``none`` (``--bench-twin``)."""
     threads = threads_option(models.threads)
     options = [
         *(["--target", models.target] if models.target is not None else []),
@@ -166,8 +179,11 @@ def bench_server(
         *["--max-seq-len", str(max_seq_len), "--max-num-seqs", str(max_num_seqs)],
         *["--threads", threads, "-k", str(num_speculative_tokens)],
         *["--prefix-cache-mb", "0", "--suffix-isolation", "per-session"],
+        *(["--bench-twin"] if twin else []),
     ]
     note = f"{max_num_seqs} slots, {threads} threads, prefix cache off"
+    if twin:
+        note += ", a twin engine for none"
     return hybridspec_server("hybridspec-bench", options, threads, note)
 
 
@@ -202,13 +218,16 @@ def _engine(
     )
 
 
-def _twin(session: BenchSession, max_seq_len: int, config: BenchConfig) -> EngineMethod | None:
-    """``none`` on an engine of its own, where the bench runs N-at-once trials and other
-    engine methods to compare with ``none`` (``harness``, "Pairs"): its weights are the
-    session's, its caches its own."""
-    engines = [m.name for m in session.methods if isinstance(m, EngineMethod)]
-    if config.concurrency == 1 or BASELINE not in engines or len(engines) == 1:
-        return None
+def pairs_none(method_names: Sequence[str], config: BenchConfig) -> bool:
+    """Whether the bench runs a twin (``harness``, "Pairs"): where it runs N-at-once trials and
+    other engine methods to compare with ``none``."""
+    engines = [n for n in method_names if n not in LIBRARY_ONLY]
+    return config.concurrency > 1 and BASELINE in engines and len(engines) > 1
+
+
+def _twin(session: BenchSession, max_seq_len: int, config: BenchConfig) -> EngineMethod:
+    """``none`` on an engine of its own (``pairs_none``): its weights are the session's, its
+    caches its own."""
     models = replace(session.models, draft=None)  # none loads no draft model
     engine = _engine(session.target, models, session.num_speculative_tokens, max_seq_len, config)
     session.closing.callback(engine.close)

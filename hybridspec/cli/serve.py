@@ -75,6 +75,13 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         help="longer prompts get a 400, far longer ones before they are tokenized "
         "(default: the context but one token)",
     )
+    serve.add_argument(
+        "--bench-twin",
+        action="store_true",
+        help="for benchmarks (hybridspec bench --served): run the requests for 'none' on a "
+        "second engine over the same weights, stepped by turns with the first; /metrics shows "
+        "each engine's seconds of steps",
+    )
     _add_reliability_options(serve)
     _add_tenant_options(serve)
     tls = serve.add_argument_group("TLS (passed to uvicorn; without a certificate: plain HTTP)")
@@ -198,6 +205,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
         freeze_heap=True,  # a process of its own (ServerConfig.freeze_heap)
+        bench_twin=args.bench_twin,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         ssl_keyfile_password=args.ssl_keyfile_password,

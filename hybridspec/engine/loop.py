@@ -24,6 +24,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from hybridspec.errors import HybridSpecError
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
+NO_DRAFTS = "none"  # the proposer whose requests a twin runs (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,7 @@ class _Route:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue[RequestOutput]
     final_only: bool
+    engine: int  # which engine runs it: 0, or 1 for the twin (module docstring)
     delivered: bool = False  # an output was handed over
 
 
@@ -72,29 +75,58 @@ class _Call:
     loop: asyncio.AbstractEventLoop
 
 
+class EngineTurns:
+    """Which of the loop's engines steps next: of those with work, the one with the fewest
+    seconds of steps since every engine was last idle, the first on a tie (module docstring).
+    Example, two engines whose steps take 10 and 20 ms, both busy: 0, 1, 0, 0, 1, 0, 0, 1, ...
+    """
+
+    def __init__(self, num_engines: int) -> None:
+        self.seconds = [0.0] * num_engines  # since every engine was last idle
+
+    def next(self, busy: Sequence[bool]) -> int | None:
+        """The engine to step (None: none has work, and the count starts again)."""
+        waiting = [i for i, b in enumerate(busy) if b]
+        if not waiting:
+            self.seconds = [0.0] * len(self.seconds)
+            return None
+        return min(waiting, key=lambda i: self.seconds[i])
+
+    def ran(self, index: int, seconds: float) -> None:
+        self.seconds[index] += seconds
+
+
 class EngineLoop:
-    """Owns an Engine and the thread that steps it.
+    """Owns an Engine, its twin if any, and the thread that steps them.
 
     ``engine``: the engine, or a function that builds it, which then runs on the engine thread
-    (module doc); ``EngineLoop.start`` waits for it to return.
+    (module doc); ``EngineLoop.start`` waits for it to return. ``twin``: a function that builds
+    the twin from the engine (module doc), on the engine thread too.
     """
 
     def __init__(
         self,
         engine: Engine | Callable[[], Engine],
         on_step: Callable[[list[RequestOutput]], None] | None = None,
+        twin: Callable[[Engine], Engine] | None = None,
     ):
         self._built: Future[Engine] = Future()
-        if isinstance(engine, Engine):
+        if isinstance(engine, Engine) and twin is None:
             self._built.set_result(engine)
             build = None
         else:
             build = engine
+        self._twin: Engine | None = None
         self._on_step = on_step
         self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._routes: dict[str, _Route] = {}
+        num_engines = 1 if twin is None else 2
+        self._turns = EngineTurns(num_engines)
+        # Each engine's seconds inside ``Engine.step`` since the loop began; read by other
+        # threads (a float's read or write is atomic under the GIL).
+        self.step_seconds = [0.0] * num_engines
         self._thread = threading.Thread(
-            target=self._run, args=(build,), name="hybridspec-engine", daemon=True
+            target=self._run, args=(build, twin), name="hybridspec-engine", daemon=True
         )
         self._stopped = False
         self._thread.start()
@@ -104,9 +136,11 @@ class EngineLoop:
         cls,
         build: Callable[[], Engine],
         on_step: Callable[[list[RequestOutput]], None] | None = None,
+        twin: Callable[[Engine], Engine] | None = None,
     ) -> EngineLoop:
-        """A loop whose engine ``build()`` made on the engine thread; raises what it raised."""
-        engine_loop = cls(build, on_step)
+        """A loop whose engine ``build()`` made on the engine thread, and its twin ``twin(engine)``
+        where given; raises what they raised."""
+        engine_loop = cls(build, on_step, twin)
         try:
             await asyncio.wrap_future(engine_loop._built)
         except BaseException:
@@ -118,6 +152,12 @@ class EngineLoop:
     def engine(self) -> Engine:
         """The engine (built: ``start`` has returned)."""
         return self._built.result(timeout=0)
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """The engine, then its twin where there is one (built: ``start`` has returned)."""
+        engine = self.engine
+        return (engine,) if self._twin is None else (engine, self._twin)
 
     async def submit(
         self, prompt_token_ids: Sequence[int], params: GenerationParams
@@ -180,7 +220,8 @@ class EngineLoop:
         self._inbox.put(_Abort(request_id))
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        """Run ``fn(engine)`` on the engine thread between steps and return its result (the
+        first engine's; ``engines`` gives the twin too, to read there)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Any] = loop.create_future()
         self._inbox.put(_Call(fn, done, loop))
@@ -193,24 +234,35 @@ class EngineLoop:
 
     # ------------------------------------------------------------ engine thread
 
-    def _run(self, build: Callable[[], Engine] | None) -> None:
+    def _run(
+        self, build: Engine | Callable[[], Engine] | None, twin: Callable[[Engine], Engine] | None
+    ) -> None:
         if build is not None:
             try:
-                self._built.set_result(build())
+                engine = build if isinstance(build, Engine) else build()
+                if twin is not None:
+                    self._twin = twin(engine)
+                self._built.set_result(engine)
             except BaseException as exc:
                 self._built.set_exception(exc)
                 return
-        engine = self._built.result()
+        engines = self.engines
         while not self._stopped:
-            self._drain(block=not engine.has_unfinished())
-            if self._stopped or not engine.has_unfinished():
+            self._drain(block=not any(e.has_unfinished() for e in engines))
+            index = self._turns.next([e.has_unfinished() for e in engines])
+            if self._stopped or index is None:
                 continue
+            engine = engines[index]
+            start = time.perf_counter()
             try:
                 outputs = engine.step()
             except Exception:
                 # Engine.step contains failures to their requests; this is the last resort.
                 logger.exception("engine step failed; failing the running requests")
                 outputs = engine.fail_running("engine: the step failed (see the log)")
+            seconds = time.perf_counter() - start
+            self._turns.ran(index, seconds)
+            self.step_seconds[index] += seconds
             self._deliver(outputs)
             if self._on_step is not None:
                 self._on_step(outputs)
@@ -226,18 +278,22 @@ class EngineLoop:
 
     def _handle(self, command: _Add | _Abort | _Call | None) -> None:
         if isinstance(command, _Add):
+            index = self._engine_for(command.params)
             try:
-                ids = self.engine.add_choices(
+                ids = self.engines[index].add_choices(
                     command.prompts, command.params, command.n, checked=command.checked
                 )
             except Exception as exc:
                 command.loop.call_soon_threadsafe(_set_exception, command.accepted, exc)
                 return
             for request_id in (rid for choices in ids for rid in choices):
-                self._routes[request_id] = _Route(command.loop, command.outputs, command.final_only)
+                route = _Route(command.loop, command.outputs, command.final_only, index)
+                self._routes[request_id] = route
             command.loop.call_soon_threadsafe(self._accept, command.accepted, ids)
         elif isinstance(command, _Abort):
-            output = self.engine.abort(command.request_id)
+            found = self._routes.get(command.request_id)
+            engine = self.engines[0 if found is None else found.engine]
+            output = engine.abort(command.request_id)
             if output is not None:
                 self._deliver([output])
         elif isinstance(command, _Call):
@@ -247,6 +303,15 @@ class EngineLoop:
                 command.loop.call_soon_threadsafe(_set_exception, command.done, exc)
             else:
                 command.loop.call_soon_threadsafe(_set_result, command.done, result)
+
+    def _engine_for(self, params: Sequence[GenerationParams]) -> int:
+        """1 (the twin) for a request whose proposer is ``NO_DRAFTS``, where there is a twin;
+        else 0."""
+        if self._twin is None:
+            return 0
+        default = self.engine.catalog.default_proposer
+        names = {p.proposer or default for p in params}
+        return 1 if names == {NO_DRAFTS} else 0
 
     def _accept(self, accepted: asyncio.Future[list[list[str]]], ids: list[list[str]]) -> None:
         """On the caller's loop: hand over the ids, or abort if the caller stopped waiting."""

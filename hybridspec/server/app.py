@@ -6,12 +6,15 @@ request; then the grammar compiler, ``GrammarPool.warm``), freezes the heap wher
 (``freeze_heap``), hands it to an EngineLoop (the one thread that steps it), keeps a ServerState
 on ``app.state.server`` and logs one ``ready:`` line. Until then the server accepts no
 connection, so ``/health`` answers 200 only once the engine is warm. On shutdown it aborts
-whatever the engine still holds, stops the loop and closes the engine.
+whatever the engine still holds, stops the loop and closes the engine. With ``bench_twin``, the
+loop also builds the engine's twin (``twin_engine``), which runs the requests for ``none``, and
+the twin is warmed up, aborted and closed with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import time
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from hybridspec.config import EngineConfig
+from hybridspec.config import DraftConfig, EngineConfig
 from hybridspec.engine import Engine, EngineLoop, warm_up
 from hybridspec.server.cluster import Cluster
 from hybridspec.server.config import ServerConfig
@@ -49,8 +52,11 @@ EngineFactory = Callable[[EngineConfig], Engine]
 SHUTDOWN_ABORT_TIMEOUT_S = 10.0
 
 
-def _abort_all(engine: Engine) -> int:
-    return len(engine.abort_all())
+def twin_engine(engine: Engine) -> Engine:
+    """A second engine over ``engine``'s weights and on its options, its caches its own and no
+    draft model (it runs ``none`` alone: ``engine.loop``)."""
+    config = dataclasses.replace(engine.config, draft=DraftConfig(None))
+    return Engine(config, target=engine.target)
 
 
 def ready_line(engine: Engine, model: ModelInfo, steps: dict[str, float]) -> str:
@@ -106,14 +112,15 @@ def create_app(
         start = time.perf_counter()
         # Built, warmed up and stepped on the engine thread alone: one team of OpenMP workers
         # (engine.loop). ModelInfo is read there too, before any request runs.
-        loop = await EngineLoop.start(lambda: factory(server_config.engine_config()))
+        twin = twin_engine if server_config.bench_twin else None
+        loop = await EngineLoop.start(lambda: factory(server_config.engine_config()), twin=twin)
         steps["load"] = time.perf_counter() - start
         engine = loop.engine
         prompts: PromptEncoder | None = None
         grammars: GrammarPool | None = None
         started = False
         try:
-            steps["warm-up"] = await loop.call(warm_up)
+            steps["warm-up"] = await loop.call(lambda _: sum(map(warm_up, loop.engines)))
             model = await loop.call(lambda e: ModelInfo.from_engine(e, server_config))
             prompts = prompt_encoder(engine, server_config)
             grammars = GrammarPool(engine.grammars, server_config.grammar_timeout_s)
@@ -137,7 +144,8 @@ def create_app(
             if grammars is not None:
                 grammars.close()
             await _stop(loop)
-            engine.close()
+            for each in loop.engines:
+                each.close()
 
     app = FastAPI(title="hybridspec", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app, server_config.retry_after_s)
@@ -174,8 +182,12 @@ def prompt_encoder(engine: Engine, config: ServerConfig) -> PromptEncoder:
 
 async def _stop(loop: EngineLoop) -> None:
     """Abort what the engine still holds, then stop its thread."""
+
+    def abort_all(_: Engine) -> int:
+        return sum(len(engine.abort_all()) for engine in loop.engines)
+
     try:
-        aborted = await asyncio.wait_for(loop.call(_abort_all), SHUTDOWN_ABORT_TIMEOUT_S)
+        aborted = await asyncio.wait_for(loop.call(abort_all), SHUTDOWN_ABORT_TIMEOUT_S)
         if aborted:
             logger.info("aborted %d unfinished requests at shutdown", aborted)
     except asyncio.TimeoutError:

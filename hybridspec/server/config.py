@@ -66,6 +66,10 @@ class ServerConfig:
     # visit them all. ``hybridspec serve`` turns it on; off by default, since each app made in
     # one process (a test suite's) would pay a full collection at its start.
     freeze_heap: bool = False
+    # For ``hybridspec bench --served``: a second engine over the same weights runs the requests
+    # for ``none``, stepped by turns with the first (``engine.loop``), so that a method's
+    # trial and ``none``'s run side by side through the same seconds of the machine.
+    bench_twin: bool = False
 
     def __post_init__(self) -> None:
         check(

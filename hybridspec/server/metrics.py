@@ -15,6 +15,7 @@ proposer            a proposer name the engine resolved (refused names never cou
 finish_reason       a ``FinishReason`` value
 tenant              a tenant of the API key file (``server.tenants``), or empty for the
                     anonymous one (``--api-key``); only requests with a known key count
+engine              ``main``, or ``twin`` (``serve --bench-twin``: ``engine.loop``)
 ==================  ================================================================
 
 ``GET /metrics`` answers the Prometheus text format 0.0.4. ``prometheus_client`` adds a
@@ -27,7 +28,7 @@ whole process, other libraries' registries included, so it is not called.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -42,6 +43,7 @@ LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 OTHER_METHOD = "other"
+ENGINES = ("main", "twin")  # the ``engine`` label of the loop's engines, in its order
 UNMATCHED_PATH = "unmatched"
 
 
@@ -166,6 +168,14 @@ class ServerMetrics:
             "Tokens the prefix cache holds.",
             registry=registry,
         )
+        self.step_seconds = Counter(
+            "hybridspec_engine_step_seconds_total",
+            "Seconds the engine thread spent in engine steps, by engine (main; twin: serve "
+            "--bench-twin).",
+            ("engine",),
+            registry=registry,
+        )
+        self._step_seen = [0.0, 0.0]  # each engine's step seconds already counted
         self._prefix_seen = (0, 0)  # the engine's hit and evicted tokens already counted
         # Per proposer, over requests that ran to completion: the gauge's numerator and
         # denominator (a counter's value is not part of prometheus_client's public API).
@@ -214,6 +224,13 @@ class ServerMetrics:
             max(seen_evicted, stats.evicted_tokens),
         )
         self.prefix_cached_tokens.set(stats.num_cached_tokens)
+
+    def set_step_seconds(self, seconds: Sequence[float]) -> None:
+        """Bring the step seconds up to the loop's (``EngineLoop.step_seconds``: the main
+        engine's, then the twin's where there is one)."""
+        for index, total in enumerate(seconds):
+            self.step_seconds.labels(ENGINES[index]).inc(max(0.0, total - self._step_seen[index]))
+            self._step_seen[index] = max(self._step_seen[index], total)
 
     def set_engine_state(self, num_running: int, num_waiting: int) -> None:
         self.running.set(num_running)

@@ -24,9 +24,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from hybridspec.engine import Engine, EngineLoop, FinishReason, RequestOutput
 from hybridspec.errors import CapacityError
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Indexed = tuple[int, RequestOutput]
+T = TypeVar("T")
 POLL_S = 0.05
 # A connection's kernel send buffer (Linux doubles it): without a bound the kernel grows it to
 # megabytes, which an unread stream fills for minutes before the write timeout can see it.
@@ -75,30 +76,35 @@ async def guard(
             yield index, output
 
 
-def _waiting(engine: Engine) -> list[str]:
-    return [request.request_id for request in engine.scheduler.waiting]
+def _waiting(engines: tuple[Engine, ...]) -> list[str]:
+    return [r.request_id for engine in engines for r in engine.scheduler.waiting]
 
 
-def _running(engine: Engine) -> list[str]:
-    return [request.request_id for request in engine.scheduler.running]
+def _running(engines: tuple[Engine, ...]) -> list[str]:
+    return [r.request_id for engine in engines for r in engine.scheduler.running]
 
 
-def _num_unfinished(engine: Engine) -> int:
-    return engine.num_running + engine.num_waiting
+def _num_unfinished(engines: tuple[Engine, ...]) -> int:
+    return sum(engine.num_running + engine.num_waiting for engine in engines)
 
 
 async def drain(shutdown: Shutdown, loop: EngineLoop, timeout_s: float) -> None:
-    """Steps 2-4 of the module docstring."""
+    """Steps 2-4 of the module docstring, over the loop's engines (its twin too)."""
     shutdown.started = True
     deadline = time.monotonic() + timeout_s
-    for request_id in await loop.call(_waiting):
+
+    async def read(fn: Callable[[tuple[Engine, ...]], T]) -> T:
+        result: T = await loop.call(lambda _: fn(loop.engines))
+        return result
+
+    for request_id in await read(_waiting):
         loop.abort(request_id)
     while time.monotonic() < deadline:
-        if await loop.call(_num_unfinished) == 0:
+        if await read(_num_unfinished) == 0:
             return
         await asyncio.sleep(POLL_S)
     shutdown.deadline_passed = True
-    running = await loop.call(_running)
+    running = await read(_running)
     logger.warning("shutdown timeout passed: ending %d running requests", len(running))
     for request_id in running:
         loop.abort(request_id)

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 from hybridspec.bench.harness import BenchConfig, sampling_for
-from hybridspec.bench.served import ServedMethod, client_closed_loop, served_methods
+from hybridspec.bench.served import (
+    ServedMethod,
+    client_closed_loop,
+    engine_step_seconds,
+    served_methods,
+)
 from hybridspec.bench.session import ModelOptions, bench_server, open_session
 from hybridspec.bench.workload import parse_workload
 from hybridspec.cli import main
@@ -46,17 +51,26 @@ def test_served_bench_records_every_trial_and_the_ratios_to_none(
     assert "== vs none" in stdout
 
     report = json.loads((out / "bench.json").read_text())
-    assert report["meta"]["served"].endswith("(2 slots, 1 threads, prefix cache off)")
+    assert report["meta"]["served"].endswith(
+        "(2 slots, 1 threads, prefix cache off, a twin engine for none)"
+    )
     assert report["meta"]["methods"] == ["none", "ngram"]
-    # 2 prompts x 2 methods x 2 temperatures, then at once per group (open-ended and
-    # input-grounded apart, as --vs-none runs them) at each temperature none ngram none
+    # Pairs (``harness``): ngram beside the server's twin none, 2 prompts x 2 temperatures one
+    # at a time, then at once per group (open-ended and input-grounded apart, as --vs-none runs
+    # them) at each temperature; two records a pair.
     records = report["records"]
-    assert len(records) == 8 + 2 * 2 * 3
+    assert len(records) == 2 * (4 + 4)
+    for mine, theirs in zip(records[::2], records[1::2], strict=True):
+        assert (mine["method"], mine["beside"]) == ("ngram", "none")
+        assert (theirs["method"], theirs["beside"]) == ("none", "ngram")
+        for key in ("prompt_ids", "temperature", "repeat", "concurrency"):
+            assert mine[key] == theirs[key]
     concurrent = [r for r in records if r["category"] is None]
     assert {tuple(r["prompt_ids"]) for r in concurrent} == {("copy-1", "copy-1"), ("story-1",) * 2}
     for r in records:
         assert r["measurement"]["forward_s"] is None  # not observed through a server
-        assert (r["measurement"]["first_token_s"] is not None) == (r["concurrency"] == 1)
+        assert r["measurement"]["first_token_s"] is None  # a paired request's is not timed
+        assert r["measurement"]["elapsed_s"] > 0  # its engine's seconds of steps
         for request in r["measurement"]["requests"]:
             assert 1 <= request["num_generated"] <= MAX_NEW
             assert request["target_forwards"] >= 1
@@ -70,7 +84,6 @@ def test_served_bench_records_every_trial_and_the_ratios_to_none(
     assert agreement["methods"]["ngram"] == {"identical": 2, "compared": 2, "first_divergence": []}
     cells = {(c["method"], c["temperature"], c["group"]): c for c in report["cells"]}
     assert cells[("none", 0.0, "all")]["outside_forward_share"] is None
-    assert cells[("none", 0.0, "all")]["first_token_ms"] > 0
     assert cells[("ngram", 0.8, "concurrent x2")]["speedup_vs_none"] > 0
     rows = [line.split() for line in stdout.splitlines() if line.startswith("ngram ")]
     # ngram over none: 2 groups x 2 temperatures, alone and 2 at once, every one measured
@@ -126,6 +139,13 @@ def test_served_requests_generate_what_the_library_does(
         url = methods["none"].url
         with pytest.raises(InvalidRequestError, match=r"runs no \['eagle-9'\]"):
             served_methods(url, ["none", "eagle-9"], K, list)
+        # one request at a time: no pairs, so the server runs no twin to pair with
+        assert served.twin is None and set(engine_step_seconds(url)) == {"main"}
+        pair = ([served.prompts[0].token_ids], [SamplingParams()], 4, 1)
+        with pytest.raises(InvalidRequestError, match="runs no twin"):
+            methods["ngram"].run_beside(methods["none"], *pair)
+        with pytest.raises(InvalidRequestError, match="a served pair is a method and 'none'"):
+            methods["none"].run_beside(methods["ngram"], *pair)
     finally:
         served.close()
     for (method, t, _), a, b in zip(cases, got, expected, strict=True):

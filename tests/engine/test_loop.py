@@ -1,5 +1,6 @@
 """EngineLoop: a request's outputs reach its asyncio caller, every step's or (``final_only``)
-only the first and the final one, with the same result."""
+only the first and the final one, with the same result; a twin runs ``none``'s requests, the
+two engines by turns (``EngineTurns``, on given seconds, not timed)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import asyncio
 
 from hybridspec import Engine
 from hybridspec.engine import EngineLoop, GenerationParams, RequestOutput
+from hybridspec.engine.loop import EngineTurns
+from hybridspec.model.loader import LoadedModel
+from tests.engine.tiny import make_engine
 
 PROMPT = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9]
 
@@ -40,3 +44,75 @@ def test_final_only_hands_over_the_first_and_final_outputs_of_each_choice(engine
         assert final.token_ids == expected.token_ids
         assert final.text == expected.text
         assert sum(len(o.new_token_ids) for o in all_outputs) == len(final.token_ids)
+
+
+def test_turns_go_to_the_engine_with_the_fewest_seconds_since_all_were_idle() -> None:
+    """The module docstring's example: steps of 10 and 20 ms, both engines busy."""
+    turns = EngineTurns(2)
+    order = []
+    for _ in range(8):
+        index = turns.next([True, True])
+        assert index is not None
+        order.append(index)
+        turns.ran(index, (0.010, 0.020)[index])
+    assert order == [0, 1, 0, 0, 1, 0, 0, 1]
+
+
+def test_turns_skip_an_idle_engine_and_start_again_once_all_are_idle() -> None:
+    turns = EngineTurns(2)
+    turns.ran(0, 5.0)  # engine 0 ran alone while 1 had nothing
+    assert turns.next([True, False]) == 0
+    assert turns.next([True, True]) == 1  # 1 is owed the seconds 0 ran beside it
+    assert turns.next([False, False]) is None
+    assert turns.seconds == [0.0, 0.0]
+    assert turns.next([True, True]) == 0  # a tie goes to the first
+
+
+def test_a_twin_runs_the_requests_for_none_and_steps_by_turns(
+    engine: Engine, target: LoadedModel
+) -> None:
+    """With a twin, ``none``'s request runs there and ``ngram``'s on the engine, at once: each
+    engine's seconds of steps grow, each text is the one a loop without a twin gives, and
+    a twin's request that is closed early is aborted there."""
+    none = GenerationParams.create(max_new_tokens=12, ignore_eos=True, proposer="none")
+    ngram = GenerationParams.create(max_new_tokens=12, ignore_eos=True, proposer="ngram")
+    long_none = GenerationParams.create(max_new_tokens=200, ignore_eos=True, proposer="none")
+    twins: list[Engine] = []
+
+    def twin(first: Engine) -> Engine:
+        twins.append(make_engine(first.target))
+        return twins[-1]
+
+    async def texts(loop: EngineLoop) -> list[tuple[int, ...]]:
+        async def run(params: GenerationParams) -> tuple[int, ...]:
+            outputs = [o async for o in loop.stream(PROMPT, params)]
+            result = outputs[-1].result
+            assert result is not None
+            return tuple(result.token_ids)
+
+        return list(await asyncio.gather(run(none), run(ngram)))
+
+    async def run() -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[float]]:
+        alone = EngineLoop(engine)
+        try:
+            expected = await texts(alone)
+        finally:
+            alone.close()
+        paired = await EngineLoop.start(lambda: engine, twin=twin)
+        try:
+            assert paired.engines == (engine, twins[0])
+            got = await texts(paired)
+            seconds = list(paired.step_seconds)
+            stream = paired.stream_choices([PROMPT], [long_none], 1)
+            _, first = await anext(stream)
+            assert first.new_token_ids
+            await stream.aclose()  # type: ignore[attr-defined]
+            unfinished = await paired.call(lambda _: twins[0].has_unfinished())
+            assert not unfinished
+        finally:
+            paired.close()
+        return expected, got, seconds
+
+    expected, got, seconds = asyncio.run(run())
+    assert got == expected
+    assert all(s > 0 for s in seconds)

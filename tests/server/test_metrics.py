@@ -46,6 +46,7 @@ METRICS = {  # name: type, as documented in docs/server.md
     "hybridspec_prefix_cache_tokens": "gauge",
     "hybridspec_tenant_http_requests_total": "counter",
     "hybridspec_tenant_generated_tokens_total": "counter",
+    "hybridspec_engine_step_seconds_total": "counter",
 }
 
 
@@ -199,3 +200,25 @@ def test_proposer_labels_hold_only_names_the_engine_resolved(client: TestClient)
     samples = parse_metrics(client.get("/metrics").text)
     proposers = {value for _, labels in samples for key, value in labels if key == "proposer"}
     assert proposers == {"none", "ngram"}
+
+
+def test_step_seconds_count_each_engine_and_a_twin_runs_none(make_app: AppFactory) -> None:
+    """Under ``bench_twin``, ``none``'s request runs on the twin: both engines' step seconds
+    grow, and only the twin's with ``none``'s."""
+    with TestClient(make_app({"bench_twin": True})) as client:
+
+        def step_seconds() -> dict[str, float]:
+            samples = parse_metrics(client.get("/metrics").text)
+            name = "hybridspec_engine_step_seconds_total"
+            return {e: metric(samples, name, engine=e) for e in ("main", "twin")}
+
+        before = step_seconds()
+        body = {"prompt": "hi", "max_tokens": 4, "proposer": "none"}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        after_none = step_seconds()
+        assert after_none["twin"] > before["twin"] and after_none["main"] == before["main"]
+        body["proposer"] = "ngram"
+        assert client.post("/v1/completions", json=body).status_code == 200
+        after_ngram = step_seconds()
+        assert after_ngram["main"] > after_none["main"]
+        assert after_ngram["twin"] == after_none["twin"]

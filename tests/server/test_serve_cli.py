@@ -60,6 +60,8 @@ def test_serve_options_build_the_server_config() -> None:
     assert config.engine.adaptive_speculation and config.engine.verify_token_cost == 0.03
     default = server_config(build_parser().parse_args(["serve"])).engine
     assert default.target.name_or_path is None
+    assert not server_config(build_parser().parse_args(["serve"])).bench_twin
+    assert server_config(build_parser().parse_args(["serve", "--bench-twin"])).bench_twin
 
 
 def test_api_key_and_body_limit_options(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -71,4 +71,5 @@ async def metrics_snapshot(state: ServerState) -> bytes:
     else:
         state.metrics.set_engine_state(running, waiting)
         state.metrics.set_prefix_cache(cache)
+    state.metrics.set_step_seconds(state.loop.step_seconds)
     return state.metrics.render()
