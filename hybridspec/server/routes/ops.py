@@ -63,7 +63,8 @@ async def metrics(state: State) -> Response:
 
 
 async def metrics_snapshot(state: ServerState) -> bytes:
-    """The exposition, with the batch and queue sizes read from the engine between steps."""
+    """The exposition, with the batch and queue sizes read from the engine between steps, and
+    each engine's seconds of steps (``EngineLoop.step_seconds``)."""
     try:
         running, waiting, cache = await state.engine_call(_engine_state, METRICS_SNAPSHOT_TIMEOUT_S)
     except asyncio.TimeoutError:
