@@ -48,13 +48,14 @@ answer to the same prompt.
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from hybridspec.bench.loadgen import COMPLETIONS_ROUTE
 from hybridspec.bench.names import BASELINE, LIBRARY_ONLY
@@ -114,13 +115,12 @@ def engine_step_seconds(url: str) -> dict[str, float]:
     from the server's ``/metrics``."""
     with urllib.request.urlopen(url + METRICS_PATH, timeout=30) as response:
         text = response.read().decode()
-    seconds = {}
-    for line in text.splitlines():
-        if line.startswith(STEP_SECONDS + "{"):
-            labels, _, value = line.partition("} ")
-            (engine,) = re.findall(r'engine="([^"]*)"', labels)
-            seconds[engine] = float(value)
-    return seconds
+    return {
+        sample.labels["engine"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == STEP_SECONDS
+    }
 
 
 def client_closed_loop(
