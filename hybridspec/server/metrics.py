@@ -175,7 +175,7 @@ class ServerMetrics:
             ("engine",),
             registry=registry,
         )
-        self._step_seen = [0.0, 0.0]  # each engine's step seconds already counted
+        self._step_seen = [0.0] * len(ENGINES)  # each engine's step seconds already counted
         self._prefix_seen = (0, 0)  # the engine's hit and evicted tokens already counted
         # Per proposer, over requests that ran to completion: the gauge's numerator and
         # denominator (a counter's value is not part of prometheus_client's public API).
