@@ -28,9 +28,14 @@ cores other processes leave it, and never tries a spinning team larger than that
 two busy processes on 2 cores a spinning probe at 2 threads stalls each of a forward's hundreds
 of barriers for a scheduler slice, so that one step takes 50-100 decode rounds' time, while a
 passive probe costs about one round. The room is what other processes did, not how fast this
-one's steps ran, so it does not depend on the mode being judged. When the room grows to fit a
-spinning team again while fewer threads are kept (the load went), a spinning probe starts at
-once.
+one's steps ran, so it does not depend on the mode being judged. When the room shrinks below
+the spinning team (the load came), the same count waits passively from the next step on, not as
+a probe (the spinning steps before it are no baseline), and one thread fewer is probed a window
+later: which of the two wins depends on the load and the forward. Beside two busy processes on
+2 cores a 1B model's decode rounds run about 1.5x faster at 2 passive threads than at 1 (a
+core's share against two thirds of one), beside one busy process no faster (4/3 of a core's share
+in all, against a whole core for 1 thread). When the room grows to fit a spinning team again
+while fewer threads or passive waits are kept (the load went), a spinning probe starts at once.
 
 The mode is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
 prompt fed whole in its first round), which takes many decode rounds' time, never runs at a
@@ -383,7 +388,8 @@ class ThreadController:
 
     def _room_changed(self) -> bool:
         """Start a probe at once where the room changed across a spinning team's size: the
-        current spinning count no longer fits (another process came: one thread fewer), or,
+        current spinning count no longer fits (another process came: passive waits at once,
+        ``_turn_passive``, or without a wait mode a probe at one thread fewer), or,
         with fewer threads kept, one more spinning thread (or the same count where the waits
         are passive) fits again (it went). True where a probe started."""
         if self._room is None:
@@ -392,6 +398,9 @@ class ThreadController:
         fits = (self._spin_fits(self.threads), self._spin_fits(wider))
         before, self._fits = self._fits, fits
         if before[0] and not fits[0] and not self.passive and self.threads > 1:
+            if self._wait is not None:
+                self._turn_passive()
+                return True
             self._start_probe(statistics.fmean(self._history), upward=False)
         elif (
             not before[1]
@@ -438,6 +447,18 @@ class ThreadController:
             self._keep_probe()
         elif (len(steps) >= early and robust > slower) or lost:
             self._end_probe()
+
+    def _turn_passive(self) -> None:
+        """Wait passively at the current count from the next step on: the room no longer fits
+        it spinning (module docstring). Not a probe: a spinning team the room does not fit is
+        not what the step times should be compared with. A busy machine says nothing of which
+        count suits it, so one thread fewer is probed after one window."""
+        self._loaded = True
+        self._since_probe = 0
+        self._period = self._window
+        self._reference = None
+        self._history.clear()
+        self._switch((self.threads, True))
 
     def _start_probe(self, baseline: float, upward: bool | None = None) -> None:
         """Probe a neighbouring mode: the wider one where ``upward``, the narrower where not,

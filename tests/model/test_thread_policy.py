@@ -361,12 +361,32 @@ def test_a_spinning_team_larger_than_the_room_is_never_tried() -> None:
     machine = Modes(dict(CROWDED), room=Room(2 / 3))
     modes = machine.run(2000)
     assert modes[0] == (2, False)  # where every forward starts
-    assert modes.count((2, False)) == 1  # a probe at 1 thread from the first round on
-    assert modes[1] == (1, False)
-    assert (2, True) in modes  # the wider probes wait passively
+    assert modes.count((2, False)) == 1  # a probe from the first round on
+    assert modes[1] == (2, True)  # at the same count with passive waits
+    assert (1, False) in modes  # then probes at fewer threads, as anywhere
     # without the room, the step times alone decide: spinning probes follow passive ones
     blind = Modes(dict(CROWDED))
     assert blind.run(2000).count((2, False)) > 2
+
+
+def test_without_room_for_spinning_the_waits_turn_passive_then_one_fewer_is_probed() -> None:
+    # a 1B-sized forward beside two busy processes: its long regions get a core's share in all
+    # at 2 threads with passive waits, where 1 thread gets two thirds of one
+    two_busy = {(1, False): 0.015, (2, False): 1.0, (2, True): 0.010}
+    machine = Modes(two_busy, room=Room(2 / 3))
+    modes = machine.run(1000)
+    # passive from the second round on, not a probe judged against the spinning round
+    assert modes[1:10] == [(2, True)] * 9
+    assert modes[10] == (1, False)  # one thread fewer, a window later: it loses
+    assert modes[1:].count((2, True)) >= 0.95 * 999
+    assert machine.controller._loaded  # the room says the machine is busy
+    assert machine.waits[:2] == [False, True]
+    # beside one busy process 1 thread gets a whole core: its probe a window later wins
+    one_busy = {(1, False): 0.008, (2, False): 0.05, (2, True): 0.010}
+    modes = Modes(one_busy, room=Room(1.0)).run(1000)
+    assert modes[1:10] == [(2, True)] * 9
+    assert modes[10:20] == [(1, False)] * 10
+    assert modes[10:].count((1, False)) >= 0.95 * 990
 
 
 def test_when_the_room_fits_a_spinning_team_again_a_spinning_probe_starts_at_once() -> None:
@@ -381,7 +401,7 @@ def test_when_the_room_fits_a_spinning_team_again_a_spinning_probe_starts_at_onc
     assert modes[-1] == (2, False) and machine.waits[-1] is False
 
 
-def test_when_the_room_shrinks_below_the_spinning_team_a_narrower_probe_starts_at_once() -> None:
+def test_when_the_room_shrinks_below_the_spinning_team_the_waits_turn_passive_at_once() -> None:
     room = Room(2.0)
     machine = Modes(dict(ALONE), room=room)
     machine.run(3000)
@@ -389,7 +409,8 @@ def test_when_the_room_shrinks_below_the_spinning_team_a_narrower_probe_starts_a
     assert (machine.controller.threads, machine.controller.passive) == (2, False)
     machine.seconds, room.cores = dict(CROWDED), 2 / 3  # two busy processes start
     modes = machine.run(60)
-    assert modes[:2] == [(2, False), (1, False)]  # one round at 2 spinning threads, not a window
+    # one round at 2 spinning threads, not a window; then the same count with passive waits
+    assert modes[:2] == [(2, False), (2, True)]
     assert modes[10:].count((2, False)) == 0
 
 
@@ -454,8 +475,10 @@ def test_alone_a_probe_at_fewer_threads_ends_after_its_first_slower_step() -> No
     # where the room is not known, 3 steps (and the skipped one)
     assert set(probe_lengths(Modes(dict(ALONE)).run(3000), (1, False))) == {4}
     # under load (the room fits no spinning team of 2) a probe at 1 thread runs its window
+    # (and the skipped step)
     crowded = Modes(dict(CROWDED), room=Room(2 / 3))
-    assert crowded.run(10)[1:9] == [(1, False)] * 8
+    lengths = probe_lengths(crowded.run(200), (1, False))
+    assert lengths and set(lengths) == {8 + 1}
 
 
 def test_two_controllers_stepping_on_one_thread_each_run_their_steps_at_their_own_mode() -> None:
