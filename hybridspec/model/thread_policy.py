@@ -34,8 +34,11 @@ a probe (the spinning steps before it are no baseline), and one thread fewer is 
 later: which of the two wins depends on the load and the forward. Beside two busy processes on
 2 cores a 1B model's decode rounds run about 1.5x faster at 2 passive threads than at 1 (a
 core's share against two thirds of one), beside one busy process no faster (4/3 of a core's share
-in all, against a whole core for 1 thread). When the room grows to fit a spinning team again
-while fewer threads or passive waits are kept (the load went), a spinning probe starts at once.
+in all, against a whole core for 1 thread). Where the room fits the spinning team again before
+a probe has kept another mode, the waits spin again at once: a moment's work by another process
+does not leave a quiet machine's forward waiting passively. When the room grows to fit a
+spinning team again while fewer threads or passive waits are kept otherwise (the load went), a
+spinning probe starts at once.
 
 The mode is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
 prompt fed whole in its first round), which takes many decode rounds' time, never runs at a
@@ -258,6 +261,7 @@ class ThreadController:
         self._upward = False  # the direction of the next probe, alternating
         self._loaded = False  # fewer threads won: the machine is busy, wider probes wait passively
         self._spin_next = False  # the next probe at more threads spins (a passive one lost)
+        self._turned: Mode | None = None  # the mode the room made passive, while it holds
         self._applied: Mode = (self.threads, False)  # the mode this controller last applied
         # prompt steps on a busy machine: seconds per token by the mode they ran at, the
         # prompt steps since the rounds' mode last ran one, and the period of those comparisons
@@ -389,7 +393,9 @@ class ThreadController:
     def _room_changed(self) -> bool:
         """Start a probe at once where the room changed across a spinning team's size: the
         current spinning count no longer fits (another process came: passive waits at once,
-        ``_turn_passive``, or without a wait mode a probe at one thread fewer), or,
+        ``_turn_passive``, or without a wait mode a probe at one thread fewer); it fits again
+        while the waits are still the ones it made passive (spinning again at once,
+        ``_turn_spinning``); or,
         with fewer threads kept, one more spinning thread (or the same count where the waits
         are passive) fits again (it went). True where a probe started."""
         if self._room is None:
@@ -402,6 +408,9 @@ class ThreadController:
                 self._turn_passive()
                 return True
             self._start_probe(statistics.fmean(self._history), upward=False)
+        elif not before[0] and fits[0] and self._turned == (self.threads, self.passive):
+            self._turn_spinning()
+            return True
         elif (
             not before[1]
             and fits[1]
@@ -454,11 +463,26 @@ class ThreadController:
         not what the step times should be compared with. A busy machine says nothing of which
         count suits it, so one thread fewer is probed after one window."""
         self._loaded = True
+        self._turned = (self.threads, True)
         self._since_probe = 0
         self._period = self._window
         self._reference = None
         self._history.clear()
         self._switch((self.threads, True))
+
+    def _turn_spinning(self) -> None:
+        """Spin again at the count the room made passive, now that the room fits it
+        spinning again (the load went, or a moment's work by another process made it
+        passive): what the room decided alone, the room undoes alone, where a spinning probe
+        would have to beat the passive steps by the margin."""
+        self._loaded = False
+        self._turned = None
+        self._prompt_times.clear()  # timed under a load that went
+        self._since_probe = 0
+        self._period = self._first_period
+        self._reference = None
+        self._history.clear()
+        self._switch((self.threads, False))
 
     def _start_probe(self, baseline: float, upward: bool | None = None) -> None:
         """Probe a neighbouring mode: the wider one where ``upward``, the narrower where not,
@@ -511,6 +535,7 @@ class ThreadController:
             self._prompt_times.clear()  # timed under a load that went
         self._probe = None
         self._spin_next = False
+        self._turned = None  # a mode that won its window, not the room's turn
         self._since_probe = 0
         self._period = self._first_period
         self._reference = statistics.median(self._probed)

@@ -389,6 +389,24 @@ def test_without_room_for_spinning_the_waits_turn_passive_then_one_fewer_is_prob
     assert modes[10:].count((1, False)) >= 0.95 * 990
 
 
+def test_a_moments_dip_in_the_room_alone_turns_the_waits_passive_only_while_it_lasts() -> None:
+    # alone, a 1B-sized forward: 2 passive threads within the margin of 2 spinning ones, so
+    # that a spinning probe from passive waits could not win its way back
+    close = {(1, False): 0.070, (2, False): 0.040, (2, True): 0.042}
+    room = Room(2.0)
+    machine = Modes(close, room=room)
+    machine.run(3000)
+    settle(machine)
+    assert (machine.controller.threads, machine.controller.passive) == (2, False)
+    room.cores = 1.0  # another process's moment of work
+    assert machine.run(2) == [(2, False), (2, True)]
+    room.cores = 2.0
+    modes = machine.run(200)
+    assert modes[0] == (2, True) and modes[1] == (2, False)  # back at once, not probed
+    assert modes[1:].count((2, True)) == 0
+    assert not machine.controller._loaded
+
+
 def test_when_the_room_fits_a_spinning_team_again_a_spinning_probe_starts_at_once() -> None:
     room = Room(2 / 3)
     machine = Modes(dict(CROWDED), room=room)
