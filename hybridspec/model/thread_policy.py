@@ -31,14 +31,15 @@ passive probe costs about one round. The room is what other processes did, not h
 one's steps ran, so it does not depend on the mode being judged. When the room shrinks below
 the spinning team (the load came), the same count waits passively from the next step on, not as
 a probe (the spinning steps before it are no baseline), and one thread fewer is probed a window
-later: which of the two wins depends on the load and the forward. Beside two busy processes on
-2 cores a 1B model's decode rounds run about 1.5x faster at 2 passive threads than at 1 (a
-core's share against two thirds of one), beside one busy process no faster (4/3 of a core's share
-in all, against a whole core for 1 thread). Where the room fits the spinning team again before
-a probe has kept another mode, the waits spin again at once: a moment's work by another process
-does not leave a quiet machine's forward waiting passively. When the room grows to fit a
-spinning team again while fewer threads or passive waits are kept otherwise (the load went), a
-spinning probe starts at once.
+later, kept where its window is faster at all (the passive waits are the room's guess, not a
+mode that won): which of the two wins depends on the load and the forward. Beside two busy
+processes on 2 cores a 1B model's decode rounds run about 1.5x faster at 2 passive threads than
+at 1 (a core's share against two thirds of one); beside one busy process about 7% slower (4/3 of
+a core's share in all, against a whole core for 1 thread). Where the room fits the spinning team
+again before a probe has kept another mode, the waits spin again at once: a moment's work by
+another process does not leave a quiet machine's forward waiting passively. When the room grows
+to fit a spinning team again while fewer threads or passive waits are kept otherwise (the load
+went), a spinning probe starts at once.
 
 The mode is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
 prompt fed whole in its first round), which takes many decode rounds' time, never runs at a
@@ -421,8 +422,9 @@ class ThreadController:
         return self._probe is not None
 
     def _judge_probe(self) -> None:
-        """Keep the probed count once a full window beats the baseline by the margin; go back
-        at once where the first steps are clearly slower, or where the window does not win.
+        """Keep the probed count once a full window beats the baseline by the margin (by any
+        margin, probing from the waits the room made passive); go back at once where the first
+        steps are clearly slower, or where the window does not win.
 
         A probe at fewer threads discounts its slowest step: a stall there is a stray one (a
         collection, another process's burst), not the barrier waits that fewer threads avoid,
@@ -452,7 +454,11 @@ class ThreadController:
         alone = self.threads < threads and not passive and self._spin_fits(threads, known=True)
         early = 1 if (up and not self.passive) or alone else self._min_probe
         slower = baseline * (1 if up else 1 + 2 * margin)
-        if len(steps) % self._window == 0 and wins < baseline * (1 - margin):
+        # a probe from the waits the room made passive weighs two guesses, not a mode that won
+        # its window: the faster window wins by any margin (beside one busy process 1 thread
+        # beats 2 passive ones by less than the margin)
+        keep = 0.0 if self._probe == self._turned else margin
+        if len(steps) % self._window == 0 and wins < baseline * (1 - keep):
             self._keep_probe()
         elif (len(steps) >= early and robust > slower) or lost:
             self._end_probe()
