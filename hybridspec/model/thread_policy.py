@@ -260,7 +260,9 @@ class ThreadController:
         self._baseline = 0.0  # the current count's mean step time when the probe began
         self._skip = 0  # steps not counted after a switch (the pool wakes up)
         self._upward = False  # the direction of the next probe, alternating
-        self._loaded = False  # fewer threads won: the machine is busy, wider probes wait passively
+        # fewer threads won, or the room turned the waits passive: the machine is busy, wider
+        # probes wait passively
+        self._loaded = False
         self._spin_next = False  # the next probe at more threads spins (a passive one lost)
         self._turned: Mode | None = None  # the mode the room made passive, while it holds
         self._applied: Mode = (self.threads, False)  # the mode this controller last applied
@@ -398,7 +400,7 @@ class ThreadController:
         while the waits are still the ones it made passive (spinning again at once,
         ``_turn_spinning``); or,
         with fewer threads kept, one more spinning thread (or the same count where the waits
-        are passive) fits again (it went). True where a probe started."""
+        are passive) fits again (it went). True where a probe started or the waits turned."""
         if self._room is None:
             return False
         wider = self.threads + 1 if self.threads < self.max_threads else self.threads
