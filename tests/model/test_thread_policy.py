@@ -361,8 +361,8 @@ def test_a_spinning_team_larger_than_the_room_is_never_tried() -> None:
     machine = Modes(dict(CROWDED), room=Room(2 / 3))
     modes = machine.run(2000)
     assert modes[0] == (2, False)  # where every forward starts
-    assert modes.count((2, False)) == 1  # a probe from the first round on
-    assert modes[1] == (2, True)  # at the same count with passive waits
+    assert modes.count((2, False)) == 1  # the room decides from the first round on
+    assert modes[1] == (2, True)  # the same count with passive waits, not a probe
     assert (1, False) in modes  # then probes at fewer threads, as anywhere
     # without the room, the step times alone decide: spinning probes follow passive ones
     blind = Modes(dict(CROWDED))
