@@ -396,9 +396,10 @@ def test_without_room_for_spinning_the_waits_turn_passive_then_one_fewer_is_prob
 
 
 def test_a_moments_dip_in_the_room_alone_turns_the_waits_passive_only_while_it_lasts() -> None:
-    # alone, a 1B-sized forward: 2 passive threads within the margin of 2 spinning ones, so
-    # that a spinning probe from passive waits could not win its way back
-    close = {(1, False): 0.070, (2, False): 0.040, (2, True): 0.042}
+    # alone, a 1B-sized forward: 2 passive threads close to 2 spinning ones, here a little
+    # faster, so that a spinning probe from passive waits would lose its first round and end;
+    # alone the waits spin, as before any load, and what the room turned it turns back
+    close = {(1, False): 0.070, (2, False): 0.042, (2, True): 0.040}
     room = Room(2.0)
     machine = Modes(close, room=room)
     machine.run(3000)
