@@ -264,7 +264,9 @@ class ThreadController:
         # probes wait passively
         self._loaded = False
         self._spin_next = False  # the next probe at more threads spins (a passive one lost)
-        self._turned: Mode | None = None  # the mode the room made passive, while it holds
+        # the room made the current waits passive and no probe has won since (outside probes
+        # the current mode is then the room's, which a probe returns to when it loses)
+        self._turned = False
         self._applied: Mode = (self.threads, False)  # the mode this controller last applied
         # prompt steps on a busy machine: seconds per token by the mode they ran at, the
         # prompt steps since the rounds' mode last ran one, and the period of those comparisons
@@ -396,9 +398,8 @@ class ThreadController:
     def _room_changed(self) -> bool:
         """Start a probe at once where the room changed across a spinning team's size: the
         current spinning count no longer fits (another process came: passive waits at once,
-        ``_turn_passive``, or without a wait mode a probe at one thread fewer); it fits again
-        while the waits are still the ones it made passive (spinning again at once,
-        ``_turn_spinning``); or,
+        ``_turn``, or without a wait mode a probe at one thread fewer); it fits again while
+        the waits are still the ones it made passive (spinning again at once, ``_turn``); or,
         with fewer threads kept, one more spinning thread (or the same count where the waits
         are passive) fits again (it went). True where a probe started or the waits turned."""
         if self._room is None:
@@ -408,11 +409,11 @@ class ThreadController:
         before, self._fits = self._fits, fits
         if before[0] and not fits[0] and not self.passive and self.threads > 1:
             if self._wait is not None:
-                self._turn_passive()
+                self._turn(passive=True)
                 return True
             self._start_probe(statistics.fmean(self._history), upward=False)
-        elif not before[0] and fits[0] and self._turned == (self.threads, self.passive):
-            self._turn_spinning()
+        elif not before[0] and fits[0] and self._turned:
+            self._turn(passive=False)
             return True
         elif (
             not before[1]
@@ -459,38 +460,30 @@ class ThreadController:
         # a probe from the waits the room made passive weighs two guesses, not a mode that won
         # its window: the faster window wins by any margin (beside one busy process 1 thread
         # beats 2 passive ones by less than the margin)
-        keep = 0.0 if self._probe == self._turned else margin
+        keep = 0.0 if self._turned else margin
         if len(steps) % self._window == 0 and wins < baseline * (1 - keep):
             self._keep_probe()
         elif (len(steps) >= early and robust > slower) or lost:
             self._end_probe()
 
-    def _turn_passive(self) -> None:
-        """Wait passively at the current count from the next step on: the room no longer fits
-        it spinning (module docstring). Not a probe: a spinning team the room does not fit is
-        not what the step times should be compared with. A busy machine says nothing of which
-        count suits it, so one thread fewer is probed after one window."""
-        self._loaded = True
-        self._turned = (self.threads, True)
-        self._since_probe = 0
-        self._period = self._window
-        self._reference = None
-        self._history.clear()
-        self._switch((self.threads, True))
+    def _turn(self, passive: bool) -> None:
+        """The room's own decision, not a probe, at the current count: wait passively from
+        the next step on where it no longer fits the team spinning (module docstring), or spin
+        again where it fits again before a probe won.
 
-    def _turn_spinning(self) -> None:
-        """Spin again at the count the room made passive, now that the room fits it
-        spinning again (the load went, or a moment's work by another process made it
-        passive): what the room decided alone, the room undoes alone, where a spinning probe
-        would have to beat the passive steps by the margin."""
-        self._loaded = False
-        self._turned = None
-        self._prompt_times.clear()  # timed under a load that went
+        Turning passive, a spinning team the room does not fit is not what the step times
+        should be compared with, and a busy machine says nothing of which count suits it, so
+        one thread fewer is probed after one window. Turning back, what the room decided alone
+        it undoes alone, where a spinning probe would have to beat the passive steps by the
+        margin."""
+        self._loaded = self._turned = passive
+        if not passive:
+            self._prompt_times.clear()  # timed under a load that went
         self._since_probe = 0
-        self._period = self._first_period
+        self._period = self._window if passive else self._first_period
         self._reference = None
         self._history.clear()
-        self._switch((self.threads, False))
+        self._switch((self.threads, passive))
 
     def _start_probe(self, baseline: float, upward: bool | None = None) -> None:
         """Probe a neighbouring mode: the wider one where ``upward``, the narrower where not,
@@ -543,7 +536,7 @@ class ThreadController:
             self._prompt_times.clear()  # timed under a load that went
         self._probe = None
         self._spin_next = False
-        self._turned = None  # a mode that won its window, not the room's turn
+        self._turned = False  # a mode that won its window, not the room's turn
         self._since_probe = 0
         self._period = self._first_period
         self._reference = statistics.median(self._probed)
