@@ -199,6 +199,8 @@ class KernelAttention:
     the kernel library, so its output does not depend on the drafts, the batch, the split of a
     prompt into chunks, or the split of rows into items: a greedy request's text is the same
     with any proposer, K, batch or prefill budget. Requires ``cache.transposed_keys``.
+    ``pooled``: the C form runs on the kernel library's own threads (csrc/pool.h), where the
+    forward's matmuls are the library's too; else on torch's, where they are torch's.
 
     Rows are split into items of consecutive tokens of one sequence and one key/value head, as
     even as possible: at most ``SHORT_ITEM_TOKENS`` tokens for a span of up to
@@ -217,13 +219,14 @@ class KernelAttention:
     LONG_ITEM_TOKENS = 16
     LONG_SPAN_TOKENS = 16
 
-    def __init__(self, spans: Spans, kernel: Kernel | None = None) -> None:
+    def __init__(self, spans: Spans, kernel: Kernel | None = None, pooled: bool = False) -> None:
         cache, slots, starts, num_new = spans.cache, spans.slots, spans.starts, spans.num_new
         scoring = spans.scoring
         if not cache.transposed_keys:
             raise ValueError("cache: KernelAttention reads keys transposed (transposed_keys)")
         self.cache = cache
         self.kernel = kernel
+        self.pooled = pooled
         items: list[tuple[int, int, int, int, int]] = []
         num_kv = cache.keys.shape[2]
         token = 0
@@ -298,6 +301,7 @@ class KernelAttention:
                 float(self.scale),
                 float(self.softcap),
                 window,
+                self.pooled,
             ).view(num_tokens, num_heads * hd)
         out = np.empty((num_tokens, num_heads, hd), dtype=np.float32)
         numba_attend()(

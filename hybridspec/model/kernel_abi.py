@@ -92,7 +92,7 @@ SIGNATURES = {
         *(_QW, _ptr, _i64, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _ptr, _ptr),
         *(_CACHE, _ptr, _SCRATCH),
     ],
-    "hs_set_balance": [_int],
+    "hs_set_passive": [_int],
     "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
     # parts, nparts, N, K, bits, group, mode, t0, t1, out, scratch (csrc/pack.c)
     "hs_pack_gguf": [_ptr, _int, _i64, _i64, _int, _int, _int, _i64, _i64, _ptr, _ptr],
@@ -101,10 +101,10 @@ SIGNATURES = {
     # blocks, type, K, index, count, out, scratch (csrc/pack.c)
     "hs_gguf_rows": [_ptr, _int, _i64, _ptr, _i64, _ptr, _ptr],
     "hs_dequant_rows": [*(_ptr,) * 9, _int, _int, _i64, _ptr, _i64, _ptr],
-    # q, H, KV, hd, cache, f32, items, num_items, scale, softcap, window, out, scratch
+    # q, H, KV, hd, cache, f32, items, num_items, scale, softcap, window, out, pooled, scratch
     "hs_attend": [
         *(_ptr, *(_i64,) * 3, _CACHE, _int, _ptr, _i64, *(ctypes.c_float,) * 2, _i64, _ptr),
-        _SCRATCH,
+        *(_int, _SCRATCH),
     ],
     # qkv, T, H, KV, hd, rope, slots, positions, cache, q_out
     "hs_rope_store": [*(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr), _CACHE, _ptr],

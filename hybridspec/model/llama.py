@@ -73,6 +73,7 @@ from hybridspec.model.runtime import (
     SlotRuntime,
     read_batch,
 )
+from hybridspec.model.threads import kernel_forward
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -189,6 +190,7 @@ class LlamaRuntime(SlotRuntime):
                 kernel_layer(m, i, dims, activation, wqkv.kernel, pairs[rope], layouts[i])
                 for i, (m, rope) in enumerate(zip(matrices, ropes, strict=True))
             )
+            kernel_forward()
             return LayerStack(in_kernel, self._kernel_attention)
         in_torch = tuple(
             torch_layer(m, i, rope, dims, activation)
@@ -242,9 +244,12 @@ class LlamaRuntime(SlotRuntime):
             x = x[host.logits_indices.to(device, non_blocking=True)]
         return ForwardOutput(self._lm_head(x), hidden_states)  # [num_logits, V]
 
-    def _kernel_attention(self, host: HostBatch, starts: list[int]) -> KernelAttention:
-        """The row-invariant attention for this batch: all the block kernel's layers read."""
-        return KernelAttention(self._spans(host, starts), self._attention_kernel)
+    def _kernel_attention(
+        self, host: HostBatch, starts: list[int], pooled: bool = True
+    ) -> KernelAttention:
+        """The row-invariant attention for this batch: all the block kernel's layers read (on
+        the kernel's own threads, as their matmuls are; torch's layers pass ``pooled=False``)."""
+        return KernelAttention(self._spans(host, starts), self._attention_kernel, pooled)
 
     def _spans(self, host: HostBatch, starts: list[int]) -> Spans:
         """This batch's sequences as attention sees them."""
@@ -254,7 +259,7 @@ class LlamaRuntime(SlotRuntime):
         """The attention for this batch and each rope table's rows of its positions."""
         slots, num_new = host.slots, host.num_new_tokens
         attention: Attention = (
-            self._kernel_attention(host, starts)
+            self._kernel_attention(host, starts, pooled=False)
             if self.invariant_attention
             else SdpaAttention(self._spans(host, starts))
         )

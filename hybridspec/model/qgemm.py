@@ -191,9 +191,11 @@ class Kernel:
         scale: float,
         softcap: float,
         window: int,
+        pooled: bool,
     ) -> torch.Tensor:
         """``attention_kernels.attend`` in C (csrc/attention.c, the same bits), for the runtime,
-        which builds every argument to fit: ``[T, H, hd]`` float32."""
+        which builds every argument to fit: ``[T, H, hd]`` float32. ``pooled``: on the kernel's
+        own threads, where the forward's matmuls are the kernel's too (else torch's threads)."""
         _, num_heads, head_dim = q.shape
         out = torch.empty_like(q)
         self._call(
@@ -210,6 +212,7 @@ class Kernel:
             softcap,
             window,
             out.data_ptr(),
+            int(pooled),
         )
         return out
 

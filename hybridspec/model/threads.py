@@ -75,14 +75,30 @@ def thread_controller(num_threads: int | Literal["auto"] | None) -> ThreadContro
 
 
 def wait_mode(passive: bool) -> None:
-    """Passive waits and balanced matmul tiles (``True``: the forward on a busy machine), or
-    spinning waits and fixed shares (``False``, the default: alone, neither costs anything)."""
-    passive_waits(passive)
+    """Passive waits (``True``: the forward on a busy machine: a waiting thread gives its core
+    up almost at once), or spinning waits (``False``, the default: alone, a wake-up at each of
+    a forward's calls would cost), for torch's OpenMP threads and the kernel library's own
+    (csrc/pool.c). Torch's stay passive once the kernel library runs a forward's matmuls
+    (``kernel_forward``)."""
+    passive_waits(passive or _kernel_forward.is_set())
     qgemm = sys.modules.get("hybridspec.model.qgemm")
     if qgemm is not None and qgemm.kernel.cache_info().currsize:  # loaded: never built here
         loaded = qgemm.kernel()
         if loaded is not None:
-            loaded.lib.hs_set_balance(int(passive))
+            loaded.lib.hs_set_passive(int(passive))
+
+
+_kernel_forward = threading.Event()  # set once a forward runs its matmuls in the kernel library
+
+
+def kernel_forward() -> None:
+    """Note that a forward's matmuls run in the kernel library, on its own threads: from then
+    on torch's OpenMP threads, which run only the small ops between its calls, wait passively
+    whatever the wait mode. A torch worker spinning after such an op would take the core that a
+    kernel worker spins or works on (alone on 2 cores, a 1B model decoded about 10% slower with
+    torch's waits spinning)."""
+    _kernel_forward.set()
+    passive_waits(True)
 
 
 _holder: threading.Event | None = None  # set to end the thread that holds passive waits

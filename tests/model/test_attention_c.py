@@ -10,6 +10,7 @@ multiples of 16, windows and soft-capping, and items of every length.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -100,13 +101,14 @@ def test_the_c_kernel_gives_the_numba_kernels_bits(
         q = torch.randn(sum(n for _, _, n in spans), heads, hd, generator=gen)
         expected = numba_attend(q, keys, values, items, scale, softcap, window)
         assert np.isfinite(expected).all()
-        for name, kernel in variants.items():
+        for (name, kernel), pooled in itertools.product(variants.items(), (False, True)):
             got = kernel.attend_unchecked(
-                q, kv, layout, dtype == torch.float32, items, scale, softcap, window
+                q, kv, layout, dtype == torch.float32, items, scale, softcap, window, pooled
             )
             assert np.array_equal(got.numpy().view(np.uint32), expected.view(np.uint32)), (
                 name,
                 spans,
+                pooled,
             )
 
 

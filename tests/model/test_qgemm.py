@@ -125,13 +125,11 @@ def test_every_instruction_set_path_and_thread_count_computes_the_same(
         torch.set_num_threads(1)
         assert variants[0].max_threads() == 1  # torch's OpenMP runtime, shared
         assert torch.equal(BlockLinear(w, variants[0])(x, residual=residual), outs[0])
-        torch.set_num_threads(2)  # tiles and activation rows in dynamic chunks (balanced)
+        torch.set_num_threads(2)  # tiles in chunks that either thread claims (pool.c)
         for k in variants:
-            k.lib.hs_set_balance(1)
-            try:
+            for passive in (1, 0):
+                k.lib.hs_set_passive(passive)
                 assert torch.equal(BlockLinear(k.pack(w), k)(x, residual=residual), outs[0])
-            finally:
-                k.lib.hs_set_balance(0)
     finally:
         torch.set_num_threads(threads)
 

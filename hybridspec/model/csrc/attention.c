@@ -26,6 +26,7 @@
 #include "cache_layout.h"
 #include "fastmath.h"
 #include "isa.h"
+#include "pool.h"
 #include "scratch.h"
 
 #define LANES 16
@@ -217,26 +218,52 @@ static void attend_item(const float *q, int64_t H, int64_t hd, int64_t rep,
     }
 }
 
+/* One hs_attend call's work, as the pool's chunks see it: one item a chunk (pool.h). */
+typedef struct {
+    const float *q;
+    int64_t H, hd, rep;
+    const cache_layout_t *cache;
+    int f32;
+    const int32_t *items;
+    float scale, softcap;
+    int64_t window;
+    float *out;
+    uint8_t *data; /* per_thread bytes per member */
+    int64_t per_thread;
+} attend_job_t;
+
+static void attend_chunk(void *ctx, int64_t it, int64_t member) {
+    const attend_job_t *j = ctx;
+    attend_item(j->q, j->H, j->hd, j->rep, j->cache, j->f32, j->items + it * IT_COLUMNS,
+                j->scale, j->softcap, j->window, j->data + member * j->per_thread, j->out);
+}
+
 /* Attention of the query rows named by ``items`` over one layer's cache (keys and values of
  * this forward already stored). q and out [T, H, hd] float32; query head h r + i reads key/value
  * head h (r = H / KV). ``f32``: the cache holds float32, else bfloat16 bits. ``scale``
  * multiplies the queries; ``softcap`` (0: none) caps the scores; ``window`` (0: none) is the
  * number of most recent keys a row attends, its own included. Each thread takes the largest
- * item's scratch. Returns 0, or HS_SCRATCH_SHORT (scratch.h) before any work. */
+ * item's scratch. ``pooled``: the items are the kernel's pool's chunks (pool.h), where the
+ * forward's matmuls run on the pool too; else OpenMP's (torch's) threads share them, where
+ * torch's matmuls run on those, so that the two teams never wait on the same cores. Returns 0,
+ * or HS_SCRATCH_SHORT (scratch.h) before any work. */
 int hs_attend(const float *q, int64_t H, int64_t KV, int64_t hd, const cache_layout_t *cache,
               int f32, const int32_t *items, int64_t num_items, float scale, float softcap,
-              int64_t window, float *out, hs_scratch_t *scratch) {
+              int64_t window, float *out, int pooled, hs_scratch_t *scratch) {
     int64_t rep = H / KV, per_thread = 0;
     for (int64_t it = 0; it < num_items; it++) {
         int64_t bytes = item_scratch(item_shape(items + it * IT_COLUMNS, rep, window), hd);
         per_thread = bytes > per_thread ? bytes : per_thread;
     }
     if (scratch_short(scratch, team_size() * per_thread)) return HS_SCRATCH_SHORT;
-    uint8_t *data = scratch->data;
+    attend_job_t job = {q, H, hd, rep, cache, f32, items, scale, softcap, window, out,
+                        scratch->data, per_thread};
+    if (pooled) {
+        pool_run(attend_chunk, &job, num_items);
+    } else {
 #pragma omp parallel for schedule(dynamic, 1) if (num_items > 1)
-    for (int64_t it = 0; it < num_items; it++)
-        attend_item(q, H, hd, rep, cache, f32, items + it * IT_COLUMNS, scale, softcap, window,
-                    data + team_member() * per_thread, out);
+        for (int64_t it = 0; it < num_items; it++) attend_chunk(&job, it, team_member());
+    }
     return 0;
 }
 

@@ -9,6 +9,50 @@
 #include "cache_layout.h"
 #include "fastmath.h"
 #include "matmul.h"
+#include "pool.h"
+
+/* One hs_rope_store call's work: one token a chunk (pool.h). */
+typedef struct {
+    const uint16_t *qkv;
+    int64_t H, KV, hd;
+    const float *rope;
+    const int64_t *slots, *positions;
+    const cache_layout_t *cache;
+    float *q_out;
+} rope_job_t;
+
+static void rope_store_token(void *ctx, int64_t t, int64_t member) {
+    const rope_job_t *j = ctx;
+    (void)member;
+    const cache_layout_t *cache = j->cache;
+    uint16_t *keys = cache->keys, *values = cache->values;
+    int64_t ks_slot = cache->ks_slot, ks_head = cache->ks_head, ks_dim = cache->ks_dim;
+    int64_t vs_slot = cache->vs_slot, vs_head = cache->vs_head, vs_pos = cache->vs_pos;
+    int64_t H = j->H, KV = j->KV, hd = j->hd, width = (H + 2 * KV) * hd, half = hd / 2;
+    const uint16_t *row = j->qkv + t * width;
+    int64_t slot = j->slots[t], pos = j->positions[t];
+    const float *cs = j->rope + pos * hd;
+    float *q_out = j->q_out;
+    for (int64_t h = 0; h < H + KV; h++) {
+        const uint16_t *x = row + h * hd;
+        for (int64_t i = 0; i < half; i++) {
+            float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
+            float c = cs[2 * i], s = cs[2 * i + 1];
+            float r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
+            if (h < H) {
+                q_out[(t * H + h) * hd + i] = r1;
+                q_out[(t * H + h) * hd + i + half] = r2;
+            } else {
+                uint16_t *k = keys + slot * ks_slot + (h - H) * ks_head + pos;
+                k[i * ks_dim] = f32_to_bf16(r1);
+                k[(i + half) * ks_dim] = f32_to_bf16(r2);
+            }
+        }
+    }
+    for (int64_t kv = 0; kv < KV; kv++)
+        memcpy(values + slot * vs_slot + kv * vs_head + pos * vs_pos,
+               row + (H + KV) * hd + kv * hd, sizeof(uint16_t) * (size_t)hd);
+}
 
 /* The attention's inputs from the fused q/k/v projection ``qkv [T, (H + 2 KV) hd]`` bfloat16:
  * q and k rotated by rope (rotate-half convention, float32: out[i] = x[i] c - x[i + hd/2] s,
@@ -19,34 +63,11 @@
 void hs_rope_store(const uint16_t *qkv, int64_t T, int64_t H, int64_t KV, int64_t hd,
                    const float *rope, const int64_t *slots, const int64_t *positions,
                    const cache_layout_t *cache, float *q_out) {
-    uint16_t *keys = cache->keys, *values = cache->values;
-    int64_t ks_slot = cache->ks_slot, ks_head = cache->ks_head, ks_dim = cache->ks_dim;
-    int64_t vs_slot = cache->vs_slot, vs_head = cache->vs_head, vs_pos = cache->vs_pos;
-    int64_t width = (H + 2 * KV) * hd, half = hd / 2;
-#pragma omp parallel for schedule(static) if (T > 16)
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *row = qkv + t * width;
-        int64_t slot = slots[t], pos = positions[t];
-        const float *cs = rope + pos * hd;
-        for (int64_t h = 0; h < H + KV; h++) {
-            const uint16_t *x = row + h * hd;
-            for (int64_t i = 0; i < half; i++) {
-                float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
-                float c = cs[2 * i], s = cs[2 * i + 1];
-                float r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
-                if (h < H) {
-                    q_out[(t * H + h) * hd + i] = r1;
-                    q_out[(t * H + h) * hd + i + half] = r2;
-                } else {
-                    uint16_t *k = keys + slot * ks_slot + (h - H) * ks_head + pos;
-                    k[i * ks_dim] = f32_to_bf16(r1);
-                    k[(i + half) * ks_dim] = f32_to_bf16(r2);
-                }
-            }
-        }
-        for (int64_t kv = 0; kv < KV; kv++)
-            memcpy(values + slot * vs_slot + kv * vs_head + pos * vs_pos,
-                   row + (H + KV) * hd + kv * hd, sizeof(uint16_t) * (size_t)hd);
+    rope_job_t job = {qkv, H, KV, hd, rope, slots, positions, cache, q_out};
+    if (T > 16) {
+        pool_run(rope_store_token, &job, T);
+    } else {
+        for (int64_t t = 0; t < T; t++) rope_store_token(&job, t, 0); /* a round's few tokens */
     }
 }
 

@@ -34,6 +34,10 @@
 
 #include "isa.h"
 #include "matmul.h"
+#include "pool.h"
+
+/* activations (T Kx values) that one thread prepares faster than it shares them out */
+#define SMALL_ACTIVATIONS 65536
 
 #if defined(HS_VNNI)
 #define TILE_T 16 /* rows of x against one tile of W in one pass: 32 vector registers */
@@ -62,16 +66,6 @@ const char *hs_isa(void) {
 }
 
 int hs_max_threads(void) { return (int)team_size(); }
-
-/* Whether matmul_run's threads take its tiles in small chunks as they come (1) or each an even
- * share fixed in advance (0, the default): ``hs_set_balance``. On a busy machine, where a
- * descheduled thread would keep its share to itself while the others wait at the barrier, the
- * running threads take the late one's tiles; alone, the fixed shares need no shared counter.
- * The tiles write disjoint outputs with the same sums whoever takes them: results do not
- * change. */
-static volatile int balance;
-
-void hs_set_balance(int on) { balance = on != 0; }
 
 /* a[:K] = the prologue of one row of activations, in float32. */
 static void prologue_row(const uint16_t *x, const float *x32, int64_t K, int prologue,
@@ -227,50 +221,73 @@ int64_t matmul_scratch(const qweight_t *w, int64_t T) {
     return lines(T * K) + lines(4 * T * G) + 2 * lines(4 * T * G * S) + team_size() * lines(4 * K);
 }
 
+/* One matmul_run call's work, as the pool's chunks see it (pool.h). */
+typedef struct {
+    const qweight_t *w;
+    const void *x;
+    int x_f32, prologue, kind;
+    int64_t Kx, T, height, chunk, tiles;
+    const uint16_t *norm_w, *residual;
+    float eps;
+    float *rows_a; /* one row of K floats per member, lines(4 K) apart */
+    int8_t *q;
+    float *dx, *sx;
+    int32_t *qs;
+    uint16_t *y;
+} matmul_job_t;
+
+/* Row ``t`` of the activations' codes and sums, in member's own prologue row. */
+static void activation_chunk(void *ctx, int64_t t, int64_t member) {
+    const matmul_job_t *j = ctx;
+    int64_t K = j->w->K;
+    activation_row(j->x, j->x_f32, j->Kx, K, t, j->prologue, j->norm_w, j->eps, j->w->group,
+                   j->rows_a + member * (lines(4 * K) / 4), j->q, j->dx, j->sx, j->qs);
+}
+
+/* Tiles [c chunk, (c + 1) chunk) of W against every row of x. */
+static void tile_chunk(void *ctx, int64_t c, int64_t member) {
+    const matmul_job_t *j = ctx;
+    (void)member;
+    int64_t end = (c + 1) * j->chunk < j->tiles ? (c + 1) * j->chunk : j->tiles;
+    for (int64_t b = c * j->chunk; b < end; b++)
+        tile_rows(j->w, j->kind, b, j->T, j->height, j->q, j->dx, j->sx, j->qs, j->residual, j->y);
+}
+
 /* y [T, N] = prologue(x) @ W.T (+ residual) (top of file). x [T, Kx] bfloat16 with Kx = K
  * (2 K for PRO_SILU_MUL), or float32 when x_f32 (not with PRO_SILU_MUL). ``scratch``: the
- * activations' codes and sums, and each thread's prologue row (``matmul_scratch`` bytes). */
+ * activations' codes and sums, and each member's prologue row (``matmul_scratch`` bytes).
+ *
+ * The rows of activations, then the tiles, are the pool's chunks (pool.h): whichever thread
+ * runs, the running ones take the others' tiles, and a tile's sums do not depend on who takes
+ * it. A few rows of activations (a decode or verify step's) run on the calling thread alone:
+ * fewer than a chunk's worth to share. */
 void matmul_run(const qweight_t *w, const void *x, int x_f32, int64_t T, int prologue,
                 const uint16_t *norm_w, float eps, const uint16_t *residual, uint16_t *y,
                 uint8_t *scratch) {
-    int group = w->group;
     int64_t N = w->N, K = w->K;
-    int64_t G = K / GS, S = GS / group, Kx = prologue == PRO_SILU_MUL ? 2 * K : K;
+    int64_t G = K / GS, S = GS / w->group, Kx = prologue == PRO_SILU_MUL ? 2 * K : K;
     int64_t tiles = (N + ROWS - 1) / ROWS;
     /* rows of x a pass over a tile takes: T in passes of equal heights up to TILE_T (17 rows:
      * 9 + 8, not 16 + 1, a pass of one row being the slowest per row) */
     int64_t passes = (T + TILE_T - 1) / TILE_T, height = (T + passes - 1) / passes;
-    int kind = kind_of(w);
-    int8_t *q = take(&scratch, T * K);
-    float *dx = take(&scratch, 4 * T * G), *sx = take(&scratch, 4 * T * G * S);
-    int32_t *qs = take(&scratch, 4 * T * G * S);
-    float *rows_a = (float *)scratch; /* one row of K floats per thread, lines(4 K) apart */
-    /* balanced: about 16 chunks a thread (1B decode: 4 tiles a take of the output projection's
-     * 128, 250 of the LM head's 8016) */
-    int dynamic = balance && team_size() > 1;
+    /* about 16 chunks a member (1B decode at 2 threads: 4 tiles a chunk of the output
+     * projection's 128, 250 of the LM head's 8016) */
     int64_t chunk = tiles / (16 * team_size());
     if (chunk < 1) chunk = 1;
-#pragma omp parallel
-    {
-        float *a = rows_a + team_member() * (lines(4 * K) / 4);
-        /* the rows of a prompt step's activations: balanced too, one row a take */
-        if (dynamic) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < T; t++)
-                activation_row(x, x_f32, Kx, K, t, prologue, norm_w, eps, group, a, q, dx, sx, qs);
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++)
-                activation_row(x, x_f32, Kx, K, t, prologue, norm_w, eps, group, a, q, dx, sx, qs);
-        }
-        if (dynamic) {
-#pragma omp for schedule(dynamic, chunk)
-            for (int64_t b = 0; b < tiles; b++) tile_rows(w, kind, b, T, height, q, dx, sx, qs, residual, y);
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < tiles; b++) tile_rows(w, kind, b, T, height, q, dx, sx, qs, residual, y);
-        }
+    matmul_job_t job = {.w = w, .x = x, .x_f32 = x_f32, .prologue = prologue, .kind = kind_of(w),
+                        .Kx = Kx, .T = T, .height = height, .chunk = chunk, .tiles = tiles,
+                        .norm_w = norm_w, .residual = residual, .eps = eps, .y = y};
+    job.q = take(&scratch, T * K);
+    job.dx = take(&scratch, 4 * T * G);
+    job.sx = take(&scratch, 4 * T * G * S);
+    job.qs = take(&scratch, 4 * T * G * S);
+    job.rows_a = (float *)scratch;
+    if (T * Kx <= SMALL_ACTIVATIONS) {
+        for (int64_t t = 0; t < T; t++) activation_chunk(&job, t, 0);
+    } else {
+        pool_run(activation_chunk, &job, T);
     }
+    pool_run(tile_chunk, &job, (tiles + chunk - 1) / chunk);
 }
 
 /* y [T, w->N] = prologue(x) @ W.T (+ residual) for one packed matrix ``w``: what the runtime

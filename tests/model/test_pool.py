@@ -1,0 +1,134 @@
+"""The kernel library's own threads (csrc/pool.c): each calling thread's team of workers, the
+chunks that any member may take with the same results, and the workers' lifetime (they end
+with their calling thread; a forked child starts its own)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridspec.model import qgemm
+from hybridspec.model.qgemm import BlockLinear, Kernel
+from tests.model.test_qgemm import activations, weight
+
+pytestmark = pytest.mark.skipif(qgemm.kernel() is None, reason="no C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Kernel:
+    built = qgemm.kernel()
+    assert built is not None
+    return built
+
+
+def test_callers_on_threads_of_their_own_share_out_their_chunks_alike(kernel: Kernel) -> None:
+    # 300 rows x 256 columns: the activation rows are chunks too (more than a thread's few)
+    linear = BlockLinear(kernel.pack(weight("4K", 333, 256, 0)), kernel)
+    shapes = [activations(1, 256, 1), activations(300, 256, 2), activations(9, 256, 3)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [linear(x) for x in shapes]
+    finally:
+        torch.set_num_threads(threads)
+    failures: list[str] = []
+
+    def caller(team: int) -> None:
+        torch.set_num_threads(team)
+        for turn in range(40):
+            kernel.lib.hs_set_passive(turn % 2)
+            for x, expected in zip(shapes, want, strict=True):
+                if not torch.equal(linear(x), expected):
+                    failures.append(f"team {team}, turn {turn}, rows {x.shape[0]}")
+
+    callers = [threading.Thread(target=caller, args=(team,)) for team in (2, 3, 2, 4)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join()
+    kernel.lib.hs_set_passive(0)
+    assert not failures
+
+
+LIFETIME = """
+import os
+import threading
+import time
+
+import torch
+
+from hybridspec.model import qgemm
+from hybridspec.model.qgemm import BlockLinear
+from tests.model.test_qgemm import activations, weight
+
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+
+def settle(count):  # a joined Python thread's OS thread may still be ending
+    for _ in range(500):
+        if tasks() == count:
+            break
+        time.sleep(0.01)
+    return tasks()
+
+
+kernel = qgemm.kernel()
+linear = BlockLinear(kernel.pack(weight("8", 512, 256, 0)), kernel)
+x = activations(2, 256, 1)
+torch.set_num_threads(1)
+want = linear(x)
+before = tasks()
+during = []
+
+
+def caller():
+    torch.set_num_threads(3)
+    assert torch.equal(linear(x), want)
+    during.append(tasks())
+
+
+thread = threading.Thread(target=caller)
+thread.start()
+thread.join()
+after = settle(before)
+torch.set_num_threads(2)
+assert torch.equal(linear(x), want)  # this thread's own workers
+pid = os.fork()
+if pid == 0:  # the child: the parent's workers are not here; it starts its own (1 of 2)
+    same = torch.equal(linear(x), want) and torch.equal(linear(x), want)
+    os._exit(1 if not same else 0 if tasks() == 2 else 2)
+for _ in range(600):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    status = -1
+print(during[0] - before, after - before, status)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="no /proc to count threads")
+def test_workers_end_with_their_calling_thread_and_a_forked_child_starts_its_own() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", LIFETIME],
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "4"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    during, after, child = map(int, out.stdout.split())
+    assert during >= 3  # the calling thread and its 2 workers
+    assert after == 0  # all three ended
+    assert child == 0  # the child computed the same, on a worker of its own
