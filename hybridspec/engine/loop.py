@@ -1,13 +1,13 @@
 """Runs an Engine on its own thread for asyncio callers (the HTTP server).
 
 The engine thread alone touches the engine, from its construction on when the loop is given a
-function that builds it (``EngineLoop.start``). The forward's OpenMP threads (torch's and the
-block kernel's) belong to the thread that runs a parallel region: GNU OpenMP keeps one team of
-workers per such thread, and once more threads are in teams than there are cores (an engine
-loaded and warmed up on the main thread, then stepped on this one: two teams on two cores)
-every worker sleeps at once between regions instead of spinning, so each of a forward's
-hundreds of regions waits for a futex wake. Building, warming and stepping on one thread keeps
-one team.
+function that builds it (``EngineLoop.start``). The forward's threads (torch's OpenMP threads
+and the kernel library's own, csrc/pool.c) belong to the thread that makes the parallel calls:
+each keeps one team of workers per such thread, and once more threads are in GNU OpenMP's teams
+than there are cores (an engine loaded and warmed up on the main thread, then stepped on this
+one: two teams on two cores) every OpenMP worker sleeps at once between regions instead of
+spinning, so each region waits for a futex wake. Building, warming and stepping on one thread
+keeps one team of each.
 
 Callers talk to it through an inbox of commands (add, abort) drained between steps, and
 receive each request's outputs on an asyncio queue of their own. Adding a request waits for the

@@ -17,17 +17,26 @@ in one thread), so a token's logits do not depend on how many drafts it is verif
 The C library, by concern: ``matmul.c`` (the matmul, its tiles per instruction set in
 ``matmul_tiles.h``), ``tiles.c`` (packing into tiles, rows read back), ``layer.c`` (a layer's
 fused calls: ``hs_attn_in`` with rope and the cache stores, ``hs_mlp_block``), ``attention.c``
-(with ``attention_tiles.h``), ``pack.c`` (a GGUF file's blocks into tiles), ``peak.c`` (the
-int8 peak ``bench.compute_bound`` measures), and the headers
-``isa.h`` (the one set of instruction-set macros), ``fastmath.h`` (conversions, the one exp),
-``scratch.h``, ``matmul.h``, ``cache_layout.h``, ``gguf_decode.h``. No call allocates: each
-takes the calling thread's scratch buffer (``kernel_abi.ThreadScratch``), which grows when a
-call reports it short and is then reused. Its ctypes interface is ``kernel_abi``.
+(with ``attention_tiles.h``), ``pool.c`` (the threads the calls above share their work on),
+``pack.c`` (a GGUF file's blocks into tiles), ``peak.c`` (the int8 peak
+``bench.compute_bound`` measures), and the headers ``isa.h`` (the one set of instruction-set
+macros), ``fastmath.h`` (conversions, the one exp), ``scratch.h``, ``matmul.h``, ``pool.h``,
+``cache_layout.h``, ``gguf_decode.h``. No call allocates (but a thread's first parallel call
+starts its workers): each takes the calling thread's scratch buffer
+(``kernel_abi.ThreadScratch``), which grows when a call reports it short and is then reused.
+Its ctypes interface is ``kernel_abi``.
 
-Loading: ``kernel_build`` compiles the library the first time it is needed. It links the
-OpenMP runtime that torch has loaded (same soname), so it runs on torch's threads and follows
-``torch.set_num_threads``. Where no compiler works, ``kernel()`` is None and quantized weights
-fall back to torch's int4 kernel (``quant_linear``); ``HYBRIDSPEC_QGEMM=0`` forces that.
+Threads: a forward's calls (the matmuls, rope and the cache stores, the attention) share
+their work on the library's own threads (``pool.c``): each calling thread has a team of
+workers, as many in all as ``torch.set_num_threads`` gives that thread, which claim the call's
+chunks one at a time, and a call waits only for the chunks that were claimed, so that on a
+busy machine a worker the OS descheduled with nothing in hand holds nobody up (OpenMP's
+regions end at a barrier every thread must reach). Packing a file's blocks runs on torch's
+OpenMP runtime, which the library links (the same soname).
+
+Loading: ``kernel_build`` compiles the library the first time it is needed. Where no compiler
+works, ``kernel()`` is None and quantized weights fall back to torch's int4 kernel
+(``quant_linear``); ``HYBRIDSPEC_QGEMM=0`` forces that.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """``--threads auto``: the forward's thread count, chosen from the cores the process may use and
 adapted to the load from measured step times.
 
-On a machine busy with other work a forward's parallel regions wait at every barrier for the
-worker the OS descheduled: on 2 cores with one other busy process, 2 threads decode at a third
-of 1 thread's rate. No fixed count is right both alone and under load, so ``ThreadController``
+On a machine busy with other work a forward's threads wait for the worker the OS descheduled:
+the kernel library's calls wait only for the chunks their workers took (csrc/pool.h), but a
+worker descheduled inside one holds the call up, and a spinning waiter keeps its core from the
+worker it waits for. No fixed count is right both alone and under load, so ``ThreadController``
 starts at every usable core and keeps measuring: now and then it runs a short window of steps
 at one thread fewer (or more), compares the window's mean step time with the current count's
 last two windows, and keeps the faster count only where it wins by a margin (hysteresis, so
@@ -25,17 +26,18 @@ when the load goes.
 
 Where the system tells (Linux' ``/proc/stat``: ``CoreRoom``), the controller also knows the
 cores other processes leave it, and never tries a spinning team larger than that room: beside
-two busy processes on 2 cores a spinning probe at 2 threads stalls each of a forward's hundreds
-of barriers for a scheduler slice, so that one step takes 50-100 decode rounds' time, while a
-passive probe costs about one round. The room is what other processes did, not how fast this
+two busy processes on 2 cores a spinning probe at 2 threads holds each of a forward's hundreds
+of calls for a scheduler slice whenever its worker is descheduled, while a passive probe costs
+about one round. The room is what other processes did, not how fast this
 one's steps ran, so it does not depend on the mode being judged. When the room shrinks below
 the spinning team (the load came), the same count waits passively from the next step on, not as
 a probe (the spinning steps before it are no baseline), and one thread fewer is probed a window
 later, kept where its window is faster at all (the passive waits are the room's guess, not a
 mode that won): which of the two wins depends on the load and the forward. Beside two busy
-processes on 2 cores a 1B model's decode rounds run about 1.5x faster at 2 passive threads than
-at 1 (a core's share against two thirds of one); beside one busy process about 7% slower (4/3 of
-a core's share in all, against a whole core for 1 thread). Where the room fits the spinning team
+processes on 2 cores a 1B model's decode rounds run about 1.35x faster at 2 passive threads
+than at 1 (a core's share against two thirds of one); beside one busy process about 10% faster
+(4/3 of a core's share in all, against a whole core for 1 thread, less the waits for a worker
+descheduled inside a chunk). Where the room fits the spinning team
 again before a probe has kept another mode, the waits spin again at once: a moment's work by
 another process does not leave a quiet machine's forward waiting passively. When the room grows
 to fit a spinning team again while fewer threads or passive waits are kept otherwise (the load
@@ -44,8 +46,8 @@ went), a spinning probe starts at once.
 The mode is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
 prompt fed whole in its first round), which takes many decode rounds' time, never runs at a
 probe's mode (``for_step``). Alone (the rounds spin at every core) it runs at the rounds' mode.
-On a busy machine its long matmul regions, whose tiles the running threads share out as they
-come (balanced tiles), gain from every core where a round's short ones lose: beside one busy
+On a busy machine its long matmul calls, whose tiles the running threads share out as they
+come, gain from every core where a round's short ones may lose: beside one busy
 process two threads get 4/3 of a core between them where one gets 1, beside two, 1 core where
 one gets 2/3. So there it runs at every core with passive waits, unless its measured prompt
 steps, per token (``observe_prompt``), are slower than those at the rounds' mode, which runs

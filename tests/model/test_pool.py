@@ -39,15 +39,17 @@ def test_callers_on_threads_of_their_own_share_out_their_chunks_alike(kernel: Ke
         torch.set_num_threads(threads)
     failures: list[str] = []
 
-    def caller(team: int) -> None:
-        torch.set_num_threads(team)
+    def caller(teams: tuple[int, ...]) -> None:
         for turn in range(40):
+            team = teams[turn % len(teams)]  # a smaller team leaves spare workers asleep
+            torch.set_num_threads(team)
             kernel.lib.hs_set_passive(turn % 2)
             for x, expected in zip(shapes, want, strict=True):
                 if not torch.equal(linear(x), expected):
                     failures.append(f"team {team}, turn {turn}, rows {x.shape[0]}")
 
-    callers = [threading.Thread(target=caller, args=(team,)) for team in (2, 3, 2, 4)]
+    teams = [(2,), (3,), (4, 2, 3, 1), (2, 4)]
+    callers = [threading.Thread(target=caller, args=(team,)) for team in teams]
     for thread in callers:
         thread.start()
     for thread in callers:

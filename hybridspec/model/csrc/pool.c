@@ -133,8 +133,9 @@ static void *worker(void *arg) {
     worker_arg_t *a = arg;
     pool_t *p = a->pool;
     uint32_t seen = a->epoch;
+    int spare = 0; /* the last job had no place for this member (a smaller team): sleep at once */
     for (;;) {
-        uint32_t e = spin_until(&p->epoch, seen, 0);
+        uint32_t e = spare ? seen : spin_until(&p->epoch, seen, 0);
         if (e == seen) {
             __atomic_add_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
             while ((e = __atomic_load_n(&p->epoch, __ATOMIC_SEQ_CST)) == seen)
@@ -144,6 +145,7 @@ static void *worker(void *arg) {
         if (__atomic_load_n(&p->quit, __ATOMIC_ACQUIRE)) return NULL;
         seen = e;
         work(p, e, a->member);
+        spare = a->member >= __atomic_load_n(&p->members, __ATOMIC_RELAXED);
     }
 }
 
