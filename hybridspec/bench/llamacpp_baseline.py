@@ -32,6 +32,7 @@ from typing import Any
 from hybridspec.bench.names import LLAMACPP_METHODS, LLAMACPP_PROMPT_LOOKUP
 from hybridspec.bench.records import Measurement, Speculation
 from hybridspec.errors import check
+from hybridspec.model.threads import openmp_defaults
 from hybridspec.types import SamplingParams
 
 # llama-cpp-python's prompt lookup matches n-grams of up to 2 tokens: its default, and
@@ -167,7 +168,10 @@ class LlamaCppMethod:
         # previous request and skip that part of prompt processing.
         self.llama.reset()
         self._first_token_at: float | None = None
-        generated, ended = self._generate(list(prompt_token_ids), options, max_new_tokens)
+        # ggml's OpenMP threads are torch's: OpenMP's own waits, as in a process of its own,
+        # not the passive ones this process's forward may hold (threads.kernel_forward)
+        with openmp_defaults():
+            generated, ended = self._generate(list(prompt_token_ids), options, max_new_tokens)
         elapsed = time.perf_counter() - start
         first = None if self._first_token_at is None else self._first_token_at - start
         fed = self._timer.input_tokens

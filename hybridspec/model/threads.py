@@ -15,10 +15,12 @@ runs on that thread.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -99,6 +101,20 @@ def kernel_forward() -> None:
     torch's waits spinning)."""
     _kernel_forward.set()
     passive_waits(True)
+
+
+@contextlib.contextmanager
+def openmp_defaults() -> Iterator[None]:
+    """GNU OpenMP's own waits (spinning) for the block inside, whatever the forward's wait mode,
+    restored after: for code that shares the runtime but should run as in a process of its own
+    (the bench's llama.cpp baseline, whose ggml runs on the same ``libgomp``)."""
+    held = _holder is not None
+    passive_waits(False)
+    try:
+        yield
+    finally:
+        if held:
+            passive_waits(True)
 
 
 _holder: threading.Event | None = None  # set to end the thread that holds passive waits
