@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridspec.model import qgemm
+from hybridspec.model import kernel_build, qgemm
 from hybridspec.model.qgemm import BlockLinear, Kernel
 from tests.model.test_qgemm import activations, weight
 
@@ -65,7 +65,7 @@ import time
 
 import torch
 
-from hybridspec.model import qgemm
+from hybridspec.model import kernel_build, qgemm
 from hybridspec.model.qgemm import BlockLinear
 from tests.model.test_qgemm import activations, weight
 
@@ -134,3 +134,46 @@ def test_workers_end_with_their_calling_thread_and_a_forked_child_starts_its_own
     assert during >= 3  # the calling thread and its 2 workers
     assert after == 0  # all three ended
     assert child == 0  # the child computed the same, on a worker of its own
+
+
+SLOW_WORKER = """
+import sys
+
+import torch
+
+from hybridspec.model.qgemm import BlockLinear, Kernel
+from tests.model.test_qgemm import activations, weight
+
+kernel = Kernel(sys.argv[1])
+small = BlockLinear(kernel.pack(weight("4", 32, 64, 0)), kernel)  # 2 tiles: 2 chunks
+large = BlockLinear(kernel.pack(weight("4", 1024, 64, 1)), kernel)  # 64 tiles: 32 chunks
+x = activations(1, 64, 2)
+torch.set_num_threads(1)
+want = small(x), large(x)
+torch.set_num_threads(2)
+for _ in range(1000):
+    assert torch.equal(small(x), want[0])
+    assert torch.equal(large(x), want[1])
+print("same")
+"""
+
+
+def test_a_worker_slow_between_reading_a_claim_and_taking_it_takes_nothing_of_the_next_call(
+    tmp_path: Path,
+) -> None:
+    # In the tests' build the worker sleeps after each read of the claim word, and the caller
+    # after writing a call's job, before it opens the claims: the worker often reads the next
+    # call's job (more chunks) with the last call's claim word (every chunk taken). It must not
+    # take a chunk with it: that chunk would be the next call's, done before the caller opened
+    # the call, and counted with its chunks, so that the caller returns with one still running
+    # or waits for ever.
+    path = kernel_build.build(("-DHS_POOL_DELAY_NS=30000",), tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", SLOW_WORKER, str(path)],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a chunk counted twice leaves the caller waiting for ever
+        check=True,
+    )
+    assert out.stdout.split() == ["same"]

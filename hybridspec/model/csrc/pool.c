@@ -1,13 +1,14 @@
 /* The kernel library's threads (pool.h): each calling thread's team of workers, and the claims
  * by which a call's chunks are shared out.
  *
- * A call (an epoch) publishes its job (function, context, chunks, members), then ``claim``:
- * epoch << 32 | the next chunk. A member takes a chunk by a compare-and-swap of ``claim`` from
- * the value it read to the next, and reads the job between the two: where the swap succeeds the
- * epoch has not moved on, so the job it read is this epoch's (a new job is written only once
- * every chunk of the last is done, so after every claim of it). A worker that wakes late finds
- * the epoch changed or every chunk taken and claims nothing. ``done`` counts finished chunks; the
- * caller returns when it reaches ``chunks``, and only then writes the next job.
+ * A call (an epoch) closes the last call's claims (``claim`` = epoch << 32 | CLOSED), writes its
+ * job (function, context, chunks, members), then opens ``claim``: epoch << 32 | the next chunk.
+ * A member takes a chunk by a compare-and-swap of ``claim`` from the value it read to the next,
+ * and reads the job between the two: where the swap succeeds the claim word has not changed, so
+ * the job it read is this epoch's (a new job is written only after ``claim`` is closed, and a
+ * claim word never takes a value twice). A worker that wakes late finds the epoch changed or
+ * every chunk taken and claims nothing. ``done`` counts finished chunks; the caller returns when
+ * it reaches ``chunks``, and only then starts the next call.
  *
  * Waits spin, then sleep on a futex: a worker waits for the next epoch, the caller for the last
  * claimed chunks. How long they spin is the wait mode (``hs_set_passive``): alone, long enough
@@ -34,6 +35,7 @@
 #include "scratch.h"
 
 #define MAX_WORKERS 255
+#define CLOSED 0xffffffffu /* a claim word's chunk while its job is being written: none left */
 #define SPIN_NS 2000000 /* spinning waits: 2 ms, past the gap between two decode rounds */
 #define PASSIVE_SPIN_NS 20000 /* passive waits: 20 us, a sleep's cost, then the core is given up */
 
@@ -111,14 +113,20 @@ static void work(pool_t *p, uint32_t epoch, int64_t member) {
     uint64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
     for (;;) {
         if ((uint32_t)(c >> 32) != epoch) return;
+#if defined(HS_POOL_DELAY_NS) /* the tests' build: a worker slow to read the job */
+        if (member) nanosleep(&(struct timespec){0, HS_POOL_DELAY_NS}, NULL);
+#endif
         pool_fn fn = __atomic_load_n(&p->fn, __ATOMIC_RELAXED);
         void *ctx = __atomic_load_n(&p->ctx, __ATOMIC_RELAXED);
         int64_t chunks = __atomic_load_n(&p->chunks, __ATOMIC_RELAXED);
         int64_t members = __atomic_load_n(&p->members, __ATOMIC_RELAXED);
         int64_t chunk = (int64_t)(uint32_t)c;
         if (chunk >= chunks || member >= members) return;
-        /* the job read above is this epoch's only where claim has not changed since */
-        if (!__atomic_compare_exchange_n(&p->claim, &c, c + 1, 0, __ATOMIC_ACQ_REL,
+        /* the job read above is this epoch's only where claim has not changed since (the
+         * fences: a job read here that the caller wrote after closing the claims means the
+         * swap sees them closed) */
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        if (!__atomic_compare_exchange_n(&p->claim, &c, c + 1, 0, __ATOMIC_SEQ_CST,
                                          __ATOMIC_ACQUIRE))
             continue; /* c now holds claim's value */
         fn(ctx, chunk, member);
@@ -204,12 +212,19 @@ void pool_run(pool_fn fn, void *ctx, int64_t chunks) {
         for (int64_t c = 0; c < chunks; c++) fn(ctx, c, 0);
         return;
     }
-    p->fn = fn;
-    p->ctx = ctx;
-    p->chunks = chunks;
-    p->members = members;
-    __atomic_store_n(&p->done, 0, __ATOMIC_RELAXED);
+    /* close the last job's claims first: a member that read its claim word (every chunk taken)
+     * and then this job's count would otherwise take a chunk that is not there */
     uint32_t e = p->epoch + 1;
+    __atomic_store_n(&p->claim, (uint64_t)e << 32 | CLOSED, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    __atomic_store_n(&p->fn, fn, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->ctx, ctx, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->chunks, chunks, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->members, members, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->done, 0, __ATOMIC_RELAXED);
+#if defined(HS_POOL_DELAY_NS) /* the tests' build: a caller slow to open the claims */
+    nanosleep(&(struct timespec){0, HS_POOL_DELAY_NS}, NULL);
+#endif
     __atomic_store_n(&p->claim, (uint64_t)e << 32, __ATOMIC_RELEASE);
     publish(p, e);
     work(p, e, 0);
