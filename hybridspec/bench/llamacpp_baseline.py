@@ -32,7 +32,7 @@ from typing import Any
 from hybridspec.bench.names import LLAMACPP_METHODS, LLAMACPP_PROMPT_LOOKUP
 from hybridspec.bench.records import Measurement, Speculation
 from hybridspec.errors import check
-from hybridspec.model.threads import openmp_defaults
+from hybridspec.model import openmp_defaults
 from hybridspec.types import SamplingParams
 
 # llama-cpp-python's prompt lookup matches n-grams of up to 2 tokens: its default, and

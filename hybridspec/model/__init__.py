@@ -27,7 +27,12 @@ if TYPE_CHECKING:
         synchronize,
     )
     from hybridspec.model.thread_policy import ThreadController
-    from hybridspec.model.threads import num_threads, set_num_threads, thread_controller
+    from hybridspec.model.threads import (
+        num_threads,
+        openmp_defaults,
+        set_num_threads,
+        thread_controller,
+    )
     from hybridspec.model.timing import (
         fastest_forward_seconds,
         median_forward_seconds,
@@ -58,6 +63,7 @@ __all__ = [
     "load_model",
     "median_forward_seconds",
     "num_threads",
+    "openmp_defaults",
     "quantize",
     "rope_cos_sin",
     "rope_inv_freq",
@@ -86,7 +92,12 @@ __getattr__, __dir__ = lazy_exports(
             "synchronize",
         ),
         "hybridspec.model.thread_policy": ("ThreadController",),
-        "hybridspec.model.threads": ("num_threads", "set_num_threads", "thread_controller"),
+        "hybridspec.model.threads": (
+            "num_threads",
+            "openmp_defaults",
+            "set_num_threads",
+            "thread_controller",
+        ),
         "hybridspec.model.timing": (
             "fastest_forward_seconds",
             "median_forward_seconds",
