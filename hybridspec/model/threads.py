@@ -97,7 +97,7 @@ def kernel_forward() -> None:
     """Note that a forward's matmuls run in the kernel library, on its own threads: from then
     on torch's OpenMP threads, which run only the small ops between its calls, wait passively
     whatever the wait mode. A torch worker spinning after such an op would take the core that a
-    kernel worker spins or works on (alone on 2 cores, a 1B model decoded about 10% slower with
+    kernel worker spins or works on (alone on 2 cores, a 1B model decoded about 13% slower with
     torch's waits spinning)."""
     _kernel_forward.set()
     passive_waits(True)

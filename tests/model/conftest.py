@@ -43,3 +43,12 @@ def kernel_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Kerne
     with ThreadPoolExecutor(len(KERNEL_FLAGS)) as pool:
         paths = list(pool.map(build, KERNEL_FLAGS.values()))
     return {name: Kernel(path) for name, path in zip(KERNEL_FLAGS, paths, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Kernel:
+    """The runtime's kernel library (``qgemm.kernel()``), which the tests that use it need
+    built."""
+    built = qgemm.kernel()
+    assert built is not None
+    return built

@@ -4,9 +4,6 @@ with their calling thread; a forked child starts its own)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -16,15 +13,9 @@ import torch
 from hybridspec.model import kernel_build, qgemm
 from hybridspec.model.qgemm import BlockLinear, Kernel
 from tests.model.test_qgemm import activations, weight
+from tests.model.test_threads import run_script
 
 pytestmark = pytest.mark.skipif(qgemm.kernel() is None, reason="no C compiler")
-
-
-@pytest.fixture(scope="module")
-def kernel() -> Kernel:
-    built = qgemm.kernel()
-    assert built is not None
-    return built
 
 
 def test_callers_on_threads_of_their_own_share_out_their_chunks_alike(kernel: Kernel) -> None:
@@ -121,16 +112,8 @@ print(during[0] - before, after - before, status)
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="no /proc to count threads")
 def test_workers_end_with_their_calling_thread_and_a_forked_child_starts_its_own() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", LIFETIME],
-        cwd=Path(__file__).parents[2],
-        env={**os.environ, "OMP_NUM_THREADS": "4"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    during, after, child = map(int, out.stdout.split())
+    out = run_script(LIFETIME, OMP_NUM_THREADS="4")
+    during, after, child = map(int, out.split())
     assert during >= 3  # the calling thread and its 2 workers
     assert after == 0  # all three ended
     assert child == 0  # the child computed the same, on a worker of its own
@@ -168,12 +151,6 @@ def test_a_worker_slow_between_reading_a_claim_and_taking_it_takes_nothing_of_th
     # the call, and counted with its chunks, so that the caller returns with one still running
     # or waits for ever.
     path = kernel_build.build(("-DHS_POOL_DELAY_NS=30000",), tmp_path)
-    out = subprocess.run(
-        [sys.executable, "-c", SLOW_WORKER, str(path)],
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        timeout=60,  # a chunk counted twice leaves the caller waiting for ever
-        check=True,
-    )
-    assert out.stdout.split() == ["same"]
+    # a chunk counted twice leaves the caller waiting for ever: the timeout fails the test
+    out = run_script(SLOW_WORKER, str(path), timeout=60)
+    assert out.split() == ["same"]

@@ -30,13 +30,6 @@ pytestmark = pytest.mark.skipif(qgemm.kernel() is None, reason="no C compiler")
 
 
 @pytest.fixture(scope="module")
-def kernel() -> Kernel:
-    built = qgemm.kernel()
-    assert built is not None
-    return built
-
-
-@pytest.fixture(scope="module")
 def variants(kernel_variants: dict[str, Kernel]) -> list[Kernel]:
     """The kernel built for each of its matmul's instruction-set paths (VNNI, AVX-512 without
     it, portable C), the runtime's build first."""

@@ -10,6 +10,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+
+def run_script(script: str, *args: str, timeout: int = 300, **env: str) -> str:
+    """``script`` run by this Python in a process of its own, from the repository's root, with
+    ``env`` added to the environment: its standard output."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
+    return done.stdout
+
+
 SET_BEFORE_IMPORT = """
 import sys
 import threading
@@ -35,16 +51,8 @@ print(other[0], numba.get_num_threads(), torch.get_num_threads())
 
 
 def test_numba_imported_after_the_count_takes_the_calling_threads_count() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", SET_BEFORE_IMPORT],
-        cwd=Path(__file__).parents[2],
-        env={**os.environ, "NUMBA_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    assert out.stdout.split() == ["1", "1", "2", "2", "2"]
+    out = run_script(SET_BEFORE_IMPORT, NUMBA_NUM_THREADS="2", OMP_NUM_THREADS="2")
+    assert out.split() == ["1", "1", "2", "2", "2"]
 
 
 PASSIVE_WAITS = """
@@ -80,17 +88,9 @@ print(alone, held - alone, settle(lambda n: n == alone) - alone)
 
 
 def test_passive_waits_hold_a_sleeping_team_while_on_and_end_it_after() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", PASSIVE_WAITS],
-        cwd=Path(__file__).parents[2],
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    out = run_script(PASSIVE_WAITS, OMP_NUM_THREADS="2")
     # the holding thread and its team of the cores plus one (2 cores given: 3), then none
-    _, held, after = map(int, out.stdout.split())
+    _, held, after = map(int, out.split())
     assert held >= 3
     assert after == 0
 
@@ -111,18 +111,10 @@ print(again - alone, spinning - alone, inside - alone, settle(lambda n: n >= alo
 
 
 def test_once_the_kernel_runs_the_forward_torchs_waits_stay_passive_but_for_llamacpps() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", KERNEL_FORWARD],
-        cwd=Path(__file__).parents[2],
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    out = run_script(KERNEL_FORWARD, OMP_NUM_THREADS="2")
     # held again by kernel_forward, and still held after spinning waits were asked for; let go
     # inside openmp_defaults (the bench's llama.cpp runs), and held again after it
-    held, after_spinning, inside, after = map(int, out.stdout.split())
+    held, after_spinning, inside, after = map(int, out.split())
     assert held >= 3
     assert after_spinning >= 3
     assert inside == 0
