@@ -4,6 +4,7 @@ with their calling thread; a forked child starts its own)."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from pathlib import Path
 
@@ -119,38 +120,67 @@ def test_workers_end_with_their_calling_thread_and_a_forked_child_starts_its_own
     assert child == 0  # the child computed the same, on a worker of its own
 
 
-SLOW_WORKER = """
-import sys
+SLOW_WORKER = r"""
+#include <omp.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
 
-import torch
+#include "pool.h"
 
-from hybridspec.model.qgemm import BlockLinear, Kernel
-from tests.model.test_qgemm import activations, weight
+static int runs[32];
+static long by_workers;
 
-kernel = Kernel(sys.argv[1])
-small = BlockLinear(kernel.pack(weight("4", 32, 64, 0)), kernel)  # 2 tiles: 2 chunks
-large = BlockLinear(kernel.pack(weight("4", 1024, 64, 1)), kernel)  # 64 tiles: 32 chunks
-x = activations(1, 64, 2)
-torch.set_num_threads(1)
-want = small(x), large(x)
-torch.set_num_threads(2)
-for _ in range(1000):
-    assert torch.equal(small(x), want[0])
-    assert torch.equal(large(x), want[1])
-print("same")
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static void chunk(void *ctx, int64_t c, int64_t member) {
+    (void)ctx;
+    for (double start = now(); now() - start < 150e-6;) {
+    } /* a tile's time: longer than the slowed worker's claim, which then takes chunks */
+    __atomic_add_fetch(&runs[c], 1, __ATOMIC_SEQ_CST);
+    if (member) __atomic_add_fetch(&by_workers, 1, __ATOMIC_SEQ_CST);
+}
+
+int main(void) {
+    omp_set_num_threads(2); /* the caller and one worker */
+    for (int call = 0; call < 1000; call++) {
+        int64_t chunks = call % 2 ? 32 : 2; /* the next call has more chunks than the last */
+        memset(runs, 0, sizeof runs);
+        pool_run(chunk, NULL, chunks);
+        for (int64_t c = 0; c < 32; c++) {
+            if (runs[c] != (c < chunks)) {
+                printf("call %d: chunk %ld ran %d times\n", call, (long)c, runs[c]);
+                return 1;
+            }
+        }
+    }
+    printf("%ld\n", by_workers);
+    return 0;
+}
 """
 
 
 def test_a_worker_slow_between_reading_a_claim_and_taking_it_takes_nothing_of_the_next_call(
     tmp_path: Path,
 ) -> None:
-    # In the tests' build the worker sleeps after each read of the claim word, and the caller
-    # after writing a call's job, before it opens the claims: the worker often reads the next
-    # call's job (more chunks) with the last call's claim word (every chunk taken). It must not
-    # take a chunk with it: that chunk would be the next call's, done before the caller opened
-    # the call, and counted with its chunks, so that the caller returns with one still running
-    # or waits for ever.
-    path = kernel_build.build(("-DHS_POOL_DELAY_NS=30000",), tmp_path)
-    # a chunk counted twice leaves the caller waiting for ever: the timeout fails the test
-    out = run_script(SLOW_WORKER, str(path), timeout=60)
-    assert out.split() == ["same"]
+    # Built with pool.c's test delays: the worker sleeps after each read of the claim word, and
+    # the caller after writing a call's job, before it opens the claims. The worker then often
+    # reads the next call's job (more chunks) with the last call's claim word (every chunk
+    # taken). It must not take a chunk with it: that chunk would be the next call's, run before
+    # the caller opened the call and again after (the driver counts each chunk's runs), or
+    # counted with its chunks so that the caller waits for ever (the timeout fails the test).
+    cc = kernel_build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    csrc = Path(qgemm.__file__).parent / "csrc"
+    (tmp_path / "driver.c").write_text(SLOW_WORKER)
+    program = tmp_path / "driver"
+    build = [cc, "-O2", "-fopenmp", "-DHS_POOL_DELAY_NS=30000", f"-I{csrc}", "-o", str(program)]
+    subprocess.run([*build, str(tmp_path / "driver.c"), str(csrc / "pool.c")], check=True)
+    done = subprocess.run([program], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout
+    assert int(done.stdout) > 0  # the worker took chunks: the calls ran on the pool
