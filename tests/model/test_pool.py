@@ -174,8 +174,7 @@ def test_a_worker_slow_between_reading_a_claim_and_taking_it_takes_nothing_of_th
     # the caller opened the call and again after (the driver counts each chunk's runs), or
     # counted with its chunks so that the caller waits for ever (the timeout fails the test).
     cc = kernel_build.compiler()
-    if cc is None:
-        pytest.skip("no C compiler")
+    assert cc is not None  # the module's tests run where the library was built
     csrc = Path(qgemm.__file__).parent / "csrc"
     (tmp_path / "driver.c").write_text(SLOW_WORKER)
     program = tmp_path / "driver"

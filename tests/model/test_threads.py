@@ -11,16 +11,16 @@ import sys
 from pathlib import Path
 
 
-def run_script(script: str, *args: str, timeout: int = 300, **env: str) -> str:
+def run_script(script: str, **env: str) -> str:
     """``script`` run by this Python in a process of its own, from the repository's root, with
     ``env`` added to the environment: its standard output."""
     done = subprocess.run(
-        [sys.executable, "-c", script, *args],
+        [sys.executable, "-c", script],
         cwd=Path(__file__).parents[2],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=300,
         check=True,
     )
     return done.stdout
