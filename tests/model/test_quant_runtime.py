@@ -5,6 +5,7 @@ proposer alone and in mixed batches with a quantized target."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from gguf import GGMLQuantizationType
 from hybridspec import DraftConfig, Engine, EngineConfig, GenerationParams, ModelConfig
 from hybridspec.errors import ModelLoadError
 from hybridspec.model import LlamaWeights, load_model, qgemm
+from hybridspec.model import loader as loader_module
 from hybridspec.model.gguf_rows import MappedRows
 from hybridspec.model.llama import LlamaRuntime
 from hybridspec.model.loader import resolve_quantize
@@ -169,6 +171,29 @@ def test_a_gguf_file_keeps_its_blocks_through_loading_and_the_cache(
     reference.allocate()
     want = reference.forward(ForwardBatch.from_lists([0], ids)).logits
     assert relative_error(logits, want) < 5e-2
+
+
+@pytest.mark.parametrize(
+    ("native_bf16", "isa", "want"),
+    [
+        (True, "avx512vnni", "gguf"),
+        (False, "avx2", "gguf"),  # the vector dots run without native bfloat16 (an AVX2 CPU)
+        (True, "portable", "gguf"),
+        (False, "portable", "none"),  # neither: dequantized, as torch runs it
+        (False, None, "none"),  # no kernel
+    ],
+)
+def test_auto_keeps_blocks_where_the_kernel_has_vector_dots_or_bf16_is_native(
+    monkeypatch: pytest.MonkeyPatch, native_bf16: bool, isa: str | None, want: str
+) -> None:
+    fake = SimpleNamespace(isa=isa)  # what ``resolve_quantize`` reads of a kernel
+    monkeypatch.setattr(loader_module, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(qgemm, "kernel", lambda: None if isa is None else fake)
+    cpu = torch.device("cpu")
+    assert resolve_quantize("auto", "auto", cpu, True) == want
+    assert resolve_quantize("auto", "bfloat16", cpu, True) == want
+    assert resolve_quantize("auto", "auto", cpu, False) == "none"  # not a GGUF file
+    assert resolve_quantize("auto", "auto", torch.device("cuda"), True) == "none"
 
 
 def test_quantize_resolution_and_refusals() -> None:
