@@ -238,8 +238,7 @@ def resolve_quantize(quantize: str, dtype: str, device: torch.device, is_gguf: b
     default) keeps a GGUF file's blocks where the block kernel builds and either the CPU has
     native bfloat16 or the kernel has its vector dots (``qgemm.Kernel.isa`` AVX2 or better): a
     CPU without native bfloat16 only converts the activations, while dequantizing reads 4-8
-    times the bytes a token (an AVX2 CPU ran the embedded file 7x faster on its blocks); "gguf"
-    for a checkpoint that is not a GGUF file is an error.
+    times the bytes a token; "gguf" for a checkpoint that is not a GGUF file is an error.
     """
     if quantize == "none":
         return quantize
