@@ -79,8 +79,18 @@ lint: $(RAY_STAMP)
 	$(BIN)/python -m ruff check hybridspec tests examples benchmarks
 	$(BIN)/python -m mypy --num-workers 2
 
-test: lint
+# Two passes: the suite on TEST_WORKERS workers, each pinned to a core of its own
+# (tests/xdist_cores.py), a file's tests on one worker; then the tests marked serial (they time
+# something or need every core), alone. Every process the tests start (workers, servers, CLIs)
+# keeps its bytecode in .venv/pycache, even where PYTHONDONTWRITEBYTECODE is set (the install
+# writes none): each would otherwise compile torch's and transformers' sources again.
+TEST_WORKERS ?= 2
+PYTEST = env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache \
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test: lint
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(PYTEST) -m serial
 
 bench: $(STAMP)
 	$(BIN)/hybridspec bench

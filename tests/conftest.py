@@ -8,6 +8,9 @@ every logit nearly equal and comparisons weak), and norms are perturbed around 1
 
 from __future__ import annotations
 
+import tests.xdist_cores  # noqa: F401  (first: it pins an xdist worker before torch starts)
+
+# isort: split
 import importlib.metadata
 from collections.abc import Callable
 from pathlib import Path

@@ -31,7 +31,8 @@ from tests.server.conftest import free_port
 replicas = pytest.importorskip("hybridspec.deploy.replicas", exc_type=ImportError)
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.slow
+# Ray and two replicas, each a process of its own: the second pass of make test, with every core.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 STARTUP_TIMEOUT_S = 300.0
 RESTART_TIMEOUT_S = 180.0

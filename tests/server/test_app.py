@@ -108,6 +108,7 @@ def no_compile_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             process.wait()
 
 
+@pytest.mark.serial  # two cold starts side by side: one core each
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_requests_after_start_compile_nothing(no_compile_runs: Runs, dtype: str) -> None:
     directory, runs = no_compile_runs

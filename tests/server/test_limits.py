@@ -112,6 +112,7 @@ def stream_chunk_times(url: str, started: threading.Event) -> list[float]:
     return times
 
 
+@pytest.mark.serial  # times a stream's gaps and a refusal (pyproject: markers)
 @pytest.mark.usefixtures("frozen_heap")
 def test_sixteen_megabytes_are_refused_at_once_while_streams_flow(
     tiny_model: LoadedModel, tiny_model_dir: Path

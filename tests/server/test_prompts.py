@@ -108,6 +108,7 @@ def stream_chunk_times(url: str, index: int, started: threading.Event) -> list[f
     return times
 
 
+@pytest.mark.serial  # times a stream's gaps and a refusal (pyproject: markers)
 @pytest.mark.usefixtures("frozen_heap")
 def test_huge_prompts_are_refused_fast_while_streams_keep_flowing(
     tiny_model: LoadedModel, tiny_model_dir: Path

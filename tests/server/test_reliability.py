@@ -43,6 +43,9 @@ from tests.conftest import TINY_VOCAB_SIZE
 from tests.server.conftest import TINY_MAX_SEQ_LEN, TINY_MODEL_NAME, free_port
 from tests.server.test_hostile_inputs import CHAT_CASES
 
+# Each test times something (a gap, an exit, a deadline): run in make test's second pass, alone.
+pytestmark = pytest.mark.serial
+
 USER = [{"role": "user", "content": "Hi"}]
 SERVE_READY_TIMEOUT_S = 120.0  # a cold start loads torch and compiles the kernels
 # The canary's largest gap while hostile requests arrive: a step of the tiny model takes
