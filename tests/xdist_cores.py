@@ -19,7 +19,7 @@ def pin_worker() -> None:
         return
     cores = sorted(os.sched_getaffinity(0))
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= len(cores):
-        os.sched_setaffinity(0, {cores[int(worker[2:]) % len(cores)]})
+        os.sched_setaffinity(0, {cores[int(worker[2:])]})  # gw0 .. gw(N-1): N <= cores
 
 
 pin_worker()
