@@ -11,8 +11,9 @@ from __future__ import annotations
 import tests.xdist_cores  # noqa: F401  (first: it pins an xdist worker before torch starts)
 
 # isort: split
+import gc
 import importlib.metadata
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,15 @@ def save_tiny_llama(directory: Path, seed: int = 0, **overrides: Any) -> Path:
 
 
 TinyLlamaFactory = Callable[..., Path]
+
+
+@pytest.fixture(autouse=True)
+def _no_frozen_heap_left_behind() -> Iterator[None]:
+    """A test that starts the CLI in-process (``cli._start_up``) freezes the heap; unfrozen after
+    it, so that no later test on the same worker finds objects frozen that it did not freeze."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 
 @pytest.fixture
