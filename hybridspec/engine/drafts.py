@@ -1,13 +1,15 @@
 """How many drafts each decoding request asks for in a round (``DraftCounts.num_drafts``: its
-K, the room left, adaptive speculation). The proposer pool asks it per request while drafting;
-``Engine.step`` hands adaptive speculation the round's yield at the round's end."""
+K, the room left, adaptive speculation), and whether a paused one checks an unverified draft
+(``DraftCounts.shadow``: ``engine.speculation``, "Shadow probes"). The proposer pool asks both
+per request while drafting; ``Engine.step`` hands adaptive speculation the round's yield at the
+round's end."""
 
 from __future__ import annotations
 
 from hybridspec.engine.proposer_pool import ProposerPool
 from hybridspec.engine.request import Request
 from hybridspec.engine.row_costs import TimedForwardCost
-from hybridspec.engine.speculation import MeasuredPrice, SpeculationPolicy
+from hybridspec.engine.speculation import SHADOW_BUDGET, MeasuredPrice, SpeculationPolicy
 from hybridspec.proposers import Proposer
 
 
@@ -41,15 +43,30 @@ class DraftCounts:
         k = max(0, min(request.num_speculative_tokens, room, budget))
         if self.speculation is None or k == 0:
             return k
-        if request.speculation.paused > 0:  # asks for none, whatever the prices (unread)
+        state = request.speculation
+        if state.paused > 0 and not proposer.shadow_checked:  # none, whatever the prices
             return 0
         by_step = request.params.sampling.is_greedy or not proposer.samples_drafts
         per_token, per_round, measured = proposer.cost_per_token, 0.0, None
+        timed: tuple[float, float] | None = None
         if by_step and self.measure_proposer_costs:  # (a seeded sampled request: fixed)
             timed = self.proposers.costs.price(proposer, 1.0)  # (over 1 s: in seconds)
             fixed_s = self._forward_fixed_s(self.speculation)
             if timed is not None and fixed_s is not None and fixed_s > 0:
                 per_token, per_round = timed[0] / fixed_s, timed[1] / fixed_s
+        # shadow probes, where the proposer's one-draft call costs next to a forward's fixed
+        # part (its declared cost until its calls are timed)
+        state.shadows = (
+            by_step
+            and proposer.shadow_checked
+            and not proposer.samples_drafts
+            and per_token + per_round <= SHADOW_BUDGET
+        )
+        if state.shadows:
+            state.shadow_first()
+        if state.paused > 0:
+            return 0
+        if by_step and self.measure_proposer_costs:
             measured = self._measured(proposer, timed)
         return self.speculation.num_drafts(
             request.speculation,
@@ -58,6 +75,19 @@ class DraftCounts:
             proposer_cost_per_token=per_token,
             proposer_cost_per_round=per_round,
             measured=measured,
+        )
+
+    def shadow(self, request: Request) -> bool:
+        """Whether ``request`` asks its proposer for one unverified draft this round: it is
+        paused, its pause ends on a shadow probe's hit (``num_drafts`` decided it this round),
+        and it may still commit a token after this one."""
+        state = request.speculation
+        return (
+            self.speculation is not None
+            and state.shadows
+            and state.paused > 0
+            and request.params.max_new_tokens - request.num_generated > 1
+            and len(request.token_ids) < self.max_seq_len - 1
         )
 
     def _measured(

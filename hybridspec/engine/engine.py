@@ -239,7 +239,8 @@ class Engine:
         if self.thread_policy is not None:
             self.thread_policy.for_step(prefill=plan.feeds_prompt)
         started = time.perf_counter()
-        proposed = self.proposers.propose(plan.decode, self.draft_counts.num_drafts)
+        counts = self.draft_counts
+        proposed = self.proposers.propose(plan.decode, counts.num_drafts, counts.shadow)
         ended = [Ending(r, FinishReason.ERROR, error) for r, error in proposed.failed]
         drafts, prefill = proposed.drafts, plan.prefill
         if not drafts and not prefill:

@@ -216,27 +216,39 @@ class ProposerPool:
         return ProposerCatalog(proposers, dict(self._unavailable), *self._defaults)
 
     def propose(
-        self, decode: Sequence[Request], num_drafts: Callable[[Request, Proposer], int]
+        self,
+        decode: Sequence[Request],
+        num_drafts: Callable[[Request, Proposer], int],
+        shadow: Callable[[Request], bool] | None = None,
     ) -> Proposed:
         """Ask each proposer, once, for the drafts of all its requests in ``decode``.
 
         ``num_drafts(request, proposer)`` is how many drafts the request asks for this round;
-        a proposer none of whose requests asks for one is not called (its requests decode
-        plainly). Each call that asked for drafts is timed into ``costs``.
+        a request that asks for none but ``shadow(request)`` asks for one that is not verified
+        (``engine.speculation``, "Shadow probes"): its proposal decodes plainly, and the draft
+        waits in ``request.speculation.shadow`` for the round's token. A proposer none of whose
+        requests asks for a draft is not called (its requests decode plainly). Each call that
+        asked for drafts is timed into ``costs``.
         """
         groups: dict[int, list[Request]] = {}  # by the proposer's identity
         for request in decode:
             groups.setdefault(id(request.proposer), []).append(request)
+            request.speculation.shadow = None
         proposals: dict[int, Proposal] = {}
         failed: list[tuple[Request, str]] = []
         eos = frozenset(self._context.eos_token_ids)
         for requests in groups.values():
             proposer, name = requests[0].proposer, requests[0].proposer_name
+            counts = [num_drafts(r, proposer) for r in requests]
+            shadows = [
+                k == 0 and shadow is not None and shadow(r)
+                for r, k in zip(requests, counts, strict=True)
+            ]
             asks = [
                 ProposeRequest(
                     r.seq_id,
                     r.token_ids,
-                    num_drafts(r, proposer),
+                    1 if shadowed else k,
                     r.params.sampling,
                     r.generator,
                     len(r.prompt_token_ids),
@@ -244,7 +256,7 @@ class ProposerPool:
                     r.constraint,
                     uniform_key=r.uniform_key,
                 )
-                for r in requests
+                for r, k, shadowed in zip(requests, counts, shadows, strict=True)
             ]
             if not any(ask.max_num_drafts for ask in asks):  # (``Proposer``: the call skipped)
                 continue
@@ -257,9 +269,15 @@ class ProposerPool:
                     "proposer",
                     f"{name!r} returned {len(got)} proposals for {len(asks)} requests",
                 )
-                for ask, proposal in zip(asks, got, strict=True):
+                for r, ask, proposal, shadowed in zip(requests, asks, got, shadows, strict=True):
                     self._check(proposer, proposal, ask.max_num_drafts)
-                    proposals[ask.seq_id] = _allowed(proposal, ask.constraint)
+                    proposal = _allowed(proposal, ask.constraint)
+                    if shadowed:  # checked against the round's token, never verified
+                        r.speculation.shadow = (
+                            proposal.token_ids[0] if proposal.num_drafts else None
+                        )
+                    else:
+                        proposals[ask.seq_id] = proposal
                 self._time(proposer, requests, asks, got, seconds)
             except Exception as exc:
                 logger.exception("proposer %r failed", name)

@@ -159,7 +159,9 @@ class RoundRunner:
         ``logits`` [len(tokens), vocab_size]: the target's rows that produced ``tokens``;
         ``drafted_by``: the proposer whose drafts they are (``RequestOutput.drafted_by``)."""
         request.stats.record_round(num_drafts, num_accepted)
-        request.speculation.update(num_drafts, num_accepted, len(tokens))
+        shadow = request.speculation.shadow  # an unverified draft of a paused round
+        hit = None if shadow is None or not tokens else tokens[0] == shadow
+        request.speculation.update(num_drafts, num_accepted, len(tokens), hit)
         assert request.detokenizer is not None and request.slot is not None
         new_token_ids, consumed, reason = request.append(
             tokens, self.eos_token_ids, self.runtime.max_seq_len
@@ -174,8 +176,10 @@ class RoundRunner:
         self.runtime.truncate(request.slot, len(request.token_ids) - 1)
         hidden_states, hidden_position = request.features.take()
         try:
+            # a shadow's proposer learns whether its draft was kept, as if verified
+            kept = num_accepted if hit is None else int(hit)
             request.proposer.commit(
-                CommitInfo(request.seq_id, tokens, num_accepted, hidden_states, hidden_position)
+                CommitInfo(request.seq_id, tokens, kept, hidden_states, hidden_position)
             )
         except Exception as exc:
             logger.exception("proposer %r failed to commit", request.proposer_name)

@@ -57,6 +57,20 @@ The evidence's test keeps luck from pausing a request whose drafts pay: at alpha
 rounds in a row that keep nothing are common, and a pause then its probes cost more than they
 save; drafts that are never kept have no accepted evidence, and pause as before.
 
+Shadow probes: a proposer whose drafts cost next to nothing to make and whose ``propose``
+changes nothing that its ``commit`` does not settle (``Proposer.shadow_checked``: ``ngram``,
+``suffix``) is probed without a verify row. Each round of a pause, a request whose text does not
+depend on its drafts (``by_step``, below) asks it for one draft that is never verified, and
+checks it against the token the round commits, the target's own: greedy, that is exactly the
+check verification makes; sampled, the target's token equals a deterministic draft ``x`` with
+probability ``p(x)``, the chance that verification would keep it. A hit ends the pause as a kept
+probe does; a miss is counted as a rejected draft, and the pause goes on: such a pause is not
+counted down, and ends only on a hit. A request starts in such a pause, so that drafts that
+never pay cost no verify row at all (the first hit costs one round's drafts where they pay).
+The output is the target's whatever the shadows say: their drafts never reach a forward.
+Shadows run only while the proposer's measured time per call stays within ``SHADOW_BUDGET`` of
+a forward's fixed part (``engine.drafts``); beyond it pauses count down to probes as above.
+
 Measured costs: where a request's text does not depend on its drafts (``by_step``), the engine
 prices its round in measured seconds (``MeasuredPrice``): ``t(n)``, a target forward of ``n``
 rows, from the engine's timed forwards (``engine.row_costs``; a row's cost depends on how many
@@ -103,6 +117,7 @@ NET_DECAY = 0.8  # weight of a drafting round's net tokens after each later one
 MIN_ROUNDS = 3  # drafting rounds counted before a request may pause
 MIN_PAUSE = 2  # rounds of the first pause; each failed probe doubles it
 MAX_PAUSE = 256
+SHADOW_BUDGET = 0.01  # a shadow-checking proposer's call, at most, over a forward's fixed part
 PROBE_BUDGET = 0.005  # tokens a round that probing may cost at most, in the longest pause
 FIRST_PROBE_BUDGET = 0.05  # tokens a round that probing may cost at most, in any pause
 
@@ -122,16 +137,43 @@ class SpeculationState(AcceptanceEstimate):
     pause: int = MIN_PAUSE  # the next pause's length
     probing: bool = False  # the next drafting round is a probe after a pause
     pays_from: float = math.inf  # acceptance from which one draft pays (inf: the constant path)
+    # pauses end on a shadow probe's hit, not counted down (module docstring, "Shadow probes");
+    # set each round by ``engine.drafts``
+    shadows: bool = False
+    shadow: int | None = None  # this round's unverified draft, while paused
+    begun: bool = False  # a round has been counted
 
-    def update(self, num_drafts: int, num_accepted: int, num_committed: int) -> None:
-        """Learn from a round that proposed, accepted and committed so many tokens."""
-        self.observe(num_drafts, num_accepted)
+    def update(
+        self,
+        num_drafts: int,
+        num_accepted: int,
+        num_committed: int,
+        shadow_hit: bool | None = None,
+    ) -> None:
+        """Learn from a round that proposed, accepted and committed so many tokens;
+        ``shadow_hit``: whether the round's token matched its unverified draft, None where it
+        checked none."""
+        self.begun, self.shadow = True, None
+        if shadow_hit is not None:
+            self.observe(1, int(shadow_hit))
+        else:
+            self.observe(num_drafts, num_accepted)
         if num_committed > 0:
             self.last_committed, self.last_verified = num_committed, num_drafts + 1
         if self.paused > 0:
-            self.paused -= 1
+            if shadow_hit:  # as a kept probe: draft again, the next pause the shortest
+                self.paused, self.pause, self.probing = 0, MIN_PAUSE, False
+                self.net, self.rounds = 0.0, 0
+            elif not self.shadows:
+                self.paused -= 1
         elif num_drafts > 0:
             self._earned(num_accepted - num_drafts * self.draft_price - self.round_price)
+
+    def shadow_first(self) -> None:
+        """Start paused, a request whose pauses end on a shadow probe's hit (module
+        docstring, "Shadow probes")."""
+        if not self.begun and self.paused == 0:
+            self.paused = 1
 
     def _earned(self, tokens: float) -> None:
         """Count a drafting round's net tokens; pause where drafting does not pay (module

@@ -15,6 +15,11 @@ all in one forward. Its lifecycle per sequence:
    rejected;
 4. ``finish(seq_id)`` when the sequence ends, for whatever reason.
 
+A proposer that declares ``shadow_checked`` may also be asked, for a request that adaptive
+speculation paused, for one draft that is never verified: the round decodes plainly, and the
+commit's ``num_accepted`` says whether the target's token was that draft (1, with no bonus token
+after it) or not (0), as verification would have (``engine.speculation``, "Shadow probes").
+
 Only ``propose`` is required: the other three default to doing nothing, which suits a proposer
 that reads the whole committed context from ``ProposeRequest.token_ids`` each round.
 
@@ -142,6 +147,11 @@ class Proposer(ABC):
     # before it was asked: a grammar's forced tokens); one that declares False is asked for no
     # drafts in a round that has a prefix, as its drafts would follow the committed context.
     continues_prefix: bool = False
+    # True for a proposer whose drafts cost next to nothing to make and whose ``propose``
+    # changes no state that its ``commit`` does not settle: a paused request then checks one of
+    # its drafts each round against the target's own token, without a verify row (module
+    # docstring). Its drafts must be deterministic (``samples_drafts`` False).
+    shadow_checked: bool = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         """Refuse the attribute's old name, which the engine no longer reads: a proposer

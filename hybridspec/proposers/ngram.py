@@ -86,12 +86,14 @@ class NgramProposer(Proposer):
     Each started sequence holds one slot of a pool of preallocated tables; ``propose`` serves a
     whole batch with one compiled call. ``commit`` checks the tokens and keeps them; the tables
     learn them when the sequence is next proposed for (one compiled call for every round since,
-    so that rounds without drafts, in which the engine does not call ``propose``, cost none).
+    so that rounds in which the engine does not call ``propose``, without drafts or a shadow
+    probe, cost none).
     It continues a ``ProposeRequest.draft_prefix``: the prefix ends the context it matches, and
     what it copies or predicts follows it.
     """
 
     continues_prefix = True
+    shadow_checked = True  # a lookup in its tables; commit only appends the tokens
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)

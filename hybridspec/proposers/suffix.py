@@ -69,6 +69,7 @@ class SuffixProposer(Proposer):
     """Deterministic drafts from the sequence's own text and its pool (module docstring)."""
 
     continues_prefix = True
+    shadow_checked = True  # a lookup in its tables; commit learns the tokens and the draft's fate
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)

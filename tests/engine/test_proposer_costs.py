@@ -23,6 +23,7 @@ from hybridspec.engine.speculation import (
     SpeculationPolicy,
     SpeculationState,
 )
+from hybridspec.engine.stats import GenerationStats
 from hybridspec.model import LoadedModel
 from hybridspec.proposers import NoProposer, ProposerContext
 from hybridspec.types import CommitInfo
@@ -290,21 +291,95 @@ def test_engine_reset_forgets_the_measured_costs(target: LoadedModel) -> None:
 
 
 def test_a_paused_request_reads_no_price(target: LoadedModel) -> None:
-    """A paused request asks for no drafts without pricing its round: its pause is all that
-    decides it."""
+    """A paused request whose proposer is not shadow-checked asks for no drafts without
+    pricing its round: its pause is all that decides it."""
     engine = fixed_rows(make_engine(target, measure_proposer_costs=True))
-    ngram = engine.resolve_proposer("ngram")
+    answer = plain(engine, PROMPTS[0], 20)
+    engine.register_proposer("counting", lambda context: Counting(context, answer))
+    counting = engine.resolve_proposer("counting")
 
     class Counted(FixedCosts):
         calls = 0
 
         def price(self, proposer: Proposer, forward_s: float | None) -> tuple[float, float]:
-            Counted.calls += proposer is ngram
+            Counted.calls += proposer is counting
             return self.fixed
 
     engine.proposers.costs = Counted(0.0, 50.0)  # the first round pauses past the request's end
-    params = GenerationParams(max_new_tokens=20, proposer="ngram", num_speculative_tokens=4)
+    params = GenerationParams(max_new_tokens=20, proposer="counting", num_speculative_tokens=4)
     result = engine.generate(prompt_token_ids=PROMPTS[0], params=params)
-    assert result.token_ids == plain(engine, PROMPTS[0], 20)
+    assert result.token_ids == answer
     assert result.stats.draft_tokens_proposed == 0
     assert Counted.calls == 1
+
+
+class Shadowed(Counting):
+    """``Counting`` checked in shadow: its drafts are the target's own (``hits``) or a token
+    the target never commits there; each commit's ``num_accepted`` is kept."""
+
+    shadow_checked = True
+
+    def __init__(self, context: ProposerContext, answer: Sequence[int], hits: bool) -> None:
+        super().__init__(
+            context, answer if hits else [(t + 1) % context.vocab_size for t in answer]
+        )
+        self.kept: list[int] = []
+
+    def commit(self, info: CommitInfo) -> None:
+        super().commit(info)
+        self.kept.append(info.num_accepted)
+
+
+def shadowed_request(
+    engine: Engine, max_new_tokens: int, hits: bool
+) -> tuple[Shadowed, list[int], list[int], GenerationStats]:
+    """Run PROMPTS[1] greedily with a ``Shadowed`` proposer: the proposer, the request's
+    tokens, the target's own and the request's statistics."""
+    answer = plain(engine, PROMPTS[1], max_new_tokens)
+    built: list[Shadowed] = []
+
+    def build(context: ProposerContext) -> Shadowed:
+        built.append(Shadowed(context, answer, hits))
+        return built[-1]
+
+    engine.register_proposer("shadowed", build)
+    params = GenerationParams(
+        max_new_tokens=max_new_tokens, proposer="shadowed", num_speculative_tokens=4
+    )
+    result = engine.generate(prompt_token_ids=PROMPTS[1], params=params)
+    return built[-1], result.token_ids, answer, result.stats
+
+
+@pytest.mark.parametrize("hits", [True, False])
+def test_shadow_probes_verify_no_draft_until_one_would_be_kept(
+    target: LoadedModel, hits: bool
+) -> None:
+    """A shadow-checked proposer's request starts paused and asks for one unverified draft a
+    round; its commit says whether the target's token was that draft. Drafts that would be kept
+    end the pause at once and are verified from the next round on; drafts never kept cost no
+    verify row in the whole request. The text is the target's either way."""
+    engine = fixed_rows(make_engine(target, measure_proposer_costs=True))
+    engine.proposers.costs = FixedCosts(0.0, 0.0)
+    proposer, tokens, answer, stats = shadowed_request(engine, 40, hits)
+    assert tokens == answer
+    assert proposer.asked[0] == 1 and proposer.kept[0] == int(hits)  # the first round: a shadow
+    if hits:
+        assert max(proposer.asked[1:]) > 1  # drafting, verified, from the second round on
+        assert stats.draft_tokens_accepted == stats.draft_tokens_proposed > 0
+        return
+    assert stats.draft_tokens_proposed == 0  # never a verify row
+    assert proposer.asked[:-1] == [1] * (len(proposer.asked) - 1)  # a shadow each round
+    assert not any(proposer.kept)
+
+
+def test_a_proposer_dearer_than_the_shadow_budget_is_probed_with_verify_rows(
+    target: LoadedModel,
+) -> None:
+    """Where a shadow-checked proposer's call costs more than ``SHADOW_BUDGET`` of a forward,
+    its pauses count down to probes of one verified draft, as any proposer's do."""
+    engine = fixed_rows(make_engine(target, measure_proposer_costs=True))
+    engine.proposers.costs = FixedCosts(0.0, 2 * speculation.SHADOW_BUDGET)
+    proposer, tokens, answer, stats = shadowed_request(engine, 60, False)
+    assert tokens == answer
+    assert stats.draft_tokens_proposed > 0  # verified: its first rounds, then probes
+    assert 0 in proposer.asked  # paused rounds asked it for nothing

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hybridspec import EngineConfig, Proposal, Proposer, ProposeRequest
 from hybridspec.config import DEFAULT_VERIFY_TOKEN_COST, MAX_VERIFY_TOKEN_COST
 from hybridspec.engine.speculation import (
+    MAX_PAUSE,
     MIN_PAUSE,
     MIN_ROUNDS,
     PROBE_BUDGET,
@@ -73,6 +74,31 @@ def test_state_learns_and_decays_back_to_the_prior() -> None:
     for _ in range(60):  # rounds that proposed nothing carry no evidence: back to 0.5
         state.update(num_drafts=0, num_accepted=0, num_committed=1)
     assert state.rate == pytest.approx(0.5, abs=1e-4)
+
+
+def test_a_shadow_checked_pause_ends_on_a_hit_only() -> None:
+    """Shadow probes (``engine.speculation``): a fresh request starts paused; a miss is a
+    rejected draft and the pause is not counted down; a hit ends it as a kept probe does.
+    Without shadows the same pause counts down."""
+    state = SpeculationState(shadows=True)
+    state.shadow_first()
+    assert state.paused > 0
+    for _ in range(3 * MAX_PAUSE):
+        state.update(0, 0, 1, shadow_hit=False)
+    assert state.paused > 0 and state.rate < 0.2  # evidence of drafts that are not kept
+    missed = state.rate
+    state.update(0, 0, 1)  # a round without a shadow's draft (none matched): still paused
+    assert state.paused > 0
+    state.update(0, 0, 1, shadow_hit=True)
+    assert state.paused == 0 and not state.probing and state.pause == MIN_PAUSE
+    assert state.rate > missed
+    state.shadow_first()  # only before its first round
+    assert state.paused == 0
+    state.start_pause()
+    state.shadows = False  # the proposer's price went over the budget: counted down again
+    for _ in range(state.paused):
+        state.update(0, 0, 1)
+    assert state.paused == 0 and state.probing
 
 
 def test_drafts_priced_by_the_step_or_by_the_request_own_round() -> None:
