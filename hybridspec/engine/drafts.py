@@ -38,9 +38,7 @@ class DraftCounts:
         """Drafts to ask for this round: the request's K, shrunk so that committing k + 1 tokens
         fits the context and budget, then to what pays off (adaptive speculation), the proposer
         priced by its measured time where the request's text allows (``engine.speculation``)."""
-        room = self.max_seq_len - len(request.token_ids) - 1
-        budget = request.params.max_new_tokens - request.num_generated - 1
-        k = max(0, min(request.num_speculative_tokens, room, budget))
+        k = self._max_drafts(request)
         if self.speculation is None or k == 0:
             return k
         state = request.speculation
@@ -80,15 +78,21 @@ class DraftCounts:
     def shadow(self, request: Request) -> bool:
         """Whether ``request`` asks its proposer for one unverified draft this round: it is
         paused, its pause ends on a shadow probe's hit (``num_drafts`` decided it this round),
-        and it may still commit a token after this one."""
+        and it could ask for a draft (``_max_drafts``)."""
         state = request.speculation
         return (
             self.speculation is not None
             and state.shadows
             and state.paused > 0
-            and request.params.max_new_tokens - request.num_generated > 1
-            and len(request.token_ids) < self.max_seq_len - 1
+            and self._max_drafts(request) > 0
         )
+
+    def _max_drafts(self, request: Request) -> int:
+        """The request's K, shrunk so that committing k + 1 tokens fits the context and the
+        token budget."""
+        room = self.max_seq_len - len(request.token_ids) - 1
+        budget = request.params.max_new_tokens - request.num_generated - 1
+        return max(0, min(request.num_speculative_tokens, room, budget))
 
     def _measured(
         self, proposer: Proposer, timed: tuple[float, float] | None

@@ -219,7 +219,7 @@ class ProposerPool:
         self,
         decode: Sequence[Request],
         num_drafts: Callable[[Request, Proposer], int],
-        shadow: Callable[[Request], bool] | None = None,
+        shadow: Callable[[Request], bool],
     ) -> Proposed:
         """Ask each proposer, once, for the drafts of all its requests in ``decode``.
 
@@ -240,10 +240,7 @@ class ProposerPool:
         for requests in groups.values():
             proposer, name = requests[0].proposer, requests[0].proposer_name
             counts = [num_drafts(r, proposer) for r in requests]
-            shadows = [
-                k == 0 and shadow is not None and shadow(r)
-                for r, k in zip(requests, counts, strict=True)
-            ]
+            shadows = [k == 0 and shadow(r) for r, k in zip(requests, counts, strict=True)]
             asks = [
                 ProposeRequest(
                     r.seq_id,
