@@ -37,7 +37,10 @@ read from the server's ``/metrics`` (``hybridspec_engine_step_seconds_total``) b
 after: the library's own turns, seen from outside. The clients' wall clocks would count the
 other engine's turns. Those seconds leave out the server's work outside the engine thread
 (HTTP, the streams), as the library's leave out its caller's; a paired request's first token
-is not timed, for the same reason as the wall clock is not used.
+is not timed, for the same reason as the wall clock is not used. Before sending, the bench
+holds the server's steps until both loops' first requests (N each, or every request where
+there are fewer) are in (``/bench/hold``, ``engine.loop``), so that both engines start from a
+full queue, as the library's pair starts.
 
 Each request names its pass (``harness.pass_session``) as its ``user``, and the server keeps a
 ``suffix`` pool per user (``--suffix-isolation per-session``), as the library bench's engine
@@ -66,6 +69,7 @@ from hybridspec.errors import check
 from hybridspec.types import SamplingParams
 
 METRICS_PATH = "/metrics"
+HOLD_PATH = "/bench/hold"  # serve --bench-twin only
 STEP_SECONDS = "hybridspec_engine_step_seconds_total"  # by engine: main, twin
 MAIN, TWIN = "main", "twin"
 _Request = TypeVar("_Request")
@@ -121,6 +125,16 @@ def engine_step_seconds(url: str) -> dict[str, float]:
         for sample in family.samples
         if sample.name == STEP_SECONDS
     }
+
+
+def hold_steps(url: str, num_requests: int) -> None:
+    """Hold the twin-running server's steps until its engines hold ``num_requests`` requests
+    (``/bench/hold``)."""
+    body = json.dumps({"requests": num_requests}).encode()
+    headers = {"Content-Type": "application/json"}
+    request = urllib.request.Request(url + HOLD_PATH, body, headers, method="POST")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()
 
 
 def client_closed_loop(
@@ -275,6 +289,7 @@ class ServedMethod:
         )
         before = engine_step_seconds(self.url)
         check(TWIN in before, "methods", f"the server at {self.url} runs no twin (--bench-twin)")
+        hold_steps(self.url, 2 * min(concurrency, len(prompts)))
         with ThreadPoolExecutor(max_workers=2) as pool:
             loops = [
                 pool.submit(

@@ -16,6 +16,15 @@ any output. A caller that wants only a request's end (a response that is not str
 for ``final_only``: it gets the first output (its time to first token) and the final one (the
 whole result), not one per step, so that its event loop is not woken, and does not take the
 GIL and a core from the forward, on every round.
+
+A benchmark's pair (``serve --bench-twin``: a method's requests on the engine, ``none``'s on the
+twin, sent at once) starts from a hold (``EngineLoop.hold``): no engine steps until the engines
+hold every request of both loops. Without it the first request to arrive is stepped alone, its
+prefill a turn of its own while the others arrive, and the engine whose requests came first
+then prefills the rest a chunk at a time beside its decoding rows, while the other, whose
+requests all arrived during that turn, takes them in one batch: the two engines would start
+unlike, always the same one first, and the pair would compare their starts as well as their
+methods.
 """
 
 from __future__ import annotations
@@ -69,6 +78,12 @@ class _Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class _Hold:
+    num_requests: int
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class _Call:
     fn: Callable[[Engine], Any]
     done: asyncio.Future[Any]
@@ -118,10 +133,11 @@ class EngineLoop:
             build = engine
         self._twin: Engine | None = None
         self._on_step = on_step
-        self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _Hold | _Call | None] = queue.Queue()
         self._routes: dict[str, _Route] = {}
         num_engines = 1 if twin is None else 2
         self._turns = EngineTurns(num_engines)
+        self._hold: tuple[int, float] | None = None  # (requests, deadline): ``hold``
         # Each engine's seconds inside ``Engine.step`` since the loop began; read by other
         # threads (a float's read or write is atomic under the GIL).
         self.step_seconds = [0.0] * num_engines
@@ -219,6 +235,12 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    def hold(self, num_requests: int, timeout_s: float) -> None:
+        """Step no engine until the engines together hold ``num_requests`` requests, running or
+        waiting, or until ``timeout_s`` has passed (module docstring). Commands are handled in
+        order, so every request submitted after this call is added before a step."""
+        self._inbox.put(_Hold(num_requests, timeout_s))
+
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (the
         first engine's; ``engines`` gives the twin too, to read there)."""
@@ -248,7 +270,10 @@ class EngineLoop:
                 return
         engines = self.engines
         while not self._stopped:
-            self._drain(block=not any(e.has_unfinished() for e in engines))
+            idle = not any(e.has_unfinished() for e in engines)
+            self._drain(block=idle or self._holding(engines))
+            if self._holding(engines):
+                continue
             index = self._turns.next([e.has_unfinished() for e in engines])
             if self._stopped or index is None:
                 continue
@@ -276,7 +301,21 @@ class EngineLoop:
         except queue.Empty:
             return
 
-    def _handle(self, command: _Add | _Abort | _Call | None) -> None:
+    def _holding(self, engines: Sequence[Engine]) -> bool:
+        """Whether a ``hold`` still stops the steps; it ends once its requests are in, or
+        (with a warning) at its deadline."""
+        if self._hold is None:
+            return False
+        num_requests, deadline = self._hold
+        held = sum(e.num_running + e.num_waiting for e in engines)
+        if held < num_requests and time.perf_counter() < deadline:
+            return True
+        if held < num_requests:
+            logger.warning("held the steps for %d requests, %d came; stepping", num_requests, held)
+        self._hold = None
+        return False
+
+    def _handle(self, command: _Add | _Abort | _Hold | _Call | None) -> None:
         if isinstance(command, _Add):
             index = self._engine_for(command.params)
             try:
@@ -296,6 +335,8 @@ class EngineLoop:
             output = engine.abort(command.request_id)
             if output is not None:
                 self._deliver([output])
+        elif isinstance(command, _Hold):
+            self._hold = (command.num_requests, time.perf_counter() + command.timeout_s)
         elif isinstance(command, _Call):
             try:
                 result = command.fn(self.engine)

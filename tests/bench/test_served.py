@@ -91,6 +91,7 @@ def test_served_bench_records_every_trial_and_the_ratios_to_none(
     assert {row[3] for row in rows} == {"x1", "x2"}
     log = (out / "serve.log").read_text()
     assert "Traceback" not in log
+    assert "held the steps" not in log  # each pair's hold ended when both loops' requests were in
     url = report["meta"]["served"].split()[3]
     with pytest.raises(OSError):  # stopped when the bench ended
         urllib.request.urlopen(url + "/v1/models", timeout=2)

@@ -1,10 +1,15 @@
 """EngineLoop: a request's outputs reach its asyncio caller, every step's or (``final_only``)
 only the first and the final one, with the same result; a twin runs ``none``'s requests, the
-two engines by turns (``EngineTurns``, on given seconds, not timed)."""
+two engines by turns (``EngineTurns``, on given seconds, not timed), and a hold keeps both from
+stepping until its requests are in."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
+
+import pytest
 
 from hybridspec import Engine
 from hybridspec.engine import EngineLoop, GenerationParams, RequestOutput
@@ -116,3 +121,67 @@ def test_a_twin_runs_the_requests_for_none_and_steps_by_turns(
     expected, got, seconds = asyncio.run(run())
     assert got == expected
     assert all(s > 0 for s in seconds)
+
+
+def first_steps_under_hold(
+    engine: Engine, num_requests: int, timeout_s: float
+) -> tuple[list[int], list[tuple[int, ...]]]:
+    """A loop with a twin (of ``engine``'s weights), held for ``num_requests`` requests, then
+    sent an ``ngram`` request and a ``none`` one in turn: the requests both engines held at
+    each step's start, and the two texts."""
+    held: list[int] = []
+
+    def twin(first: Engine) -> Engine:
+        return make_engine(first.target)
+
+    async def run() -> list[tuple[int, ...]]:
+        loop = await EngineLoop.start(lambda: engine, twin=twin)
+        for e in loop.engines:
+            step = e.step
+
+            def counted(step: Callable[[], list[RequestOutput]] = step) -> list[RequestOutput]:
+                held.append(sum(x.num_running + x.num_waiting for x in loop.engines))
+                return step()
+
+            e.step = counted  # type: ignore[method-assign]
+        try:
+            loop.hold(num_requests, timeout_s)
+            streams = []
+            for proposer in ("ngram", "none"):
+                params = GenerationParams.create(
+                    max_new_tokens=6, ignore_eos=True, proposer=proposer
+                )
+                _, outputs = await loop.submit(PROMPT, params)  # accepted: added to its engine
+                streams.append(outputs)
+                await asyncio.sleep(0.05)  # time for a loop that does not hold to step
+            texts = []
+            for outputs in streams:
+                while not (output := await outputs.get()).finished:
+                    pass
+                assert output.result is not None
+                texts.append(tuple(output.result.token_ids))
+            return texts
+        finally:
+            loop.close()
+
+    texts = asyncio.run(run())
+    return held, texts
+
+
+def test_a_hold_steps_no_engine_until_its_requests_are_in(engine: Engine) -> None:
+    """The ``ngram`` request is added first, and no step runs until ``none``'s is in too: both
+    engines start from a full queue (module docstring). The hold ends there: the steps that
+    follow run as they would."""
+    held, texts = first_steps_under_hold(engine, 2, timeout_s=60.0)
+    assert held[0] == 2
+    assert texts[0] == texts[1]  # greedy: the same text from each engine
+
+
+def test_a_hold_ends_at_its_deadline_with_a_warning(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Held for 3 requests, 2 come: the steps start once the deadline passes, and say so."""
+    with caplog.at_level(logging.WARNING, logger="hybridspec.engine.loop"):
+        held, texts = first_steps_under_hold(engine, 3, timeout_s=0.3)
+    assert held[0] == 2 and texts[0] == texts[1]
+    assert "held the steps for 3 requests, 2 came" in caplog.text

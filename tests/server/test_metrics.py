@@ -3,6 +3,7 @@ bounded however clients call the server."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import re
@@ -222,3 +223,33 @@ def test_step_seconds_count_each_engine_and_a_twin_runs_none(make_app: AppFactor
         after_ngram = step_seconds()
         assert after_ngram["main"] > after_none["main"]
         assert after_ngram["twin"] == after_none["twin"]
+
+
+def test_a_bench_hold_is_a_twin_servers_route_and_ends_when_its_requests_are_in(
+    make_app: AppFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``/bench/hold`` (``serve --bench-twin`` only) checks its body like any route, and a hold
+    for one request ends when that request is in, not at its deadline (which would warn)."""
+    with TestClient(make_app()) as client:
+        response = client.post("/bench/hold", json={"requests": 1})
+        assert response.status_code == 404 and response.json()["error"]["message"]
+    with TestClient(make_app({"bench_twin": True})) as client:
+        for body, param in [
+            ({"requests": 0}, "requests"),
+            ({"requests": "2"}, None),
+            ({"requests": 2, "timeout_s": 0}, "timeout_s"),
+            ({"requests": 2, "timeout_s": 601}, "timeout_s"),
+            ({"requests": 2, "extra": 1}, None),
+        ]:
+            response = client.post("/bench/hold", json=body)
+            assert response.status_code == 400, body
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            if param is not None:
+                assert error["param"] == param
+        with caplog.at_level(logging.WARNING, logger="hybridspec.engine.loop"):
+            hold = {"requests": 1, "timeout_s": 5}
+            assert client.post("/bench/hold", json=hold).json() == hold
+            body = {"prompt": "hi", "max_tokens": 4, "proposer": "ngram"}
+            assert client.post("/v1/completions", json=body).status_code == 200
+        assert "held the steps" not in caplog.text

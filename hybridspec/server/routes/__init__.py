@@ -1,5 +1,6 @@
 """The app's routers, one per endpoint group: ``completions`` (``/v1/completions``,
-``/v1/chat/completions``), ``models`` (``/v1/models``), ``ops`` (``/health``, ``/metrics``),
+``/v1/chat/completions``), ``models`` (``/v1/models``), ``ops`` (``/health``, ``/metrics``,
+and ``/bench/hold`` under ``--bench-twin``),
 ``tokenize`` (``/tokenize``, ``/detokenize``), ``responses`` (``/v1/responses``) and
 ``playground`` (the page at ``/`` and ``/playground``)."""
 

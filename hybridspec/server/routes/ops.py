@@ -1,19 +1,22 @@
-"""Routes ``GET /health`` and ``GET /metrics``."""
+"""Routes ``GET /health``, ``GET /metrics`` and, under ``serve --bench-twin`` only, ``POST
+/bench/hold``: the bench's pairs hold the engine's steps until both loops' requests are in
+(``EngineLoop.hold``), ``{"requests": N, "timeout_s": S}`` (default 30 s, at most 600)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException
 from fastapi.responses import JSONResponse, Response
 
 from hybridspec.engine import Engine
 from hybridspec.engine.prefix_cache import PrefixCacheStats
+from hybridspec.errors import check
 from hybridspec.server.errors import error_response
 from hybridspec.server.metrics import CONTENT_TYPE
 from hybridspec.server.openapi import error_responses
-from hybridspec.server.protocol import Health
+from hybridspec.server.protocol import Health, JsonInt, _Body
 from hybridspec.server.state import ServerState, State
 
 logger = logging.getLogger(__name__)
@@ -21,6 +24,13 @@ logger = logging.getLogger(__name__)
 router = APIRouter(tags=["operations"])
 
 METRICS_SNAPSHOT_TIMEOUT_S = 1.0
+HOLD_TIMEOUT_S = 30.0  # the default of ``/bench/hold``'s timeout_s
+MAX_HOLD_TIMEOUT_S = 600.0
+
+
+class BenchHold(_Body):
+    requests: JsonInt
+    timeout_s: float = HOLD_TIMEOUT_S
 
 
 def _engine_state(engine: Engine) -> tuple[int, int, PrefixCacheStats]:
@@ -74,3 +84,19 @@ async def metrics_snapshot(state: ServerState) -> bytes:
         state.metrics.set_prefix_cache(cache)
     state.metrics.set_step_seconds(state.loop.step_seconds)
     return state.metrics.render()
+
+
+@router.post("/bench/hold", include_in_schema=False)
+async def bench_hold(body: BenchHold, state: State) -> JSONResponse:
+    """Hold the engines' steps until they hold ``requests`` requests (module docstring); a
+    server without a twin has no such route."""
+    if not state.config.bench_twin:
+        raise HTTPException(status_code=404, detail="Not Found")
+    check(body.requests >= 1, "requests", f"expected an integer >= 1, got {body.requests}")
+    check(
+        0 < body.timeout_s <= MAX_HOLD_TIMEOUT_S,
+        "timeout_s",
+        f"expected seconds in (0, {MAX_HOLD_TIMEOUT_S:g}], got {body.timeout_s}",
+    )
+    state.loop.hold(body.requests, body.timeout_s)
+    return JSONResponse({"requests": body.requests, "timeout_s": body.timeout_s})
