@@ -8,7 +8,8 @@ on ``app.state.server`` and logs one ``ready:`` line. Until then the server acce
 connection, so ``/health`` answers 200 only once the engine is warm. On shutdown it aborts
 whatever the engine still holds, stops the loop and closes the engine. With ``bench_twin``, the
 loop also builds the engine's twin (``twin_engine``), which runs the requests for ``none``, and
-the twin is warmed up, aborted and closed with it.
+the twin is warmed up, aborted and closed with it, and the app has the bench's ``/bench/hold``
+(``routes.ops``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from hybridspec.server.middleware import (
 from hybridspec.server.openapi import install_openapi
 from hybridspec.server.prompts import PromptEncoder, longest_token_chars
 from hybridspec.server.routes import ROUTERS
-from hybridspec.server.routes.ops import metrics_snapshot
+from hybridspec.server.routes.ops import bench_router, metrics_snapshot
 from hybridspec.server.state import ModelInfo, ServerState
 from hybridspec.server.tenants import KeyRing
 
@@ -166,6 +167,8 @@ def create_app(
     app.add_middleware(HeadMiddleware)
     for router in ROUTERS:
         app.include_router(router)
+    if server_config.bench_twin:
+        app.include_router(bench_router)
     install_openapi(app, api_key_required=bool(keys))
     return app
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from hybridspec.engine import Engine
@@ -86,12 +86,13 @@ async def metrics_snapshot(state: ServerState) -> bytes:
     return state.metrics.render()
 
 
-@router.post("/bench/hold", include_in_schema=False)
+# Included by the app under ``--bench-twin`` only: a server without a twin has no such route.
+bench_router = APIRouter(tags=["operations"], include_in_schema=False)
+
+
+@bench_router.post("/bench/hold")
 async def bench_hold(body: BenchHold, state: State) -> JSONResponse:
-    """Hold the engines' steps until they hold ``requests`` requests (module docstring); a
-    server without a twin has no such route."""
-    if not state.config.bench_twin:
-        raise HTTPException(status_code=404, detail="Not Found")
+    """Hold the engines' steps until they hold ``requests`` requests (module docstring)."""
     check(body.requests >= 1, "requests", f"expected an integer >= 1, got {body.requests}")
     check(
         0 < body.timeout_s <= MAX_HOLD_TIMEOUT_S,
