@@ -167,10 +167,14 @@ class EagleConfig:
     distill`` writes), or a published EAGLE head (``proposers.eagle.published``); None picks the
     head shipped for the target, if there is one.
     ``cost_per_token`` as in ``DraftConfig``: None measures it when the proposer is built.
+    ``catch_up``: the most real pairs a round feeds the head; a round with more pending (a
+    request's first, or the first after a pause) starts the head over from the last
+    ``catch_up`` (``proposers.eagle.proposer``); None feeds them all.
     """
 
     head: str | None = None
     cost_per_token: float | None = None
+    catch_up: int | None = 16
 
     def __post_init__(self) -> None:
         check(
@@ -179,6 +183,11 @@ class EagleConfig:
             f"expected None or a directory, got {self.head!r}",
         )
         _check_cost(self.cost_per_token)
+        check(
+            self.catch_up is None or (_is_int(self.catch_up) and self.catch_up >= 1),
+            "catch_up",
+            f"expected None or an integer >= 1, got {self.catch_up!r}",
+        )
 
 
 SUFFIX_ISOLATION = ("per-server", "per-session", "off")

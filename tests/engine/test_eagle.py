@@ -66,10 +66,14 @@ def test_mixed_batch_with_eagle_equals_solo(engine: Engine) -> None:
 
 
 def fresh_prefill_entries(
-    target: LoadedModel, proposer: EagleProposer, token_ids: list[int], num_pairs: int
+    target: LoadedModel,
+    proposer: EagleProposer,
+    token_ids: list[int],
+    num_pairs: int,
+    first: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's keys and values after a fresh prefill of the pairs (f_j, x_{j+1}), j <
-    num_pairs, with f from a plain teacher-forced forward of the target."""
+    """The head's keys and values after a fresh prefill of the pairs (f_j, x_{j+1}), first <= j
+    < first + num_pairs, with f from a plain teacher-forced forward of the target."""
     runtime = target.create_runtime(1, 256)
     slot = runtime.allocate()
     batch = ForwardBatch.from_lists([slot], [token_ids], [0], hidden_layers=(-1,))
@@ -82,35 +86,42 @@ def fresh_prefill_entries(
             proposer.head,
             cache,
             [fresh],
-            features[:num_pairs, 0],
-            torch.tensor(token_ids[1 : num_pairs + 1]),
+            features[first : first + num_pairs, 0],
+            torch.tensor(token_ids[first + 1 : first + num_pairs + 1]),
             [num_pairs],
         )
     return cache.entries(fresh)
 
 
-def test_rollback_leaves_the_head_cache_equal_to_a_fresh_prefill(target: LoadedModel) -> None:
-    engine = make_engine(target, eagle=FREE)
+@pytest.mark.parametrize("catch_up", [None, 4])
+def test_rollback_leaves_the_head_cache_equal_to_a_fresh_prefill(
+    target: LoadedModel, catch_up: int | None
+) -> None:
+    """Also where rounds feed at most ``catch_up`` pairs: the cache is then a fresh prefill of
+    the pairs from ``first``, which moves past the prompt's start."""
+    engine = make_engine(target, eagle=dataclasses.replace(FREE, catch_up=catch_up))
     proposer = use_head(engine, random_head(target, 64, seed=3))
     params = GenerationParams(max_new_tokens=40, proposer="eagle", num_speculative_tokens=5)
     engine.add_request(PROMPTS[2], params)
-    checked = 0
+    checked, firsts = 0, set()
     while engine.has_unfinished():
         engine.step()
         for request in engine.scheduler.running:
             seq = proposer._seqs[request.seq_id]
             if seq.num_real == 0:
                 continue
+            firsts.add(seq.first)
             keys, values = proposer.cache.entries(seq.slot)
             assert keys.shape[0] == seq.num_real  # the drafts' entries are gone
             want_keys, want_values = fresh_prefill_entries(
-                target, proposer, list(request.token_ids), seq.num_real
+                target, proposer, list(request.token_ids), seq.num_real, seq.first
             )
             torch.testing.assert_close(keys, want_keys, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(values, want_values, atol=1e-5, rtol=1e-5)
             checked += 1
     assert checked > 3
     assert proposer.cost_per_token == 0.0
+    assert (firsts == {0}) if catch_up is None else (len(firsts) > 1 and 0 not in firsts)
 
 
 def bf16_target() -> LoadedModel:
@@ -323,3 +334,9 @@ def test_seeded_sampled_text_of_eagle_and_hybrid_is_none_s_for_every_k(
         assert result.token_ids == alone.token_ids, setup
     for setup in setups[1:]:
         assert results[setup].stats.draft_tokens_accepted > 0, setup  # the drafts took part
+
+
+@pytest.mark.parametrize("catch_up", [0, -3, 2.5, True, "16"])
+def test_a_catch_up_that_is_not_a_positive_integer_is_refused(catch_up: object) -> None:
+    with pytest.raises(ValueError, match="catch_up"):
+        EagleConfig(catch_up=catch_up)  # type: ignore[arg-type]  # the wrong types on purpose

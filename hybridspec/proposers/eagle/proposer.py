@@ -21,6 +21,19 @@ corrects ``d2`` with ``c``; the commit brings ``f_19, f_20`` (rows of ``x_19`` a
 truncates the cache to its 19 real pairs; the next round feeds pairs 19, 20 (``x_20 = d1``,
 ``x_21 = c``).
 
+A round that would feed more than ``catch_up`` real pairs (``EagleConfig.catch_up``: the
+request's first round feeds its whole prompt; one after a pause of adaptive speculation feeds
+every round of it) feeds only the last ``catch_up``, on an emptied cache: the head starts over
+from the pairs just before its drafts, its ``first`` moved to the first of them. A round's head
+work grows with the pairs it feeds (each a pass through its decoder layer), so without the
+bound a probe after a long pause, which adaptive speculation prices as one round of drafts,
+would cost more the longer the pause, and a long prompt's first round as much as a forward.
+Its drafts come from the target's features, each of which already reads the whole context;
+the head's own attention over its earlier pairs adds little beyond the last few (on the
+shipped head, drafts kept with every pair and with the last 8 are alike), and the drafts
+never change what is committed. Example, ``catch_up`` 16: a request paused for 40 rounds has
+41 pending pairs at its probe; the probe empties the cache, feeds the last 16 and drafts.
+
 Drafts come from the head's logits over its draft vocabulary, scattered into the target's
 vocabulary (``-inf`` elsewhere) and put under the request's controls and sampling transforms as
 the verifier puts the target's; greedy requests take the argmax. A sampled request's draft at
@@ -197,6 +210,7 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         self.head = head
         self.feature_layers = head.feature_layers
         self.cache = HeadCache(head.config, head.parts.embed.dtype, head.parts.embed.device)
+        self.catch_up = context.eagle.catch_up
         configured = context.eagle.cost_per_token
         self.cost_per_token = configured if configured is not None else self._measure_cost()
 
@@ -264,6 +278,8 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
         for i in active:
             seq, ids = seqs[i], requests[i].token_ids
             new = torch.cat(seq.features) if len(seq.features) > 1 else seq.features[0]
+            if self.catch_up is not None and new.shape[0] > self.catch_up:
+                new = self._start_over(seq, new)
             features.append(new)
             start = seq.first + seq.num_real + 1
             tokens.append(torch.as_tensor(ids[start : seq.committed_len]))
@@ -292,6 +308,16 @@ class EagleProposer(SequenceProposer[_EagleSeq]):
                 token_in = torch.tensor(next_tokens, device=device)[keep]
                 rows = [1] * len(active)
         return [Proposal(tokens_i) for tokens_i in drafted]
+
+    def _start_over(self, seq: _EagleSeq, pending: torch.Tensor) -> torch.Tensor:
+        """Empty ``seq``'s cache and keep the last ``catch_up`` of its ``pending`` rows, the
+        pairs starting at the first of them (module docstring); those rows."""
+        assert self.catch_up is not None
+        kept = pending[-self.catch_up :]
+        seq.first += seq.num_real + pending.shape[0] - kept.shape[0]
+        seq.num_real = 0
+        self.cache.truncate(seq.slot, 0)
+        return kept
 
     def _sample(
         self,
