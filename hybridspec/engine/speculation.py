@@ -49,10 +49,12 @@ that is not doubles the pause, up to the length at which probing costs at most
 ``PROBE_BUDGET`` tokens a round (cheap n-gram probes: a few rounds; the eagle head's: dozens).
 A pause is never shorter than the length at which its probe costs at most
 ``FIRST_PROBE_BUDGET`` tokens a round (nor than ``MIN_PAUSE``): where a probe is dear (the eagle
-head's, which catches up on the paused rounds' features, beside requests whose step its row and
-time delay), pauses that start at ``MIN_PAUSE`` would spend most of a token on each of several
-probes before they grow long. Example: a probe priced at 1 token pauses 20 rounds first, then
-40, 80, up to 200; one at 0.05 tokens (an n-gram's one row) pauses 2, 4, 8, up to 10.
+head's, beside requests whose step its row and time delay), pauses that start at ``MIN_PAUSE``
+would spend most of a token on each of several probes before they grow long. A request that
+commits about one token a round beside others (a batch whose rows cost what their tokens are
+worth: drafts there rarely pay) thus loses at most a hundredth of its tokens to probing, less
+as its pauses grow. Example: a probe priced at 1 token pauses 100 rounds first, then 200; one
+at 0.05 tokens (an n-gram's one row) pauses 5, then 10.
 The evidence's test keeps luck from pausing a request whose drafts pay: at alpha 0.5, three
 rounds in a row that keep nothing are common, and a pause then its probes cost more than they
 save; drafts that are never kept have no accepted evidence, and pause as before.
@@ -119,7 +121,7 @@ MIN_PAUSE = 2  # rounds of the first pause; each failed probe doubles it
 MAX_PAUSE = 256
 SHADOW_BUDGET = 0.01  # a shadow-checking proposer's call, at most, over a forward's fixed part
 PROBE_BUDGET = 0.005  # tokens a round that probing may cost at most, in the longest pause
-FIRST_PROBE_BUDGET = 0.05  # tokens a round that probing may cost at most, in any pause
+FIRST_PROBE_BUDGET = 0.01  # tokens a round that probing may cost at most, in any pause
 
 
 @dataclass(slots=True)
