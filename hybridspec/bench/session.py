@@ -65,7 +65,7 @@ from hybridspec.bench.targets import TargetResult, evaluate_targets
 from hybridspec.bench.timing import EngineForwardTimer
 from hybridspec.bench.workload import Workload, encode_prompt
 from hybridspec.config import DraftConfig, EngineConfig, ModelConfig, SuffixConfig
-from hybridspec.engine import Engine
+from hybridspec.engine import Engine, frozen_heap
 from hybridspec.errors import check
 from hybridspec.model import LoadedModel, embedded_model_path, load_model
 
@@ -322,7 +322,8 @@ def execute(
     parity = _parity(session, warm)
     if parity is not None and not parity.identical:
         logger.warning("%s", parity.message())
-    records = run_benchmark(config, session.methods, session.prompts, on_trial, session.twin)
+    with frozen_heap():  # no full collection walks the engines and libraries mid-trial
+        records = run_benchmark(config, session.methods, session.prompts, on_trial, session.twin)
     summary = Summary(records, session.workload.categories)
     ours = (EngineMethod, ServedMethod)
     engine_names = [m.name for m in session.methods if isinstance(m, ours)]

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         GenerationResult,
         RequestOutput,
     )
+    from hybridspec.engine.setup import freeze_heap, frozen_heap
     from hybridspec.engine.warmup import warm_up
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
     "GenerationResult",
     "Logprobs",
     "RequestOutput",
+    "freeze_heap",
+    "frozen_heap",
     "kv_bytes_per_token",
     "warm_up",
 ]
@@ -49,6 +52,7 @@ __getattr__, __dir__ = lazy_exports(
             "GenerationResult",
             "RequestOutput",
         ),
+        "hybridspec.engine.setup": ("freeze_heap", "frozen_heap"),
         "hybridspec.engine.warmup": ("warm_up",),
     },
 )

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +25,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from hybridspec.config import DraftConfig, EngineConfig
-from hybridspec.engine import Engine, EngineLoop, warm_up
+from hybridspec.engine import Engine, EngineLoop, freeze_heap, warm_up
 from hybridspec.server.cluster import Cluster
 from hybridspec.server.config import ServerConfig
 from hybridspec.server.errors import install_error_handlers
@@ -69,19 +68,6 @@ def ready_line(engine: Engine, model: ModelInfo, steps: dict[str, float]) -> str
         f"ready: {model.name} ({kind} {Path(where).name} -> {dtype}), "
         f"{model.num_threads} threads, proposers {','.join(model.proposers)}; {timings}"
     )
-
-
-def freeze_heap() -> float:
-    """Collect, then move every object left to the permanent generation (``gc.freeze``), which
-    no later collection visits: after start-up that is the model, torch's and the libraries'
-    objects, hundreds of thousands, whose full collection (CPython runs one whenever a quarter
-    more objects have survived since the last) holds the interpreter lock while it visits them
-    all (seconds on a busy 2-core machine), a pause in every stream. Requests' own objects are
-    collected as before. Returns the seconds it took."""
-    start = time.perf_counter()
-    gc.collect()
-    gc.freeze()
-    return time.perf_counter() - start
 
 
 def create_app(

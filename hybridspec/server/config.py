@@ -60,11 +60,11 @@ class ServerConfig:
     stream_write_timeout_s: float = 30.0
     request_read_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
-    # Once warm, collect and freeze the heap (``app.freeze_heap``): the loaded model's and the
-    # libraries' objects are left out of every later collection, a full pass over which holds
-    # the interpreter lock (and so the engine thread) mid-stream for as long as it takes to
-    # visit them all. ``hybridspec serve`` turns it on; off by default, since each app made in
-    # one process (a test suite's) would pay a full collection at its start.
+    # Once warm, collect and freeze the heap (``engine.freeze_heap``): the loaded model's and
+    # the libraries' objects are left out of every later collection, a full pass over which
+    # holds the interpreter lock (and so the engine thread) mid-stream for as long as it takes
+    # to visit them all. ``hybridspec serve`` turns it on; off by default, since each app made
+    # in one process (a test suite's) would pay a full collection at its start.
     freeze_heap: bool = False
     # For ``hybridspec bench --served``: a second engine over the same weights runs the requests
     # for ``none``, stepped by turns with the first (``engine.loop``), so that a method's

@@ -7,6 +7,7 @@ and that the figures are consistent (counts, ranges, parity), never how fast any
 
 from __future__ import annotations
 
+import gc
 import json
 from itertools import pairwise
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from hybridspec.bench import session as session_module
 from hybridspec.bench.harness import BenchConfig, mixed_prompts, sequential_schedule
 from hybridspec.bench.hf_baseline import check_parity, hf_model_from_weights
 from hybridspec.bench.records import Measurement, Record, Speculation
@@ -324,7 +326,10 @@ def test_cli_registers_bench() -> None:
 
 
 def test_bench_smoke_on_tiny_llama(
-    make_tiny_llama_dir: TinyLlamaFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    make_tiny_llama_dir: TinyLlamaFactory,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model_dir = make_tiny_llama_dir(max_position_embeddings=1024)
     draft_dir = make_tiny_llama_dir(seed=1, max_position_embeddings=1024)
@@ -338,8 +343,17 @@ def test_bench_smoke_on_tiny_llama(
     argv += ["float32", "--max-new-tokens", str(max_new), "-k", str(k), "--methods", *methods]
     argv += ["--concurrency", "2", "--output-dir", str(out), "--threads", "0"]
     threads = torch.get_num_threads()
+    frozen: list[int] = []  # the trials run on a frozen heap, unfrozen after them
+    trials = session_module.run_benchmark
+    monkeypatch.setattr(
+        session_module,
+        "run_benchmark",
+        lambda *a, **k: (frozen.append(gc.get_freeze_count()), trials(*a, **k))[1],
+    )
+    gc.unfreeze()
     assert main(argv) == 0
     assert torch.get_num_threads() == threads
+    assert frozen[0] > 1_000 and gc.get_freeze_count() == 0
     captured = capsys.readouterr()
     stdout = captured.out
     records = 2 * 2 * (2 * 2 + 2) + 2 * 4  # see below

@@ -7,6 +7,8 @@ caches equal what plain decoding of the committed tokens builds.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Sequence
 
 import pytest
@@ -21,6 +23,7 @@ from hybridspec import (
     Proposer,
     ProposeRequest,
 )
+from hybridspec.engine import frozen_heap
 from hybridspec.model.loader import LoadedModel
 from hybridspec.model.runtime import ForwardBatch
 from hybridspec.proposers.draft import DraftModelProposer
@@ -275,3 +278,15 @@ def test_stop_token_ids_end_the_text_as_eos_does(engine: Engine, proposer: str) 
     assert stop not in held.token_ids and len(held.token_ids) == 20  # min_tokens holds it back
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         engine.generate(prompt_token_ids=PROMPTS[0], stop_token_ids=[VOCAB])
+
+
+def test_a_frozen_heap_is_frozen_for_its_block_only() -> None:
+    """``setup.frozen_heap``: the objects alive at its start are frozen (no collection walks
+    them) until the block ends, also when it raises; then the heap is as it was."""
+    gc.unfreeze()  # whatever an earlier test froze
+    for fails in (False, True):
+        with contextlib.suppress(RuntimeError), frozen_heap():
+            assert gc.get_freeze_count() > 1_000
+            if fails:
+                raise RuntimeError("the block fails")
+        assert gc.get_freeze_count() == 0
