@@ -46,7 +46,8 @@ accepted and rejected ones, is below the acceptance at which one draft pays
 rounds, then probes with one draft: a probe that is kept resumes
 speculation (the estimate, which decayed toward the prior meanwhile, is learned again); one
 that is not doubles the pause, up to the length at which probing costs at most
-``PROBE_BUDGET`` tokens a round (cheap n-gram probes: a few rounds; the eagle head's: dozens).
+``PROBE_BUDGET`` tokens a round (cheap n-gram probes: ten rounds or so; the eagle head's: a
+hundred or more).
 A pause is never shorter than the length at which its probe costs at most
 ``FIRST_PROBE_BUDGET`` tokens a round (nor than ``MIN_PAUSE``): where a probe is dear (the eagle
 head's, beside requests whose step its row and time delay), pauses that start at ``MIN_PAUSE``
