@@ -93,6 +93,7 @@ SIGNATURES = {
         *(_CACHE, _ptr, _SCRATCH),
     ],
     "hs_set_passive": [_int],
+    "hs_team_tids": [_ptr, _i64],  # out (int32), max
     "hs_pack": [_ptr, _int, _i64, _i64, _ptr],
     # parts, nparts, N, K, bits, group, mode, t0, t1, out, scratch (csrc/pack.c)
     "hs_pack_gguf": [_ptr, _int, _i64, _i64, _int, _int, _int, _i64, _i64, _ptr, _ptr],

@@ -83,6 +83,7 @@ class Kernel:
             getattr(self._lib, name).restype = ctypes.c_int
         self._lib.hs_isa.restype = ctypes.c_char_p
         self._lib.hs_pack_scratch.restype = ctypes.c_int64
+        self._lib.hs_team_tids.restype = ctypes.c_int64
         self.path = path
         self.isa: str = self._lib.hs_isa().decode()
         # The attention's vector path (AVX-512); without it the portable C is slower than the
@@ -97,6 +98,12 @@ class Kernel:
 
     def max_threads(self) -> int:
         return int(self._lib.hs_max_threads())
+
+    def team_tids(self) -> list[int]:
+        """The thread ids of the calling thread's workers (csrc/pool.c), those started so far."""
+        out = (ctypes.c_int32 * 255)()
+        count = int(self._lib.hs_team_tids(out, len(out)))
+        return [int(tid) for tid in out[:count] if tid > 0]
 
     def _call(self, function: Callable[..., int], *args: object) -> None:
         """``function(*args, scratch)`` with the calling thread's scratch, grown and called

@@ -103,9 +103,34 @@ def available_cores(
     return max(1, cores)
 
 
+# ``cpus``: the calling thread's CPU affinity before ``threads.py`` packed its team, while packed
+unpacked = threading.local()
+
+
 def _affinity() -> set[int]:
+    """The CPUs the calling thread may use: its affinity, or while its team is packed onto
+    fewer (``packed_cpus``) the affinity it had before."""
+    saved = getattr(unpacked, "cpus", None)
+    if saved is not None:
+        return set(saved)
     getter = getattr(os, "sched_getaffinity", None)
     return set(getter(0)) if getter is not None else set()
+
+
+def packed_cpus(threads: int, allowed: set[int]) -> set[int]:
+    """The CPUs a team of ``threads`` is packed onto on a busy machine: two threads a core,
+    the lowest-numbered of ``allowed`` (at least one, at most all of them).
+
+    Beside other busy processes the OS gives each runnable thread its share, so a team of two
+    on 2 cores beside two busy processes gets one core's time in all, packed or not. Spread
+    over both cores, each of its threads shares its core with a busy process, and each of a
+    forward's calls waits for the one descheduled inside a chunk; packed on one core, the two
+    take turns on it (yielding waits, csrc/pool.c), nobody else's work between them, while the
+    busy processes share the other."""
+    cores = sorted(allowed)
+    if not cores:
+        return set()
+    return set(cores[: max(1, min(len(cores), math.ceil(threads / 2)))])
 
 
 def _read(path: Path) -> str:

@@ -21,13 +21,21 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from hybridspec.model.thread_policy import CoreRoom, ThreadController, available_cores
+from hybridspec.model import thread_policy
+from hybridspec.model.thread_policy import (
+    CoreRoom,
+    ThreadController,
+    available_cores,
+    packed_cpus,
+)
 
-_local = threading.local()  # ``wanted``: the thread's count; ``numba``: what numba was given
+# ``wanted``: the thread's count; ``numba``: what numba was given; ``passive``: its wait mode
+# (``wait_mode``); ``packed``: the CPUs its team is packed onto, None where it is not
+_local = threading.local()
 
 
 def set_num_threads(num_threads: int) -> None:
@@ -36,6 +44,8 @@ def set_num_threads(num_threads: int) -> None:
     if "numba" in sys.modules:
         _set_numba_threads(num_threads)
     torch.set_num_threads(num_threads)
+    if getattr(_local, "passive", False) or getattr(_local, "packed", None) is not None:
+        _place()
 
 
 def numba_follows() -> None:
@@ -77,17 +87,68 @@ def thread_controller(num_threads: int | Literal["auto"] | None) -> ThreadContro
 
 
 def wait_mode(passive: bool) -> None:
-    """Passive waits (``True``: the forward on a busy machine: a waiting thread gives its core
-    up almost at once), or spinning waits (``False``, the default: alone, a wake-up at each of
-    a forward's calls would cost), for torch's OpenMP threads and the kernel library's own
-    (csrc/pool.c). Torch's stay passive once the kernel library runs a forward's matmuls
-    (``kernel_forward``)."""
+    """Passive waits (``True``: the forward on a busy machine), or spinning waits (``False``,
+    the default: alone, a wake-up at each of a forward's calls would cost), for torch's OpenMP
+    threads and the kernel library's own (csrc/pool.c). Torch's stay passive once the kernel
+    library runs a forward's matmuls (``kernel_forward``).
+
+    Passive, a team of two or more that runs its forward in the kernel library is packed: the
+    calling thread and its workers are pinned to ``packed_cpus`` (two threads a core) and wait
+    by yielding the core to each other; a team of one waits by sleeping almost at once, so that
+    its core goes to the thread it waits for. Spinning again, the team gets back the affinity
+    it had."""
     passive_waits(passive or _kernel_forward.is_set())
+    _local.passive = passive
+    _place()
+
+
+def _loaded_kernel() -> Any:
     qgemm = sys.modules.get("hybridspec.model.qgemm")
     if qgemm is not None and qgemm.kernel.cache_info().currsize:  # loaded: never built here
-        loaded = qgemm.kernel()
-        if loaded is not None:
-            loaded.lib.hs_set_passive(int(passive))
+        return qgemm.kernel()
+    return None
+
+
+def _place() -> None:
+    """Apply the calling thread's wait mode and its team's CPUs for its count (``wait_mode``).
+    Packing needs the kernel library's forward: torch's own threads are not packed."""
+    kernel = _loaded_kernel()
+    passive = getattr(_local, "passive", False)
+    threads = torch.get_num_threads()
+    pack = (
+        passive
+        and threads > 1
+        and kernel is not None
+        and _kernel_forward.is_set()
+        and hasattr(os, "sched_setaffinity")
+    )
+    if kernel is not None:
+        kernel.lib.hs_set_passive(2 if pack else int(passive))
+    packed: set[int] | None = getattr(_local, "packed", None)
+    saved: set[int] | None = getattr(thread_policy.unpacked, "cpus", None)
+    if pack:
+        allowed = saved if saved is not None else set(os.sched_getaffinity(0))
+        cpus = packed_cpus(threads, allowed)
+        if cpus in (packed, allowed):
+            return
+        thread_policy.unpacked.cpus = allowed
+        _local.packed = cpus
+        _pin(kernel, cpus)
+    elif packed is not None and saved is not None:
+        _local.packed = None
+        thread_policy.unpacked.cpus = None
+        _pin(kernel, saved)
+
+
+def _pin(kernel: Any, cpus: set[int]) -> None:
+    """Set the CPU affinity of the calling thread and of its kernel workers (those started so
+    far: a later one inherits the calling thread's)."""
+    tids = [threading.get_native_id()]
+    if kernel is not None:
+        tids += kernel.team_tids()
+    for tid in tids:
+        with contextlib.suppress(OSError):  # a thread that ended, or CPUs the system took
+            os.sched_setaffinity(tid, cpus)
 
 
 _kernel_forward = threading.Event()  # set once a forward runs its matmuls in the kernel library

@@ -35,7 +35,7 @@ def test_callers_on_threads_of_their_own_share_out_their_chunks_alike(kernel: Ke
         for turn in range(40):
             team = teams[turn % len(teams)]  # a smaller team leaves spare workers asleep
             torch.set_num_threads(team)
-            kernel.lib.hs_set_passive(turn % 2)
+            kernel.lib.hs_set_passive(turn % 3)  # spinning, passive and yielding waits
             for x, expected in zip(shapes, want, strict=True):
                 if not torch.equal(linear(x), expected):
                     failures.append(f"team {team}, turn {turn}, rows {x.shape[0]}")

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from hybridspec.model.thread_policy import CoreRoom, ThreadController, available_cores
+from hybridspec.model import thread_policy
+from hybridspec.model.thread_policy import (
+    CoreRoom,
+    ThreadController,
+    available_cores,
+    packed_cpus,
+)
 
 
 def test_available_cores_is_the_affinity_capped_by_the_cgroup_quota() -> None:
@@ -22,6 +28,23 @@ def test_available_cores_keep_to_omp_num_threads_where_set() -> None:
     assert available_cores({0, 1}, "max 100000", omp_num_threads="8") == 2
     assert available_cores({0, 1}, "max 100000", omp_num_threads="0") == 2  # ignored
     assert available_cores({0, 1}, "max 100000", omp_num_threads="x") == 2
+
+
+def test_a_packed_team_takes_the_lowest_cores_two_threads_a_core() -> None:
+    assert packed_cpus(2, {0, 1}) == {0}
+    assert packed_cpus(3, {2, 5, 7}) == {2, 5}
+    assert packed_cpus(4, set(range(8))) == {0, 1}
+    assert packed_cpus(1, {3, 4}) == {3}
+    assert packed_cpus(8, {0, 1}) == {0, 1}  # never more than it may use
+    assert packed_cpus(2, set()) == set()
+
+
+def test_while_packed_the_usable_cores_are_those_the_thread_had_before() -> None:
+    thread_policy.unpacked.cpus = {0, 1, 2}
+    try:
+        assert available_cores(cpu_max="max 100000", omp_num_threads="") == 3
+    finally:
+        thread_policy.unpacked.cpus = None
 
 
 class Machine:

@@ -123,3 +123,79 @@ def test_once_the_kernel_runs_the_forward_torchs_waits_stay_passive_but_for_llam
     assert after_spinning >= 3
     assert inside == 0
     assert after >= 3
+
+
+PACKED = """
+import json
+import os
+import threading
+
+import torch
+
+from hybridspec.model import qgemm
+from hybridspec.model.qgemm import BlockLinear
+from hybridspec.model.thread_policy import available_cores, packed_cpus
+from hybridspec.model.threads import kernel_forward, set_num_threads, wait_mode
+from tests.model.test_qgemm import activations, weight
+
+kernel = qgemm.kernel()
+linear = BlockLinear(kernel.pack(weight("8", 512, 256, 0)), kernel)
+x = activations(2, 256, 1)
+seen = {}
+
+
+def team():  # the calling thread's affinity and each of its workers'
+    tids = [threading.get_native_id(), *kernel.team_tids()]
+    return [sorted(os.sched_getaffinity(tid)) for tid in tids]
+
+
+def caller():
+    allowed = os.sched_getaffinity(0)
+    set_num_threads(2)
+    want = linear(x)  # starts the worker
+    kernel_forward()
+    cores = available_cores()
+    seen["allowed"] = sorted(allowed)
+    seen["packed_cpus"] = sorted(packed_cpus(2, allowed))
+    wait_mode(True)
+    seen["packed"] = team()
+    seen["workers"] = [str(tid) in os.listdir("/proc/self/task") for tid in kernel.team_tids()]
+    seen["same"] = torch.equal(linear(x), want)
+    seen["cores"] = [cores, available_cores()]
+    set_num_threads(1)
+    seen["one"] = team()
+    set_num_threads(2)
+    seen["again"] = team()
+    wait_mode(False)
+    seen["after"] = team()
+    seen["same_after"] = torch.equal(linear(x), want)
+
+
+thread = threading.Thread(target=caller)
+thread.start()
+thread.join()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="packing needs 2 CPUs and CPU affinity",
+)
+def test_passive_waits_pack_a_team_of_two_onto_one_core_and_spinning_ones_unpack_it() -> None:
+    import json
+
+    from hybridspec.model import qgemm
+
+    if qgemm.kernel() is None:
+        pytest.skip("no C compiler")
+    seen = json.loads(run_script(PACKED, OMP_NUM_THREADS="2"))
+    allowed, packed = seen["allowed"], seen["packed_cpus"]
+    assert len(packed) == 1
+    assert seen["workers"] == [True]  # one worker, a thread of this process
+    assert seen["packed"] == [packed, packed]  # the calling thread and its worker
+    assert seen["same"] and seen["same_after"]
+    assert seen["cores"][0] == seen["cores"][1] == 2  # what it may use, not where it is packed
+    assert seen["one"] == [allowed, allowed]  # a team of one is not packed
+    assert seen["again"] == [packed, packed]
+    assert seen["after"] == [allowed, allowed]

@@ -13,10 +13,13 @@
  * Waits spin, then sleep on a futex: a worker waits for the next epoch, the caller for the last
  * claimed chunks. How long they spin is the wait mode (``hs_set_passive``): alone, long enough
  * to span the gaps between a forward's calls; on a busy machine hardly at all, so that a
- * waiting thread's core goes to the thread it waits for. */
+ * waiting thread's core goes to the thread it waits for; or, for a team whose threads share
+ * cores (``threads.py`` packs them on a busy machine), yielding: a waiting thread gives its
+ * core to the team mate it waits for at once and stays runnable, for a while, then sleeps. */
 #define _GNU_SOURCE
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <time.h>
 #include <unistd.h>
@@ -38,14 +41,19 @@
 #define CLOSED 0xffffffffu /* a claim word's chunk while its job is being written: none left */
 #define SPIN_NS 2000000 /* spinning waits: 2 ms, past the gap between two decode rounds */
 #define PASSIVE_SPIN_NS 20000 /* passive waits: 20 us, a sleep's cost, then the core is given up */
+/* yielding waits: 50 ms, past a decode step's gaps (a worker waits through the step's Python
+ * part), then the thread sleeps (an engine with nothing to do) */
+#define YIELD_SPIN_NS 50000000
 
 typedef struct pool pool_t;
 
-/* What a worker starts from: its pool, its member number, and the epoch it has seen. */
+/* What a worker starts from: its pool, its member number, and the epoch it has seen; the worker
+ * writes its thread id (``hs_team_tids``) first. */
 typedef struct {
     pool_t *pool;
     int64_t member;
     uint32_t epoch;
+    int32_t tid;
 } worker_arg_t;
 
 struct pool {
@@ -65,13 +73,13 @@ struct pool {
     worker_arg_t args[MAX_WORKERS];
 };
 
-static volatile int passive; /* hs_set_passive */
+static volatile int passive; /* hs_set_passive: 0 spinning, 1 passive, 2 yielding waits */
 static unsigned forks;       /* forks of this process's parents: a child's pools are not its own */
 static __thread pool_t mine; /* the calling thread's (a worker's own is unused) */
 static pthread_key_t owner_key;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
-void hs_set_passive(int on) { passive = on != 0; }
+void hs_set_passive(int mode) { passive = mode == 2 ? 2 : mode != 0; }
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -97,13 +105,18 @@ static void futex_wake(uint32_t *word, int count) {
 }
 
 /* Spins until (*word == value) == equal, for the wait mode's time (the clock read every 256
- * turns); returns the word's last value. */
+ * turns; yielding waits yield the core every 8); returns the word's last value. */
 static uint32_t spin_until(const uint32_t *word, uint32_t value, int equal) {
-    int64_t budget = passive ? PASSIVE_SPIN_NS : SPIN_NS, start = now_ns();
+    int mode = passive;
+    int64_t budget = mode == 2 ? YIELD_SPIN_NS : mode ? PASSIVE_SPIN_NS : SPIN_NS;
+    int64_t start = now_ns();
     for (uint32_t turn = 1;; turn++) {
         uint32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
         if ((v == value) == equal) return v;
-        CPU_RELAX();
+        if (mode == 2 && turn % 8 == 0)
+            sched_yield();
+        else
+            CPU_RELAX();
         if (turn % 256 == 0 && now_ns() - start > budget) return v;
     }
 }
@@ -139,6 +152,11 @@ static void work(pool_t *p, uint32_t epoch, int64_t member) {
 
 static void *worker(void *arg) {
     worker_arg_t *a = arg;
+#if defined(__linux__)
+    __atomic_store_n(&a->tid, (int32_t)syscall(SYS_gettid), __ATOMIC_RELEASE);
+#else
+    __atomic_store_n(&a->tid, -1, __ATOMIC_RELEASE);
+#endif
     pool_t *p = a->pool;
     uint32_t seen = a->epoch;
     int spare = 0; /* the last job had no place for this member (a smaller team): sleep at once */
@@ -196,13 +214,22 @@ static pool_t *pool_with(int64_t workers) {
         pthread_sigmask(SIG_SETMASK, &all, &old); /* signals go to the process's own threads */
         while (p->workers < workers) {
             worker_arg_t *arg = &p->args[p->workers];
-            *arg = (worker_arg_t){p, p->workers + 1, p->epoch};
+            *arg = (worker_arg_t){p, p->workers + 1, p->epoch, 0};
             if (pthread_create(&p->threads[p->workers], NULL, worker, arg)) break;
+            while (!__atomic_load_n(&arg->tid, __ATOMIC_ACQUIRE)) CPU_RELAX(); /* hs_team_tids */
             p->workers++;
         }
         pthread_sigmask(SIG_SETMASK, &old, NULL);
     }
     return p;
+}
+
+int64_t hs_team_tids(int32_t *out, int64_t max) {
+    pool_t *p = &mine;
+    if (p->workers && p->forks != forks) return 0; /* a forked child's: not started here */
+    int64_t n = 0;
+    for (int i = 0; i < p->workers && n < max; i++) out[n++] = p->args[i].tid;
+    return n;
 }
 
 void pool_run(pool_fn fn, void *ctx, int64_t chunks) {
