@@ -15,9 +15,13 @@ load may have gone: then at more threads, or spinning waits).
 
 The wait mode is chosen the same way. Alone, waits spin (a sleeping worker's wake-up at each of
 a forward's hundreds of regions would cost). Once fewer threads have won (the sign of a busy
-machine), a probe at more threads runs with passive waits (``wait``): a worker that waits
-sleeps almost at once, so its core goes to the descheduled worker it waits for, where a
-spinning probe would cost several rounds' time for each of its steps. A passive mode is kept
+machine), a probe at more threads runs with passive waits (``wait``), where a spinning probe
+would cost several rounds' time for each of its steps. A passive team of two or more is packed
+(``packed_cpus``, ``threads.wait_mode``): two threads a core, which wait by yielding it to each
+other. The OS gives each runnable thread its share, so the team's share is the same packed or
+not; spread out, each of its threads shares a core with another process and each of a forward's
+calls waits for the one descheduled inside a chunk, while packed the two take turns and the
+other processes share the other cores. A passive mode is kept
 only where its window wins, like a count. On a busy machine a probe at more threads, or at
 spinning waits from passive ones, ends as soon as it is slower at all (after 3 steps; a
 spinning one after its first). At every core, the same count spinning is probed in turn, and
@@ -34,10 +38,8 @@ the spinning team (the load came), the same count waits passively from the next 
 a probe (the spinning steps before it are no baseline), and one thread fewer is probed a window
 later, kept where its window is faster at all (the passive waits are the room's guess, not a
 mode that won): which of the two wins depends on the load and the forward. Beside two busy
-processes on 2 cores a 1B model's decode rounds run about 1.35x faster at 2 passive threads
-than at 1 (a core's share against two thirds of one); beside one busy process about 10% faster
-(4/3 of a core's share in all, against a whole core for 1 thread, less the waits for a worker
-descheduled inside a chunk). Where the room fits the spinning team
+processes on 2 cores 2 packed threads get a core's share, where 1 thread gets two thirds of one;
+beside one busy process both get a whole core. Where the room fits the spinning team
 again before a probe has kept another mode, the waits spin again at once: a moment's work by
 another process does not leave a quiet machine's forward waiting passively. When the room grows
 to fit a spinning team again while fewer threads or passive waits are kept otherwise (the load
@@ -46,10 +48,8 @@ went), a spinning probe starts at once.
 The mode is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
 prompt fed whole in its first round), which takes many decode rounds' time, never runs at a
 probe's mode (``for_step``). Alone (the rounds spin at every core) it runs at the rounds' mode.
-On a busy machine its long matmul calls, whose tiles the running threads share out as they
-come, gain from every core where a round's short ones may lose: beside one busy
-process two threads get 4/3 of a core between them where one gets 1, beside two, 1 core where
-one gets 2/3. So there it runs at every core with passive waits, unless its measured prompt
+On a busy machine it runs at every core with passive waits (packed: a core's share beside two
+busy processes on 2 cores, where one thread gets two thirds of one), unless its measured prompt
 steps, per token (``observe_prompt``), are slower than those at the rounds' mode, which runs
 one prompt step every few to compare (``prompt_period``, backing off while the choice holds).
 
@@ -75,6 +75,9 @@ PROC_STAT = Path("/proc/stat")
 # the cores of spare room a spinning team may lack: the busy-time counts tick at 100 Hz, so a
 # quiet machine reads a little busy now and then
 SPIN_SLACK = 0.3
+# the cores of room beyond a packed team's a passive team is still packed in (``packed_cpus``):
+# beside processes that leave more, spreading the team gains from the room they leave
+PACK_SLACK = 0.4
 
 
 def available_cores(
@@ -89,7 +92,7 @@ def available_cores(
 
     Read from the system where not given (the arguments are for tests)."""
     if affinity is None:
-        affinity = _affinity()
+        affinity = allowed_cpus()
     cores = len(affinity) if affinity else (cpu_count or os.cpu_count() or 1)
     if cpu_max is None:
         cpu_max = _read(CGROUP_CPU_MAX)
@@ -107,7 +110,7 @@ def available_cores(
 unpacked = threading.local()
 
 
-def _affinity() -> set[int]:
+def allowed_cpus() -> set[int]:
     """The CPUs the calling thread may use: its affinity, or while its team is packed onto
     fewer (``packed_cpus``) the affinity it had before."""
     saved = getattr(unpacked, "cpus", None)
@@ -174,7 +177,7 @@ class CoreRoom:
         ticks_per_second: float | None = None,
         span: float = 0.25,
     ) -> None:
-        self._cpus = cpus if cpus is not None else _affinity()
+        self._cpus = cpus if cpus is not None else allowed_cpus()
         self._read_stat = read_stat if read_stat is not None else lambda: _read(PROC_STAT)
         self._clock, self._cpu_time, self._span = clock, cpu_time, span
         if ticks_per_second is None:
@@ -229,8 +232,9 @@ class ThreadController:
 
     ``observe(seconds)`` takes the time of one step run at ``threads`` and returns the count for
     the next; ``apply`` is called with every new count (``model.threads.set_num_threads``) and
-    ``wait`` with every new wait mode (``model.threads.wait_mode``: True for waits that
-    sleep almost at once, False for spinning ones). Only comparable steps should be observed
+    ``wait`` with every new wait mode (``model.threads.wait_mode``: True for passive waits,
+    which give the core up at once, in a packed team where it has two threads; False for
+    spinning ones). Only comparable steps should be observed
     (decode rounds); a prompt step's time goes to ``observe_prompt``.
 
     Counts are compared by their windows' mean step time, which is what the rate depends on:

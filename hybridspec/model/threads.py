@@ -27,6 +27,7 @@ import torch
 
 from hybridspec.model import thread_policy
 from hybridspec.model.thread_policy import (
+    PACK_SLACK,
     CoreRoom,
     ThreadController,
     available_cores,
@@ -80,25 +81,31 @@ def thread_controller(num_threads: int | Literal["auto"] | None) -> ThreadContro
     (``passive_waits``) from step times and from the cores other processes leave it
     (``CoreRoom``). A fixed count spins at its waits."""
     if num_threads == "auto":
-        return ThreadController(available_cores(), set_num_threads, wait=wait_mode, room=CoreRoom())
+        room = CoreRoom()
+
+        def wait(passive: bool) -> None:
+            wait_mode(passive, room())
+
+        return ThreadController(available_cores(), set_num_threads, wait=wait, room=room)
     if num_threads is not None:
         set_num_threads(num_threads)
     return None
 
 
-def wait_mode(passive: bool) -> None:
+def wait_mode(passive: bool, room: float | None = None) -> None:
     """Passive waits (``True``: the forward on a busy machine), or spinning waits (``False``,
     the default: alone, a wake-up at each of a forward's calls would cost), for torch's OpenMP
     threads and the kernel library's own (csrc/pool.c). Torch's stay passive once the kernel
     library runs a forward's matmuls (``kernel_forward``).
 
-    Passive, a team of two or more that runs its forward in the kernel library is packed: the
-    calling thread and its workers are pinned to ``packed_cpus`` (two threads a core) and wait
-    by yielding the core to each other; a team of one waits by sleeping almost at once, so that
-    its core goes to the thread it waits for. Spinning again, the team gets back the affinity
-    it had."""
+    Passive, a team of two or more that runs its forward in the kernel library is packed where
+    the ``room`` other processes leave it (``CoreRoom``; None: not known) is no more than the
+    packed cores and ``PACK_SLACK``: the calling thread and its workers are pinned to
+    ``packed_cpus`` (two threads a core) and wait by yielding the core to each other. Unpacked,
+    a passive thread sleeps almost at once, so that its core goes to the thread it waits for.
+    Spinning again, the team gets back the affinity it had."""
     passive_waits(passive or _kernel_forward.is_set())
-    _local.passive = passive
+    _local.passive, _local.room = passive, room
     _place()
 
 
@@ -122,13 +129,15 @@ def _place() -> None:
         and _kernel_forward.is_set()
         and hasattr(os, "sched_setaffinity")
     )
-    if kernel is not None:
-        kernel.lib.hs_set_passive(2 if pack else int(passive))
     packed: set[int] | None = getattr(_local, "packed", None)
     saved: set[int] | None = getattr(thread_policy.unpacked, "cpus", None)
+    allowed = thread_policy.allowed_cpus()  # the CPUs it had before, where packed
+    cpus = packed_cpus(threads, allowed)
+    room = getattr(_local, "room", None)
+    pack = pack and (room is None or room <= len(cpus) + PACK_SLACK)
+    if kernel is not None:
+        kernel.lib.hs_set_passive(2 if pack else int(passive))
     if pack:
-        allowed = saved if saved is not None else set(os.sched_getaffinity(0))
-        cpus = packed_cpus(threads, allowed)
         if cpus in (packed, allowed):
             return
         thread_policy.unpacked.cpus = allowed
