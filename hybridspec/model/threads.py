@@ -130,7 +130,6 @@ def _place() -> None:
         and hasattr(os, "sched_setaffinity")
     )
     packed: set[int] | None = getattr(_local, "packed", None)
-    saved: set[int] | None = getattr(thread_policy.unpacked, "cpus", None)
     allowed = thread_policy.allowed_cpus()  # the CPUs it had before, where packed
     cpus = packed_cpus(threads, allowed)
     room = getattr(_local, "room", None)
@@ -143,10 +142,10 @@ def _place() -> None:
         thread_policy.unpacked.cpus = allowed
         _local.packed = cpus
         _pin(kernel, cpus)
-    elif packed is not None and saved is not None:
+    elif packed is not None:
         _local.packed = None
         thread_policy.unpacked.cpus = None
-        _pin(kernel, saved)
+        _pin(kernel, allowed)
 
 
 def _pin(kernel: Any, cpus: set[int]) -> None:
