@@ -17,14 +17,17 @@ over layers:
   matrix is dense or the family adds a step (Gemma's post-norms, GeGLU).
 
 A step's path is chosen by ``isinstance`` on the layer's matrices here, at load; nothing is
-chosen per call. Dimensions as in ``model.llama``.
+chosen per call. Where every layer is one ``FusedAttentionIn`` and one ``FusedMlpBlock`` and the
+attention runs in C, ``KernelStack`` runs them all in one kernel call per forward: the same calls
+in the same order, with no Python between layers (on a small model, the per-layer calls' own
+cost is a fair part of a decode step). Dimensions as in ``model.llama``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridspec.model.attention import Attention, KernelAttention
-from hybridspec.model.kernel_abi import CacheLayout
+from hybridspec.model.kernel_abi import CacheLayout, StackLayer, StackPass
 from hybridspec.model.linear import PackedLinear
 from hybridspec.model.llama_weights import LlamaDims, LlamaLayerWeights, Matrix
 from hybridspec.model.qgemm import BlockLinear, Kernel, kernel
@@ -368,3 +371,103 @@ def kernel_layer(
     else:
         attention_in = StoredAttentionIn(index, qkv_projection(layer, m.wqkv, dims), block, rope)
     return DecoderLayer(attention_in, after_attention(m, activation, dtype, dims.rms_norm_eps))
+
+
+class KernelStack:
+    """Every layer of a stack in one kernel call per forward (csrc/stack.c, ``hs_layers``):
+    each layer's ``attn_in``, C attention (on the kernel's pool) and ``mlp_block``, as the
+    layers one by one would call them, so the outputs, the hidden states and the cache are
+    equal to the bit. Built only where every layer is one ``FusedAttentionIn`` and one
+    ``FusedMlpBlock`` (``of``), and run only for a pass that attends in C on the pool
+    (``runs``)."""
+
+    __slots__ = ("_dims", "_held", "_kernel", "_table")
+
+    def __init__(
+        self,
+        layers: Sequence[tuple[FusedAttentionIn, FusedMlpBlock]],
+        windows: Sequence[int],  # each layer's attention window (0: every earlier key)
+        dims: LlamaDims,
+        kernel: Kernel,
+    ) -> None:
+        self._dims, self._kernel = dims, kernel
+        self._held: list[object] = []  # what the table points into
+        rows = []
+        for (a, m), window in zip(layers, windows, strict=True):
+            attn_norm, mlp_norm = a.attn_norm.contiguous(), m.mlp_norm.contiguous()
+            rope = a.rope.rope_pairs.contiguous()
+            self._held += [a.wqkv, m.wo, m.w_gate_up, m.w_down, attn_norm, mlp_norm, rope]
+            self._held.append(a.rope.layout)
+            rows.append(
+                StackLayer(
+                    a.wqkv.pointer,
+                    m.wo.pointer,
+                    m.w_gate_up.pointer,
+                    m.w_down.pointer,
+                    attn_norm.data_ptr(),
+                    mlp_norm.data_ptr(),
+                    rope.data_ptr(),
+                    a.rope.layout,
+                    a.eps,
+                    window,
+                )
+            )
+        self._table = (StackLayer * len(rows))(*rows)
+
+    @staticmethod
+    def of(
+        layers: Sequence[DecoderLayer[KernelAttention]], windows: Sequence[int], dims: LlamaDims
+    ) -> KernelStack | None:
+        """The stack of ``layers`` where each is fused in and after its attention, else None."""
+        fused = [
+            (layer.attention_in, layer.after_attention)
+            for layer in layers
+            if isinstance(layer.attention_in, FusedAttentionIn)
+            and isinstance(layer.after_attention, FusedMlpBlock)
+        ]
+        if not fused or len(fused) != len(layers):
+            return None
+        return KernelStack(fused, windows, dims, fused[0][0].wqkv.kernel)
+
+    def runs(self, p: KernelAttention) -> bool:
+        """Whether this forward's pass attends in C on the kernel's pool, as the stack does."""
+        return p.kernel is not None and p.pooled
+
+    def run(
+        self, x: torch.Tensor, p: KernelAttention, hidden_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As ``LayerStack.run``: the last layer's output ``[T, D]`` and ``hidden_layers``'
+        outputs ``[T, len(hidden_layers), D]`` (None where it names none)."""
+        d, tokens = self._dims, x.shape[0]
+        q = torch.empty((tokens, d.num_heads, d.head_dim), dtype=torch.float32)
+        attn = torch.empty_like(q)
+        stack_pass = StackPass(
+            tokens,
+            d.num_heads,
+            d.num_kv_heads,
+            d.head_dim,
+            p.token_slots.data_ptr(),
+            p.positions.data_ptr(),
+            p.items.ctypes.data,
+            p.items.shape[0],
+            p.scale,
+            p.softcap,
+            p.cache.keys.dtype is torch.float32,
+            q.data_ptr(),
+            attn.data_ptr(),
+        )
+        # layer i reads buffers[i % 2] and writes the other; the caller's x stays as it was
+        buffers = (
+            x.clone(memory_format=torch.contiguous_format),
+            torch.empty(x.shape, dtype=x.dtype),
+        )
+        kept: dict[int, torch.Tensor] = {}
+        first, end = 0, len(self._table)
+        for stop in sorted(set(hidden_layers)):  # run up to each kept layer, then copy it out
+            self._kernel.layers(self._table, first, stop + 1, stack_pass, *buffers)
+            kept[stop], first = buffers[(stop + 1) % 2].clone(), stop + 1
+        self._kernel.layers(self._table, first, end, stack_pass, *buffers)
+        out = buffers[end % 2]
+        if not hidden_layers:
+            return out, None
+        return out, torch.stack([kept[i] for i in hidden_layers], dim=1)

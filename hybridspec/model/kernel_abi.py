@@ -52,6 +52,38 @@ class CacheLayout(ctypes.Structure):
 _CACHE = ctypes.POINTER(CacheLayout)
 
 
+class StackLayer(ctypes.Structure):
+    """csrc/stack.c's ``stack_layer_t``: one decoder layer as ``hs_layers`` runs it (its
+    matrices, norms, rope table, cache, eps and window), built once per layer."""
+
+    _fields_ = [
+        *((name, _QW) for name in ("wqkv", "wo", "w_gate_up", "w_down")),
+        ("attn_norm", _ptr),
+        ("mlp_norm", _ptr),
+        ("rope", _ptr),
+        ("cache", _CACHE),
+        ("eps", ctypes.c_float),
+        ("window", _i64),
+    ]
+
+
+class StackPass(ctypes.Structure):
+    """csrc/stack.c's ``stack_pass_t``: what every layer of one ``hs_layers`` forward reads."""
+
+    _fields_ = [
+        *((name, _i64) for name in ("T", "H", "KV", "hd")),
+        ("slots", _ptr),
+        ("positions", _ptr),
+        ("items", _ptr),
+        ("num_items", _i64),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("f32", _int),
+        ("q", _ptr),
+        ("attn", _ptr),
+    ]
+
+
 class Scratch(ctypes.Structure):
     """csrc/scratch.h's ``hs_scratch_t``: a buffer and its size, and what a call that found it
     short needs (``Kernel._call`` grows it and calls again)."""
@@ -106,6 +138,11 @@ SIGNATURES = {
     "hs_attend": [
         *(_ptr, *(_i64,) * 3, _CACHE, _int, _ptr, _i64, *(ctypes.c_float,) * 2, _i64, _ptr),
         *(_int, _SCRATCH),
+    ],
+    # layers, first, end, pass, x, y, scratch (csrc/stack.c)
+    "hs_layers": [
+        *(ctypes.POINTER(StackLayer), _i64, _i64, ctypes.POINTER(StackPass), _ptr, _ptr),
+        _SCRATCH,
     ],
     # qkv, T, H, KV, hd, rope, slots, positions, cache, q_out
     "hs_rope_store": [*(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr), _CACHE, _ptr],

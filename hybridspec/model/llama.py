@@ -9,7 +9,10 @@ load through the generic transformers runtime (``hf_runtime``).
 
 Each layer's path (the block kernel's fused calls, its unfused ones, torch's matmuls) is chosen
 once, when the runtime is built (``decoder``), as are the embedding lookup and the LM head, so
-that a forward is: embed, ``for layer in layers: x = layer(x, pass)``, the LM head.
+that a forward is: embed, ``for layer in layers: x = layer(x, pass)``, the LM head. Where every
+layer is the block kernel's two fused calls and the attention runs in C, the loop is one kernel
+call (``decoder.KernelStack``), which a small model's decode step would otherwise spend a good
+part of in Python between calls.
 
 Dimensions: ``T`` new tokens in the batch (flat), ``B`` sequences, ``H`` query heads, ``KV``
 key/value heads, ``rep = H // KV`` query heads per key/value head, ``hd`` head_dim, ``D``
@@ -47,6 +50,7 @@ from hybridspec.model.attention import (
 )
 from hybridspec.model.decoder import (
     DecoderLayer,
+    KernelStack,
     LayerMatrices,
     Linear,
     P,
@@ -84,13 +88,18 @@ class LayerStack(Generic[P]):
 
     layers: tuple[DecoderLayer[P], ...]
     begin: Callable[[HostBatch, list[int]], P]  # (batch, each sequence's start) -> the pass
+    fused: KernelStack | None = None  # the layers in one kernel call, where they all fuse
 
     def run(
         self, x: torch.Tensor, host: HostBatch, starts: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layers over ``x [T, D]``: the last one's output and ``host.hidden_layers``'
-        outputs ``[T, len(hidden_layers), D]`` (None where it names none)."""
+        outputs ``[T, len(hidden_layers), D]`` (None where it names none); in one kernel call
+        where the stack has one (``fused``) and this pass attends in C on the kernel's pool."""
         p = self.begin(host, starts)
+        fused = self.fused
+        if fused is not None and x.shape[0] and isinstance(p, KernelAttention) and fused.runs(p):
+            return fused.run(x, p, host.hidden_layers)
         kept: dict[int, torch.Tensor] = {}  # layer -> its output; each layer makes a new x
         for i, layer in enumerate(self.layers):
             x = layer(x, p)
@@ -191,7 +200,9 @@ class LlamaRuntime(SlotRuntime):
                 for i, (m, rope) in enumerate(zip(matrices, ropes, strict=True))
             )
             kernel_forward()
-            return LayerStack(in_kernel, self._kernel_attention)
+            windows = [self._scoring.window(i) for i in range(len(in_kernel))]
+            fused = KernelStack.of(in_kernel, windows, dims)
+            return LayerStack(in_kernel, self._kernel_attention, fused)
         in_torch = tuple(
             torch_layer(m, i, rope, dims, activation)
             for i, (m, rope) in enumerate(zip(matrices, ropes, strict=True))

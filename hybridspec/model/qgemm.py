@@ -58,6 +58,8 @@ from hybridspec.model.kernel_abi import (
     SIGNATURES,
     CacheLayout,
     QWeight,
+    StackLayer,
+    StackPass,
     ThreadScratch,
     factors,
     qweight,
@@ -84,6 +86,7 @@ class Kernel:
         self._lib.hs_isa.restype = ctypes.c_char_p
         self._lib.hs_pack_scratch.restype = ctypes.c_int64
         self._lib.hs_team_tids.restype = ctypes.c_int64
+        self._lib.hs_layers.restype = ctypes.c_int64
         self.path = path
         self.isa: str = self._lib.hs_isa().decode()
         # The attention's vector path (AVX-512); without it the portable C is slower than the
@@ -115,6 +118,26 @@ class Kernel:
                 raise RuntimeError(
                     f"{getattr(function, '__name__', function)}: scratch short after growing it"
                 )
+
+    def layers(
+        self,
+        table: ctypes.Array[StackLayer],
+        first: int,
+        end: int,
+        stack_pass: StackPass,
+        x: torch.Tensor,  # [T, D] bfloat16, contiguous: layer i's input where i is even
+        y: torch.Tensor,  # the same: where i is odd
+    ) -> None:
+        """Layers ``first`` up to ``end`` of ``table`` in one call (csrc/stack.c,
+        ``hs_layers``), the scratch grown where a layer found it short (the call then goes on
+        from that layer). The last layer's output is in ``y`` where ``end`` is odd, else
+        ``x``. For ``decoder.KernelStack``, which builds every argument to fit: no checks."""
+        scratch, layers = self._scratch, self._lib.hs_layers
+        pointers = (ctypes.byref(stack_pass), x.data_ptr(), y.data_ptr(), scratch.pointer)
+        while first < end:
+            first = int(layers(table, first, end, *pointers))
+            if first < end:  # each growth covers what a call of that layer asked for
+                scratch.grow()
 
     def pack(self, weight: QuantizedWeight, narrow: bool = True) -> PackedWeight:
         """``weight`` in the kernel's tiled layout (``kernel_pack.pack_weight``)."""

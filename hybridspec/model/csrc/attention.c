@@ -26,6 +26,7 @@
 #include "cache_layout.h"
 #include "fastmath.h"
 #include "isa.h"
+#include "layers.h"
 #include "pool.h"
 #include "scratch.h"
 

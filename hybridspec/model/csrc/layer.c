@@ -8,6 +8,7 @@
 
 #include "cache_layout.h"
 #include "fastmath.h"
+#include "layers.h"
 #include "matmul.h"
 #include "pool.h"
 
