@@ -127,6 +127,45 @@ def test_every_instruction_set_path_and_thread_count_computes_the_same(
         torch.set_num_threads(threads)
 
 
+def test_every_instruction_set_path_computes_the_prologues_alike(variants: list[Kernel]) -> None:
+    """The RMSNorm and silu(gate) * up prologues (vector loops on the AVX2 paths, the exp past
+    its clamps at +-100) and the quantization of their rows, bit for bit on every path."""
+    w = weight(4, 40, 96, 40)
+    x, norm = activations(5, 96, 41) * 8, activations(1, 96, 42)[0]
+    gate_up = activations(5, 192, 43) * 8
+    gate_up[:, :3] = torch.tensor([100.0, -100.0, 0.0]).bfloat16()
+    outs = []
+    for k in variants:
+        linear = BlockLinear(k.pack(w), k)
+        outs.append(
+            torch.cat((linear.after_norm(x, norm, 1e-5), linear.after_silu_mul(gate_up, None)))
+        )
+    assert all(torch.equal(outs[0], out) for out in outs[1:]), [k.isa for k in variants]
+
+
+@pytest.mark.parametrize(("bits", "code"), [(4, 15), (6, 31), (6, -32), (8, -128), (8, 127)])
+def test_the_largest_codes_against_the_largest_activations_sum_exactly(
+    variants: list[Kernel], bits: int, code: int
+) -> None:
+    """Every code at its largest magnitude and every activation at its group's largest (codes
+    q = 127 or -127): the AVX2 path's int16 partial sums (``RUN_OF`` in matmul_tiles.h) reach
+    their bound, and every path still computes the same integers."""
+    rows, cols = 16, 256
+    if bits == 4:
+        codes = torch.full((rows, cols // 2), code * 17, dtype=torch.uint8)  # both nibbles
+    else:  # 6 bits: 8-bit codes within -32..31, held in 6
+        codes = torch.full((rows, cols), code, dtype=torch.int8)
+    w = QuantizedWeight(
+        codes, torch.full((rows, cols // 32), 2.0**-10), None, 4 if bits == 4 else 8
+    )
+    x = torch.ones(3, cols, dtype=torch.bfloat16)
+    x[1] = -1
+    x[2, ::2] = -1
+    outs = [BlockLinear(k.pack(w), k)(x) for k in variants]
+    assert all(torch.equal(outs[0], out) for out in outs[1:]), [k.isa for k in variants]
+    torch.testing.assert_close(outs[0].float(), x.float() @ w.dequantize().T, rtol=1e-2, atol=0)
+
+
 @pytest.mark.parametrize("bits", ["4", "8", "8/16+m", "6+m"])
 def test_a_row_comes_out_alike_alone_and_among_others(kernel: Kernel, bits: str) -> None:
     linear = BlockLinear(weight(bits, 200, 1536, 5), kernel)

@@ -67,24 +67,53 @@ const char *hs_isa(void) {
 
 int hs_max_threads(void) { return (int)team_size(); }
 
-/* a[:K] = the prologue of one row of activations, in float32. */
+#if defined(HS_AVX2)
+/* 8 bfloat16 values at ``x`` in float32. */
+static inline __m256 bf16x8(const uint16_t *x) {
+    __m128i h = _mm_loadu_si128((const __m128i *)x);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* a[:K] = the prologue of one row of activations, in float32. The vector loops do the scalar
+ * loops' operations lane by lane (the sum of squares stays one chain, in order). */
 static void prologue_row(const uint16_t *x, const float *x32, int64_t K, int prologue,
                          const uint16_t *norm_w, float eps, float *a) {
+    int64_t k = 0;
     if (prologue == PRO_SILU_MUL) {
-        for (int64_t k = 0; k < K; k++) {
+#if defined(HS_AVX2)
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; k + 8 <= K; k += 8) {
+            __m256 g = bf16x8(x + k);
+            __m256 e = hs_expv(_mm256_xor_ps(g, sign));
+            _mm256_storeu_ps(a + k, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
+                                                  bf16x8(x + K + k)));
+        }
+#endif
+        for (; k < K; k++) {
             float g = bf16_to_f32(x[k]);
             a[k] = g / (1.0f + hs_exp(-g)) * bf16_to_f32(x[K + k]);
         }
     } else if (x32) {
         memcpy(a, x32, sizeof(float) * (size_t)K);
     } else {
-        for (int64_t k = 0; k < K; k++) a[k] = bf16_to_f32(x[k]);
+#if defined(HS_AVX2)
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(a + k, bf16x8(x + k));
+#endif
+        for (; k < K; k++) a[k] = bf16_to_f32(x[k]);
     }
     if (prologue == PRO_RMSNORM) {
         float ss = 0.0f;
-        for (int64_t k = 0; k < K; k++) ss = fmaf(a[k], a[k], ss);
+        for (k = 0; k < K; k++) ss = fmaf(a[k], a[k], ss);
         float r = 1.0f / sqrtf(ss / (float)K + eps);
-        for (int64_t k = 0; k < K; k++) a[k] = a[k] * r * bf16_to_f32(norm_w[k]);
+        k = 0;
+#if defined(HS_AVX2)
+        const __m256 vr = _mm256_set1_ps(r);
+        for (; k + 8 <= K; k += 8)
+            _mm256_storeu_ps(a + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(a + k), vr),
+                                                  bf16x8(norm_w + k)));
+#endif
+        for (; k < K; k++) a[k] = a[k] * r * bf16_to_f32(norm_w[k]);
     }
 }
 
@@ -96,16 +125,47 @@ static void quantize_row(const float *a, int64_t K, int group, int8_t *q, float 
     int S = GS / group;
     for (int64_t g = 0; g < K / GS; g++) {
         const float *ag = a + g * GS;
+        int8_t *qg = q + g * GS;
         float amax = 0.0f;
+#if defined(HS_AVX2) /* the scalar loop's max, lane by lane: max_ps(v, m) is v > m ? v : m */
+        const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 m = _mm256_setzero_ps();
+        for (int j = 0; j < GS; j += 8)
+            m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(ag + j), abs), m);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+#else
         for (int j = 0; j < GS; j++) {
             float v = fabsf(ag[j]);
             amax = v > amax ? v : amax;
         }
+#endif
         float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t *qg = q + g * GS;
         for (int h = 0; h < S; h++) {
-            int sum = 0;
-            for (int j = h * group; j < (h + 1) * group; j++) {
+            int sum = 0, j = h * group;
+#if defined(HS_AVX2)
+            const __m256 vid = _mm256_set1_ps(id), big = _mm256_set1_ps(12582912.0f);
+            __m256i vsum = _mm256_setzero_si256();
+            for (; j + 8 <= (h + 1) * group; j += 8) {
+                __m256 t = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(ag + j), vid),
+                                                       big), big);
+                __m256i v = _mm256_cvttps_epi32(t);
+                vsum = _mm256_add_epi32(vsum, v);
+                /* the low byte of each lane, as the scalar cast keeps it */
+                const __m128i lo = _mm_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                 -1, -1, -1, -1);
+                const __m128i hi = _mm_setr_epi8(-1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1,
+                                                 -1, -1, -1, -1);
+                __m128i w = _mm_or_si128(_mm_shuffle_epi8(_mm256_castsi256_si128(v), lo),
+                                         _mm_shuffle_epi8(_mm256_extracti128_si256(v, 1), hi));
+                _mm_storel_epi64((__m128i *)(qg + j), w);
+            }
+            int32_t parts[8];
+            _mm256_storeu_si256((__m256i *)parts, vsum);
+            for (int l = 0; l < 8; l++) sum += parts[l];
+#endif
+            for (; j < (h + 1) * group; j++) {
                 int v = (int)((ag[j] * id + 12582912.0f) - 12582912.0f);
                 qg[j] = (int8_t)v;
                 sum += v;
@@ -148,6 +208,11 @@ HS_INLINE void tile_dot_kind(const tile_job_t *job, int kind, int tt, float out[
     else if (kind == KIND_Q6K_M) tile_dot_vnni(*job, 6, 2, tt, FORM_STEP, FORM_STEP, out);
     else if (kind == KIND_S1) tile_dot_vnni(*job, 0, 1, tt, FORM_ANY, FORM_ANY, out);
     else tile_dot_vnni(*job, 0, 2, tt, FORM_ANY, FORM_ANY, out);
+#elif defined(HS_AVX2)
+    const int S = kind == KIND_S1 || kind == KIND_Q4K ? 1 : 2; /* constant bits: dot256's runs */
+    if (job->bits == 4) S == 1 ? tile_dot(*job, 4, 1, tt, out) : tile_dot(*job, 4, 2, tt, out);
+    else if (job->bits == 6) S == 1 ? tile_dot(*job, 6, 1, tt, out) : tile_dot(*job, 6, 2, tt, out);
+    else S == 1 ? tile_dot(*job, 8, 1, tt, out) : tile_dot(*job, 8, 2, tt, out);
 #else
     if (kind == KIND_S1 || kind == KIND_Q4K) tile_dot(*job, 1, tt, out);
     else tile_dot(*job, 2, tt, out);

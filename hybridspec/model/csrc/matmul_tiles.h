@@ -48,10 +48,33 @@ HS_INLINE void unpack_nibbles(const uint8_t *src, int bits, codes_v c[QUADS]) {
 }
 #endif
 
-#if defined(HS_VNNI)
+#if defined(HS_AVX2)
 #ifndef HS_PF
 #define HS_PF 2048 /* bytes of codes read ahead (software prefetch) */
 #endif
+/* Software prefetch of the codes HS_PF bytes past group g's (and of the factors about as far
+ * ahead in their own streams): a tile's codes are read once, in order, and the hardware's
+ * prefetcher alone leaves the loop waiting on memory while it computes, and computing while
+ * it waits (a verify's rows then cost more than their arithmetic). The addresses are formed
+ * as integers: past the end of the matrix a prefetch is a hint that never faults. */
+HS_INLINE void prefetch_ahead(const tile_job_t job, int64_t g, int S, int64_t tb) {
+    const uintptr_t codes = (uintptr_t)job.codes + (uintptr_t)(g * tb + HS_PF);
+    for (int64_t line = 0; line < tb; line += 64)
+        _mm_prefetch((const char *)(codes + (uintptr_t)line), _MM_HINT_T0);
+    const int64_t ahead = g * S * ROWS + HS_PF / 8; /* S * 16 factors a group */
+    const factors_t w[2] = {job.dw, job.mw};
+    for (int i = 0; i < 2; i++) {
+        uintptr_t at = w[i].step ? (uintptr_t)w[i].step + (uintptr_t)ahead
+                       : w[i].h  ? (uintptr_t)w[i].h + 2 * (uintptr_t)ahead
+                       : w[i].f  ? (uintptr_t)w[i].f + 4 * (uintptr_t)ahead
+                                 : 0;
+        if (at) _mm_prefetch((const char *)at, _MM_HINT_T0);
+    }
+}
+
+#endif
+
+#if defined(HS_VNNI)
 /* The factors of a tile's 16 rows at ``at`` in group g, as float32 (exact products), in the
  * form ``form`` (a constant where the caller specialises on it: FORM_ANY tests ``w``). */
 HS_INLINE __m512 factors512(factors_t w, int64_t at, int64_t g, int form) {
@@ -62,20 +85,6 @@ HS_INLINE __m512 factors512(factors_t w, int64_t at, int64_t g, int form) {
     if (form == FORM_ANY && !w.step) return _mm512_setzero_ps();
     __m512i steps = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w.step + at)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(steps), _mm512_loadu_ps(w.super + (g / SUPER) * ROWS));
-}
-
-/* Software prefetch of the codes HS_PF bytes past group g's (and of the int8 factors as far
- * ahead in their own stream): a tile's codes are read once, in order, and the hardware's
- * prefetcher alone leaves the loop waiting on memory while it computes, and computing while
- * it waits (a verify's rows then cost more than their arithmetic). The addresses are formed
- * as integers: past the end of the matrix a prefetch is a hint that never faults. */
-HS_INLINE void prefetch_ahead(const tile_job_t job, int64_t g, int S, int64_t tb) {
-    const uintptr_t codes = (uintptr_t)job.codes + (uintptr_t)(g * tb + HS_PF);
-    for (int64_t line = 0; line < tb; line += 64)
-        _mm_prefetch((const char *)(codes + (uintptr_t)line), _MM_HINT_T0);
-    const int64_t ahead = g * S * ROWS + HS_PF / 8; /* int8 factors: S * 16 bytes a group */
-    if (job.dw.step) _mm_prefetch((const char *)((uintptr_t)job.dw.step + ahead), _MM_HINT_T0);
-    if (job.mw.step) _mm_prefetch((const char *)((uintptr_t)job.mw.step + ahead), _MM_HINT_T0);
 }
 
 /* c[u]: quad u of one group's codes for the tile's 16 rows, as unsigned bytes (8 bits: c +
@@ -163,47 +172,57 @@ static inline __m256 factors256(factors_t w, int64_t at, int64_t g, int half) {
                          _mm256_loadu_ps(w.super + (g / SUPER) * ROWS + 8 * half));
 }
 
-/* unpack512 for one half of a tile (``src`` at its 8 rows); 8 bits as |c| (the sign goes to
- * q in dot256), so that u8 x s8 pairs stay within int16. */
+/* unpack512 for one half of a tile (``src`` at its 8 rows); 8 bits as the signed codes c
+ * (dot256 multiplies |c| by q with c's sign, so that u8 x s8 pairs stay within int16). */
 HS_INLINE void unpack256(const uint8_t *src, int bits, __m256i c[QUADS]) {
     if (bits != 8) {
         unpack_nibbles(src, bits, c);
         return;
     }
     const __m256i bias = _mm256_set1_epi8((char)0x80);
-    for (int u = 0; u < QUADS; u++) {
+    for (int u = 0; u < QUADS; u++)
         c[u] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + QB * u)), bias);
-        c[u] = _mm256_sign_epi8(c[u], c[u]);
-    }
 }
 
-/* dot512 on 256 bits: u8 x s8 pairs summed to int16, then int32 (8 bits: q takes c's sign,
- * read again from ``src``). */
-HS_INLINE void dot256(const __m256i *c, const uint8_t *src, int bits, int u0, int u1,
-                      const int8_t *qg, int64_t K, int tt, __m256i *s) {
-    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
-#pragma GCC unroll 8 /* whole: c[u] stays in registers */
+/* The quads whose u8 x s8 pair sums (maddubs) add up in int16 before they widen to int32:
+ * a pair sums to at most 2 * 127 |c|, so 8 quads of 4-bit codes (30,480), 2 of 6-bit ones
+ * (32,004), 1 of 8-bit |c| (32,512) stay under 32,768 (|q| <= 127: quantize_row). The sum is
+ * the same integer either way. */
+#define RUN_OF(bits) ((bits) == 4 ? 8 : ((bits) == 6 ? 2 : 1))
+
+/* dot512 on 256 bits: u8 x s8 pairs summed to int16, runs of quads (RUN_OF) added in int16,
+ * then widened to int32 (8 bits: |c| times q with c's sign). */
+HS_INLINE void dot256(const __m256i *c, int bits, int u0, int u1, const int8_t *qg, int64_t K,
+                      int tt, __m256i *s) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int run = RUN_OF(bits);
+    __m256i p[TILE_T];
+#pragma GCC unroll 8 /* whole: c[u] stays in registers, the runs' tests fold */
     for (int u = u0; u < u1; u++) {
         for (int i = 0; i < tt; i++) {
             int32_t quad;
             memcpy(&quad, qg + i * K + 4 * u, 4);
-            __m256i qb = _mm256_set1_epi32(quad);
+            __m256i qb = _mm256_set1_epi32(quad), cu = c[u];
             if (bits == 8) { /* |c| (u8) x sign(q, c) (s8) */
-                __m256i raw = _mm256_loadu_si256((const __m256i *)(src + QB * u));
-                qb = _mm256_sign_epi8(qb, _mm256_xor_si256(raw, bias));
+                qb = _mm256_sign_epi8(qb, cu);
+                cu = _mm256_sign_epi8(cu, cu);
             }
-            s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c[u], qb), ones));
+            __m256i pair = _mm256_maddubs_epi16(cu, qb);
+            p[i] = (u - u0) % run == 0 ? pair : _mm256_add_epi16(p[i], pair);
+            if ((u - u0) % run == run - 1 || u == u1 - 1)
+                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], ones));
         }
     }
 }
 
-HS_INLINE void tile_dot(const tile_job_t job, int S, int tt, float out[][ROWS]) {
-    const int bits = job.bits, span = QUADS / S, offset = has_factors(job.mw);
+HS_INLINE void tile_dot(const tile_job_t job, int bits, int S, int tt, float out[][ROWS]) {
+    const int span = QUADS / S, offset = has_factors(job.mw);
     const int64_t G = job.G, K = job.K, tb = tile_bytes(bits), GS_ = G * S;
     for (int half = 0; half < 2; half++) { /* rows 0..7, then 8..15 */
         __m256 acc[TILE_T];
         for (int i = 0; i < tt; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < G; g++) {
+            if (half == 0) prefetch_ahead(job, g, S, tb); /* half 1 reads the lines again */
             const uint8_t *src = job.codes + g * tb + 32 * half;
             __m256i c[QUADS];
             unpack256(src, bits, c);
@@ -214,7 +233,7 @@ HS_INLINE void tile_dot(const tile_job_t job, int S, int tt, float out[][ROWS]) 
                 __m256i s[TILE_T];
                 for (int i = 0; i < tt; i++) /* 6 bits: - 32 sum q (8 bits: signed codes) */
                     s[i] = _mm256_set1_epi32(bits == 6 ? -32 * job.qs[i * GS_ + g * S + h] : 0);
-                dot256(c, src, bits, h * span, (h + 1) * span, job.q + g * GS, K, tt, s);
+                dot256(c, bits, h * span, (h + 1) * span, job.q + g * GS, K, tt, s);
                 for (int i = 0; i < tt; i++) {
                     const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(job.dx[i * G + g]));
                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
