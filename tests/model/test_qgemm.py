@@ -153,7 +153,7 @@ def test_the_largest_codes_against_the_largest_activations_sum_exactly(
     rows, cols = 16, 256
     if bits == 4:
         codes = torch.full((rows, cols // 2), code * 17, dtype=torch.uint8)  # both nibbles
-    else:  # 6 bits: 8-bit codes within -32..31, held in 6
+    else:  # 8-bit codes; for 6 bits within -32..31, which the packer holds in 6
         codes = torch.full((rows, cols), code, dtype=torch.int8)
     w = QuantizedWeight(
         codes, torch.full((rows, cols // 32), 2.0**-10), None, 4 if bits == 4 else 8

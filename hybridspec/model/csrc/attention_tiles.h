@@ -118,10 +118,7 @@ static inline void scalar_values(const float *w, int64_t rows, int64_t ld, const
 
 #if defined(HS_AVX2) && !defined(HS_AVX512)
 static inline __m256 load8(const char *p, int f32) {
-    if (f32)
-        return _mm256_loadu_ps((const float *)p);
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return f32 ? _mm256_loadu_ps((const float *)p) : bf16x8_to_f32((const uint16_t *)p);
 }
 
 /* scores_tile's AVX2 form: ``nr`` (<= 4) rows and 16 whole positions. */

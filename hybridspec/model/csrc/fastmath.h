@@ -68,6 +68,12 @@ static inline float hs_exp(float x) {
 }
 
 #if defined(HS_AVX2)
+/* bf16_to_f32 on the 8 bfloat16 values at ``x``. */
+static inline __m256 bf16x8_to_f32(const uint16_t *x) {
+    __m128i h = _mm_loadu_si128((const __m128i *)x);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 /* hs_exp on HS_VF_LANES lanes (isa.h): the same operations in the same order, lane by lane
  * (max and min return their second operand for NaN, as the scalar comparisons do; the floor
  * is the instruction's, equal to floor_small's). */

@@ -67,14 +67,6 @@ const char *hs_isa(void) {
 
 int hs_max_threads(void) { return (int)team_size(); }
 
-#if defined(HS_AVX2)
-/* 8 bfloat16 values at ``x`` in float32. */
-static inline __m256 bf16x8(const uint16_t *x) {
-    __m128i h = _mm_loadu_si128((const __m128i *)x);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-#endif
-
 /* a[:K] = the prologue of one row of activations, in float32. The vector loops do the scalar
  * loops' operations lane by lane (the sum of squares stays one chain, in order). */
 static void prologue_row(const uint16_t *x, const float *x32, int64_t K, int prologue,
@@ -84,10 +76,10 @@ static void prologue_row(const uint16_t *x, const float *x32, int64_t K, int pro
 #if defined(HS_AVX2)
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
         for (; k + 8 <= K; k += 8) {
-            __m256 g = bf16x8(x + k);
+            __m256 g = bf16x8_to_f32(x + k);
             __m256 e = hs_expv(_mm256_xor_ps(g, sign));
             _mm256_storeu_ps(a + k, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
-                                                  bf16x8(x + K + k)));
+                                                  bf16x8_to_f32(x + K + k)));
         }
 #endif
         for (; k < K; k++) {
@@ -98,7 +90,7 @@ static void prologue_row(const uint16_t *x, const float *x32, int64_t K, int pro
         memcpy(a, x32, sizeof(float) * (size_t)K);
     } else {
 #if defined(HS_AVX2)
-        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(a + k, bf16x8(x + k));
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(a + k, bf16x8_to_f32(x + k));
 #endif
         for (; k < K; k++) a[k] = bf16_to_f32(x[k]);
     }
@@ -111,7 +103,7 @@ static void prologue_row(const uint16_t *x, const float *x32, int64_t K, int pro
         const __m256 vr = _mm256_set1_ps(r);
         for (; k + 8 <= K; k += 8)
             _mm256_storeu_ps(a + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(a + k), vr),
-                                                  bf16x8(norm_w + k)));
+                                                  bf16x8_to_f32(norm_w + k)));
 #endif
         for (; k < K; k++) a[k] = a[k] * r * bf16_to_f32(norm_w[k]);
     }
