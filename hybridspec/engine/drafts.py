@@ -33,6 +33,9 @@ class DraftCounts:
         self.proposers = proposers
         self.max_seq_len = max_seq_len
         self.measure_proposer_costs = measure_proposer_costs
+        # this round's ``_priced``, by the proposer's identity, and the round they are of
+        self._round_prices: dict[int, tuple[float, float, MeasuredPrice | None]] = {}
+        self._priced_round: tuple[SpeculationPolicy, int] | None = None
 
     def num_drafts(self, request: Request, proposer: Proposer) -> int:
         """Drafts to ask for this round: the request's K, shrunk so that committing k + 1 tokens
@@ -46,12 +49,8 @@ class DraftCounts:
             return 0
         by_step = request.params.sampling.is_greedy or not proposer.samples_drafts
         per_token, per_round, measured = proposer.cost_per_token, 0.0, None
-        timed: tuple[float, float] | None = None
         if by_step and self.measure_proposer_costs:  # (a seeded sampled request: fixed)
-            timed = self.proposers.costs.price(proposer, 1.0)  # (over 1 s: in seconds)
-            fixed_s = self._forward_fixed_s(self.speculation)
-            if timed is not None and fixed_s is not None and fixed_s > 0:
-                per_token, per_round = timed[0] / fixed_s, timed[1] / fixed_s
+            per_token, per_round, measured = self._priced(proposer, self.speculation)
         # shadow probes, where the proposer's one-draft call costs next to a forward's fixed
         # part (its declared cost until its calls are timed)
         state.shadows = (
@@ -64,8 +63,6 @@ class DraftCounts:
             state.shadow_first()
         if state.paused > 0:
             return 0
-        if by_step and self.measure_proposer_costs:
-            measured = self._measured(proposer, timed)
         return self.speculation.num_drafts(
             request.speculation,
             k,
@@ -74,6 +71,34 @@ class DraftCounts:
             proposer_cost_per_round=per_round,
             measured=measured,
         )
+
+    def _priced(
+        self, proposer: Proposer, speculation: SpeculationPolicy
+    ) -> tuple[float, float, MeasuredPrice | None]:
+        """``proposer``'s measured time per draft and per round over a forward's fixed part
+        (its ``cost_per_token`` and 0 until its calls are timed), and the round's price in
+        measured seconds (``_measured``): the same for every request of the proposer in a
+        round, so worked out once a round (until the policy records the round's step: the
+        forwards and proposer calls timed since move them)."""
+        this_round = self._priced_round
+        if (
+            this_round is None
+            or this_round[0] is not speculation
+            or this_round[1] != speculation.steps
+        ):
+            self._round_prices.clear()
+            self._priced_round = (speculation, speculation.steps)
+        key = id(proposer)
+        priced = self._round_prices.get(key)
+        if priced is None:
+            per_token, per_round = proposer.cost_per_token, 0.0
+            timed = self.proposers.costs.price(proposer, 1.0)  # (over 1 s: in seconds)
+            fixed_s = self._forward_fixed_s(speculation)
+            if timed is not None and fixed_s is not None and fixed_s > 0:
+                per_token, per_round = timed[0] / fixed_s, timed[1] / fixed_s
+            priced = (per_token, per_round, self._measured(proposer, timed))
+            self._round_prices[key] = priced
+        return priced
 
     def shadow(self, request: Request) -> bool:
         """Whether ``request`` asks its proposer for one unverified draft this round: it is

@@ -19,35 +19,42 @@ f = 1 ms; over a 10 ms forward, 0.1 per draft and 0.1 per round.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from hybridspec.proposers import Proposer
 
 DECAY = 0.95  # weight of a timed call after each later one of the same proposer
 MIN_CALLS = 4  # calls timed before the fit prices anything
 OUTLIER = 4.0  # a call counts at most this many times the fit's time for it
+EIGEN_RCOND = 1e-12  # eigenvalues below this share of the largest count as 0 (``least_norm_2x2``)
 
 
 @dataclass(slots=True)
 class _Fit:
-    """Decayed normal equations of ``seconds = f R + p D`` over one proposer's calls."""
+    """Decayed normal equations of ``seconds = f R + p D`` over one proposer's calls: the
+    symmetric 2 x 2 ``[[rr, rd], [rd, dd]]`` and the moments ``rs``, ``ds``, in floats (solved
+    once a round per proposer: numpy's calls on 2 x 2 arrays cost more than the arithmetic)."""
 
-    gram: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))
-    moment: np.ndarray = field(default_factory=lambda: np.zeros(2))
+    rr: float = 0.0
+    rd: float = 0.0
+    dd: float = 0.0
+    rs: float = 0.0
+    ds: float = 0.0
     calls: int = 0
     solved: tuple[float, float] | None = None  # ``solve``'s answer since the last call
 
     def observe(self, num_requests: int, num_drafts: int, seconds: float) -> None:
         """Add a call, its time at most ``OUTLIER`` times what the fit predicts for it (a
         call that compiled a kernel, or met a page fault, is no round's price)."""
-        x = np.array([float(num_requests), float(num_drafts)])
+        r, d = float(num_requests), float(num_drafts)
         if self.calls >= MIN_CALLS:
             f, p = self.solve()
-            seconds = min(seconds, OUTLIER * (f * num_requests + p * num_drafts))
-        self.gram = DECAY * self.gram + np.outer(x, x)
-        self.moment = DECAY * self.moment + x * seconds
+            seconds = min(seconds, OUTLIER * (f * r + p * d))
+        self.rr = DECAY * self.rr + r * r
+        self.rd = DECAY * self.rd + r * d
+        self.dd = DECAY * self.dd + d * d
+        self.rs = DECAY * self.rs + r * seconds
+        self.ds = DECAY * self.ds + d * seconds
         self.calls += 1
         self.solved = None
 
@@ -60,14 +67,37 @@ class _Fit:
         return self.solved
 
     def _solve(self) -> tuple[float, float]:
-        f, p = np.linalg.lstsq(self.gram + 1e-15 * np.eye(2), self.moment, rcond=None)[0]
+        f, p = least_norm_2x2(self.rr, self.rd, self.dd, self.rs, self.ds)
         if f >= 0 and p >= 0:
-            return float(f), float(p)
+            return f, p
         if f < 0:
-            alone = self.moment[1] / self.gram[1, 1] if self.gram[1, 1] > 0 else 0.0
-            return 0.0, max(0.0, float(alone))
-        alone = self.moment[0] / self.gram[0, 0] if self.gram[0, 0] > 0 else 0.0
-        return max(0.0, float(alone)), 0.0
+            return 0.0, (max(0.0, self.ds / self.dd) if self.dd > 0 else 0.0)
+        return (max(0.0, self.rs / self.rr) if self.rr > 0 else 0.0), 0.0
+
+
+def least_norm_2x2(a: float, b: float, d: float, u: float, v: float) -> tuple[float, float]:
+    """The least-norm least-squares solution of ``[[a, b], [b, d]] x = [u, v]`` (symmetric,
+    positive semi-definite), as ``numpy.linalg.lstsq`` gives it: through the eigenvalues,
+    those below ``EIGEN_RCOND`` of the largest taken as 0. Example: ``[[1, 1], [1, 1]] x =
+    [2, 2]`` gives ``(1, 1)``; ``[[2, 0], [0, 4]] x = [2, 2]`` gives ``(1, 0.5)``."""
+    mean, half = (a + d) / 2.0, math.hypot((a - d) / 2.0, b)
+    big, small = mean + half, mean - half
+    if big <= 0:
+        return 0.0, 0.0
+    # the largest eigenvalue's unit eigenvector; the other is perpendicular to it
+    if half == 0.0:
+        e1 = (1.0, 0.0)
+    else:
+        x, y = (b, big - a) if abs(big - a) >= abs(big - d) else (big - d, b)
+        norm = math.hypot(x, y)
+        e1 = (x / norm, y / norm)
+    e2 = (-e1[1], e1[0])
+    f, p = 0.0, 0.0
+    for value, (x, y) in ((big, e1), (small, e2)):
+        if value > EIGEN_RCOND * big:
+            along = (x * u + y * v) / value
+            f, p = f + along * x, p + along * y
+    return f, p
 
 
 class ProposerCosts:

@@ -228,7 +228,8 @@ class ProposerPool:
         (``engine.speculation``, "Shadow probes"): its proposal decodes plainly, and the draft
         waits in ``request.speculation.shadow`` for the round's token. A proposer none of whose
         requests asks for a draft is not called (its requests decode plainly). Each call that
-        asked for drafts is timed into ``costs``.
+        asked for drafts is timed into ``costs``. A proposer that ``never_drafts`` is neither
+        priced nor called.
         """
         groups: dict[int, list[Request]] = {}  # by the proposer's identity
         for request in decode:
@@ -239,6 +240,8 @@ class ProposerPool:
         eos = frozenset(self._context.eos_token_ids)
         for requests in groups.values():
             proposer, name = requests[0].proposer, requests[0].proposer_name
+            if proposer.never_drafts:
+                continue
             counts = [num_drafts(r, proposer) for r in requests]
             shadows = [k == 0 and shadow(r) for r, k in zip(requests, counts, strict=True)]
             asks = [

@@ -224,9 +224,11 @@ class SpeculationPolicy:
         self.verify_token_cost = verify_token_cost
         self._committed = 1  # what the last step committed and verified; one plain decode
         self._verified = 1
+        self.steps = 0  # steps recorded: a round's prices hold until the next (``drafts``)
 
     def record_step(self, committed: int, verified: int) -> None:
         """Remember a step that verified ``verified`` tokens and committed ``committed``."""
+        self.steps += 1
         if committed > 0 and verified > 0:
             self._committed, self._verified = committed, verified
 

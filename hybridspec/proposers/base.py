@@ -152,6 +152,10 @@ class Proposer(ABC):
     # its drafts each round against the target's own token, without a verify row (module
     # docstring). Its drafts must be deterministic (``samples_drafts`` False).
     shadow_checked: bool = False
+    # True for a proposer that never drafts (``none``): the engine then neither prices its
+    # requests' drafts nor calls it, so that plain decoding pays for no speculation. A subclass
+    # that defines ``propose`` drafts unless it declares this itself (``__init_subclass__``).
+    never_drafts: bool = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         """Refuse the attribute's old name, which the engine no longer reads: a proposer
@@ -159,6 +163,8 @@ class Proposer(ABC):
         super().__init_subclass__(**kwargs)
         if "hidden_layers" in vars(cls):
             raise TypeError(f"{cls.__name__}: hidden_layers is now named feature_layers")
+        if "propose" in vars(cls) and "never_drafts" not in vars(cls):
+            cls.never_drafts = False  # a subclass of ``NoProposer`` that drafts is called
 
     def __init__(self, context: ProposerContext) -> None:
         self.context = context
@@ -193,6 +199,7 @@ class NoProposer(Proposer):
     """Proposes nothing: every round is one plain decoding step of the target."""
 
     continues_prefix = True  # nothing, after any prefix
+    never_drafts = True
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
         return [Proposal(token_ids=()) for _ in requests]

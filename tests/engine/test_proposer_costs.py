@@ -8,11 +8,18 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from hybridspec import GenerationParams, Proposal, Proposer, ProposeRequest
 from hybridspec.engine import Engine, speculation
-from hybridspec.engine.proposer_costs import DECAY, MIN_CALLS, OUTLIER, ProposerCosts
+from hybridspec.engine.proposer_costs import (
+    DECAY,
+    MIN_CALLS,
+    OUTLIER,
+    ProposerCosts,
+    least_norm_2x2,
+)
 from hybridspec.engine.row_costs import RowCosts
 from hybridspec.engine.speculation import (
     FIRST_PROBE_BUDGET,
@@ -54,6 +61,25 @@ def test_fit_clamps_a_negative_part_and_ignores_calls_without_asks() -> None:
     weights = [DECAY ** (len(calls) - 1 - i) for i in range(len(calls))]
     mean = sum(w * s for w, (_, s) in zip(weights, calls, strict=True)) / sum(weights)
     assert per_draft == 0.0 and per_round == pytest.approx(mean / 0.001)  # the mean call, alone
+
+
+def test_the_fit_solves_its_normal_equations_as_numpy_s_least_squares() -> None:
+    """``least_norm_2x2`` against ``numpy.linalg.lstsq``: full rank, one rank (drafts always
+    the same multiple of requests: the least-norm split), and nothing."""
+    rng = np.random.default_rng(0)
+    cases = []
+    for _ in range(200):
+        x = rng.integers(0, 9, size=(int(rng.integers(1, 6)), 2)).astype(float)
+        cases.append((x.T @ x, x.T @ rng.uniform(0.0, 0.01, len(x))))
+    x = np.array([[1.0, 2.0], [3.0, 6.0], [2.0, 4.0]])  # one rank
+    cases.append((x.T @ x, x.T @ np.array([0.002, 0.006, 0.004])))
+    cases.append((np.zeros((2, 2)), np.zeros(2)))
+    for gram, moment in cases:
+        want = np.linalg.lstsq(gram, moment, rcond=1e-12)[0]
+        got = least_norm_2x2(gram[0, 0], gram[0, 1], gram[1, 1], *moment)
+        assert got == pytest.approx(tuple(want), rel=1e-6, abs=1e-12)
+    assert least_norm_2x2(1.0, 1.0, 1.0, 2.0, 2.0) == pytest.approx((1.0, 1.0))
+    assert least_norm_2x2(2.0, 0.0, 4.0, 2.0, 2.0) == pytest.approx((1.0, 0.5))
 
 
 def priced(policy: SpeculationPolicy, state: SpeculationState, per_round: float = 0.0) -> int:

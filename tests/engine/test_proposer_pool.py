@@ -21,7 +21,7 @@ from hybridspec import (
     ProposeRequest,
 )
 from hybridspec.model.loader import LoadedModel
-from hybridspec.proposers import ProposerContext
+from hybridspec.proposers import NoProposer, ProposerContext
 from hybridspec.proposers.hybrid import HybridProposer
 from hybridspec.proposers.ngram import NgramProposer
 from hybridspec.types import NO_SESSION, Session
@@ -181,3 +181,35 @@ def test_a_round_in_which_no_request_asks_for_drafts_does_not_call_the_proposer(
         engine.step()
     engine.draft_counts.num_drafts = asks  # type: ignore[method-assign]
     assert proposer.asked == []
+
+
+class NeverDrafting(Counting):
+    never_drafts = True
+
+
+def test_a_proposer_that_never_drafts_is_neither_priced_nor_called(target: LoadedModel) -> None:
+    """``none``'s requests pay for no speculation: their drafts are not priced, and the
+    proposer is not called, whatever their K."""
+    engine = make_engine(target)
+    engine.register_proposer("never", NeverDrafting)
+    engine.register_proposer("counting", Counting)
+    proposer = engine.resolve_proposer("never")
+    assert isinstance(proposer, NeverDrafting)
+    assert engine.resolve_proposer("none").never_drafts
+    drafting = type("Drafting", (NoProposer,), {"propose": Counting.propose})
+    assert not drafting.never_drafts  # a subclass of none's that proposes is called
+    priced: list[str] = []
+    asks = engine.draft_counts.num_drafts
+    engine.draft_counts.num_drafts = (  # type: ignore[method-assign]
+        lambda request, p: priced.append(request.proposer_name) or asks(request, p)
+    )
+    for name in ("never", "none"):
+        params = GenerationParams(max_new_tokens=6, proposer=name, num_speculative_tokens=4)
+        engine.add_request(PROMPTS[0], params)
+    engine.add_request(PROMPTS[1], GenerationParams(max_new_tokens=6, proposer="counting"))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.finished]
+    assert proposer.asked == [] and set(priced) == {"counting"}
+    assert all(o.result is not None and len(o.result.token_ids) == 6 for o in outputs)
+    assert len(outputs) == 3
