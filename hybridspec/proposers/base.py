@@ -159,12 +159,14 @@ class Proposer(ABC):
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         """Refuse the attribute's old name, which the engine no longer reads: a proposer
-        naming ``hidden_layers`` would silently get no features."""
+        naming ``hidden_layers`` would silently get no features. A subclass that defines
+        ``propose`` drafts unless it declares ``never_drafts`` itself: one built on
+        ``NoProposer`` would otherwise never be called."""
         super().__init_subclass__(**kwargs)
         if "hidden_layers" in vars(cls):
             raise TypeError(f"{cls.__name__}: hidden_layers is now named feature_layers")
         if "propose" in vars(cls) and "never_drafts" not in vars(cls):
-            cls.never_drafts = False  # a subclass of ``NoProposer`` that drafts is called
+            cls.never_drafts = False
 
     def __init__(self, context: ProposerContext) -> None:
         self.context = context
