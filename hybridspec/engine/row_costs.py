@@ -63,10 +63,9 @@ Dimensions: ``n`` the rows (tokens) fed in one forward, every sequence's togethe
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from hybridspec.engine.realized_rows import RealizedRows
 from hybridspec.engine.step_budget import FittedForwardCost
@@ -86,7 +85,7 @@ class RowCosts:
     _means: dict[int, float] = field(default_factory=dict)  # rows -> mean seconds
     _counts: dict[int, int] = field(default_factory=dict)  # rows -> forwards seen
     _rows: list[int] = field(default_factory=list)  # the measured row counts, ascending
-    _curve: np.ndarray | None = None  # [n + 1] stored seconds of 0 .. n rows, to the largest
+    _curve: list[float] | None = None  # stored seconds of 0 .. n rows, n the largest count
     _level: float = 1.0  # the machine's present speed: a price is the stored mean times it
     _forwards: int = 0  # forwards observed
     _seen: dict[int, int] = field(default_factory=dict)  # rows -> ``_forwards`` when last timed
@@ -136,20 +135,20 @@ class RowCosts:
             return None
         curve = self._monotone()
         if num_rows < len(curve):
-            return float(curve[num_rows]) * self._level
+            return curve[num_rows] * self._level
         slope = max(0.0, (curve[rows[-1]] - curve[rows[-2]]) / (rows[-1] - rows[-2]))
-        return float(curve[rows[-1]] + slope * (num_rows - rows[-1])) * self._level
+        return (curve[rows[-1]] + slope * (num_rows - rows[-1])) * self._level
 
-    def _monotone(self) -> np.ndarray:
+    def _monotone(self) -> list[float]:
         """The stored means made non-decreasing (``isotonic``, weighted by forwards held), each
         pooled stretch on its neighbourhood's line (``sloped``), joined by straight lines:
         stored seconds of ``0 .. largest`` rows (below the smallest count: its mean, never
-        read)."""
+        read). Refitted after each forward, in plain floats: the counts are a few dozen, and
+        numpy's per-call cost on arrays this small was most of a round's pricing."""
         if self._curve is None:
             means = [self._means[n] for n in self._rows]
             weights = [min(self._counts[n], WINDOW) for n in self._rows]
-            fitted = sloped(self._rows, means, weights)
-            self._curve = np.interp(np.arange(self._rows[-1] + 1), self._rows, fitted)
+            self._curve = interpolated(self._rows, sloped(self._rows, means, weights))
         return self._curve
 
     def clear(self) -> None:
@@ -184,28 +183,49 @@ def pooled(values: list[float], weights: list[int]) -> list[tuple[float, int, in
     return [(mean, int(start), int(stop)) for mean, _, start, stop in blocks]
 
 
-def sloped(rows: list[int], values: list[float], weights: list[int]) -> np.ndarray:
+def sloped(rows: list[int], values: list[float], weights: list[int]) -> list[float]:
     """``isotonic(values, weights)`` at ``rows`` (ascending), each pooled stretch replaced by
     the weighted least-squares line through its counts and one measured count on either side,
     widened a count at a time until it rises (module docstring); then made non-decreasing.
     Example: rows 1, 2, 3, 4 at 1.0, 0.9, 1.2, 1.1 (weights 1) give 0.93, 1.03, 1.07, 1.17
     (isotonic alone: 0.95, 0.95, 1.15, 1.15)."""
-    x, y, w = (np.asarray(a, dtype=np.float64) for a in (rows, values, weights))
-    fitted = np.asarray(isotonic(values, weights), dtype=np.float64)
-    for _, start, stop in pooled(values, weights):
+    blocks = pooled(values, weights)
+    fitted = [mean for mean, start, stop in blocks for _ in range(start, stop)]
+    for _, start, stop in blocks:
         if stop - start < 2:
             continue
         lo, hi = start, stop
         while True:
-            lo, hi = max(0, lo - 1), min(len(x), hi + 1)
-            xs, ys, ws = x[lo:hi], y[lo:hi], w[lo:hi]
-            x_mean, y_mean = np.average(xs, weights=ws), np.average(ys, weights=ws)
-            spread = np.sum(ws * (xs - x_mean) ** 2)
-            slope = np.sum(ws * (xs - x_mean) * (ys - y_mean)) / spread
-            if slope > 0 or (lo == 0 and hi == len(x)):
+            lo, hi = max(0, lo - 1), min(len(rows), hi + 1)
+            x_mean, y_mean, slope = _line(rows[lo:hi], values[lo:hi], weights[lo:hi])
+            if slope > 0 or (lo == 0 and hi == len(rows)):
                 break
-        fitted[start:stop] = y_mean + max(0.0, slope) * (x[start:stop] - x_mean)
-    return np.maximum.accumulate(fitted)
+        for i in range(start, stop):
+            fitted[i] = y_mean + max(0.0, slope) * (rows[i] - x_mean)
+    return list(itertools.accumulate(fitted, max))
+
+
+def _line(xs: list[int], ys: list[float], ws: list[int]) -> tuple[float, float, float]:
+    """The weighted least-squares line through ``(xs, ys)`` (at least two distinct ``xs``):
+    its point of means ``(x_mean, y_mean)`` and its slope."""
+    total = float(sum(ws))
+    x_mean = sum(w * x for w, x in zip(ws, xs, strict=True)) / total
+    y_mean = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
+    spread = sum(w * (x - x_mean) ** 2 for w, x in zip(ws, xs, strict=True))
+    moment = sum(w * (x - x_mean) * (y - y_mean) for w, x, y in zip(ws, xs, ys, strict=True))
+    return x_mean, y_mean, moment / spread
+
+
+def interpolated(rows: list[int], fitted: list[float]) -> list[float]:
+    """``fitted`` (at ``rows``, ascending) at every row count ``0 .. rows[-1]``, joined by
+    straight lines; below ``rows[0]``, ``fitted[0]``. Example: rows 1, 3 at 1.0, 2.0 give 1.0,
+    1.0, 1.5, 2.0."""
+    curve = [fitted[0]] * (rows[0] + 1)
+    for (x0, y0), (x1, y1) in itertools.pairwise(zip(rows, fitted, strict=True)):
+        step = (y1 - y0) / (x1 - x0)
+        curve += [y0 + step * (n - x0) for n in range(x0 + 1, x1)]
+        curve.append(y1)
+    return curve
 
 
 @dataclass(slots=True)

@@ -59,7 +59,12 @@ from hybridspec.config import MAX_SPECULATIVE_TOKENS
 from hybridspec.errors import InvalidRequestError, check
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.proposers.lazy_kernels import compiled_ngram
-from hybridspec.proposers.ngram_tables import allocate_tables, grow_tables
+from hybridspec.proposers.ngram_tables import (
+    allocate_tables,
+    grow_tables,
+    packed,
+    plain_token_ids,
+)
 from hybridspec.types import NO_SESSION, CommitInfo, Proposal, ProposeRequest, Session
 
 __all__ = ["NgramProposer"]
@@ -85,9 +90,9 @@ class NgramProposer(Proposer):
     Its options are the configuration's ``ngram`` section (``context.ngram``).
     Each started sequence holds one slot of a pool of preallocated tables; ``propose`` serves a
     whole batch with one compiled call. ``commit`` checks the tokens and keeps them; the tables
-    learn them when the sequence is next proposed for (one compiled call for every round since,
-    so that rounds in which the engine does not call ``propose``, without drafts or a shadow
-    probe, cost none).
+    learn them when the sequence is next proposed for (one compiled call for the batch's
+    sequences and every round since, so that rounds in which the engine does not call
+    ``propose``, without drafts or a shadow probe, cost none).
     It continues a ``ProposeRequest.draft_prefix``: the prefix ends the context it matches, and
     what it copies or predicts follows it.
     """
@@ -119,7 +124,7 @@ class NgramProposer(Proposer):
             window=config.window,
         )
         self._slot_of_seq: dict[int, int] = {}
-        self._unlearned: dict[int, list[npt.NDArray[np.int64]]] = {}  # by slot: committed tokens
+        self._unlearned: dict[int, list[int]] = {}  # by slot: committed tokens
         self._free_slots = list(range(INITIAL_NUM_SLOTS - 1, -1, -1))  # pop() takes slot 0 first
 
     def start(
@@ -150,7 +155,10 @@ class NgramProposer(Proposer):
                     "max_num_drafts",
                     f"expected an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}",
                 )
-            self._learn(slot)
+            slots.append(slot)
+            num_drafts.append(k)
+        self._learn(slots)
+        for request, slot in zip(requests, slots, strict=True):
             seen = int(self._tables.num_tokens[slot])
             if len(request.token_ids) != seen:
                 raise _invalid(
@@ -158,8 +166,6 @@ class NgramProposer(Proposer):
                     f"sequence {request.seq_id} has {len(request.token_ids)} committed tokens "
                     f"but the proposer has seen {seen}; was a commit() missed?",
                 )
-            slots.append(slot)
-            num_drafts.append(k)
         out_token_ids = np.empty((len(requests), max(num_drafts)), np.int64)
         out_num_drafts = np.empty(len(requests), np.int64)
         prefix_lengths = np.array([len(r.draft_prefix) for r in requests], np.int64)
@@ -187,21 +193,23 @@ class NgramProposer(Proposer):
         """Learn the appended tokens. Proposals are never counted, so nothing is rolled back
         and ``num_accepted`` is only checked."""
         slot = self._slot(info.seq_id, "commit")
-        tokens = self._token_array(info.token_ids, "token_ids")
+        tokens = plain_token_ids(info.token_ids, self._vocab_size)
+        if tokens is None:
+            tokens = self._token_array(info.token_ids, "token_ids").tolist()
         num_accepted = info.num_accepted
         if not (_is_int(num_accepted) and 0 <= num_accepted <= len(tokens)):
             raise _invalid(
                 "num_accepted", f"expected an integer in [0, {len(tokens)}], got {num_accepted!r}"
             )
-        if tokens.size:
-            self._unlearned.setdefault(slot, []).append(tokens)
+        if tokens:
+            self._unlearned.setdefault(slot, []).extend(tokens)
 
-    def _learn(self, slot: int) -> None:
-        """Append the tokens committed to ``slot`` since it was last proposed for."""
-        pending = self._unlearned.pop(slot, None)
-        if pending:
-            tokens = pending[0] if len(pending) == 1 else np.concatenate(pending)
-            compiled_ngram().append_tokens(self._tables, self.config.min_order, slot, tokens)
+    def _learn(self, slots: list[int]) -> None:
+        """Append the tokens committed to each of ``slots`` since it was last proposed for, in
+        one compiled call."""
+        batch = [(slot, tokens) for slot in slots if (tokens := self._unlearned.pop(slot, None))]
+        if batch:
+            compiled_ngram().append_batch(self._tables, self.config.min_order, *packed(batch))
 
     def finish(self, seq_id: int) -> None:
         """Release the sequence's slot. Unknown ids are ignored: the engine's clean-up paths

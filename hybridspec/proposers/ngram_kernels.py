@@ -222,6 +222,14 @@ def append_tokens(tables, min_order, slot, token_ids):
 
 
 @njit(cache=True)
+def append_batch(tables, min_order, slots, token_ids, offsets):
+    """``append_tokens`` for several slots in one call: ``slots[i]`` learns
+    ``token_ids[offsets[i] : offsets[i + 1]]`` (a call costs more than a round's few tokens)."""
+    for i in range(len(slots)):
+        append_tokens(tables, min_order, slots[i], token_ids[offsets[i] : offsets[i + 1]])
+
+
+@njit(cache=True)
 def _best_next_token(tables, slot, o, order, context, start, by_count):
     """``(found, token, pos)``: the context's best continuation and its latest position.
 
@@ -354,6 +362,9 @@ def warmup() -> None:
     tables = allocate_tables(num_slots=1, num_orders=2, capacity=16, window=4)
     seed_slot(tables, 1, 0, np.array([1, 2, 1, 2], np.int64))
     append_tokens(tables, 1, 0, np.array([1], np.int64))
+    append_batch(
+        tables, 1, np.zeros(1, np.int64), np.array([2], np.int64), np.array([0, 1], np.int64)
+    )
     out_token_ids = np.empty((1, 2), np.int64)
     out_num_drafts = np.empty(1, np.int64)
     for copy in (True, False):

@@ -5,6 +5,7 @@ on them only when it starts a sequence (``lazy_kernels``).
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -51,3 +52,31 @@ def grow_tables(tables: NgramTables, num_slots: int) -> NgramTables:
     for new_array, old_array in zip(grown, tables, strict=True):
         new_array[:old] = old_array  # type: ignore[index]  # NamedTuple iteration loses field types
     return grown
+
+
+def plain_token_ids(token_ids: object, vocab_size: int) -> list[int] | None:
+    """``token_ids`` itself where it is a list of plain ints in ``[0, vocab_size)``, what the
+    engine commits each round; None for anything else, which the caller then converts and
+    checks with numpy (and says what is wrong). Checking a round's few tokens this way costs
+    a fraction of numpy's conversion and reductions."""
+    if type(token_ids) is not list:
+        return None
+    for token_id in token_ids:
+        if type(token_id) is not int or not 0 <= token_id < vocab_size:
+            return None
+    return token_ids
+
+
+def packed(
+    batch: list[tuple[int, list[int]]],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``(slots, token_ids, offsets)`` of ``ngram_kernels.append_batch`` for ``batch``, each
+    ``(slot, tokens)`` one slot's tokens to learn. Example: ``[(2, [5, 6]), (0, [7])]`` gives
+    ``[2, 0]``, ``[5, 6, 7]``, ``[0, 2, 3]``."""
+    slots = np.array([slot for slot, _ in batch], np.int64)
+    ends = list(itertools.accumulate(len(tokens) for _, tokens in batch))
+    offsets = np.array([0, *ends], np.int64)
+    token_ids = np.fromiter(
+        itertools.chain.from_iterable(tokens for _, tokens in batch), np.int64, ends[-1]
+    )
+    return slots, token_ids, offsets

@@ -16,8 +16,8 @@ agent's next edit of the same file, a second summary of one document) drafts it 
   text few (3 at the prior). Adaptive speculation then prices what is left against the
   request's own rate.
 - **Learning.** Committed tokens wait, checked, until the sequence's next proposal (or its
-  finish) and enter its tables there in one compiled call: a round without drafts does not
-  call ``propose`` (``Proposer``), and costs no table work.
+  finish) and enter its tables there, the batch's sequences in one compiled call: a round
+  without drafts does not call ``propose`` (``Proposer``), and costs no table work.
 - **Bound.** The store is ``SuffixConfig.max_tokens`` tokens (``--suffix-cache-tokens``): the
   oldest leave first, a sliding window over n-gram tables (``ngram_kernels``).
 - **Isolation** (``SuffixConfig.isolation``): ``per-server``, one pool for every request;
@@ -47,7 +47,7 @@ from hybridspec.config import MAX_SPECULATIVE_TOKENS
 from hybridspec.errors import check
 from hybridspec.proposers.base import Proposer, ProposerContext
 from hybridspec.proposers.lazy_kernels import compiled_ngram, compiled_suffix
-from hybridspec.proposers.ngram_tables import allocate_tables
+from hybridspec.proposers.ngram_tables import allocate_tables, packed, plain_token_ids
 from hybridspec.types import NO_SESSION, CommitInfo, Proposal, ProposeRequest, Session
 from hybridspec.verifier.estimate import AcceptanceEstimate, drafts_worth_asking
 
@@ -95,7 +95,7 @@ class SuffixProposer(Proposer):
         # seq -> own slot, pool, pool key, tokens (prompt and output)
         self._seqs: dict[int, tuple[int, int, _Key | None, list[int]]] = {}
         self._last: dict[int, tuple[int, int, int]] = {}  # seq -> source, order, drafts
-        self._unlearned: dict[int, list[np.ndarray]] = {}  # seq -> tokens committed since
+        self._unlearned: dict[int, list[int]] = {}  # seq -> tokens committed since
         self._rates: dict[tuple[int, int], AcceptanceEstimate] = {}
 
     def _key_of(self, session: Session) -> _Key | None:
@@ -143,7 +143,6 @@ class SuffixProposer(Proposer):
         num_drafts = np.empty(num, np.int64)
         for i, request in enumerate(requests):
             own_slots[i], pools[i] = self._slots(request.seq_id)
-            self._learn(request.seq_id, int(own_slots[i]))
             k = request.max_num_drafts
             check(
                 0 <= k <= MAX_SPECULATIVE_TOKENS,
@@ -151,6 +150,7 @@ class SuffixProposer(Proposer):
                 f"expected an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}",
             )
             num_drafts[i] = k
+        self._learn([r.seq_id for r in requests], own_slots.tolist())
         prefix_lengths = np.array([len(r.draft_prefix) for r in requests], np.int64)
         prefixes = np.zeros((num, max(1, int(prefix_lengths.max()))), np.int64)
         for i, request in enumerate(requests):
@@ -181,9 +181,11 @@ class SuffixProposer(Proposer):
     def commit(self, info: CommitInfo) -> None:
         """Learn the appended tokens, and how many of the last proposal's drafts were kept."""
         self._seq(info.seq_id)
-        new = self._tokens(info.token_ids)
-        if new.size:  # learned at the next proposal (module docstring, "Learning")
-            self._unlearned.setdefault(info.seq_id, []).append(new)
+        new = plain_token_ids(info.token_ids, self._vocab_size)
+        if new is None:
+            new = self._tokens(info.token_ids).tolist()
+        if new:  # learned at the next proposal (module docstring, "Learning")
+            self._unlearned.setdefault(info.seq_id, []).extend(new)
         last = self._last.pop(info.seq_id, None)
         if last is not None and last[2] > 0:
             source, order, num = last
@@ -196,7 +198,7 @@ class SuffixProposer(Proposer):
         if state is None:
             return
         tokens = state[3]
-        tokens.extend(self._pending(seq_id).tolist())
+        tokens.extend(self._unlearned.pop(seq_id, ()))
         slot, pool, key, _ = self._seqs.pop(seq_id)
         self._free.append(slot)
         if key is not None and self._pools.get(key) == pool:  # else its session was evicted
@@ -204,20 +206,17 @@ class SuffixProposer(Proposer):
                 self._shared, SHARED_MIN_ORDER, pool, np.asarray(tokens, np.int64)
             )
 
-    def _learn(self, seq_id: int, slot: int) -> None:
-        """Append the tokens committed to ``seq_id`` since its last proposal to its own tables
-        (in ``slot``) and its text."""
-        new = self._pending(seq_id)
-        if new.size:
-            compiled_ngram().append_tokens(self._own, self._own_min_order, slot, new)
-            self._seqs[seq_id][3].extend(new.tolist())
-
-    def _pending(self, seq_id: int) -> np.ndarray:
-        """The tokens committed to ``seq_id`` and not yet learned, taken (oldest first)."""
-        pending = self._unlearned.pop(seq_id, None)
-        if not pending:
-            return np.empty(0, np.int64)
-        return pending[0] if len(pending) == 1 else np.concatenate(pending)
+    def _learn(self, seq_ids: list[int], slots: list[int]) -> None:
+        """Append the tokens committed to each of ``seq_ids`` since its last proposal to its
+        own tables (in its slot of ``slots``), in one compiled call, and to its text."""
+        batch = []
+        for seq_id, slot in zip(seq_ids, slots, strict=True):
+            new = self._unlearned.pop(seq_id, None)
+            if new:
+                batch.append((slot, new))
+                self._seqs[seq_id][3].extend(new)
+        if batch:
+            compiled_ngram().append_batch(self._own, self._own_min_order, *packed(batch))
 
     def _slots(self, seq_id: int) -> tuple[int, int]:
         """The sequence's own slot, and its pool while its session still holds it."""

@@ -25,22 +25,17 @@ def check_proposal(proposal: Proposal, max_num_drafts: int, vocab_size: int) -> 
     ``[num_drafts, vocab_size]`` tensor whose rows are distributions that give their own draft
     a positive mass.
     """
-    check(
-        isinstance(proposal, Proposal),
-        "proposer",
-        f"expected a Proposal, got {type(proposal).__name__}",
-    )
+    if not isinstance(proposal, Proposal):
+        check(False, "proposer", f"expected a Proposal, got {type(proposal).__name__}")
     num_drafts = proposal.num_drafts
-    check(
-        num_drafts <= max_num_drafts,
-        "proposer",
-        f"proposed {num_drafts} drafts where at most {max_num_drafts} were asked",
-    )
-    check(
-        all(isinstance(t, int) and 0 <= t < vocab_size for t in proposal.token_ids),
-        "proposer",
-        f"proposed token ids outside [0, {vocab_size})",
-    )
+    if num_drafts > max_num_drafts:
+        check(
+            False,
+            "proposer",
+            f"proposed {num_drafts} drafts where at most {max_num_drafts} were asked",
+        )
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in proposal.token_ids):
+        check(False, "proposer", f"proposed token ids outside [0, {vocab_size})")
     probs = proposal.probs
     if probs is None:
         return

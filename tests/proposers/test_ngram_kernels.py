@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hybridspec.config import NgramConfig
 from hybridspec.proposers import ngram_kernels as kernels
 from hybridspec.proposers.ngram_reference import NgramCounts, ngram_counts, reference_proposal
+from hybridspec.proposers.ngram_tables import packed, plain_token_ids
 from tests.proposers.ngram_helpers import (
     REPO_ROOT,
     commit,
@@ -160,6 +161,32 @@ def test_evictions_trigger_rebuilds_and_tables_stay_exact():
     assert num_rebuilds >= 10
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), max_size=12), min_size=1, max_size=4))
+def test_a_batch_learns_as_each_slot_alone(chunks):
+    """``append_batch`` over slots with ``packed``'s arguments leaves the tables as
+    ``append_tokens`` slot by slot does (an empty chunk included)."""
+    window, capacity = 8, 32
+    alone = kernels.allocate_tables(len(chunks), 2, capacity, window)
+    batched = kernels.allocate_tables(len(chunks), 2, capacity, window)
+    for tables in (alone, batched):
+        for slot in range(len(chunks)):
+            kernels.seed_slot(tables, 2, slot, np.array([1, 2, 3], np.int64))
+    for slot, chunk in enumerate(chunks):
+        kernels.append_tokens(alone, 2, slot, np.array(chunk, np.int64))
+    order = list(reversed(range(len(chunks))))  # slots in any order
+    kernels.append_batch(batched, 2, *packed([(slot, chunks[slot]) for slot in order]))
+    for a, b in zip(alone, batched, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_plain_token_ids_takes_only_a_list_of_ints_in_range():
+    assert plain_token_ids([0, 4], 5) == [0, 4]
+    assert plain_token_ids([], 5) == []
+    for other in ([5], [-1], [1.0], [True], (1, 2), np.array([1]), [np.int64(1)]):
+        assert plain_token_ids(other, 5) is None
+
+
 @st.composite
 def scenarios(draw):
     min_order, max_order, window, _, _ = draw(streams())
@@ -230,7 +257,7 @@ def test_kernels_load_from_disk_cache_in_a_new_process():
         "    sys.modules[name].__path__ = [path]\n"
         "from hybridspec.proposers import ngram_kernels as k\n"
         "k.warmup()\n"
-        "fs = (k.seed_slot, k.append_tokens, k.propose_batch)\n"
+        "fs = (k.seed_slot, k.append_tokens, k.append_batch, k.propose_batch)\n"
         "print(sum(sum(f.stats.cache_misses.values()) for f in fs),"
         " sum(sum(f.stats.cache_hits.values()) for f in fs))\n"
     )
@@ -238,4 +265,4 @@ def test_kernels_load_from_disk_cache_in_a_new_process():
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )
     misses, hits = map(int, result.stdout.split()[-2:])
-    assert (misses, hits) == (0, 3)
+    assert (misses, hits) == (0, 4)
