@@ -143,8 +143,8 @@ class RowCosts:
         """The stored means made non-decreasing (``isotonic``, weighted by forwards held), each
         pooled stretch on its neighbourhood's line (``sloped``), joined by straight lines:
         stored seconds of ``0 .. largest`` rows (below the smallest count: its mean, never
-        read). Refitted after each forward, in plain floats: the counts are a few dozen, and
-        numpy's per-call cost on arrays this small was most of a round's pricing."""
+        read). Refitted after each forward, in plain floats: the counts are a few dozen, too
+        few for numpy's per-call cost to pay."""
         if self._curve is None:
             means = [self._means[n] for n in self._rows]
             weights = [min(self._counts[n], WINDOW) for n in self._rows]

@@ -70,9 +70,9 @@ def plain_token_ids(token_ids: object, vocab_size: int) -> list[int] | None:
 def packed(
     batch: list[tuple[int, list[int]]],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """``(slots, token_ids, offsets)`` of ``ngram_kernels.append_batch`` for ``batch``, each
-    ``(slot, tokens)`` one slot's tokens to learn. Example: ``[(2, [5, 6]), (0, [7])]`` gives
-    ``[2, 0]``, ``[5, 6, 7]``, ``[0, 2, 3]``."""
+    """``(slots, token_ids, offsets)`` of ``ngram_kernels.append_batch`` for ``batch`` (not
+    empty), each ``(slot, tokens)`` one slot's tokens to learn. Example:
+    ``[(2, [5, 6]), (0, [7])]`` gives ``[2, 0]``, ``[5, 6, 7]``, ``[0, 2, 3]``."""
     slots = np.array([slot for slot, _ in batch], np.int64)
     ends = list(itertools.accumulate(len(tokens) for _, tokens in batch))
     offsets = np.array([0, *ends], np.int64)
