@@ -61,34 +61,39 @@ def check_drafts(
     target_logits: torch.Tensor,
     checked: bool,
 ) -> None:
-    check(
-        target_logits.dim() == 2 and target_logits.is_floating_point(),
-        "target_logits",
-        f"expected a float tensor [num_rows, vocab_size], got {target_logits.dtype} "
-        f"{tuple(target_logits.shape)}",
-    )
-    check(
-        draft_token_ids.dim() == 1 and draft_token_ids.dtype == torch.long,
-        "draft_token_ids",
-        f"expected int64 [total_num_drafts], got {draft_token_ids.dtype} "
-        f"{tuple(draft_token_ids.shape)}",
-    )
-    check(
-        draft_token_ids.numel() == total,
-        "draft_token_ids",
-        f"expected cu_num_drafts[-1] = {total} tokens, got {draft_token_ids.numel()}",
-    )
-    check(
-        draft_token_ids.device == target_logits.device,
-        "draft_token_ids",
-        f"expected device {target_logits.device}, got {draft_token_ids.device}",
-    )
-    check(
-        target_logits.shape[0] == total + num_seqs,
-        "target_logits",
-        f"expected total_num_drafts + num_seqs = {total} + {num_seqs} rows, "
-        f"got {target_logits.shape[0]}",
-    )
+    if not (target_logits.dim() == 2 and target_logits.is_floating_point()):
+        check(
+            False,
+            "target_logits",
+            f"expected a float tensor [num_rows, vocab_size], got {target_logits.dtype} "
+            f"{tuple(target_logits.shape)}",
+        )
+    if not (draft_token_ids.dim() == 1 and draft_token_ids.dtype == torch.long):
+        check(
+            False,
+            "draft_token_ids",
+            f"expected int64 [total_num_drafts], got {draft_token_ids.dtype} "
+            f"{tuple(draft_token_ids.shape)}",
+        )
+    if draft_token_ids.numel() != total:
+        check(
+            False,
+            "draft_token_ids",
+            f"expected cu_num_drafts[-1] = {total} tokens, got {draft_token_ids.numel()}",
+        )
+    if draft_token_ids.device != target_logits.device:
+        check(
+            False,
+            "draft_token_ids",
+            f"expected device {target_logits.device}, got {draft_token_ids.device}",
+        )
+    if target_logits.shape[0] != total + num_seqs:
+        check(
+            False,
+            "target_logits",
+            f"expected total_num_drafts + num_seqs = {total} + {num_seqs} rows, "
+            f"got {target_logits.shape[0]}",
+        )
     vocab_size = target_logits.shape[1]
     if total and not checked:
         low, high = torch.aminmax(draft_token_ids)
