@@ -201,6 +201,22 @@ def test_greedy_is_the_argmax_with_ties_to_the_lowest_id() -> None:
     assert greedy_token_ids(logits).tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_greedy_over_any_float_dtype_is_torch_s_argmax(dtype: torch.dtype) -> None:
+    """The CPU path (numpy over rows widened to float32) picks torch's index: ties (rounded
+    logits, many equal) to the lowest id, values past float16's range, a NaN row to its first
+    NaN, a strided view too."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 300, generator=generator) * 3).round()
+    logits[32:] *= 30_000  # bfloat16 keeps them apart; a widening through float16 would not
+    logits = logits.to(dtype)
+    logits[3, 7] = logits[5, 0] = logits[5, 9] = float("nan")
+    for view in (logits, logits[:, ::3]):
+        got = greedy_token_ids(view)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, view.argmax(dim=-1))
+
+
 def test_logprobs_are_the_sampled_distribution_or_for_greedy_the_plain_softmax() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0], [0.0, 0.0, 1.0, 2.0, -3.0]])
     sampled = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
