@@ -13,7 +13,8 @@ and runs each framework's loop as a new user would write it, with one tool (the 
 city) and no ``tool_choice`` (so ``auto``), once per prompt of ``PROMPTS`` (each plainly asks
 for the tool), cycled to ``--tries``:
 
-- ``openai``: the openai SDK, ``chat.completions.create(tools=...)``, then the tool's result;
+- ``openai``: the openai SDK, ``chat.completions.create(tools=...)``, then the tool's result
+  when the answer finished with ``tool_calls`` (one cut by max_tokens holds partial arguments);
 - ``langchain``: ``ChatOpenAI.bind_tools``, ``invoke``, then a ``ToolMessage``;
 - ``pydantic-ai``: an ``Agent`` with the tool (``tool_plain``), ``run_sync``;
 - ``agents``: the OpenAI Agents SDK, an ``Agent`` on ``OpenAIChatCompletionsModel``;
@@ -189,9 +190,10 @@ def run_openai(base: str, model: str, prompt: str, rec: Recorder) -> None:
     answer = client.chat.completions.create(
         model=model, messages=messages, tools=[WEATHER_TOOL], **bound()
     )
-    message = answer.choices[0].message
-    if not message.tool_calls:
-        return
+    choice = answer.choices[0]
+    message = choice.message
+    if choice.finish_reason != "tool_calls" or not message.tool_calls:
+        return  # text, or a call that max_tokens cut mid-arguments: nothing to run
     messages.append(message.model_dump(exclude_none=True))
     for call in message.tool_calls:
         city = json.loads(call.function.arguments).get("city", "")
