@@ -37,9 +37,9 @@ def variants(kernel_variants: dict[str, Kernel]) -> list[Kernel]:
 
 
 # scheme -> (bits, group, offsets): Q4_1 / Q4_K; Q8_0 / Q5_0; Q5_1 / Q5_K; Q2_K / Q3_K; Q6_K;
-# and a fused q/k/v of mixed types widened to the widest scheme. "K": a K-quant's scales and
-# offsets, d * sc per 256 columns (d float16, sc 6 bits), held factored by the kernel. 6: 8-bit
-# codes within -32..31 (Q6_K, Q5_K, Q5_0, Q5_1), held in 6 bits.
+# and a fused q/k/v of mixed types widened to the widest scheme (6/16K+m: Q4_K's with Q6_K's).
+# "K": a K-quant's scales and offsets, d * sc per 256 columns (d float16, sc 6 bits), held
+# factored by the kernel. 6: 8-bit codes within -32..31 (Q6_K, Q5_K, Q5_0, Q5_1), held in 6 bits.
 SCHEMES = {
     "4": (4, 32, True),
     "8": (8, 32, False),
@@ -51,6 +51,7 @@ SCHEMES = {
     "8/16K": (8, 16, False),
     "8K+m": (8, 32, True),
     "6/16K": (6, 16, False),
+    "6/16K+m": (6, 16, True),
     "6+m": (6, 32, True),
 }
 

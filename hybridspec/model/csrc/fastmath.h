@@ -74,26 +74,37 @@ static inline __m256 bf16x8_to_f32(const uint16_t *x) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* hs_exp on HS_VF_LANES lanes (isa.h): the same operations in the same order, lane by lane
- * (max and min return their second operand for NaN, as the scalar comparisons do; the floor
- * is the instruction's, equal to floor_small's). */
-static inline hs_vf hs_expv(hs_vf x) {
-    x = HS_MM(min_ps)(HS_MM(max_ps)(x, HS_MM(set1_ps)(-87.0f)), HS_MM(set1_ps)(88.0f));
-    hs_vf n = HS_MM(add_ps)(HS_MM(mul_ps)(x, HS_MM(set1_ps)(1.44269504f)), HS_MM(set1_ps)(0.5f));
-    n = HS_VF_FLOOR(n);
-    hs_vf r = HS_MM(sub_ps)(x, HS_MM(mul_ps)(n, HS_MM(set1_ps)(0.693359375f)));
-    r = HS_MM(sub_ps)(r, HS_MM(mul_ps)(n, HS_MM(set1_ps)(-2.12194440e-4f)));
-    hs_vf p = HS_MM(add_ps)(HS_MM(mul_ps)(HS_MM(set1_ps)(1.9875691500e-4f), r),
-                            HS_MM(set1_ps)(1.3981999507e-3f));
-    p = HS_MM(add_ps)(HS_MM(mul_ps)(p, r), HS_MM(set1_ps)(8.3334519073e-3f));
-    p = HS_MM(add_ps)(HS_MM(mul_ps)(p, r), HS_MM(set1_ps)(4.1665795894e-2f));
-    p = HS_MM(add_ps)(HS_MM(mul_ps)(p, r), HS_MM(set1_ps)(1.6666665459e-1f));
-    p = HS_MM(add_ps)(HS_MM(mul_ps)(p, r), HS_MM(set1_ps)(5.0000001201e-1f));
-    p = HS_MM(add_ps)(HS_MM(add_ps)(HS_MM(mul_ps)(p, HS_MM(mul_ps)(r, r)), r), HS_MM(set1_ps)(1.0f));
-    hs_vf scale = HS_VF_FROM_BITS(HS_MM(slli_epi32)(
-        HS_MM(add_epi32)(HS_MM(cvttps_epi32)(n), HS_MM(set1_epi32)(127)), 23));
-    return HS_MM(mul_ps)(p, scale);
-}
+/* hs_exp on the lanes of a vector type ``vf`` whose intrinsics MM(op) names: the same
+ * operations in the same order, lane by lane (max and min return their second operand for NaN,
+ * as the scalar comparisons do; the floor is the instruction's, equal to floor_small's).
+ * Defined once per width: hs_exp8 (AVX2, the matmul's 8-lane prologues) and hs_expv on
+ * HS_VF_LANES lanes (isa.h: 16 with AVX-512, the attention's). */
+#define HS_EXP_VECTOR(name, vf, MM, FLOOR, FROM_BITS)                                        \
+    static inline vf name(vf x) {                                                          \
+        x = MM(min_ps)(MM(max_ps)(x, MM(set1_ps)(-87.0f)), MM(set1_ps)(88.0f));             \
+        vf n = FLOOR(MM(add_ps)(MM(mul_ps)(x, MM(set1_ps)(1.44269504f)), MM(set1_ps)(0.5f))); \
+        vf r = MM(sub_ps)(x, MM(mul_ps)(n, MM(set1_ps)(0.693359375f)));                      \
+        r = MM(sub_ps)(r, MM(mul_ps)(n, MM(set1_ps)(-2.12194440e-4f)));                      \
+        vf p = MM(add_ps)(MM(mul_ps)(MM(set1_ps)(1.9875691500e-4f), r),                      \
+                          MM(set1_ps)(1.3981999507e-3f));                                    \
+        p = MM(add_ps)(MM(mul_ps)(p, r), MM(set1_ps)(8.3334519073e-3f));                     \
+        p = MM(add_ps)(MM(mul_ps)(p, r), MM(set1_ps)(4.1665795894e-2f));                     \
+        p = MM(add_ps)(MM(mul_ps)(p, r), MM(set1_ps)(1.6666665459e-1f));                     \
+        p = MM(add_ps)(MM(mul_ps)(p, r), MM(set1_ps)(5.0000001201e-1f));                     \
+        p = MM(add_ps)(MM(add_ps)(MM(mul_ps)(p, MM(mul_ps)(r, r)), r), MM(set1_ps)(1.0f));   \
+        vf scale = FROM_BITS(                                                                \
+            MM(slli_epi32)(MM(add_epi32)(MM(cvttps_epi32)(n), MM(set1_epi32)(127)), 23));    \
+        return MM(mul_ps)(p, scale);                                                         \
+    }
+
+#define HS_MM256(op) _mm256_##op
+#define HS_FLOOR256(x) _mm256_round_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+HS_EXP_VECTOR(hs_exp8, __m256, HS_MM256, HS_FLOOR256, _mm256_castsi256_ps)
+#if defined(HS_AVX512)
+HS_EXP_VECTOR(hs_expv, hs_vf, HS_MM, HS_VF_FLOOR, HS_VF_FROM_BITS)
+#else
+#define hs_expv hs_exp8
+#endif
 #endif
 
 #endif

@@ -50,8 +50,8 @@
 /* The form of a matrix's factors, where a tile_dot is specialised on it (else FORM_ANY). */
 enum { FORM_ANY = 0, FORM_NONE = 1, FORM_STEP = 2 };
 
-/* The kinds of matrix with a tile_dot of their own on the VNNI path (constant bits and factor
- * forms, no tests inside the loop): a Q4_K's, a Q6_K's, a fused Q4_K / Q6_K's (6 bits with
+/* The kinds of matrix with a tile_dot of their own (constant bits and factor forms, no tests
+ * inside the loop): a Q4_K's, a Q6_K's, a fused Q4_K / Q6_K's (6 bits with
  * offsets); any other in groups of 32 (S = 1) or 16 (S = 2). */
 enum { KIND_S1, KIND_S2, KIND_Q4K, KIND_Q6K, KIND_Q6K_M };
 
@@ -77,7 +77,7 @@ static void prologue_row(const uint16_t *x, const float *x32, int64_t K, int pro
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
         for (; k + 8 <= K; k += 8) {
             __m256 g = bf16x8_to_f32(x + k);
-            __m256 e = hs_expv(_mm256_xor_ps(g, sign));
+            __m256 e = hs_exp8(_mm256_xor_ps(g, sign));
             _mm256_storeu_ps(a + k, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
                                                   bf16x8_to_f32(x + K + k)));
         }
@@ -200,11 +200,17 @@ HS_INLINE void tile_dot_kind(const tile_job_t *job, int kind, int tt, float out[
     else if (kind == KIND_Q6K_M) tile_dot_vnni(*job, 6, 2, tt, FORM_STEP, FORM_STEP, out);
     else if (kind == KIND_S1) tile_dot_vnni(*job, 0, 1, tt, FORM_ANY, FORM_ANY, out);
     else tile_dot_vnni(*job, 0, 2, tt, FORM_ANY, FORM_ANY, out);
-#elif defined(HS_AVX2)
-    const int S = kind == KIND_S1 || kind == KIND_Q4K ? 1 : 2; /* constant bits: dot256's runs */
-    if (job->bits == 4) S == 1 ? tile_dot(*job, 4, 1, tt, out) : tile_dot(*job, 4, 2, tt, out);
-    else if (job->bits == 6) S == 1 ? tile_dot(*job, 6, 1, tt, out) : tile_dot(*job, 6, 2, tt, out);
-    else S == 1 ? tile_dot(*job, 8, 1, tt, out) : tile_dot(*job, 8, 2, tt, out);
+#elif defined(HS_AVX2) /* constant bits always: dot256's runs */
+    const int A = FORM_ANY;
+    if (kind == KIND_Q4K) tile_dot(*job, 4, 1, tt, FORM_STEP, FORM_STEP, out);
+    else if (kind == KIND_Q6K) tile_dot(*job, 6, 2, tt, FORM_STEP, FORM_NONE, out);
+    else if (kind == KIND_Q6K_M) tile_dot(*job, 6, 2, tt, FORM_STEP, FORM_STEP, out);
+    else if (kind == KIND_S1 && job->bits == 4) tile_dot(*job, 4, 1, tt, A, A, out);
+    else if (kind == KIND_S1 && job->bits == 6) tile_dot(*job, 6, 1, tt, A, A, out);
+    else if (kind == KIND_S1) tile_dot(*job, 8, 1, tt, A, A, out);
+    else if (job->bits == 4) tile_dot(*job, 4, 2, tt, A, A, out);
+    else if (job->bits == 6) tile_dot(*job, 6, 2, tt, A, A, out);
+    else tile_dot(*job, 8, 2, tt, A, A, out);
 #else
     if (kind == KIND_S1 || kind == KIND_Q4K) tile_dot(*job, 1, tt, out);
     else tile_dot(*job, 2, tt, out);

@@ -3,47 +3,35 @@
  * instruction set (isa.h), each as its named steps: unpack a group's codes into vectors of
  * unsigned bytes, reduce each sub-group to one integer per row (``dot``), scale it into the
  * float accumulators (``scale``). The portable C is its own function; all three compute the
- * same integers and the same float operations in the same order (the VNNI path leaves out the
- * offsets' step for a matrix without offsets: it adds a zero product to a sum that is never
- * -0, which changes no bit). The VNNI path takes up to 16 rows in one pass and is specialised
- * on the kinds of matrix a GGUF file holds most (matmul.c, ``tile_dot_kind``). Included once,
- * by matmul.c, after ``tile_job_t``. */
+ * same integers and the same float operations in the same order (the vector paths leave out
+ * the offsets' step for a matrix without offsets: it adds a zero product to a sum that is never
+ * -0, which changes no bit). The vector paths are specialised on the kinds of matrix a GGUF
+ * file holds most (matmul.c, ``tile_dot_kind``); the VNNI one takes up to 16 rows in one pass.
+ * Included once, by matmul.c, after ``tile_job_t``. */
 #ifndef HS_MATMUL_TILES_H
 #define HS_MATMUL_TILES_H
 
 #if defined(HS_VNNI)
-typedef __m512i codes_v; /* a quad's codes for a tile's 16 rows */
-#define CV(op) _mm512_##op
-#define CV_LOAD(p) _mm512_loadu_si512((const void *)(p))
-#define CV_AND _mm512_and_si512
-#define CV_OR _mm512_or_si512
-#elif defined(HS_AVX2)
-typedef __m256i codes_v; /* a quad's codes for 8 rows: half a tile */
-#define CV(op) _mm256_##op
-#define CV_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
-#define CV_AND _mm256_and_si256
-#define CV_OR _mm256_or_si256
-#endif
-
-#if defined(HS_AVX2)
-/* c[u]: quad u of a group's 4- or 6-bit codes as unsigned bytes (matmul.c's layout): 4 bits
- * in the low and high nibbles of 4 vectors; 6 bits with their high 2 bits at bits 2 (u % 4)
- * of vector 4 + u / 4. */
-HS_INLINE void unpack_nibbles(const uint8_t *src, int bits, codes_v c[QUADS]) {
-    const codes_v low4 = CV(set1_epi8)(0x0f);
+/* c[u]: quad u of a group's 4- or 6-bit codes for a tile's 16 rows as unsigned bytes
+ * (matmul.c's layout): 4 bits in the low and high nibbles of 4 vectors; 6 bits with their high
+ * 2 bits at bits 2 (u % 4) of vector 4 + u / 4. */
+HS_INLINE void unpack_nibbles(const uint8_t *src, int bits, __m512i c[QUADS]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int p = 0; p < 4; p++) {
-        codes_v b = CV_LOAD(src + QB * p);
-        c[p] = CV_AND(b, low4);
-        c[p + 4] = CV_AND(CV(srli_epi16)(b, 4), low4);
+        __m512i b = _mm512_loadu_si512((const void *)(src + QB * p));
+        c[p] = _mm512_and_si512(b, low4);
+        c[p + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
     }
     if (bits != 6) return;
-    const codes_v mask = CV(set1_epi8)(0x30);
+    const __m512i mask = _mm512_set1_epi8(0x30);
     for (int v = 0; v < 2; v++) {
-        codes_v b = CV_LOAD(src + QB * (4 + v));
-        c[4 * v] = CV_OR(c[4 * v], CV_AND(CV(slli_epi16)(b, 4), mask));
-        c[4 * v + 1] = CV_OR(c[4 * v + 1], CV_AND(CV(slli_epi16)(b, 2), mask));
-        c[4 * v + 2] = CV_OR(c[4 * v + 2], CV_AND(b, mask));
-        c[4 * v + 3] = CV_OR(c[4 * v + 3], CV_AND(CV(srli_epi16)(b, 2), mask));
+        __m512i b = _mm512_loadu_si512((const void *)(src + QB * (4 + v)));
+        c[4 * v] = _mm512_or_si512(c[4 * v], _mm512_and_si512(_mm512_slli_epi16(b, 4), mask));
+        c[4 * v + 1] =
+            _mm512_or_si512(c[4 * v + 1], _mm512_and_si512(_mm512_slli_epi16(b, 2), mask));
+        c[4 * v + 2] = _mm512_or_si512(c[4 * v + 2], _mm512_and_si512(b, mask));
+        c[4 * v + 3] =
+            _mm512_or_si512(c[4 * v + 3], _mm512_and_si512(_mm512_srli_epi16(b, 2), mask));
     }
 }
 #endif
@@ -155,33 +143,46 @@ HS_INLINE void tile_dot_vnni(const tile_job_t job, int bits, int S, int tt, int 
 
 #elif defined(HS_AVX2)
 /* factors512 for the 8 rows of one half of a tile. */
-static inline __m256 factors256(factors_t w, int64_t at, int64_t g, int half) {
-    if (w.f) return _mm256_loadu_ps(w.f + at);
+HS_INLINE __m256 factors256(factors_t w, int64_t at, int64_t g, int half, int form) {
+    if (form == FORM_NONE) return _mm256_setzero_ps();
+    if (form == FORM_ANY && w.f) return _mm256_loadu_ps(w.f + at);
 #if defined(__F16C__)
-    if (w.h) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w.h + at)));
+    if (form == FORM_ANY && w.h) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w.h + at)));
 #else
-    if (w.h) {
+    if (form == FORM_ANY && w.h) {
         float v[8];
         for (int i = 0; i < 8; i++) v[i] = f16_to_f32(w.h[at + i]);
         return _mm256_loadu_ps(v);
     }
 #endif
-    if (!w.step) return _mm256_setzero_ps();
+    if (form == FORM_ANY && !w.step) return _mm256_setzero_ps();
     __m256i steps = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w.step + at)));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(steps),
                          _mm256_loadu_ps(w.super + (g / SUPER) * ROWS + 8 * half));
 }
 
-/* unpack512 for one half of a tile (``src`` at its 8 rows); 8 bits as the signed codes c
- * (dot256 multiplies |c| by q with c's sign, so that u8 x s8 pairs stay within int16). */
-HS_INLINE void unpack256(const uint8_t *src, int bits, __m256i c[QUADS]) {
-    if (bits != 8) {
-        unpack_nibbles(src, bits, c);
-        return;
+/* Quad u of one half tile's group of codes (``src`` at its 8 rows, matmul.c's layout) as
+ * dot256 multiplies it, read where it is used: 4 and 6 bits as unsigned bytes (as VNNI's
+ * unpack_nibbles gives them), 8 bits as the signed codes c (dot256 multiplies |c| by q with c's sign, so that u8 x
+ * s8 pairs stay within int16). Unpacking a quad at its use keeps two code vectors live instead
+ * of eight, which leaves the registers to the rows' sums (AVX2 has 16); the loads it repeats
+ * hit the cache lines the first one brought in. */
+HS_INLINE __m256i quad256(const uint8_t *src, int bits, int u) {
+    if (bits == 8)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + QB * u)),
+                                _mm256_set1_epi8((char)0x80));
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(src + QB * (u % 4)));
+    __m256i c = _mm256_and_si256(u < 4 ? b : _mm256_srli_epi16(b, 4), low4);
+    if (bits == 6) { /* the high 2 bits, at bits 2 (u % 4) of vector 4 + u / 4, to bits 4..5 */
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(src + QB * (4 + u / 4)));
+        const int shift = 4 - 2 * (u % 4);
+        const __m256i high = shift > 0    ? _mm256_slli_epi16(hb, shift)
+                             : shift == 0 ? hb
+                                          : _mm256_srli_epi16(hb, -shift);
+        c = _mm256_or_si256(c, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
     }
-    const __m256i bias = _mm256_set1_epi8((char)0x80);
-    for (int u = 0; u < QUADS; u++)
-        c[u] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + QB * u)), bias);
+    return c;
 }
 
 /* The quads whose u8 x s8 pair sums (maddubs) add up in int16 before they widen to int32:
@@ -190,33 +191,43 @@ HS_INLINE void unpack256(const uint8_t *src, int bits, __m256i c[QUADS]) {
  * the same integer either way. */
 #define RUN_OF(bits) ((bits) == 4 ? 8 : ((bits) == 6 ? 2 : 1))
 
-/* dot512 on 256 bits: u8 x s8 pairs summed to int16, runs of quads (RUN_OF) added in int16,
- * then widened to int32 (8 bits: |c| times q with c's sign). */
-HS_INLINE void dot256(const __m256i *c, int bits, int u0, int u1, const int8_t *qg, int64_t K,
+/* dot512 on 256 bits for quads [u0, u1) of the codes at ``src`` (quad256): u8 x s8 pairs
+ * summed to int16, runs of quads (RUN_OF) added in int16, then widened to int32 (8 bits: |c|
+ * times q with c's sign). Each row's int16 sum is held in a register as it is formed (the
+ * empty asm): left to itself the compiler reassociates the integer adds after all the
+ * products, which keeps 8 tt products live and spills them. */
+HS_INLINE void dot256(const uint8_t *src, int bits, int u0, int u1, const int8_t *qg, int64_t K,
                       int tt, __m256i *s) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int run = RUN_OF(bits);
     __m256i p[TILE_T];
-#pragma GCC unroll 8 /* whole: c[u] stays in registers, the runs' tests fold */
+#pragma GCC unroll 8 /* whole: the runs' tests fold */
     for (int u = u0; u < u1; u++) {
+        const __m256i c = quad256(src, bits, u);
         for (int i = 0; i < tt; i++) {
             int32_t quad;
             memcpy(&quad, qg + i * K + 4 * u, 4);
-            __m256i qb = _mm256_set1_epi32(quad), cu = c[u];
+            __m256i qb = _mm256_set1_epi32(quad), cu = c;
             if (bits == 8) { /* |c| (u8) x sign(q, c) (s8) */
                 qb = _mm256_sign_epi8(qb, cu);
                 cu = _mm256_sign_epi8(cu, cu);
             }
             __m256i pair = _mm256_maddubs_epi16(cu, qb);
             p[i] = (u - u0) % run == 0 ? pair : _mm256_add_epi16(p[i], pair);
+            __asm__("" : "+x"(p[i]));
             if ((u - u0) % run == run - 1 || u == u1 - 1)
                 s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], ones));
         }
     }
 }
 
-HS_INLINE void tile_dot(const tile_job_t job, int bits, int S, int tt, float out[][ROWS]) {
-    const int span = QUADS / S, offset = has_factors(job.mw);
+/* tile_dot for ``tt`` rows with the codes' ``bits`` and the factors' forms ``dform`` and
+ * ``mform`` constant where the caller knows them (tile_dot_vnni's), in two passes over the
+ * tile: rows 0..7, then 8..15. */
+HS_INLINE void tile_dot(const tile_job_t job, int bits, int S, int tt, int dform, int mform,
+                        float out[][ROWS]) {
+    const int span = QUADS / S;
+    const int offset = mform == FORM_ANY ? has_factors(job.mw) : mform != FORM_NONE;
     const int64_t G = job.G, K = job.K, tb = tile_bytes(bits), GS_ = G * S;
     for (int half = 0; half < 2; half++) { /* rows 0..7, then 8..15 */
         __m256 acc[TILE_T];
@@ -224,20 +235,21 @@ HS_INLINE void tile_dot(const tile_job_t job, int bits, int S, int tt, float out
         for (int64_t g = 0; g < G; g++) {
             if (half == 0) prefetch_ahead(job, g, S, tb); /* half 1 reads the lines again */
             const uint8_t *src = job.codes + g * tb + 32 * half;
-            __m256i c[QUADS];
-            unpack256(src, bits, c);
             for (int h = 0; h < S; h++) {
                 const int64_t at = (g * S + h) * ROWS + 8 * half;
-                const __m256 d = factors256(job.dw, at, g, half);
-                const __m256 m = offset ? factors256(job.mw, at, g, half) : _mm256_setzero_ps();
+                const __m256 d = factors256(job.dw, at, g, half, dform);
+                const __m256 m = offset ? factors256(job.mw, at, g, half, mform)
+                                        : _mm256_setzero_ps();
                 __m256i s[TILE_T];
                 for (int i = 0; i < tt; i++) /* 6 bits: - 32 sum q (8 bits: signed codes) */
                     s[i] = _mm256_set1_epi32(bits == 6 ? -32 * job.qs[i * GS_ + g * S + h] : 0);
-                dot256(c, bits, h * span, (h + 1) * span, job.q + g * GS, K, tt, s);
-                for (int i = 0; i < tt; i++) {
+                dot256(src, bits, h * span, (h + 1) * span, job.q + g * GS, K, tt, s);
+                for (int i = 0; i < tt; i++) { /* as tile_dot_vnni's */
                     const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(job.dx[i * G + g]));
                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
-                    acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(job.sx[i * GS_ + g * S + h]), acc[i]);
+                    if (offset)
+                        acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(job.sx[i * GS_ + g * S + h]),
+                                                 acc[i]);
                 }
             }
         }
