@@ -48,10 +48,12 @@ went), a spinning probe starts at once.
 The mode is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
 prompt fed whole in its first round), which takes many decode rounds' time, never runs at a
 probe's mode (``for_step``). Alone (the rounds spin at every core) it runs at the rounds' mode.
-On a busy machine it runs at every core with passive waits (packed: a core's share beside two
-busy processes on 2 cores, where one thread gets two thirds of one), unless its measured prompt
-steps, per token (``observe_prompt``), are slower than those at the rounds' mode, which runs
-one prompt step every few to compare (``prompt_period``, backing off while the choice holds).
+On a busy machine it runs at every core with passive waits, spread over the cores, not packed
+(``threads.prompt_step``: its calls run in long chunks, so a descheduled worker holds up only
+the end of each; beside one busy process on 2 cores two threads spread get four thirds of a
+core, where one thread or a packed team gets one), unless its measured prompt steps, per token
+(``observe_prompt``), are slower than those at the rounds' mode, which runs one prompt step
+every few to compare (``prompt_period``, backing off while the choice holds).
 
 The controller sees step times only through ``observe`` and ``observe_prompt``, and the room
 only through its ``room`` callback; it reads no clock, so its tests inject both. Greedy texts
@@ -259,6 +261,7 @@ class ThreadController:
         margin: float = 0.1,
         slowdown: float = 1.5,
         prompt_period: int = 4,
+        prompt: Callable[[bool], None] | None = None,
     ) -> None:
         if (
             max_threads < 1
@@ -275,6 +278,7 @@ class ThreadController:
         self.threads = max_threads
         self.passive = False  # the current mode's waits: passive (sleep) or spinning
         self._apply, self._wait, self._room = apply, wait, room
+        self._prompt = prompt  # told whether each step feeds prompt tokens (``for_step``)
         self._fits = (True, True)  # the room fitted (the current count, one more) spinning
         self._window, self._min_probe = window, min_probe
         self._first_period, self._max_period, self._backoff = first_period, max_period, backoff
@@ -316,8 +320,12 @@ class ThreadController:
         """Apply the mode of the next step: for a decode round the current one (a probe's while
         one runs); for a step that feeds prompt tokens ``prompt_mode``'s (a probe is a guess,
         and a prompt step weighs many rounds). Nothing is applied where the calling thread runs
-        at that mode already (``_thread_mode``)."""
+        at that mode already (``_thread_mode``). ``prompt``, where given, is told which kind
+        of step comes (``threads.prompt_step``: a passive team is not packed for a prompt
+        step), before a prompt step's mode is applied and after a round's."""
         if prefill:
+            if self._prompt is not None:
+                self._prompt(True)
             self._prompt_step = self._next_prompt_step()
             self._set(self._prompt_step[0] if self._prompt_step else self._chosen())
             return
@@ -325,6 +333,8 @@ class ThreadController:
         if current != self._applied:  # back from a prompt step's mode: the pool wakes up
             self._skip = max(self._skip, 1)
         self._set(current)
+        if self._prompt is not None:
+            self._prompt(False)
 
     def prompt_mode(self) -> Mode:
         """The mode the next prompt step runs at (module docstring)."""

@@ -86,7 +86,9 @@ def thread_controller(num_threads: int | Literal["auto"] | None) -> ThreadContro
         def wait(passive: bool) -> None:
             wait_mode(passive, room())
 
-        return ThreadController(available_cores(), set_num_threads, wait=wait, room=room)
+        return ThreadController(
+            available_cores(), set_num_threads, wait=wait, room=room, prompt=prompt_step
+        )
     if num_threads is not None:
         set_num_threads(num_threads)
     return None
@@ -100,13 +102,25 @@ def wait_mode(passive: bool, room: float | None = None) -> None:
 
     Passive, a team of two or more that runs its forward in the kernel library is packed where
     the ``room`` other processes leave it (``CoreRoom``; None: not known) is no more than the
-    packed cores and ``PACK_SLACK``: the calling thread and its workers are pinned to
-    ``packed_cpus`` (two threads a core) and wait by yielding the core to each other. Unpacked,
-    a passive thread sleeps almost at once, so that its core goes to the thread it waits for.
-    Spinning again, the team gets back the affinity it had."""
+    packed cores and ``PACK_SLACK``, but for a prompt step (``prompt_step``): the calling
+    thread and its workers are pinned to ``packed_cpus`` (two threads a core) and wait by
+    yielding the core to each other. Unpacked, a passive thread sleeps almost at once, so that
+    its core goes to the thread it waits for. Spinning again, the team gets back the affinity
+    it had."""
     passive_waits(passive or _kernel_forward.is_set())
     _local.passive, _local.room = passive, room
     _place()
+
+
+def prompt_step(prompt: bool) -> None:
+    """Whether the calling thread's next forward feeds prompt tokens: a passive team is then
+    not packed (``wait_mode``). A prompt step's calls run in long chunks, so a worker the OS
+    deschedules holds up only the end of each, and spread over the cores the team gets its
+    share of every one: beside one busy process on 2 cores, two threads get four thirds of a
+    core spread and one core packed."""
+    if getattr(_local, "prompt", False) != prompt:
+        _local.prompt = prompt
+        _place()
 
 
 def _loaded_kernel() -> Any:
@@ -134,6 +148,7 @@ def _place() -> None:
     cpus = packed_cpus(threads, allowed)
     room = getattr(_local, "room", None)
     pack = pack and (room is None or room <= len(cpus) + PACK_SLACK)
+    pack = pack and not getattr(_local, "prompt", False)
     if kernel is not None:
         kernel.lib.hs_set_passive(2 if pack else int(passive))
     if pack:

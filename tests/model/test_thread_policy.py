@@ -185,6 +185,31 @@ def test_a_prompt_step_runs_at_the_chosen_count_never_a_probes() -> None:
     assert applied[-1] == 1 and len(applied) == 4  # already so: nothing applied
 
 
+def test_the_prompt_callback_hears_of_a_prompt_step_before_its_mode_and_of_a_round_after() -> None:
+    log: list[tuple[str, object]] = []
+    controller = ThreadController(
+        2,
+        lambda n: log.append(("count", n)),
+        wait=lambda passive: log.append(("passive", passive)),
+        room=lambda: 0.5,  # another process takes most of the machine
+        prompt=lambda prompt: log.append(("prompt", prompt)),
+        window=4,
+        min_probe=2,
+        first_period=4,
+    )
+    for _ in range(4):  # the first window at 2 threads; the probe at 1 starts
+        controller.observe(1.0)
+    for _ in range(3):  # 1 thread's rounds twice as fast: the probe wins, the machine is busy
+        controller.observe(0.5)
+    assert controller.threads == 1
+    log.clear()
+    controller.for_step(prefill=True)  # every core, passive: told first that it is a prompt's
+    assert log[0] == ("prompt", True) and ("count", 2) in log and ("passive", True) in log
+    log.clear()
+    controller.for_step(prefill=False)  # back at 1 thread, then told a round comes
+    assert log[-1] == ("prompt", False) and ("count", 1) in log
+
+
 class Modes:
     """Step times by mode (threads, passive waits), with what the controller applied."""
 

@@ -135,7 +135,7 @@ import torch
 from hybridspec.model import qgemm
 from hybridspec.model.qgemm import BlockLinear
 from hybridspec.model.thread_policy import available_cores, packed_cpus
-from hybridspec.model.threads import kernel_forward, set_num_threads, wait_mode
+from hybridspec.model.threads import kernel_forward, prompt_step, set_num_threads, wait_mode
 from tests.model.test_qgemm import activations, weight
 
 kernel = qgemm.kernel()
@@ -162,6 +162,11 @@ def caller():
     wait_mode(True, room=1.0)
     seen["packed"] = team()
     seen["workers"] = [str(tid) in os.listdir("/proc/self/task") for tid in kernel.team_tids()]
+    prompt_step(True)  # a prompt step's team is spread, whatever the room
+    seen["prompt"] = team()
+    seen["same_prompt"] = torch.equal(linear(x), want)
+    prompt_step(False)
+    seen["after_prompt"] = team()
     seen["same"] = torch.equal(linear(x), want)
     seen["cores"] = [cores, available_cores()]
     set_num_threads(1)
@@ -184,7 +189,7 @@ print(json.dumps(seen))
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="packing needs 2 CPUs and CPU affinity",
 )
-def test_passive_waits_pack_a_team_of_two_onto_one_core_and_spinning_ones_unpack_it() -> None:
+def test_passive_waits_pack_a_team_of_two_onto_one_core_spinning_or_prompt_ones_unpack() -> None:
     import json
 
     from hybridspec.model import qgemm
@@ -197,6 +202,8 @@ def test_passive_waits_pack_a_team_of_two_onto_one_core_and_spinning_ones_unpack
     assert seen["roomy"] == [allowed, allowed]
     assert seen["workers"] == [True]  # one worker, a thread of this process
     assert seen["packed"] == [packed, packed]  # the calling thread and its worker
+    assert seen["prompt"] == [allowed, allowed] and seen["same_prompt"]
+    assert seen["after_prompt"] == [packed, packed]
     assert seen["same"] and seen["same_after"]
     assert seen["cores"][0] == seen["cores"][1] == 2  # what it may use, not where it is packed
     assert seen["one"] == [allowed, allowed]  # a team of one is not packed
