@@ -147,7 +147,8 @@ HS_INLINE __m256 factors256(factors_t w, int64_t at, int64_t g, int half, int fo
     if (form == FORM_NONE) return _mm256_setzero_ps();
     if (form == FORM_ANY && w.f) return _mm256_loadu_ps(w.f + at);
 #if defined(__F16C__)
-    if (form == FORM_ANY && w.h) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w.h + at)));
+    if (form == FORM_ANY && w.h)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w.h + at)));
 #else
     if (form == FORM_ANY && w.h) {
         float v[8];
@@ -163,10 +164,10 @@ HS_INLINE __m256 factors256(factors_t w, int64_t at, int64_t g, int half, int fo
 
 /* Quad u of one half tile's group of codes (``src`` at its 8 rows, matmul.c's layout) as
  * dot256 multiplies it, read where it is used: 4 and 6 bits as unsigned bytes (as VNNI's
- * unpack_nibbles gives them), 8 bits as the signed codes c (dot256 multiplies |c| by q with c's sign, so that u8 x
- * s8 pairs stay within int16). Unpacking a quad at its use keeps two code vectors live instead
- * of eight, which leaves the registers to the rows' sums (AVX2 has 16); the loads it repeats
- * hit the cache lines the first one brought in. */
+ * unpack_nibbles gives them), 8 bits as the signed codes c (dot256 multiplies |c| by q with
+ * c's sign, so that u8 x s8 pairs stay within int16). Unpacking a quad at its use keeps two
+ * code vectors live instead of eight, which leaves the registers to the rows' sums (AVX2 has
+ * 16); the loads it repeats hit the cache lines the first one brought in. */
 HS_INLINE __m256i quad256(const uint8_t *src, int bits, int u) {
     if (bits == 8)
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + QB * u)),
@@ -195,7 +196,7 @@ HS_INLINE __m256i quad256(const uint8_t *src, int bits, int u) {
  * summed to int16, runs of quads (RUN_OF) added in int16, then widened to int32 (8 bits: |c|
  * times q with c's sign). Each row's int16 sum is held in a register as it is formed (the
  * empty asm): left to itself the compiler reassociates the integer adds after all the
- * products, which keeps 8 tt products live and spills them. */
+ * products, which keeps 8 x tt products live and spills them. */
 HS_INLINE void dot256(const uint8_t *src, int bits, int u0, int u1, const int8_t *qg, int64_t K,
                       int tt, __m256i *s) {
     const __m256i ones = _mm256_set1_epi16(1);
