@@ -51,8 +51,8 @@
 enum { FORM_ANY = 0, FORM_NONE = 1, FORM_STEP = 2 };
 
 /* The kinds of matrix with a tile_dot of their own (constant bits and factor forms, no tests
- * inside the loop): a Q4_K's, a Q6_K's, a fused Q4_K / Q6_K's (6 bits with
- * offsets); any other in groups of 32 (S = 1) or 16 (S = 2). */
+ * inside the loop): a Q4_K's, a Q6_K's, a fused Q4_K / Q6_K's (6 bits with offsets); any other
+ * in groups of 32 (S = 1) or 16 (S = 2). */
 enum { KIND_S1, KIND_S2, KIND_Q4K, KIND_Q6K, KIND_Q6K_M };
 
 const char *hs_isa(void) {
