@@ -194,13 +194,31 @@ HS_INLINE __m256i quad256(const uint8_t *src, int bits, int u) {
 
 /* dot512 on 256 bits for quads [u0, u1) of the codes at ``src`` (quad256): u8 x s8 pairs
  * summed to int16, runs of quads (RUN_OF) added in int16, then widened to int32 (8 bits: |c|
- * times q with c's sign). Each row's int16 sum is held in a register as it is formed (the
- * empty asm): left to itself the compiler reassociates the integer adds after all the
- * products, which keeps 8 x tt products live and spills them. */
+ * times q with c's sign). 6 bits (runs of 2) unpack a run's two quads, then form each row's
+ * int16 sum of the run and widen it at once: no row's partial sum outlives its run. Longer
+ * runs hold each row's int16 sum in a register as it is formed (the empty asm): left to
+ * itself the compiler reassociates the integer adds after all the products, which keeps 8 x
+ * tt products live and spills them. ``u0`` and ``u1`` are constants where this is inlined
+ * (tile_dot unrolls its sub-groups), so that quad256's shifts and vectors are too. */
 HS_INLINE void dot256(const uint8_t *src, int bits, int u0, int u1, const int8_t *qg, int64_t K,
                       int tt, __m256i *s) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int run = RUN_OF(bits);
+    if (run == 2 && (u1 - u0) % 2 == 0) {
+#pragma GCC unroll 4
+        for (int u = u0; u < u1; u += 2) {
+            const __m256i c0 = quad256(src, bits, u), c1 = quad256(src, bits, u + 1);
+            for (int i = 0; i < tt; i++) {
+                int32_t q0, q1;
+                memcpy(&q0, qg + i * K + 4 * u, 4);
+                memcpy(&q1, qg + i * K + 4 * u + 4, 4);
+                __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(c0, _mm256_set1_epi32(q0)),
+                                             _mm256_maddubs_epi16(c1, _mm256_set1_epi32(q1)));
+                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p, ones));
+            }
+        }
+        return;
+    }
     __m256i p[TILE_T];
 #pragma GCC unroll 8 /* whole: the runs' tests fold */
     for (int u = u0; u < u1; u++) {
@@ -236,6 +254,7 @@ HS_INLINE void tile_dot(const tile_job_t job, int bits, int S, int tt, int dform
         for (int64_t g = 0; g < G; g++) {
             if (half == 0) prefetch_ahead(job, g, S, tb); /* half 1 reads the lines again */
             const uint8_t *src = job.codes + g * tb + 32 * half;
+#pragma GCC unroll 2 /* whole: each sub-group's quads are constants in dot256 */
             for (int h = 0; h < S; h++) {
                 const int64_t at = (g * S + h) * ROWS + 8 * half;
                 const __m256 d = factors256(job.dw, at, g, half, dform);
