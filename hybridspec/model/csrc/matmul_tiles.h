@@ -240,11 +240,77 @@ HS_INLINE void dot256(const uint8_t *src, int bits, int u0, int u1, const int8_t
     }
 }
 
+/* dot256 for one row of x against both halves of the tile at once (``src`` at rows 0..7;
+ * rows 8..15 are 32 bytes on): each broadcast of x's quad serves 16 rows of W. The same
+ * integers as dot256's, summed in the same runs. */
+HS_INLINE void dot256_pair(const uint8_t *src, int bits, int u0, int u1, const int8_t *qg,
+                           __m256i s[2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int run = RUN_OF(bits);
+    __m256i p[2];
+#pragma GCC unroll 8 /* whole: the runs' tests fold */
+    for (int u = u0; u < u1; u++) {
+        int32_t quad;
+        memcpy(&quad, qg + 4 * u, 4);
+        const __m256i q = _mm256_set1_epi32(quad);
+        for (int half = 0; half < 2; half++) {
+            __m256i cu = quad256(src + 32 * half, bits, u), qb = q;
+            if (bits == 8) {
+                qb = _mm256_sign_epi8(qb, cu);
+                cu = _mm256_sign_epi8(cu, cu);
+            }
+            __m256i pair = _mm256_maddubs_epi16(cu, qb);
+            p[half] = (u - u0) % run == 0 ? pair : _mm256_add_epi16(p[half], pair);
+            __asm__("" : "+x"(p[half]));
+            if ((u - u0) % run == run - 1 || u == u1 - 1)
+                s[half] = _mm256_add_epi32(s[half], _mm256_madd_epi16(p[half], ones));
+        }
+    }
+}
+
+/* tile_dot for one row of x in one pass over the tile, both halves at once (a decode step's
+ * matmuls, which read each tile once and have least arithmetic to hide the reads behind):
+ * each lane's operations are tile_dot's, in the same order. */
+HS_INLINE void tile_dot_row(const tile_job_t job, int bits, int S, int dform, int mform,
+                            float out[][ROWS]) {
+    const int span = QUADS / S;
+    const int offset = mform == FORM_ANY ? has_factors(job.mw) : mform != FORM_NONE;
+    const int64_t G = job.G, tb = tile_bytes(bits);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < G; g++) {
+        prefetch_ahead(job, g, S, tb);
+        const uint8_t *src = job.codes + g * tb;
+#pragma GCC unroll 2
+        for (int h = 0; h < S; h++) {
+            __m256i s[2];
+            s[0] = s[1] = _mm256_set1_epi32(bits == 6 ? -32 * job.qs[g * S + h] : 0);
+            dot256_pair(src, bits, h * span, (h + 1) * span, job.q + g * GS, s);
+            const __m256 dx = _mm256_set1_ps(job.dx[g]);
+            const __m256 sx = _mm256_set1_ps(offset ? job.sx[g * S + h] : 0.0f);
+            for (int half = 0; half < 2; half++) {
+                const int64_t at = (g * S + h) * ROWS + 8 * half;
+                const __m256 d = factors256(job.dw, at, g, half, dform);
+                acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[half]), _mm256_mul_ps(d, dx),
+                                            acc[half]);
+                if (offset)
+                    acc[half] = _mm256_fmadd_ps(factors256(job.mw, at, g, half, mform), sx,
+                                                acc[half]);
+            }
+        }
+    }
+    _mm256_storeu_ps(out[0], acc[0]);
+    _mm256_storeu_ps(out[0] + 8, acc[1]);
+}
+
 /* tile_dot for ``tt`` rows with the codes' ``bits`` and the factors' forms ``dform`` and
  * ``mform`` constant where the caller knows them (tile_dot_vnni's), in two passes over the
- * tile: rows 0..7, then 8..15. */
+ * tile: rows 0..7, then 8..15 (one row: tile_dot_row). */
 HS_INLINE void tile_dot(const tile_job_t job, int bits, int S, int tt, int dform, int mform,
                         float out[][ROWS]) {
+    if (tt == 1) {
+        tile_dot_row(job, bits, S, dform, mform, out);
+        return;
+    }
     const int span = QUADS / S;
     const int offset = mform == FORM_ANY ? has_factors(job.mw) : mform != FORM_NONE;
     const int64_t G = job.G, K = job.K, tb = tile_bytes(bits), GS_ = G * S;
