@@ -6,8 +6,9 @@
  * same integers and the same float operations in the same order (the vector paths leave out
  * the offsets' step for a matrix without offsets: it adds a zero product to a sum that is never
  * -0, which changes no bit). The vector paths are specialised on the kinds of matrix a GGUF
- * file holds most (matmul.c, ``tile_dot_kind``); the VNNI one takes up to 16 rows in one pass.
- * Included once, by matmul.c, after ``tile_job_t``. */
+ * file holds most (matmul.c, ``tile_dot_kind``); the VNNI one takes up to 16 rows in one pass,
+ * the AVX2 one a row alone (a decode step's) in one pass and more rows in two, 8 rows of the
+ * tile each. Included once, by matmul.c, after ``tile_job_t``. */
 #ifndef HS_MATMUL_TILES_H
 #define HS_MATMUL_TILES_H
 
