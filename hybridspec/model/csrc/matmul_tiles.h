@@ -193,13 +193,29 @@ HS_INLINE __m256i quad256(const uint8_t *src, int bits, int u) {
  * the same integer either way. */
 #define RUN_OF(bits) ((bits) == 4 ? 8 : ((bits) == 6 ? 2 : 1))
 
+/* One quad's products of codes ``c`` with x's quad ``q`` (broadcast), as the ``n``-th quad of
+ * a run of quads (RUN_OF) whose int16 sum is ``*p``: added to it, and the sum widened into
+ * ``*s`` at the run's end or at ``last`` (8 bits: |c| times q with c's sign). ``*p`` is held in
+ * a register as it is formed (the empty asm): left to itself the compiler reassociates the
+ * integer adds after all of a tile's products, which keeps them all live and spills them. */
+HS_INLINE void run_step(__m256i c, __m256i q, int bits, int n, int last, __m256i *p, __m256i *s) {
+    const int run = RUN_OF(bits);
+    if (bits == 8) { /* |c| (u8) x sign(q, c) (s8) */
+        q = _mm256_sign_epi8(q, c);
+        c = _mm256_sign_epi8(c, c);
+    }
+    const __m256i pair = _mm256_maddubs_epi16(c, q);
+    *p = n % run == 0 ? pair : _mm256_add_epi16(*p, pair);
+    __asm__("" : "+x"(*p));
+    if (n % run == run - 1 || last)
+        *s = _mm256_add_epi32(*s, _mm256_madd_epi16(*p, _mm256_set1_epi16(1)));
+}
+
 /* dot512 on 256 bits for quads [u0, u1) of the codes at ``src`` (quad256): u8 x s8 pairs
  * summed to int16, runs of quads (RUN_OF) added in int16, then widened to int32 (8 bits: |c|
  * times q with c's sign). 6 bits (runs of 2) unpack a run's two quads, then form each row's
- * int16 sum of the run and widen it at once: no row's partial sum outlives its run. Longer
- * runs hold each row's int16 sum in a register as it is formed (the empty asm): left to
- * itself the compiler reassociates the integer adds after all the products, which keeps 8 x
- * tt products live and spills them. ``u0`` and ``u1`` are constants where this is inlined
+ * int16 sum of the run and widen it at once: no row's partial sum outlives its run; longer
+ * runs take a quad at a time (run_step). ``u0`` and ``u1`` are constants where this is inlined
  * (tile_dot unrolls its sub-groups), so that quad256's shifts and vectors are too. */
 HS_INLINE void dot256(const uint8_t *src, int bits, int u0, int u1, const int8_t *qg, int64_t K,
                       int tt, __m256i *s) {
@@ -227,16 +243,7 @@ HS_INLINE void dot256(const uint8_t *src, int bits, int u0, int u1, const int8_t
         for (int i = 0; i < tt; i++) {
             int32_t quad;
             memcpy(&quad, qg + i * K + 4 * u, 4);
-            __m256i qb = _mm256_set1_epi32(quad), cu = c;
-            if (bits == 8) { /* |c| (u8) x sign(q, c) (s8) */
-                qb = _mm256_sign_epi8(qb, cu);
-                cu = _mm256_sign_epi8(cu, cu);
-            }
-            __m256i pair = _mm256_maddubs_epi16(cu, qb);
-            p[i] = (u - u0) % run == 0 ? pair : _mm256_add_epi16(p[i], pair);
-            __asm__("" : "+x"(p[i]));
-            if ((u - u0) % run == run - 1 || u == u1 - 1)
-                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], ones));
+            run_step(c, _mm256_set1_epi32(quad), bits, u - u0, u == u1 - 1, &p[i], &s[i]);
         }
     }
 }
@@ -246,26 +253,15 @@ HS_INLINE void dot256(const uint8_t *src, int bits, int u0, int u1, const int8_t
  * integers as dot256's, summed in the same runs. */
 HS_INLINE void dot256_pair(const uint8_t *src, int bits, int u0, int u1, const int8_t *qg,
                            __m256i s[2]) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int run = RUN_OF(bits);
     __m256i p[2];
 #pragma GCC unroll 8 /* whole: the runs' tests fold */
     for (int u = u0; u < u1; u++) {
         int32_t quad;
         memcpy(&quad, qg + 4 * u, 4);
         const __m256i q = _mm256_set1_epi32(quad);
-        for (int half = 0; half < 2; half++) {
-            __m256i cu = quad256(src + 32 * half, bits, u), qb = q;
-            if (bits == 8) {
-                qb = _mm256_sign_epi8(qb, cu);
-                cu = _mm256_sign_epi8(cu, cu);
-            }
-            __m256i pair = _mm256_maddubs_epi16(cu, qb);
-            p[half] = (u - u0) % run == 0 ? pair : _mm256_add_epi16(p[half], pair);
-            __asm__("" : "+x"(p[half]));
-            if ((u - u0) % run == run - 1 || u == u1 - 1)
-                s[half] = _mm256_add_epi32(s[half], _mm256_madd_epi16(p[half], ones));
-        }
+        for (int half = 0; half < 2; half++)
+            run_step(quad256(src + 32 * half, bits, u), q, bits, u - u0, u == u1 - 1, &p[half],
+                     &s[half]);
     }
 }
 
