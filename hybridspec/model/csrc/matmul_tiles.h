@@ -211,6 +211,21 @@ HS_INLINE void run_step(__m256i c, __m256i q, int bits, int n, int last, __m256i
         *s = _mm256_add_epi32(*s, _mm256_madd_epi16(*p, _mm256_set1_epi16(1)));
 }
 
+/* A row's integer sum of a sub-group before its products: 6 bits, - 32 times the sum of its
+ * activations' codes ``qs`` (the codes are stored plus 32); 4 and 8 bits, 0. */
+HS_INLINE __m256i sum_start(int bits, int32_t qs) {
+    return _mm256_set1_epi32(bits == 6 ? -32 * qs : 0);
+}
+
+/* acc plus a sub-group's integer sums ``s`` scaled by the factors ``d`` times x's group scale
+ * ``dx``, then, where the matrix has offsets, plus ``m`` times x's scaled sum ``sx`` (as
+ * tile_dot_vnni's, in the same order). */
+HS_INLINE __m256 scale256(__m256 acc, __m256i s, __m256 d, float dx, int offset, __m256 m,
+                          float sx) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc);
+    return offset ? _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc) : acc;
+}
+
 /* dot512 on 256 bits for quads [u0, u1) of the codes at ``src`` (quad256): u8 x s8 pairs
  * summed to int16, runs of quads (RUN_OF) added in int16, then widened to int32 (8 bits: |c|
  * times q with c's sign). 6 bits (runs of 2) unpack a run's two quads, then form each row's
@@ -219,9 +234,7 @@ HS_INLINE void run_step(__m256i c, __m256i q, int bits, int n, int last, __m256i
  * (tile_dot unrolls its sub-groups), so that quad256's shifts and vectors are too. */
 HS_INLINE void dot256(const uint8_t *src, int bits, int u0, int u1, const int8_t *qg, int64_t K,
                       int tt, __m256i *s) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int run = RUN_OF(bits);
-    if (run == 2 && (u1 - u0) % 2 == 0) {
+    if (RUN_OF(bits) == 2 && (u1 - u0) % 2 == 0) {
 #pragma GCC unroll 4
         for (int u = u0; u < u1; u += 2) {
             const __m256i c0 = quad256(src, bits, u), c1 = quad256(src, bits, u + 1);
@@ -229,9 +242,11 @@ HS_INLINE void dot256(const uint8_t *src, int bits, int u0, int u1, const int8_t
                 int32_t q0, q1;
                 memcpy(&q0, qg + i * K + 4 * u, 4);
                 memcpy(&q1, qg + i * K + 4 * u + 4, 4);
-                __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(c0, _mm256_set1_epi32(q0)),
-                                             _mm256_maddubs_epi16(c1, _mm256_set1_epi32(q1)));
-                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p, ones));
+                /* run_step's integers, without its hold on the sum: it lives only here */
+                const __m256i p =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(c0, _mm256_set1_epi32(q0)),
+                                     _mm256_maddubs_epi16(c1, _mm256_set1_epi32(q1)));
+                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
             }
         }
         return;
@@ -280,18 +295,15 @@ HS_INLINE void tile_dot_row(const tile_job_t job, int bits, int S, int dform, in
 #pragma GCC unroll 2
         for (int h = 0; h < S; h++) {
             __m256i s[2];
-            s[0] = s[1] = _mm256_set1_epi32(bits == 6 ? -32 * job.qs[g * S + h] : 0);
+            s[0] = s[1] = sum_start(bits, job.qs[g * S + h]);
             dot256_pair(src, bits, h * span, (h + 1) * span, job.q + g * GS, s);
-            const __m256 dx = _mm256_set1_ps(job.dx[g]);
-            const __m256 sx = _mm256_set1_ps(offset ? job.sx[g * S + h] : 0.0f);
+            const float sx = offset ? job.sx[g * S + h] : 0.0f;
             for (int half = 0; half < 2; half++) {
                 const int64_t at = (g * S + h) * ROWS + 8 * half;
-                const __m256 d = factors256(job.dw, at, g, half, dform);
-                acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[half]), _mm256_mul_ps(d, dx),
-                                            acc[half]);
-                if (offset)
-                    acc[half] = _mm256_fmadd_ps(factors256(job.mw, at, g, half, mform), sx,
-                                                acc[half]);
+                const __m256 m = offset ? factors256(job.mw, at, g, half, mform)
+                                        : _mm256_setzero_ps();
+                acc[half] = scale256(acc[half], s[half], factors256(job.dw, at, g, half, dform),
+                                     job.dx[g], offset, m, sx);
             }
         }
     }
@@ -324,16 +336,11 @@ HS_INLINE void tile_dot(const tile_job_t job, int bits, int S, int tt, int dform
                 const __m256 m = offset ? factors256(job.mw, at, g, half, mform)
                                         : _mm256_setzero_ps();
                 __m256i s[TILE_T];
-                for (int i = 0; i < tt; i++) /* 6 bits: - 32 sum q (8 bits: signed codes) */
-                    s[i] = _mm256_set1_epi32(bits == 6 ? -32 * job.qs[i * GS_ + g * S + h] : 0);
+                for (int i = 0; i < tt; i++) s[i] = sum_start(bits, job.qs[i * GS_ + g * S + h]);
                 dot256(src, bits, h * span, (h + 1) * span, job.q + g * GS, K, tt, s);
-                for (int i = 0; i < tt; i++) { /* as tile_dot_vnni's */
-                    const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(job.dx[i * G + g]));
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
-                    if (offset)
-                        acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(job.sx[i * GS_ + g * S + h]),
-                                                 acc[i]);
-                }
+                for (int i = 0; i < tt; i++)
+                    acc[i] = scale256(acc[i], s[i], d, job.dx[i * G + g], offset, m,
+                                      offset ? job.sx[i * GS_ + g * S + h] : 0.0f);
             }
         }
         for (int i = 0; i < tt; i++) _mm256_storeu_ps(out[i] + 8 * half, acc[i]);
