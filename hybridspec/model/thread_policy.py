@@ -48,12 +48,17 @@ went), a spinning probe starts at once.
 The mode is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
 prompt fed whole in its first round), which takes many decode rounds' time, never runs at a
 probe's mode (``for_step``). Alone (the rounds spin at every core) it runs at the rounds' mode.
-On a busy machine it runs at every core with passive waits, spread over the cores, not packed
-(``threads.prompt_step``: its calls run in long chunks, so a descheduled worker holds up only
-the end of each; beside one busy process on 2 cores two threads spread get four thirds of a
-core, where one thread or a packed team gets one), unless its measured prompt steps, per token
-(``observe_prompt``), are slower than those at the rounds' mode, which runs one prompt step
-every few to compare (``prompt_period``, backing off while the choice holds).
+On a busy machine it runs on the prompt team (``prompt_threads``: ``threads.py`` gives it
+twice every core) with passive waits, spread over the cores, not packed
+(``threads.prompt_step``). Its calls run in long chunks, so a descheduled worker holds up only
+the end of each, and the OS gives each runnable thread its share: beside one busy process on 2
+cores two threads spread get four thirds of a core, where one thread or a packed team gets one,
+and four threads eight fifths; beside two, two threads get one core and four threads four
+thirds. It runs there unless its measured prompt steps, per token (``observe_prompt``), are
+slower than those at the rounds' mode, which runs one prompt step every few to compare
+(``prompt_period``, backing off while the choice holds). Decode rounds never run more threads
+than cores: each of their hundreds of calls is short, and a team larger than the cores waits in
+each for a thread the OS has descheduled.
 
 The controller sees step times only through ``observe`` and ``observe_prompt``, and the room
 only through its ``room`` callback; it reads no clock, so its tests inject both. Greedy texts
@@ -262,23 +267,28 @@ class ThreadController:
         slowdown: float = 1.5,
         prompt_period: int = 4,
         prompt: Callable[[bool], None] | None = None,
+        prompt_threads: int | None = None,
     ) -> None:
         if (
             max_threads < 1
             or not 1 <= min_probe <= window
             or first_period < window
             or prompt_period < 2
+            or (prompt_threads is not None and prompt_threads < max_threads)
         ):
             raise ValueError(
                 f"thread controller: expected max_threads >= 1, 1 <= min_probe <= window <= "
-                f"first_period, prompt_period >= 2, got {max_threads}, {min_probe}, {window}, "
-                f"{first_period}, {prompt_period}"
+                f"first_period, prompt_period >= 2, prompt_threads >= max_threads, got "
+                f"{max_threads}, {min_probe}, {window}, {first_period}, {prompt_period}, "
+                f"{prompt_threads}"
             )
         self.max_threads = max_threads
         self.threads = max_threads
         self.passive = False  # the current mode's waits: passive (sleep) or spinning
         self._apply, self._wait, self._room = apply, wait, room
         self._prompt = prompt  # told whether each step feeds prompt tokens (``for_step``)
+        # a prompt step's passive team on a busy machine (module docstring)
+        self.prompt_threads = max_threads if prompt_threads is None else prompt_threads
         self._fits = (True, True)  # the room fitted (the current count, one more) spinning
         self._window, self._min_probe = window, min_probe
         self._first_period, self._max_period, self._backoff = first_period, max_period, backoff
@@ -348,8 +358,8 @@ class ThreadController:
     def _next_prompt_step(self) -> tuple[Mode, Mode, bool] | None:
         """(the mode, the rounds' chosen one, whether it runs to compare) for the next prompt
         step on a busy machine; None where it runs at the rounds' mode untimed: alone (at every
-        core spinning), at every core with passive waits already, or with no wait mode."""
-        chosen, wide = self._chosen(), (self.max_threads, True)
+        core spinning), at the prompt team's mode already, or with no wait mode."""
+        chosen, wide = self._chosen(), (self.prompt_threads, True)
         if chosen in (wide, (self.max_threads, False)) or self._wait is None:
             return None
         if not self._prompt_times.get(wide):
@@ -360,9 +370,9 @@ class ThreadController:
         return preferred, chosen, False
 
     def _preferred(self, chosen: Mode) -> Mode:
-        """Every core with passive waits, unless the rounds' mode ran prompt steps faster per
-        token by the margin."""
-        wide = (self.max_threads, True)
+        """The prompt team with passive waits, unless the rounds' mode ran prompt steps faster
+        per token by the margin."""
+        wide = (self.prompt_threads, True)
         ours, theirs = self._prompt_times.get(chosen), self._prompt_times.get(wide)
         if (
             ours

@@ -79,15 +79,22 @@ def thread_controller(num_threads: int | Literal["auto"] | None) -> ThreadContro
     """Set the calling thread's forward threads as ``EngineConfig.num_threads`` says; for
     ``"auto"``, every usable core, and the controller that adapts the count and the wait mode
     (``passive_waits``) from step times and from the cores other processes leave it
-    (``CoreRoom``). A fixed count spins at its waits."""
+    (``CoreRoom``); on a busy machine its prompt steps run twice as many threads as cores
+    (``ThreadController.prompt_threads``). A fixed count spins at its waits."""
     if num_threads == "auto":
         room = CoreRoom()
 
         def wait(passive: bool) -> None:
             wait_mode(passive, room())
 
+        cores = available_cores()
         return ThreadController(
-            available_cores(), set_num_threads, wait=wait, room=room, prompt=prompt_step
+            cores,
+            set_num_threads,
+            wait=wait,
+            room=room,
+            prompt=prompt_step,
+            prompt_threads=2 * cores,
         )
     if num_threads is not None:
         set_num_threads(num_threads)

@@ -158,7 +158,14 @@ def test_one_core_never_probes() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"max_threads": 0}, {"window": 0}, {"min_probe": 9}, {"first_period": 2}]
+    "kwargs",
+    [
+        {"max_threads": 0},
+        {"window": 0},
+        {"min_probe": 9},
+        {"first_period": 2},
+        {"prompt_threads": 1},
+    ],
 )
 def test_bad_settings_are_a_value_error(kwargs: dict[str, int]) -> None:
     settings = {"max_threads": 2, "window": 8, "min_probe": 3, "first_period": 16, **kwargs}
@@ -213,11 +220,22 @@ def test_the_prompt_callback_hears_of_a_prompt_step_before_its_mode_and_of_a_rou
 class Modes:
     """Step times by mode (threads, passive waits), with what the controller applied."""
 
-    def __init__(self, seconds: dict[tuple[int, bool], float], room: Room | None = None) -> None:
+    def __init__(
+        self,
+        seconds: dict[tuple[int, bool], float],
+        room: Room | None = None,
+        prompt_threads: int | None = None,
+    ) -> None:
         self.seconds = seconds
         self.counts: list[int] = []
         self.waits: list[bool] = []
-        self.controller = ThreadController(2, self.counts.append, wait=self.waits.append, room=room)
+        self.controller = ThreadController(
+            2,
+            self.counts.append,
+            wait=self.waits.append,
+            room=room,
+            prompt_threads=prompt_threads,
+        )
 
     def run(self, steps: int) -> list[tuple[int, bool]]:
         modes = []
@@ -300,6 +318,38 @@ def test_prompt_steps_at_every_core_that_lose_go_back_to_the_rounds_mode() -> No
     per_token[(2, True)] = 0.002  # the load changed: every core wins again
     modes = prompt_steps(machine, per_token, 200)
     assert modes[-8:] == [(2, True)] * 8
+
+
+def test_on_a_busy_machine_prompt_steps_run_the_prompt_team_and_rounds_every_core_at_most() -> None:
+    # beside one busy process the rounds keep 1 thread; the prompt team is 4 threads passive
+    machine = Modes({(1, False): 0.010, (2, False): 0.030, (2, True): 0.0105}, prompt_threads=4)
+    machine.run(600)
+    assert (machine.controller.threads, machine.controller.passive) == (1, False)
+    assert machine.controller.prompt_mode() == (4, True)
+    per_token = {(1, False): 0.004, (4, True): 0.0025}
+    modes = prompt_steps(machine, per_token, 40)
+    assert modes[:4] == [(4, True)] * 4 and modes.count((1, False)) <= 4
+    assert modes[-8:] == [(4, True)] * 8
+    rounds = machine.run(600)
+    assert max(count for count, _ in rounds) <= 2  # decode rounds: every core at most
+    assert machine.counts[-1] <= 2
+
+
+def test_with_every_core_passive_the_prompt_team_is_compared_and_dropped_where_it_loses() -> None:
+    # beside two busy processes the rounds keep 2 passive threads
+    machine = Modes({(1, False): 0.015, (2, False): 0.040, (2, True): 0.010}, prompt_threads=4)
+    machine.run(600)
+    assert (machine.controller.threads, machine.controller.passive) == (2, True)
+    per_token = {(2, True): 0.003, (4, True): 0.004}  # the larger team loses here
+    modes = prompt_steps(machine, per_token, 40)
+    assert modes[:5] == [(4, True)] * 4 + [(2, True)]
+    wide = [i for i, mode in enumerate(modes) if mode == (4, True)]
+    assert wide == [0, 1, 2, 3, 9, 18, 35]  # compared again ever less often
+    # alone the rounds spin at every core and so does every prompt step
+    alone = Modes({(1, False): 0.010, (2, False): 0.006, (2, True): 0.007}, prompt_threads=4)
+    alone.run(600)
+    assert set(prompt_steps(alone, {(2, False): 0.002}, 20)) == {(2, False)}
+    assert max(alone.counts) == 2
 
 
 def test_a_prompt_step_never_runs_at_a_probes_mode() -> None:
