@@ -48,8 +48,8 @@ went), a spinning probe starts at once.
 The mode is chosen on decode rounds; a step that feeds prompt tokens (a chunk, or a short
 prompt fed whole in its first round), which takes many decode rounds' time, never runs at a
 probe's mode (``for_step``). Alone (the rounds spin at every core) it runs at the rounds' mode.
-On a busy machine it runs on the prompt team (``prompt_threads``: ``threads.py`` gives it
-twice every core) with passive waits, spread over the cores, not packed
+On a busy machine it runs on the prompt team (``prompt_threads``: ``threads.py`` makes it
+twice as many threads as cores) with passive waits, spread over the cores, not packed
 (``threads.prompt_step``). Its calls run in long chunks, so a descheduled worker holds up only
 the end of each, and the OS gives each runnable thread its share: beside one busy process on 2
 cores two threads spread get four thirds of a core, where one thread or a packed team gets one,
