@@ -25,8 +25,9 @@ concurrent trials); *outside-forward share* is the part of a request's wall time
 the target model's forward.
 
 The experiments in ``benchmarks/experiments/`` use only the names in ``__all__``: the harness's
-entry points and ``servers``' helpers that start a server as a process
-on a free loopback port (``ServerSpec``, ``running``, ``free_port``, ``wait_ready``, ``stop``).
+entry points, ``servers``' helpers that start a server as a process
+on a free loopback port (``ServerSpec``, ``running``, ``free_port``, ``wait_ready``, ``stop``),
+and the busy processes of ``--busy N`` (``busy_processes``).
 
 Names are imported on first use (``hybridspec.lazy``), so that ``hybridspec serve`` does not pay
 for the bench's transformers baselines when the command line registers ``bench``.
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING
 from hybridspec.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from hybridspec.bench.busy import busy_processes
     from hybridspec.bench.harness import BenchConfig
     from hybridspec.bench.servers import ServerSpec, free_port, running, stop, wait_ready
     from hybridspec.bench.session import ModelOptions, execute, open_session
@@ -48,6 +50,7 @@ __all__ = [
     "BenchConfig",
     "ModelOptions",
     "ServerSpec",
+    "busy_processes",
     "execute",
     "free_port",
     "load_workload",
@@ -61,6 +64,7 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     globals(),
     {
+        "hybridspec.bench.busy": ("busy_processes",),
         "hybridspec.bench.harness": ("BenchConfig",),
         "hybridspec.bench.servers": (
             "ServerSpec",

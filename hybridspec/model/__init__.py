@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from hybridspec.model.threads import (
         num_threads,
         openmp_defaults,
+        prompt_step,
         set_num_threads,
         thread_controller,
+        wait_mode,
     )
     from hybridspec.model.timing import (
         fastest_forward_seconds,
@@ -64,12 +66,14 @@ __all__ = [
     "median_forward_seconds",
     "num_threads",
     "openmp_defaults",
+    "prompt_step",
     "quantize",
     "rope_cos_sin",
     "rope_inv_freq",
     "set_num_threads",
     "synchronize",
     "thread_controller",
+    "wait_mode",
 ]
 
 __getattr__, __dir__ = lazy_exports(
@@ -95,8 +99,10 @@ __getattr__, __dir__ = lazy_exports(
         "hybridspec.model.threads": (
             "num_threads",
             "openmp_defaults",
+            "prompt_step",
             "set_num_threads",
             "thread_controller",
+            "wait_mode",
         ),
         "hybridspec.model.timing": (
             "fastest_forward_seconds",

@@ -200,3 +200,29 @@ def test_agent_loops_answers_the_openai_loop_without_errors() -> None:
         "grammar/agent_loops.py", "--frameworks", "openai", "--tries", "1", "--max-tokens", "16"
     )
     assert re.search(r"^\| openai \| \d/1 \| \d/1 \| 0 \| 0 \| ", out, re.MULTILINE), out
+
+
+@needs_model
+def test_team_modes_times_every_mode_it_is_given() -> None:
+    out = run_experiment(
+        "busy/team_modes.py",
+        "decode",
+        *("--modes", "1s", "2p", "2w", "--rounds", "1"),
+        *("--tokens", "4"),
+    )
+    assert out.startswith("decode, 0 busy processes beside, ms/token:"), out
+    for mode in ("1s", "2p", "2w"):
+        assert re.search(rf"^ *{mode}: median +\d+\.\d +\(\d+\.\d\)$", out, re.MULTILINE), out
+
+
+@needs_model
+def test_busy_rows_runs_each_row_and_compares_auto_with_the_fixed_counts(tmp_path: Path) -> None:
+    out = run_experiment(
+        "busy/busy_rows.py",
+        *("--busy", "1", "--rows", "auto:none", "1:none"),
+        *("--max-new-tokens", "2", "--output-dir", str(tmp_path)),
+    )
+    assert re.search(r"busy 1, auto none: tok/s [\d.]+, decode tok/s", out), out
+    assert re.search(r"busy 1, 1 none: tok/s [\d.]+", out), out
+    match = re.search(r"^busy 1: auto ([\d.]+) tok/s, ([\d.]+)x the best fixed count$", out, re.M)
+    assert match is not None and float(match[2]) > 0, out

@@ -7,8 +7,8 @@ busy-looping processes beside the run (``hybridspec.bench.busy``). A mode is a c
 letter:
 
 - ``s``: spinning waits (a fixed ``--threads N``);
-- ``p``: passive waits, the team packed two threads a core (``threads.wait_mode`` with the room
-  of one core: what ``auto`` runs decode rounds at beside busy processes);
+- ``p``: passive waits, the team packed two threads a core (``hybridspec.model.wait_mode`` with
+  the room of one core: what ``auto`` runs decode rounds at beside busy processes);
 - ``w``: passive waits, spread over the cores (what ``auto`` runs prompt steps at).
 
 ``decode`` times a token of greedy decoding with ``none`` (a request of ``--tokens`` + 1 new
@@ -30,10 +30,10 @@ import statistics
 import time
 from collections.abc import Callable
 
-from hybridspec.bench.busy import busy_processes
+from hybridspec.bench import busy_processes
 from hybridspec.config import EngineConfig, ModelConfig
 from hybridspec.engine import Engine
-from hybridspec.model import threads
+from hybridspec.model import prompt_step, set_num_threads, wait_mode
 
 WORDS = [
     "apple",
@@ -59,9 +59,9 @@ def apply_mode(mode: str) -> None:
     count, kind = int(mode[:-1]), mode[-1]
     if count < 1 or kind not in "spw":
         raise ValueError(f"mode: expected a count and s, p or w, got {mode!r}")
-    threads.set_num_threads(count)
-    threads.wait_mode(kind != "s", 1.0 if kind == "p" else None)
-    threads.prompt_step(kind == "w")
+    set_num_threads(count)
+    wait_mode(kind != "s", 1.0 if kind == "p" else None)
+    prompt_step(kind == "w")
 
 
 def decode_ms(engine: Engine, tokens: int) -> float:
