@@ -359,7 +359,7 @@ class ThreadController:
         """(the mode, the rounds' chosen one, whether it runs to compare) for the next prompt
         step on a busy machine; None where it runs at the rounds' mode untimed: alone (at every
         core spinning), at the prompt team's mode already, or with no wait mode."""
-        chosen, wide = self._chosen(), (self.prompt_threads, True)
+        chosen, wide = self._chosen(), self._prompt_team
         if chosen in (wide, (self.max_threads, False)) or self._wait is None:
             return None
         if not self._prompt_times.get(wide):
@@ -369,10 +369,15 @@ class ThreadController:
             return (chosen if preferred == wide else wide), chosen, True
         return preferred, chosen, False
 
+    @property
+    def _prompt_team(self) -> Mode:
+        """The mode of a prompt step on a busy machine: the prompt team, waiting passively."""
+        return (self.prompt_threads, True)
+
     def _preferred(self, chosen: Mode) -> Mode:
         """The prompt team with passive waits, unless the rounds' mode ran prompt steps faster
         per token by the margin."""
-        wide = (self.prompt_threads, True)
+        wide = self._prompt_team
         ours, theirs = self._prompt_times.get(chosen), self._prompt_times.get(wide)
         if (
             ours
